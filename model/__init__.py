@@ -1,0 +1,19 @@
+"""tinychar's model: ``from model import GPT, GPTConfig``. Imports only torch."""
+
+from .attention import CausalSelfAttention, KVCache, masked_attention
+from .checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, save_checkpoint
+from .config import GPTConfig
+from .gpt import GPT, sample_next
+
+__all__ = [
+    "GPT",
+    "CausalSelfAttention",
+    "CheckpointError",
+    "GPTConfig",
+    "KVCache",
+    "load_checkpoint",
+    "masked_attention",
+    "model_from_checkpoint",
+    "sample_next",
+    "save_checkpoint",
+]

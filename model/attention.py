@@ -1,0 +1,125 @@
+"""Masked multi-head self-attention, as the notes build it, plus a KV cache for sampling.
+
+The masked multi-head step (scores, triangular mask, softmax, dropout, weighted sum of values) lives in
+``masked_attention`` so that the model and the attention lab share one piece of code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+
+
+def dot_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product scores q k^T / sqrt(head_size): (..., Tq, hs) x (..., Tk, hs) -> (..., Tq, Tk)."""
+    return (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+
+
+class AdditiveScore(nn.Module):
+    """Additive (Bahdanau) scoring, score(q, k) = v^T tanh(W1 q + W2 k), shared by the heads of one layer."""
+
+    def __init__(self, head_size: int) -> None:
+        super().__init__()
+        self.W1 = nn.Linear(head_size, head_size, bias=False)
+        self.W2 = nn.Linear(head_size, head_size, bias=False)
+        self.v = nn.Linear(head_size, 1, bias=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        # (..., Tq, 1, hs) + (..., 1, Tk, hs) -> (..., Tq, Tk, hs) -> (..., Tq, Tk)
+        hidden = torch.tanh(self.W1(q).unsqueeze(-2) + self.W2(k).unsqueeze(-3))
+        return self.v(hidden).squeeze(-1)
+
+
+def masked_attention(
+    scores: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    dropout: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked step of the notes: hide the future, softmax, dropout, weighted sum of values.
+
+    scores: (..., Tq, Tk) raw attention scores; v: (..., Tk, hs); visible: (Tq, Tk) bool, True where a query may
+    look (the lower triangle). Returns the context vectors (..., Tq, hs) and the attention weights (..., Tq, Tk).
+    """
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = F.softmax(scores, dim=-1)
+    if dropout is not None:
+        weights = dropout(weights)
+    return weights @ v, weights
+
+
+class KVCache:
+    """Keys and values of the positions already seen, per layer, so each new character costs one position."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (batch_size, config.n_head, config.block_size, config.head_size)
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length = 0  # positions filled, the same in every layer once a forward pass is complete
+        self.capacity = config.block_size
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) after the cached positions; return all keys and values so far."""
+        start, end = self.length, self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions, asked for {end}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention under the triangular mask, with one fused q/k/v projection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout_p = config.dropout
+        self.fused = config.attention == "fused"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.additive = AdditiveScore(config.head_size) if config.score == "additive" else None
+        # tril[i, j] is True where position i may see position j (j <= i): the notes' triangular mask.
+        tril = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
+        self.register_buffer("tril", tril, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, C = x.shape
+        offset = cache.length if cache is not None else 0
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (B, nh, offset + T, hs)
+        visible = self.tril[offset : offset + T, : offset + T]  # (T, offset + T)
+
+        weights = None
+        if self.fused and not need_weights:
+            dropout_p = self.dropout_p if self.training else 0.0
+            if offset == 0:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p)
+        else:
+            scores = self.additive(q, k) if self.additive is not None else dot_scores(q, k)  # (B, nh, T, Tk)
+            y, weights = masked_attention(scores, v, visible, self.attn_dropout)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y)), weights

@@ -1,0 +1,99 @@
+"""Checkpoints that describe themselves, written atomically and read with ``weights_only=True``.
+
+A checkpoint is a plain dict: the model's weights and config, the vocabulary as a list of characters, and
+whatever the trainer adds (optimizer, step, RNG states, run config). Nothing in it needs pickle to run code.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import GPTConfig
+from .gpt import GPT
+
+FORMAT = "tinychar-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message is one line for a person."""
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
+    """Write payload to path so that a crash at any moment leaves either the old file or the new one.
+
+    The bytes go to a temporary file in the same folder, are flushed to disk, and the file is renamed over the
+    old one (``os.replace`` is atomic within a file system). The temporary name starts with a dot and ends in
+    ``.tmp`` so it is never mistaken for a checkpoint.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, **payload}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a tinychar checkpoint; anything else (missing, truncated, foreign, unsafe) is a CheckpointError."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at '{path}'; train one first with `python train.py`")
+    if path.is_dir():
+        raise CheckpointError(f"'{path}' is a directory, not a checkpoint file")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"refusing to load '{path}': it holds objects that are not plain data "
+                              f"(weights_only loading rejected it: {first[:160]})") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): {first[:160]}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is not a tinychar checkpoint")
+    for key in ("model", "model_config", "vocab"):
+        if key not in payload:
+            raise CheckpointError(f"checkpoint '{path}' lacks '{key}'; it is damaged or from another program")
+    return payload
+
+
+def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[GPT, list[str]]:
+    """Rebuild the GPT and its vocabulary from a loaded checkpoint, checking that they fit together."""
+    vocab = payload["vocab"]
+    if not isinstance(vocab, list) or not all(isinstance(c, str) and len(c) == 1 for c in vocab):
+        raise CheckpointError(f"checkpoint '{path}' has a malformed vocabulary")
+    try:
+        config = GPTConfig(**payload["model_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint '{path}' has an unusable model config: {e}") from None
+    if config.vocab_size != len(vocab):
+        raise CheckpointError(f"checkpoint '{path}' is inconsistent: its vocabulary has {len(vocab)} characters "
+                              f"but the model expects {config.vocab_size}")
+    model = GPT(config)
+    try:
+        model.load_state_dict(payload["model"])
+    except (RuntimeError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"checkpoint '{path}' weights do not match its model config: {first[:160]}") from None
+    return model, vocab

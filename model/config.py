@@ -1,0 +1,54 @@
+"""GPTConfig: the shape of the model, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ATTENTION_KINDS = ("manual", "fused")
+SCORE_KINDS = ("dot", "additive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Hyperparameters of the decoder-only character model.
+
+    Each field's ``help`` metadata is its one-line meaning; ``train.py --help`` prints it.
+    """
+
+    vocab_size: int = field(default=0, metadata={"help": "number of distinct characters (set from the data)",
+                                                  "derived": True})
+    block_size: int = field(default=8, metadata={"help": "context length: how many characters a position can see"})
+    n_layer: int = field(default=4, metadata={"help": "number of transformer blocks"})
+    n_head: int = field(default=4, metadata={"help": "attention heads per block (head size = n_embd // n_head)"})
+    n_embd: int = field(default=64, metadata={"help": "width of the embeddings and the residual stream"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability (attention weights, residuals, embeddings)"})
+    bias: bool = field(default=True, metadata={"help": "use biases in linear layers and layer norms"})
+    attention: str = field(default="manual", metadata={
+        "help": "manual: explicit masked softmax of the notes; fused: torch scaled_dot_product_attention"})
+    score: str = field(default="dot", metadata={
+        "help": "attention score: dot (scaled dot product) or additive (Bahdanau, v^T tanh(W1 q + W2 k))"})
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {value}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd must be divisible by model.n_head, got {self.n_embd} and {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        if self.score not in SCORE_KINDS:
+            raise ValueError(f"model.score must be one of {', '.join(SCORE_KINDS)}, got {self.score!r}")
+        if self.score == "additive" and self.attention == "fused":
+            raise ValueError("model.score=additive needs model.attention=manual (the fused kernel only does dot products)")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)

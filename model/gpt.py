@@ -1,0 +1,197 @@
+"""The GPT of the notes: embeddings, masked self-attention blocks, a linear head over the characters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import CausalSelfAttention, KVCache
+from .config import GPTConfig
+
+
+class MLP(nn.Module):
+    """The feed-forward layer: widen 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        a, weights = self.attn(self.ln_1(x), cache, layer, need_weights)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return x, weights
+
+
+class GPT(nn.Module):
+    """Decoder-only character-level transformer.
+
+    ``logits, loss = model(idx, targets)``: idx and targets are (B, T) character ids with T <= block_size;
+    logits are (B, T, vocab_size); loss is the mean cross-entropy, or None without targets.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.vocab_size < 1:
+            raise ValueError("GPTConfig.vocab_size must be set (>= 1) to build a model")
+        self.config = config
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings
+            "wpe": nn.Embedding(config.block_size, config.n_embd),  # learned position embeddings
+            "drop": nn.Dropout(config.dropout),
+            "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: the head reads characters out with the same vectors that embed them.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled so the residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position embeddings (the token ones are the tied head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def hidden(
+        self, idx: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-layer-norm states (B, T, C) and, if asked, each layer's attention weights (B, nh, T, Tk)."""
+        T = idx.size(1)
+        offset = cache.length if cache is not None else 0
+        if offset + T > self.config.block_size:
+            raise ValueError(f"sequence of {offset + T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(offset, offset + T, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        all_weights = []
+        for layer, block in enumerate(self.transformer.h):
+            x, weights = block(x, cache, layer, need_weights)
+            if need_weights:
+                all_weights.append(weights)
+        if cache is not None:
+            cache.length += T
+        return self.transformer.ln_f(x), all_weights
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, return_attention: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        x, weights = self.hidden(idx, need_weights=return_attention)
+        logits = self.lm_head(x)  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        if return_attention:
+            return logits, loss, weights
+        return logits, loss
+
+    @torch.no_grad()
+    def generate_iter(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the next (B, 1) character ids one at a time; see ``generate``."""
+        block_size = self.config.block_size
+        cache = KVCache(self.config, idx.size(0), idx.device, self.lm_head.weight.dtype) if use_cache else None
+        context = idx
+        for _ in range(max_new_tokens):
+            if cache is None:
+                x, _ = self.hidden(context[:, -block_size:])
+            elif cache.length == 0 or cache.length >= block_size:
+                # Learned positions: once the window slides every position shifts, so the cached keys and
+                # values are stale and the window is recomputed (at most block_size positions per character).
+                cache.reset()
+                x, _ = self.hidden(context[:, -block_size:], cache)
+            else:
+                x, _ = self.hidden(context[:, -1:], cache)
+            logits = self.lm_head(x[:, -1, :]).float()  # (B, vocab)
+            next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            context = torch.cat((context, next_id), dim=1)
+            yield next_id
+
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Continue idx (B, T) by max_new_tokens characters; returns (B, T + max_new_tokens).
+
+        The model sees the last block_size characters, so generation may run past block_size. temperature 0
+        is greedy decoding; top_k keeps the k likeliest characters, top_p the smallest set whose probability
+        reaches p. The KV cache changes only the speed, never the characters.
+        """
+        if max_new_tokens <= 0:
+            return idx
+        new = list(self.generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
+        return torch.cat([idx, *new], dim=1)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one id per row of logits (B, vocab) -> (B, 1)."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep a character while the mass before it is below top_p (so the first one is always kept)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

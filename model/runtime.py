@@ -1,0 +1,53 @@
+"""Choosing where and in what precision the model runs; shared by training and sampling."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+
+class DeviceError(ValueError):
+    """A device or dtype that this machine cannot provide; the message is one line for a person."""
+
+
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device {name} asked for, but CUDA is not available here; use cpu or auto")
+    if device.type == "mps" and not _mps_available():
+        raise DeviceError("device mps asked for, but MPS is not available here; use cpu or auto")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype for 'auto', 'float32', 'bfloat16' or 'float16'; float32 means no autocast.
+
+    auto: bfloat16 on a CUDA GPU that supports it (float16 on older ones), float32 elsewhere.
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision for the forward pass, or nothing for float32."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -1,0 +1,131 @@
+"""Generate text from a trained tinychar model.
+
+    python sample.py --out-dir runs/tiny --prompt "ROMEO:" --max-new-tokens 500
+
+stdout carries only the samples (the prompt, then the generated characters); everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from model import CheckpointError, load_checkpoint, model_from_checkpoint
+from model.runtime import DeviceError, resolve_device
+
+SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
+
+
+class UsageError(ValueError):
+    """A request that cannot be carried out as asked; the message is one line for a person."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sample.py", description="Sample text from a trained tinychar checkpoint.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", default=None, help="a run folder: uses best.pt, else ckpt.pt (default runs/tiny)")
+    where.add_argument("--checkpoint", default=None, help="a checkpoint file")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
+    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+    p.add_argument("--num-samples", type=int, default=1, help="how many samples (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=500, help="characters to generate per sample (default 500)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 = greedy (always the likeliest character) (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample only from the k likeliest characters")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
+    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same text")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context per character (slower)")
+    p.add_argument("--stream", action="store_true", help="print characters as they are generated")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def find_checkpoint(args: argparse.Namespace) -> Path:
+    if args.checkpoint is not None:
+        return Path(args.checkpoint)
+    out_dir = Path(args.out_dir if args.out_dir is not None else "runs/tiny")
+    if not out_dir.is_dir():
+        raise UsageError(f"no run folder '{out_dir}'; train one with `python train.py` or pass --checkpoint FILE")
+    for name in ("best.pt", "ckpt.pt"):
+        if (out_dir / name).exists():
+            return out_dir / name
+    raise UsageError(f"'{out_dir}' holds no best.pt or ckpt.pt; train first with `python train.py`")
+
+
+def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8", newline="") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise UsageError(f"--prompt-file: no such file '{args.prompt_file}'") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file: cannot read '{args.prompt_file}' as UTF-8 text: {e}") from None
+    if args.prompt is not None:
+        return args.prompt
+    return "\n" if "\n" in vocab else vocab[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_args(args)
+        path = find_checkpoint(args)
+        device = resolve_device(args.device)
+        payload = load_checkpoint(path, map_location=device)
+        model, vocab = model_from_checkpoint(payload, path)
+        prompt = read_prompt(args, vocab)
+        if prompt == "":
+            raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
+        index = {c: i for i, c in enumerate(vocab)}
+        unseen = sorted({c for c in prompt if c not in index})
+        if unseen:
+            shown = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
+            raise UsageError(f"the prompt holds characters the model never saw in training: {shown}; "
+                             f"remove or replace them")
+    except (UsageError, CheckpointError, DeviceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    model.to(device).eval()
+    print(f"{path}: {model.num_params() / 1e6:.2f}M parameters, step {payload.get('step', '?')}, "
+          f"vocabulary {len(vocab)}", file=sys.stderr)
+    ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = sys.stdout
+    for n in range(args.num_samples):
+        if n:
+            out.write(SEPARATOR)
+        out.write(prompt)
+        steps = model.generate_iter(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
+                                    use_cache=not args.no_cache)
+        if args.stream:
+            for next_id in steps:
+                out.write(vocab[next_id.item()])
+                out.flush()
+        else:
+            out.write("".join(vocab[t.item()] for t in steps))
+        out.write("\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

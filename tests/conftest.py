@@ -1,0 +1,53 @@
+"""Shared test fixtures: tiny corpora, tiny configs, and the shared data folder for the built-in dataset."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# CI sets TINYCHAR_DATA_DIR to ../shared/data; a developer running pytest by hand gets the same.
+if "TINYCHAR_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
+    os.environ["TINYCHAR_DATA_DIR"] = str(SHARED_DATA)
+
+SMALL_TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n\n"
+    "All:\nResolved. resolved.\n\nFirst Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n"
+) * 20
+
+
+@pytest.fixture
+def small_corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(SMALL_TEXT, encoding="utf-8")
+    return path
+
+
+def tiny_overrides(corpus: Path, out_dir: Path, **extra: object) -> list[str]:
+    """Overrides for a seconds-long run on a small corpus."""
+    values = {
+        "data.path": str(corpus),
+        "out_dir": str(out_dir),
+        "model.block_size": 8,
+        "model.n_layer": 2,
+        "model.n_head": 2,
+        "model.n_embd": 16,
+        "train.batch_size": 8,
+        "train.max_iters": 20,
+        "train.warmup_iters": 2,
+        "train.eval_interval": 10,
+        "train.eval_iters": 2,
+        "train.log_interval": 5,
+        "train.sample_chars": 20,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]

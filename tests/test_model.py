@@ -1,0 +1,153 @@
+"""The GPT: shapes, the causal mask, the two attention paths, initial loss, learning, generation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+
+def tiny(**kw) -> GPT:
+    cfg = {"vocab_size": 11, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16, "dropout": 0.0}
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**cfg)).eval()
+
+
+def test_forward_shapes_and_loss_none_without_targets():
+    model = tiny()
+    idx = torch.randint(0, 11, (3, 8))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 8, 11)
+    assert loss is None
+    logits, loss = model(idx, idx)
+    assert loss.ndim == 0
+
+
+@pytest.mark.parametrize(("attention", "score"), [("manual", "dot"), ("fused", "dot"), ("manual", "additive")])
+def test_mask_hides_the_future(attention, score):
+    model = tiny(attention=attention, score=score)
+    torch.manual_seed(1)
+    idx = torch.randint(0, 11, (2, 8))
+    logits, _ = model(idx)
+    for t in range(8):
+        changed = idx.clone()
+        changed[:, t + 1 :] = torch.randint(0, 11, (2, 8 - t - 1))
+        logits2, _ = model(changed)
+        torch.testing.assert_close(logits2[:, : t + 1], logits[:, : t + 1], atol=1e-6, rtol=0)
+        if t < 7:  # the past does change later positions, so the check above is not vacuous
+            changed_past = idx.clone()
+            changed_past[:, t] = (idx[:, t] + 1) % 11
+            logits3, _ = model(changed_past)
+            assert not torch.allclose(logits3[:, t:], logits[:, t:])
+
+
+def test_manual_and_fused_attention_agree():
+    manual, fused = tiny(attention="manual"), tiny(attention="fused")
+    fused.load_state_dict(manual.state_dict())
+    idx = torch.randint(0, 11, (4, 8))
+    torch.testing.assert_close(manual(idx)[0], fused(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_initial_loss_is_near_uniform():
+    model = tiny(vocab_size=65, n_embd=32)
+    idx, targets = torch.randint(0, 65, (16, 8)), torch.randint(0, 65, (16, 8))
+    _, loss = model(idx, targets)  # targets unrelated to the inputs, as at the start of training
+    assert abs(loss.item() - math.log(65)) < 0.1
+
+
+def test_small_model_overfits_a_short_text():
+    text = "hello world, hello tinychar! "
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text * 4])
+    model = tiny(vocab_size=len(chars), block_size=16, n_embd=32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.stack([ids[i : i + 16] for i in range(0, 64, 4)])
+    y = torch.stack([ids[i + 1 : i + 17] for i in range(0, 64, 4)])
+    for _ in range(300):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1
+
+
+def test_weights_are_tied_and_residual_projections_scaled():
+    model = tiny(n_layer=4, n_embd=64)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    proj = model.transformer.h[0].attn.c_proj.weight
+    assert abs(proj.std().item() - 0.02 / math.sqrt(8)) < 0.002
+    total = sum(p.numel() for p in model.parameters())
+    assert model.num_params() == total - model.transformer.wpe.weight.numel()
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = tiny()
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_return_attention_gives_each_layer_and_head():
+    model = tiny()
+    idx = torch.randint(0, 11, (3, 5))
+    logits, _, weights = model(idx, return_attention=True)
+    torch.testing.assert_close(logits, model(idx)[0])
+    assert len(weights) == 2
+    for w in weights:
+        assert w.shape == (3, 2, 5, 5)
+        torch.testing.assert_close(w.sum(-1), torch.ones(3, 2, 5))
+        assert torch.all(w.triu(1) == 0)
+
+
+@pytest.mark.parametrize("attention", ["manual", "fused"])
+def test_kv_cache_generates_the_same_characters(attention):
+    model = tiny(attention=attention)
+    prompt = torch.randint(0, 11, (2, 3))
+    # 30 new characters: well past block_size 8, so the window slides and the cache is rebuilt
+    with_cache = model.generate(prompt, 30, generator=torch.Generator().manual_seed(5), use_cache=True)
+    without = model.generate(prompt, 30, generator=torch.Generator().manual_seed(5), use_cache=False)
+    assert with_cache.shape == (2, 33)
+    assert torch.equal(with_cache, without)
+
+
+def test_cached_logits_equal_full_forward():
+    from model import KVCache
+
+    model = tiny()
+    idx = torch.randint(0, 11, (2, 8))
+    full, _ = model(idx)
+    cache = KVCache(model.config, 2, torch.device("cpu"), torch.float32)
+    x, _ = model.hidden(idx[:, :3], cache)
+    steps = [model.lm_head(x)]
+    for t in range(3, 8):
+        x, _ = model.hidden(idx[:, t : t + 1], cache)
+        steps.append(model.lm_head(x))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_is_reproducible_and_respects_options():
+    model = tiny()
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    a = model.generate(prompt, 20, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompt, 20, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    greedy = model.generate(prompt, 10, temperature=0.0)
+    assert torch.equal(greedy, model.generate(prompt, 10, temperature=0.0))
+    top1 = model.generate(prompt, 10, top_k=1, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(top1, greedy)  # keeping only the likeliest character is greedy decoding
+    tiny_p = model.generate(prompt, 10, top_p=1e-6, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(tiny_p, greedy)
+
+
+def test_sample_next_top_k_and_top_p_only_draw_allowed_ids():
+    from model import sample_next
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]).repeat(200, 1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, top_k=2, generator=gen).flatten().tolist()) <= {3, 4}
+    probs = torch.softmax(logits[0], -1)  # 0.64, 0.24, ... : top_p=0.7 keeps ids 4 and 3
+    assert probs[4] < 0.7 < probs[4] + probs[3]
+    assert set(sample_next(logits, top_p=0.7, generator=gen).flatten().tolist()) == {3, 4}

@@ -1,0 +1,511 @@
+"""Train a character-level GPT.
+
+    python train.py                                    # = --config configs/tiny.yaml
+    python train.py --config configs/shakespeare_char_cpu.yaml train.max_iters=500 data.path=my.txt
+    python train.py --resume                           # continue out_dir/ckpt.pt
+    tensorboard --logdir runs
+
+Config: a YAML file of sections (data, model, train) and top-level keys (out_dir, seed), then dotted
+KEY=VALUE overrides. ``python train.py --help`` lists every key with its default and meaning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from configs import ConfigError, apply_overrides, build, describe, flatten, load_yaml, to_dict
+from data import CharTokenizer, DataConfig, DataError, get_batch, load_corpus, split_ids
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, save_checkpoint
+from model.runtime import DeviceError, autocast_context, resolve_device, resolve_dtype
+
+DEFAULT_CONFIG = "configs/tiny.yaml"
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
+RESUMABLE_CHANGES = frozenset({
+    "out_dir", "train.max_iters", "train.lr_decay_iters", "train.min_lr", "train.eval_interval",
+    "train.eval_iters", "train.log_interval", "train.device", "train.dtype", "train.compile",
+    "train.threads", "train.sample_chars", "train.tensorboard",
+})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How to train: optimisation, schedule, evaluation, logging, hardware."""
+
+    batch_size: int = field(default=32, metadata={"help": "sequences per micro-batch"})
+    max_iters: int = field(default=2000, metadata={"help": "optimizer steps in the whole run"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (after warmup)"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup_iters: int = field(default=100, metadata={"help": "steps of linear warmup from 0 to learning_rate"})
+    lr_decay_iters: int | None = field(default=None, metadata={
+        "help": "step where the cosine decay reaches min_lr (null = max_iters)"})
+    decay_lr: bool = field(default=True, metadata={"help": "cosine-decay the learning rate (false = constant)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay, applied to matrices only"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = no clipping)"})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    eval_interval: int = field(default=250, metadata={"help": "evaluate and save a checkpoint every N steps"})
+    eval_iters: int = field(default=20, metadata={"help": "batches per split averaged at each evaluation"})
+    log_interval: int = field(default=50, metadata={"help": "log training loss, lr, grad norm, tokens/s every N steps"})
+    sample_chars: int = field(default=200, metadata={
+        "help": "characters of sample text logged to TensorBoard at each evaluation (0 = none)"})
+    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard logs into out_dir"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto, float32, bfloat16 or float16 (autocast); auto = bfloat16 on CUDA if supported, else float32"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (slow start, faster steps)"})
+    threads: int = field(default=0, metadata={"help": "CPU threads for torch (0 = torch's default)"})
+
+    def __post_init__(self) -> None:
+        positive = ("batch_size", "grad_accum_steps", "eval_interval", "eval_iters", "log_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_iters", "warmup_iters", "sample_chars", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"train.{name} must be a finite number >= 0, got {value}")
+        if self.min_lr > self.learning_rate:
+            raise ValueError(f"train.min_lr ({self.min_lr}) must not exceed train.learning_rate ({self.learning_rate})")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise ValueError(f"train.lr_decay_iters must be >= 1 or null, got {self.lr_decay_iters}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        base = self.device.split(":")[0]
+        if base not in DEVICES or (":" in self.device and (base != "cuda" or not self.device[5:].isdigit())):
+            raise ValueError(f"train.device must be one of auto, cpu, cuda, cuda:N, mps; got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training run: where it writes, its seed, and the data, model and train sections."""
+
+    out_dir: str | None = field(default=None, metadata={
+        "help": "folder for checkpoints, config.yaml and TensorBoard logs (default runs/<config file name>)"})
+    seed: int = field(default=1337, metadata={"help": "seed for initialisation, batches and dropout"})
+    data: DataConfig = field(default_factory=DataConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+class UsageError(ValueError):
+    """A request that cannot be carried out as asked; the message is one line for a person."""
+
+
+class Diverged(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def load_config(config_path: str | None, overrides: list[str], base: dict | None = None) -> RunConfig:
+    """Config file (or ``base``, a saved run config) plus dotted overrides -> validated RunConfig."""
+    path = config_path or DEFAULT_CONFIG
+    mapping = base if base is not None else load_yaml(path)
+    where = "" if base is not None else f" (in {path})"
+    build(RunConfig, mapping, where)  # report problems in the file before blaming the overrides
+    cfg = build(RunConfig, apply_overrides(mapping, overrides, RunConfig), where)
+    if cfg.out_dir is None:
+        cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
+    cli_path = any(o.split("=", 1)[0].strip() == "data.path" for o in overrides)
+    if cli_path and cfg.data.dataset is not None:
+        # a data.path given on the command line wins over the config's built-in dataset
+        cfg = replace(cfg, data=replace(cfg.data, dataset=None))
+    return cfg
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, cosine decay, then min_lr."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else cfg.max_iters
+    if step >= decay_iters:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+# --------------------------------------------------------------------------------------------- hardware
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (linear weights, embeddings) and none on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel updates every parameter in one call: fewer kernel launches on CPU and CUDA alike.
+    fused = device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: torch.nn.Module,
+    splits: dict[str, torch.Tensor],
+    block_size: int,
+    batch_size: int,
+    eval_iters: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Mean loss over eval_iters batches of each split, the same windows at every evaluation (a fixed seed),
+    so the curves compare like with like. Batches are stacked into larger forward passes for speed."""
+    was_training = model.training
+    model.eval()
+    windows = eval_iters * batch_size
+    per_pass = max(batch_size, min(windows, 32768 // block_size))
+    out = {}
+    for name, data in splits.items():
+        gen = torch.Generator().manual_seed(seed)
+        total, count = 0.0, 0
+        while count < windows:
+            n = min(per_pass, windows - count)
+            x, y = get_batch(data, block_size, n, gen, device)
+            with autocast_context(device, dtype):
+                _, loss = model(x, y)
+            total += loss.item() * n
+            count += n
+        out[name] = total / count
+    model.train(was_training)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- logging
+
+
+class Logger:
+    """Progress to the terminal (a tqdm bar, or plain lines when output is not a terminal) and TensorBoard."""
+
+    def __init__(self, out_dir: Path, start: int, total: int, tensorboard: bool, progress: bool | None) -> None:
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=start if start > 0 else None)
+
+    def info(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def step(self, step: int, n: int, postfix: dict[str, str] | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def hparams(self, cfg: RunConfig, params: int) -> None:
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flatten(to_dict(cfg)).items()}
+        flat["params"] = params
+        for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, device: torch.device) -> str:
+    """A short sample from the model for the logs, from a newline prompt, reproducible by seed."""
+    start = "\n" if "\n" in tokenizer.chars else tokenizer.chars[0]
+    idx = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(idx, n_chars, temperature=1.0, top_k=None, generator=gen)
+    model.train(was_training)
+    return tokenizer.decode(out[0].tolist())
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a finished run; clear an old one only when asked to."""
+    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt") if p.exists()]
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"out_dir '{out_dir}' exists and is not a folder; choose another out_dir")
+    if resume:
+        return
+    if existing and not overwrite:
+        raise UsageError(f"'{out_dir}' already holds a run ({existing[0].name}); continue it with --resume, "
+                         f"choose another out_dir=..., or start afresh with --overwrite")
+
+
+def checkpoint_payload(model: GPT, optimizer, scaler, tokenizer, cfg: RunConfig, step: int, best_val: float,
+                       gen: torch.Generator) -> dict[str, Any]:
+    rng = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return {
+        "model": model.state_dict(),
+        "model_config": model.config.to_dict(),
+        "vocab": list(tokenizer.chars),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "step": step,
+        "best_val_loss": best_val,
+        "config": to_dict(cfg),
+        "rng": rng,
+    }
+
+
+def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
+    """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused."""
+    old, new = flatten(saved), flatten(to_dict(cfg))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    refused = [k for k in changed if k not in RESUMABLE_CHANGES]
+    if refused:
+        shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
+        raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "
+                         f"the saved run; start a new run in another out_dir instead")
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
+
+
+def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool | None = None,
+        payload: dict | None = None) -> dict[str, float]:
+    """Train as cfg says; returns the final losses. Raises UsageError/DataError/... for bad input."""
+    t_start = time.perf_counter()
+    out_dir = Path(cfg.out_dir)
+    prepare_out_dir(out_dir, resume, overwrite)
+    tc, block_size = cfg.train, cfg.model.block_size
+    device = resolve_device(tc.device)
+    dtype = resolve_dtype(tc.dtype, device)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+
+    text, source = load_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False)
+    if payload is not None:
+        tokenizer = CharTokenizer(payload["vocab"])
+        unseen = tokenizer.unknown(text)
+        if unseen:
+            raise UsageError(f"the data now holds characters the saved model never saw ({''.join(unseen)[:20]!r}); "
+                             f"resume on the same text or start a new run")
+    else:
+        tokenizer = CharTokenizer.from_text(text)
+    ids = tokenizer.encode_tensor(text)
+    train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
+    if device.type == "cuda":
+        train_ids, val_ids = train_ids.to(device), val_ids.to(device)
+
+    torch.manual_seed(cfg.seed)
+    model_cfg = replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    model = GPT(model_cfg).to(device)
+    optimizer = make_optimizer(model, tc, device)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    gen = torch.Generator().manual_seed(cfg.seed)
+    step, best_val = 0, float("inf")
+    if payload is not None:
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        if scaler is not None and payload.get("scaler"):
+            scaler.load_state_dict(payload["scaler"])
+        step, best_val = int(payload["step"]), float(payload["best_val_loss"])
+        torch.set_rng_state(payload["rng"]["torch"])
+        gen.set_state(payload["rng"]["batches"])
+        if torch.cuda.is_available() and "cuda" in payload["rng"]:
+            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+
+    # Everything is checked: from here on the run writes into out_dir.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if overwrite and not resume:
+        for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
+            old.unlink(missing_ok=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+    fwd = torch.compile(model) if tc.compile else model
+    splits = {"train": train_ids, "val": val_ids}
+    params = model.num_params()
+    log = Logger(out_dir, step, tc.max_iters, tc.tensorboard, progress)
+    log.info(f"data: {source} ({len(ids):,} characters, vocabulary {tokenizer.vocab_size}); "
+             f"model: {params / 1e6:.2f}M parameters; device {device}, {str(dtype).replace('torch.', '')}"
+             + (", compiled" if tc.compile else ""))
+    if resume:
+        log.info(f"resuming {out_dir / 'ckpt.pt'} at step {step}")
+    if step == 0:
+        log.hparams(cfg, params)
+
+    def evaluate_and_save(step: int) -> None:
+        nonlocal best_val
+        losses = estimate_loss(fwd, splits, block_size, tc.batch_size, tc.eval_iters, cfg.seed + 1, device, dtype)
+        improved = losses["val"] < best_val
+        best_val = min(best_val, losses["val"])
+        log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"], "hparam/best_val_loss": best_val})
+        log.info(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                 + (" (best)" if improved else ""))
+        if tc.sample_chars and log.writer is not None:
+            log.text(step, "sample", "```\n" + sample_text(model, tokenizer, tc.sample_chars, cfg.seed, device) + "\n```")
+        state = checkpoint_payload(model, optimizer, scaler, tokenizer, cfg, step, best_val, gen)
+        save_checkpoint(state, out_dir / "ckpt.pt")
+        if improved:
+            save_checkpoint(state, out_dir / "best.pt")
+        last_losses.update(losses)
+
+    last_losses: dict[str, float] = {}
+    tokens_per_step = tc.batch_size * block_size * tc.grad_accum_steps
+    t_log, steps_since_log = time.perf_counter(), 0
+    model.train()
+    try:
+        while step < tc.max_iters:
+            lr = lr_at(step, tc)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = 0.0
+            for _ in range(tc.grad_accum_steps):
+                x, y = get_batch(train_ids, block_size, tc.batch_size, gen, device)
+                with autocast_context(device, dtype):
+                    _, loss = fwd(x, y)
+                loss = loss / tc.grad_accum_steps
+                loss_sum += loss.detach()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
+            if scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+                raise Diverged(f"step {step + 1}: loss {float(loss_sum):.4g}, gradient norm {float(grad_norm):.4g}")
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            steps_since_log += 1
+            if step % tc.log_interval == 0 or step == tc.max_iters:
+                now = time.perf_counter()
+                tok_s = tokens_per_step * steps_since_log / max(now - t_log, 1e-9)
+                loss_value = float(loss_sum)
+                log.scalars(step, {"loss/train_step": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                                   "tokens_per_sec": tok_s})
+                log.step(step, steps_since_log, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}",
+                                                 "tok/s": f"{tok_s:,.0f}"})
+                if not log.progress:
+                    log.info(f"step {step}/{tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, {tok_s:,.0f} tokens/s")
+                t_log, steps_since_log = time.perf_counter(), 0
+            if step % tc.eval_interval == 0 or step == tc.max_iters:
+                evaluate_and_save(step)
+                t_log = time.perf_counter()  # evaluation time is not training throughput
+        if not last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
+            evaluate_and_save(step)
+    finally:
+        log.close()
+    elapsed = time.perf_counter() - t_start
+    print(f"done: step {step}, val loss {last_losses['val']:.4f} (best {best_val:.4f}) in {elapsed:.1f}s; "
+          f"sample with: python sample.py --out-dir {out_dir}", flush=True)
+    return {**last_losses, "best_val": best_val, "seconds": elapsed}
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def help_epilog() -> str:
+    rows = describe(RunConfig)
+    width = max(len(key) for key, _, _ in rows)
+    lines = ["config keys (set in the YAML file or as KEY=VALUE overrides):"]
+    for key, default, meaning in rows:
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        lines.append(f"  {key:<{width}}  {shown:<10} {meaning}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a character-level GPT on a text file.",
+        epilog=help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", default=None, help=f"YAML config file (default {DEFAULT_CONFIG})")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in out_dir/ckpt.pt")
+    parser.add_argument("--overwrite", action="store_true", help="start afresh even if out_dir holds a run")
+    parser.add_argument("--out-dir", default=None, help="same as the override out_dir=DIR")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.max_iters=500")
+    args = parser.parse_args(argv)
+    if args.resume and args.overwrite:
+        parser.error("--resume and --overwrite contradict each other; choose one")
+    if args.out_dir is not None:
+        args.overrides = [*args.overrides, f"out_dir={args.out_dir}"]
+    return args
+
+
+def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        payload = None
+        if args.resume:
+            ckpt = Path(cfg.out_dir) / "ckpt.pt"
+            if not ckpt.exists():
+                raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
+            payload = load_checkpoint(ckpt)
+            if "config" not in payload or "optimizer" not in payload:
+                raise CheckpointError(f"{ckpt} holds weights only (no training state); it cannot be resumed")
+            if args.config is None:  # no config named: continue with the saved one
+                cfg = load_config(None, args.overrides, base=payload["config"])
+            for change in check_resume_config(payload["config"], cfg):
+                print(f"resume: {change}", flush=True)
+        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload)
+    except (ConfigError, DataError, CheckpointError, DeviceError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Diverged as e:
+        print(f"error: training diverged at {e}; the last good checkpoint is kept. Try a lower "
+              f"train.learning_rate, train.grad_clip=1.0, or train.dtype=float32", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
