@@ -105,6 +105,13 @@ class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self) -> None:
+        if self.out_dir is not None and not self.out_dir.strip():
+            # '' would mean the current folder: checkpoints and logs strewn among whatever is there
+            raise ValueError("out_dir is empty; give a folder name, or leave it unset for runs/<config file name>")
+        if not -(2**63) <= self.seed < 2**63:  # torch seeds are 64-bit; a larger one fails deep inside torch
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+
 
 class UsageError(ValueError):
     """A request that cannot be carried out as asked; the message is one line for a person."""

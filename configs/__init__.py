@@ -53,8 +53,20 @@ def nearest(key: str, candidates: list[str]) -> str | None:
     return by_last[match[0]] if match else None
 
 
-def _unknown(key: str, cls: type, where: str) -> ConfigError:
-    guess = nearest(key, valid_keys(cls))
+def _section_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted section name of a config class: ['data', 'model', 'train']."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in _user_fields(cls):
+        if _is_section(hints[f.name]):
+            keys += [prefix + f.name, *_section_keys(hints[f.name], f"{prefix}{f.name}.")]
+    return keys
+
+
+def _unknown(key: str, cls: type, where: str, section: bool = False) -> ConfigError:
+    # A misspelt section ('trian:' holding a mapping) is compared with the section names as well, which the
+    # dotted keys alone never come close to.
+    guess = nearest(key, valid_keys(cls) + (_section_keys(cls) if section else []))
     hint = f"; did you mean '{guess}'?" if guess else "; see `python train.py --help` for the valid keys"
     return ConfigError(f"unknown config key '{key}'{where}{hint}")
 
@@ -145,7 +157,7 @@ def build(cls: type, mapping: Any, where: str = "", prefix: str = "", root: type
     for key, value in mapping.items():
         name = str(key)
         if name not in fields:
-            raise _unknown(prefix + name, root, where)
+            raise _unknown(prefix + name, root, where, section=isinstance(value, dict))
         tp = hints[name]
         if _is_section(tp):
             kwargs[name] = build(tp, value, where, f"{prefix}{name}.", root)

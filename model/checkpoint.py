@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
-import zipfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +62,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if path.is_dir():
         raise CheckpointError(f"'{path}' is a directory, not a checkpoint file")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"refusing to load '{path}': it holds objects that are not plain data "
-                              f"(weights_only loading rejected it: {first[:160]})") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): {first[:160]}") from None
+        with warnings.catch_warnings():
+            # torch warns about the pickle protocol of files it did not write; the error below says all there is
+            warnings.simplefilter("ignore", UserWarning)
+            payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message spans several lines, carries terminal escape codes and explains how to load the
+        # file unsafely, which is not advice to pass on for a file nobody vouches for.
+        raise CheckpointError(f"refusing to load '{path}': it holds Python objects, not just plain data "
+                              f"(tensors, numbers, strings, lists, dicts); only load checkpoints tinychar wrote") from None
+    except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        detail = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__  # a bare KeyError reads '101'
+        raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): {detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a tinychar checkpoint")
     for key in ("model", "model_config", "vocab"):

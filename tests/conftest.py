@@ -18,6 +18,13 @@ if str(ROOT) not in sys.path:
 if "TINYCHAR_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
     os.environ["TINYCHAR_DATA_DIR"] = str(SHARED_DATA)
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: runs a real train.py or sample.py subprocess (seconds); part of the default run"
+    )
+
+
 SMALL_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
     "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n\n"

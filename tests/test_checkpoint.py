@@ -1,0 +1,201 @@
+"""Checkpoints: self-describing, read back with weights_only, atomic to write, and every damaged, foreign or
+unsafe file refused with a one-line CheckpointError."""
+
+from __future__ import annotations
+
+import builtins
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+
+VOCAB = list("\n !,.:?ABCabcdefghij")
+
+
+def tiny_model(**kw) -> GPT:
+    cfg = {"vocab_size": len(VOCAB), "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16, "dropout": 0.0}
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**cfg)).eval()
+
+
+def payload_for(model: GPT, vocab: list[str] = VOCAB, **extra) -> dict:
+    return {"model": model.state_dict(), "model_config": model.config.to_dict(), "vocab": list(vocab), **extra}
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[GPT, Path]:
+    model = tiny_model()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(payload_for(model, step=7, best_val_loss=1.25), path)
+    return model, path
+
+
+def refusal(path: Path) -> str:
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(CheckpointError) as info:
+        warnings.simplefilter("always")
+        model_from_checkpoint(load_checkpoint(path), path)
+    # a warning would print on stderr next to the error line (torch warns about foreign pickle protocols)
+    assert [str(w.message) for w in caught] == []
+    message = str(info.value)
+    assert message and "\n" not in message and "\x1b" not in message  # one plain line, no terminal escapes
+    return message
+
+
+class WritesAFile:
+    """Unpickling this would open (so create) a marker file: code run by merely loading a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (builtins.open, (self.marker, "w"))
+
+
+# ------------------------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_gives_identical_logits_and_vocabulary(saved):
+    model, path = saved
+    payload = load_checkpoint(path)
+    loaded, vocab = model_from_checkpoint(payload, path)
+    assert vocab == VOCAB
+    assert loaded.config == model.config
+    idx = torch.randint(0, len(VOCAB), (3, 8), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(loaded.eval()(idx)[0], model(idx)[0])
+    # the trainer's extras come back as they went in
+    assert payload["step"] == 7 and payload["best_val_loss"] == 1.25
+
+
+def test_a_checkpoint_is_plain_data_for_torch_load_weights_only(saved):
+    _, path = saved
+    raw = torch.load(path, weights_only=True)
+    assert raw["format"] == "tinychar-checkpoint" and isinstance(raw["version"], int)
+    assert raw["vocab"] == VOCAB and isinstance(raw["model_config"], dict)
+
+
+def test_a_loaded_model_with_another_shape_round_trips_too(tmp_path):
+    model = tiny_model(n_layer=1, n_head=4, n_embd=8, bias=False, attention="fused", block_size=5)
+    path = tmp_path / "other.pt"
+    save_checkpoint(payload_for(model), path)
+    loaded, _ = model_from_checkpoint(load_checkpoint(path), path)
+    idx = torch.randint(0, len(VOCAB), (2, 5))
+    assert torch.equal(loaded.eval()(idx)[0], model(idx)[0])
+
+
+# ------------------------------------------------------------------------------------------- atomic save
+
+
+def test_saving_leaves_no_temporary_files(saved):
+    _, path = saved
+    save_checkpoint(payload_for(tiny_model(), step=8), path)  # over an existing file
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+    assert load_checkpoint(path)["step"] == 8
+
+
+def test_a_save_that_fails_midway_keeps_the_old_file(saved, monkeypatch):
+    _, path = saved
+    before = path.read_bytes()
+
+    def half_then_crash(obj, f, *args, **kwargs):
+        f.write(before[: len(before) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(payload_for(tiny_model(), step=99), path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.1, 100, 0])
+def test_a_truncated_file_is_refused(saved, keep):
+    _, path = saved
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
+    message = refusal(path)
+    assert "truncated or not a checkpoint" in message and str(path) in message
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(lambda p: torch.save({"weights": torch.zeros(3)}, p), id="foreign-dict"),
+        pytest.param(lambda p: torch.save(torch.zeros(3), p), id="bare-tensor"),
+        pytest.param(lambda p: torch.save({"format": "tinychar-checkpoint", "model": {}}, p), id="lacks-keys"),
+        pytest.param(lambda p: p.write_text("hello, I am text", encoding="utf-8"), id="text-file"),
+        pytest.param(
+            lambda p: p.write_bytes(pickle.dumps({"format": "tinychar-checkpoint"}, protocol=4)), id="plain-pickle"
+        ),
+    ],
+)
+def test_a_file_that_is_not_a_tinychar_checkpoint_is_refused(tmp_path, content):
+    path = tmp_path / "x.pt"
+    content(path)
+    message = refusal(path)
+    assert str(path) in message
+
+
+def test_a_missing_file_or_a_folder_is_refused(tmp_path):
+    assert "no checkpoint" in refusal(tmp_path / "nope.pt")
+    assert "directory" in refusal(tmp_path)
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_a_pickle_that_would_run_code_is_refused_and_never_run(tmp_path, writer):
+    marker = tmp_path / "marker"
+    path = tmp_path / "evil.pt"
+    payload = {"format": "tinychar-checkpoint", "model": WritesAFile(marker), "model_config": {}, "vocab": []}
+    if writer == "torch.save":
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(payload, protocol=2))
+    assert not marker.exists()
+    assert "refusing to load" in refusal(path)
+    assert not marker.exists()
+    # the payload is live: an unsafe load does run it, so the check above is not vacuous
+    unsafe = torch.load(path, weights_only=False) if writer == "torch.save" else pickle.loads(path.read_bytes())
+    unsafe["model"].close()
+    assert marker.exists()
+
+
+def test_a_vocabulary_that_does_not_match_the_weights_is_refused(saved, tmp_path):
+    model, _ = saved
+    short = tmp_path / "short.pt"
+    save_checkpoint(payload_for(model, vocab=VOCAB[:-1]), short)
+    assert "inconsistent" in refusal(short)
+
+    # vocabulary and config agree with each other but not with the embedding rows
+    both = tmp_path / "both.pt"
+    payload = payload_for(model, vocab=VOCAB[:-1])
+    payload["model_config"]["vocab_size"] = len(VOCAB) - 1
+    save_checkpoint(payload, both)
+    assert "weights do not match" in refusal(both)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda p: p.update(vocab=["ab", *VOCAB[1:]]), "malformed vocabulary"),
+        (lambda p: p.update(vocab="".join(VOCAB)), "malformed vocabulary"),
+        (lambda p: p["model_config"].update(n_head=3), "unusable model config"),
+        (lambda p: p["model_config"].update(colour="blue"), "unusable model config"),
+        (lambda p: p["model"].pop("lm_head.weight"), "weights do not match"),
+    ],
+)
+def test_a_damaged_description_is_refused(saved, tmp_path, change, fragment):
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model_config"] = dict(payload["model_config"])
+    payload["model"] = dict(payload["model"])
+    change(payload)
+    path = tmp_path / "damaged.pt"
+    save_checkpoint(payload, path)
+    assert fragment in refusal(path)

@@ -1,0 +1,269 @@
+"""Run configs: every shipped YAML loads, misspelt keys name the nearest valid one, bad values are refused in
+one line, YAML is read as plain data only, and command-line overrides are typed by the field they set."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+import train
+from configs import ConfigError, apply_overrides, build, flatten, load_yaml, to_dict, valid_keys
+from model import GPT
+
+CONFIG_FILES = sorted((ROOT / "configs").glob("*.yaml"))
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def write_yaml(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def refused(config: Path | str | None, overrides: list[str] = ()) -> str:
+    """The one-line message with which load_config refuses this config."""
+    with pytest.raises(ConfigError) as info:
+        train.load_config(None if config is None else str(config), list(overrides))
+    message = str(info.value)
+    assert "\n" not in message and message.strip() == message and message
+    return message
+
+
+# ------------------------------------------------------------------------------------------- shipped files
+
+
+def test_the_shipped_configs_are_there():
+    # guards the parametrized test below, which would otherwise pass by running zero cases
+    assert {p.name for p in CONFIG_FILES} >= {"tiny.yaml", "shakespeare_char.yaml", "shakespeare_char_cpu.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_builds_its_model(path: Path):
+    cfg = train.load_config(str(path), [])
+    assert isinstance(cfg, train.RunConfig)
+    assert cfg.out_dir == str(Path("runs") / path.stem)
+    # every key the file sets reaches the config: nothing is silently dropped or altered
+    built = flatten(to_dict(cfg))
+    for key, value in flatten(load_yaml(path)).items():
+        assert built[key] == (float(value) if isinstance(built[key], float) else value), key
+    model = GPT(replace(cfg.model, vocab_size=65))
+    assert model.config.vocab_size == 65 and model.config.block_size == cfg.model.block_size
+    assert model.num_params() > 0
+
+
+# ------------------------------------------------------------------------------------------- misspelt keys
+
+
+@pytest.mark.parametrize(
+    ("text", "suggestion"),
+    [
+        ("train:\n  learnin_rate: 0.01\n", "train.learning_rate"),
+        ("learning_rate: 0.01\n", "train.learning_rate"),  # a train key written at the top level
+        ("model:\n  n_emb: 32\n", "model.n_embd"),
+        ("sed: 3\n", "seed"),
+        ("trian:\n  max_iters: 5\n", "train"),  # a misspelt section
+        ("modle:\n  n_layer: 2\n", "model"),
+    ],
+)
+def test_a_misspelt_key_in_the_file_names_the_nearest_valid_key(tmp_path, text, suggestion):
+    path = write_yaml(tmp_path, text)
+    message = refused(path)
+    assert f"did you mean '{suggestion}'?" in message
+    assert str(path) in message
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("train.learning_rat=1", "train.learning_rate"),
+        ("learning_rate=1", "train.learning_rate"),
+        ("trian.max_iters=5", "train.max_iters"),
+        ("model.nlayer=2", "model.n_layer"),
+    ],
+)
+def test_a_misspelt_override_names_the_nearest_valid_key(override, suggestion):
+    message = refused(TINY, [override])
+    assert f"did you mean '{suggestion}'?" in message
+    assert "command line" in message
+
+
+def test_an_unguessable_key_points_at_help(tmp_path):
+    message = refused(write_yaml(tmp_path, "zzzzqqqq: 1\n"))
+    assert "zzzzqqqq" in message and "--help" in message
+
+
+def test_an_override_must_be_key_equals_value():
+    assert "KEY=VALUE" in refused(TINY, ["train.max_iters"])
+
+
+# --------------------------------------------------------------------------------------- types and values
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("model:\n  n_layer: four\n", "model.n_layer must be an integer"),
+        ("train:\n  batch_size: 1.5\n", "train.batch_size must be an integer"),
+        ("model:\n  bias: maybe\n", "model.bias must be true/false"),
+        ("train:\n  learning_rate: fast\n", "train.learning_rate must be a number"),
+        ("model:\n  block_size: true\n", "model.block_size must be an integer"),
+        ("train: 5\n", "section 'train'"),
+        ("- a\n- b\n", "mapping"),
+        ("model: [1, 2\n", "not valid YAML (line"),
+    ],
+)
+def test_a_wrong_type_in_the_file_is_refused_in_one_line(tmp_path, text, fragment):
+    assert fragment in refused(write_yaml(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["train.max_iters=1.5"], "train.max_iters must be an integer"),
+        (["model.bias=maybe"], "model.bias must be true/false"),
+        (["train.learning_rate=fast"], "train.learning_rate must be a number"),
+        (["seed="], "seed must be an integer"),
+        (["model.n_embd=30", "model.n_head=4"], "model.n_embd must be divisible by model.n_head, got 30 and 4"),
+        (["model.block_size=0"], "model.block_size must be >= 1"),
+        (["model.block_size=-3"], "model.block_size must be >= 1"),
+        (["data.val_fraction=0"], "data.val_fraction must be between 0 and 1"),
+        (["data.val_fraction=1"], "data.val_fraction must be between 0 and 1"),
+        (["data.val_fraction=1.5"], "data.val_fraction must be between 0 and 1"),
+        (["data.val_fraction=nan"], "data.val_fraction must be between 0 and 1"),
+        (["train.learning_rate=-0.001"], "train.learning_rate must be a finite number >= 0"),
+        (["train.learning_rate=inf"], "train.learning_rate must be a finite number >= 0"),
+        (["train.min_lr=0.5", "train.learning_rate=0.1"], "must not exceed train.learning_rate"),
+        (["train.batch_size=0"], "train.batch_size must be >= 1"),
+        (["model.dropout=1"], "model.dropout must be in [0, 1)"),
+        (["model.attention=flash"], "model.attention must be one of"),
+        (["train.device=tpu"], "train.device must be one of"),
+        (["out_dir="], "out_dir is empty"),
+        (["out_dir=  "], "out_dir is empty"),
+        ([f"seed={2**70}"], "seed must fit in a signed 64-bit integer"),
+    ],
+)
+def test_an_impossible_value_is_refused_in_one_line(overrides, fragment):
+    assert fragment in refused(TINY, overrides)
+
+
+def test_a_bad_value_in_the_file_is_blamed_on_the_file_not_the_overrides(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  n_embd: 30\n  n_head: 4\n")
+    # the override would fix it, but the file itself is wrong and the message says where
+    message = refused(path, ["model.n_embd=32"])
+    assert "divisible" in message and str(path) in message
+
+
+def test_config_file_missing_or_a_folder(tmp_path):
+    assert "not found" in refused(tmp_path / "nope.yaml")
+    assert "directory" in refused(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- safe loading
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "!!python/object/apply:builtins.open [{marker!r}, w]",
+        "!!python/object/new:builtins.open [{marker!r}, w]",
+        "!!python/object:train.RunConfig {{}}",
+    ],
+)
+def test_python_tags_are_refused_not_executed(tmp_path, tag):
+    marker = str(tmp_path / "marker")
+    path = write_yaml(tmp_path, "seed: " + tag.format(marker=marker) + "\n")
+    assert "not valid YAML" in refused(path)
+    assert not Path(marker).exists()
+    if "open" in tag:  # the payload is live: an unsafe loader would have run it
+        yaml.unsafe_load(path.read_text(encoding="utf-8"))["seed"].close()
+        assert Path(marker).exists()
+
+
+# ------------------------------------------------------------------------------------- numbers and types
+
+
+def test_exponent_numbers_pyyaml_reads_as_strings_are_accepted(tmp_path):
+    text = "train:\n  learning_rate: 3e-4\n  min_lr: 1e-5\n  max_iters: 1e3\n"
+    assert yaml.safe_load(text)["train"]["learning_rate"] == "3e-4"  # the premise: YAML 1.1 wants a dot
+    cfg = train.load_config(str(write_yaml(tmp_path, text)), [])
+    assert cfg.train.learning_rate == 3e-4 and isinstance(cfg.train.learning_rate, float)
+    assert cfg.train.min_lr == 1e-5
+    assert cfg.train.max_iters == 1000 and isinstance(cfg.train.max_iters, int)
+
+
+def test_an_integer_is_a_fine_float(tmp_path):
+    cfg = train.load_config(str(write_yaml(tmp_path, "train:\n  learning_rate: 1\n  min_lr: 0\n")), [])
+    assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
+    assert cfg.train.min_lr == 0.0 and isinstance(cfg.train.min_lr, float)
+
+
+def test_overrides_are_typed_by_the_field_they_set():
+    cfg = train.load_config(
+        str(TINY),
+        [
+            "train.max_iters=500",
+            "model.bias=false",
+            "train.lr_decay_iters=null",
+            "train.learning_rate=3e-4",
+            "seed=7",
+            "train.grad_clip=2",
+            "model.attention=fused",
+        ],
+    )
+    assert cfg.train.max_iters == 500 and cfg.model.bias is False and cfg.train.lr_decay_iters is None
+    assert cfg.train.learning_rate == 3e-4 and cfg.seed == 7
+    assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
+    assert cfg.model.attention == "fused"
+    # and the later of two overrides of one key wins
+    assert train.load_config(str(TINY), ["seed=1", "seed=2"]).seed == 2
+
+
+def test_overrides_leave_the_rest_of_the_file_alone():
+    base = train.load_config(str(TINY), [])
+    changed = train.load_config(str(TINY), ["train.batch_size=3"])
+    assert changed.train.batch_size == 3
+    assert replace(changed, train=replace(changed.train, batch_size=base.train.batch_size)) == base
+
+
+# ------------------------------------------------------------------------------------------- out_dir, data
+
+
+def test_out_dir_defaults_to_runs_and_the_config_stem(tmp_path):
+    path = write_yaml(tmp_path, "seed: 1\n", name="my_experiment.yaml")
+    assert train.load_config(str(path), []).out_dir == str(Path("runs") / "my_experiment")
+    with_dir = write_yaml(tmp_path, "out_dir: elsewhere\n", name="other.yaml")
+    assert train.load_config(str(with_dir), []).out_dir == "elsewhere"
+    assert train.load_config(str(with_dir), ["out_dir=third"]).out_dir == "third"
+
+
+def test_a_data_path_on_the_command_line_wins_over_the_configs_dataset():
+    plain = train.load_config(str(TINY), [])
+    assert plain.data.dataset == "shakespeare_char" and plain.data.path is None
+    cfg = train.load_config(str(TINY), ["data.path=my_text.txt"])
+    assert cfg.data.path == "my_text.txt" and cfg.data.dataset is None
+
+
+def test_an_empty_file_gives_the_defaults(tmp_path):
+    cfg = train.load_config(str(write_yaml(tmp_path, "")), [])
+    assert replace(cfg, out_dir=None) == train.RunConfig()
+
+
+def test_a_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = train.load_config(str(TINY), ["train.lr_decay_iters=700", "out_dir=x", "model.dropout=0.1"])
+    path = write_yaml(tmp_path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    assert train.load_config(str(path), []) == cfg
+
+
+def test_valid_keys_are_the_dotted_leaves_and_build_refuses_a_derived_one():
+    keys = valid_keys(train.RunConfig)
+    assert "train.learning_rate" in keys and "out_dir" in keys and "data.path" in keys
+    assert not any(k in keys for k in ("train", "model", "data", "model.vocab_size"))
+    # vocab_size comes from the data, so a config may not set it
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        build(train.RunConfig, {"model": {"vocab_size": 10}})
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        apply_overrides({}, ["model.vocab_size=10"], train.RunConfig)

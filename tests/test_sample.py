@@ -1,0 +1,273 @@
+"""sample.py: stdout holds exactly the samples, seeds and greedy decoding are reproducible, streaming and the KV
+cache change nothing, and bad requests are one line on stderr with exit status 2."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, SMALL_TEXT, tiny_overrides
+
+import sample
+import train
+from model import load_checkpoint, model_from_checkpoint
+
+PROMPT = "First Citizen:\n"  # longer than block_size 8, so generation starts from a cropped context
+GREEDY_PROMPT = "Caius Marc"  # where the greedy continuation of the tiny model is not one character repeated
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine its waits cost many times the work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+TRAIN_KEYS = {"train.max_iters": 200, "train.eval_interval": 100, "train.log_interval": 100, "train.sample_chars": 0}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A tiny model trained once for this module, long enough that its greedy text varies."""
+    base = tmp_path_factory.mktemp("sample_run")
+    corpus = base / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    out = base / "out"
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(corpus, out, **TRAIN_KEYS)]
+    assert train.main(args, progress=False) == 0
+    return out
+
+
+@pytest.fixture
+def run(run_dir, capsys):
+    """sample.main on the module's run: (exit status, stdout, stderr)."""
+
+    def call(*args: str, out_dir: Path | None = None) -> tuple[int, str, str]:
+        capsys.readouterr()
+        where = ["--out-dir", str(out_dir or run_dir)] if "--checkpoint" not in args and "--out-dir" not in args else []
+        code = sample.main([*where, "--device", "cpu", *args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return call
+
+
+def ok(result: tuple[int, str, str]) -> str:
+    code, out, err = result
+    assert code == 0, err
+    assert "Traceback" not in err
+    return out
+
+
+def one_error_line(result: tuple[int, str, str]) -> str:
+    code, out, err = result
+    assert code == 2
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- stdout
+
+
+def test_one_sample_is_the_prompt_then_exactly_n_characters_and_a_newline(run, run_dir):
+    code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "37", "--num-samples", "1")
+    assert code == 0
+    assert len(out) == len(PROMPT) + 37 + 1
+    assert out.startswith(PROMPT) and out.endswith("\n")
+    assert set(out) <= set(SMALL_TEXT)
+    # diagnostics go to stderr, naming the checkpoint it used
+    assert "best.pt" in err and "parameters" in err and PROMPT not in err
+
+
+def test_several_samples_are_separated_by_a_separator_line(run):
+    n, new = 3, 12
+    out = ok(run("--prompt", "All:", "--max-new-tokens", str(new), "--num-samples", str(n)))
+    size = len("All:") + new + 1
+    assert len(out) == n * size + (n - 1) * len(sample.SEPARATOR)
+    samples = []
+    for i in range(n):
+        start = i * (size + len(sample.SEPARATOR))
+        samples.append(out[start : start + size])
+        assert samples[-1].startswith("All:") and samples[-1].endswith("\n")
+        if i < n - 1:
+            assert out[start + size : start + size + len(sample.SEPARATOR)] == sample.SEPARATOR
+    assert sample.SEPARATOR.strip() and sample.SEPARATOR.endswith("\n")
+    assert len(set(samples)) > 1  # each sample draws its own characters
+
+
+def test_the_default_prompt_is_a_newline(run):
+    out = ok(run("--max-new-tokens", "5"))
+    assert out.startswith("\n") and len(out) == 1 + 5 + 1
+
+
+def test_zero_new_tokens_prints_the_prompt_alone(run):
+    assert ok(run("--prompt", "All:", "--max-new-tokens", "0")) == "All:\n"
+
+
+def test_a_prompt_file_is_used_verbatim(run, tmp_path):
+    (tmp_path / "crlf.txt").write_bytes(b"First Citizen:\r\nAll:\n")
+    assert "\r" not in SMALL_TEXT
+    # read as it is, not with universal newlines: the \r is a character the model never saw
+    assert "'\\r'" in one_error_line(run("--prompt-file", str(tmp_path / "crlf.txt")))
+    (tmp_path / "plain.txt").write_text("All:\nFirst", encoding="utf-8")
+    out = ok(run("--prompt-file", str(tmp_path / "plain.txt"), "--max-new-tokens", "4"))
+    assert out.startswith("All:\nFirst") and len(out) == len("All:\nFirst") + 4 + 1
+
+
+# ------------------------------------------------------------------------------------- reproducibility
+
+
+def test_the_same_seed_gives_the_same_text_and_another_seed_other_text(run):
+    args = ("--prompt", PROMPT, "--max-new-tokens", "60", "--temperature", "1.0")
+    first = ok(run(*args, "--seed", "11"))
+    assert ok(run(*args, "--seed", "11")) == first
+    assert ok(run(*args, "--seed", "12")) != first
+
+
+def test_temperature_zero_is_greedy_whatever_the_seed(run, run_dir):
+    greedy = ok(run("--prompt", GREEDY_PROMPT, "--max-new-tokens", "30", "--temperature", "0", "--seed", "1"))
+    assert ok(run("--prompt", GREEDY_PROMPT, "--max-new-tokens", "30", "--temperature", "0", "--seed", "2")) == greedy
+    assert len(set(greedy[len(GREEDY_PROMPT) :])) > 2  # not a degenerate repeat, so the comparison below bites
+    # the same as always taking the likeliest character, computed here from the checkpoint
+    model, vocab = model_from_checkpoint(load_checkpoint(run_dir / "best.pt"))
+    model.eval()
+    idx = torch.tensor([[vocab.index(c) for c in GREEDY_PROMPT]])
+    with torch.no_grad():
+        for _ in range(30):
+            logits, _ = model(idx[:, -model.config.block_size :])
+            idx = torch.cat([idx, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    assert greedy == "".join(vocab[i] for i in idx[0].tolist()) + "\n"
+
+
+@pytest.mark.parametrize("narrowing", [["--top-k", "1"], ["--top-p", "1e-6"]])
+def test_keeping_only_the_likeliest_character_is_greedy(run, narrowing):
+    args = ("--prompt", GREEDY_PROMPT, "--max-new-tokens", "30")
+    greedy = ok(run(*args, "--temperature", "0"))
+    assert ok(run(*args, "--temperature", "1.5", "--seed", "2")) != greedy  # hot sampling wanders ...
+    assert ok(run(*args, "--temperature", "1.5", "--seed", "2", *narrowing)) == greedy  # ... unless one choice is left
+
+
+def test_top_k_and_top_p_still_sample(run):
+    args = ("--prompt", PROMPT, "--max-new-tokens", "60", "--temperature", "1.0", "--top-k", "20", "--top-p", "0.95")
+    first = ok(run(*args, "--seed", "3"))
+    assert len(first) == len(PROMPT) + 60 + 1
+    assert ok(run(*args, "--seed", "4")) != first
+
+
+@pytest.mark.parametrize("variant", ["--stream", "--no-cache"])
+def test_streaming_and_the_kv_cache_change_nothing(run, variant):
+    # 40 new characters slide the 8-character window many times, where a stale cache would show
+    args = ("--prompt", PROMPT, "--max-new-tokens", "40", "--num-samples", "2", "--seed", "5")
+    assert ok(run(*args, variant)) == ok(run(*args))
+
+
+# ---------------------------------------------------------------------------------------- where from
+
+
+def test_out_dir_falls_back_to_ckpt_pt(run, run_dir, tmp_path):
+    only_ckpt = tmp_path / "only_ckpt"
+    only_ckpt.mkdir()
+    shutil.copy(run_dir / "ckpt.pt", only_ckpt / "ckpt.pt")
+    code, out, err = run("--prompt", "All:", "--max-new-tokens", "5", out_dir=only_ckpt)
+    assert code == 0 and "ckpt.pt" in err and len(out) == len("All:") + 5 + 1
+
+
+def test_out_dir_prefers_best_pt(run, run_dir, tmp_path):
+    # a best.pt and a ckpt.pt that differ: the greedy text shows which one was read
+    both = tmp_path / "both"
+    both.mkdir()
+    shutil.copy(run_dir / "best.pt", both / "best.pt")
+    payload = load_checkpoint(run_dir / "best.pt")
+    gen = torch.Generator().manual_seed(0)
+    payload["model"] = {k: torch.randn(v.shape, generator=gen) for k, v in payload["model"].items()}
+    torch.save(payload, both / "ckpt.pt")
+    args = ("--prompt", GREEDY_PROMPT, "--max-new-tokens", "20", "--temperature", "0")
+    assert ok(run(*args, out_dir=both)) == ok(run(*args, out_dir=run_dir))
+    assert ok(run(*args, "--checkpoint", str(both / "ckpt.pt"))) != ok(run(*args, out_dir=both))
+
+
+def test_a_checkpoint_alone_is_enough_to_sample(run, run_dir, tmp_path):
+    lonely = tmp_path / "elsewhere" / "model.pt"
+    lonely.parent.mkdir()
+    shutil.copy(run_dir / "best.pt", lonely)
+    args = ("--prompt", PROMPT, "--max-new-tokens", "20", "--seed", "9")
+    assert ok(run(*args, "--checkpoint", str(lonely))) == ok(run(*args))
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def _truncated(run_dir: Path, tmp_path: Path) -> list[str]:
+    data = (run_dir / "best.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 3])
+    return ["--checkpoint", str(tmp_path / "cut.pt")]
+
+
+def _empty_folder(run_dir: Path, tmp_path: Path) -> list[str]:
+    (tmp_path / "empty").mkdir()
+    return ["--out-dir", str(tmp_path / "empty")]
+
+
+BAD_REQUESTS = [
+    ("empty-prompt", lambda r, t: ["--prompt", ""], "prompt is empty"),
+    ("negative-max-new-tokens", lambda r, t: ["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    ("top-k-zero", lambda r, t: ["--top-k", "0"], "--top-k must be >= 1"),
+    ("top-p-above-one", lambda r, t: ["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    ("top-p-zero", lambda r, t: ["--top-p", "0"], "--top-p must be in (0, 1]"),
+    ("negative-temperature", lambda r, t: ["--temperature", "-1"], "--temperature must be"),
+    ("nan-temperature", lambda r, t: ["--temperature", "nan"], "--temperature must be"),
+    ("zero-samples", lambda r, t: ["--num-samples", "0"], "--num-samples must be >= 1"),
+    ("missing-out-dir", lambda r, t: ["--out-dir", str(t / "no_such_run")], "no run folder"),
+    ("out-dir-without-checkpoints", _empty_folder, "holds no best.pt or ckpt.pt"),
+    ("missing-checkpoint", lambda r, t: ["--checkpoint", str(t / "nope.pt")], "no checkpoint at"),
+    ("truncated-checkpoint", _truncated, "truncated or not a checkpoint"),
+    ("missing-prompt-file", lambda r, t: ["--prompt-file", str(t / "nope.txt")], "no such file"),
+    ("unknown-device", lambda r, t: ["--device", "abacus"], "unknown device 'abacus'"),
+]
+
+
+@pytest.mark.parametrize(("make", "fragment"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_a_bad_request_is_one_line_and_exit_2(run, run_dir, tmp_path, make, fragment):
+    # (the run fixture passes --device cpu first; a later --device wins)
+    assert fragment in one_error_line(run(*make(run_dir, tmp_path)))
+
+
+def test_a_prompt_with_unseen_characters_names_them(run):
+    unseen = [c for c in "Zq\u20ac" if c not in SMALL_TEXT]
+    assert len(unseen) == 3  # the premise: none of these is in the training text
+    line = one_error_line(run("--prompt", "All: Zq\u20ac!"))
+    for c in unseen:
+        assert repr(c) in line
+    assert "'A'" not in line and "':'" not in line  # the characters the model knows are not blamed
+
+
+# ----------------------------------------------------------------------------------------- subprocess
+
+
+@pytest.mark.slow
+def test_a_real_sample_process_prints_only_the_samples(run, run_dir):
+    args = ["--out-dir", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "25", "--num-samples", "2"]
+    args += ["--seed", "21", "--device", "cpu"]
+    result = subprocess.run(
+        [sys.executable, "sample.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread, as in this process
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "parameters" in result.stderr
+    # byte for byte what the in-process call prints: nothing else reaches stdout
+    assert result.stdout == ok(run(*args))
+    assert len(result.stdout) == 2 * (len(PROMPT) + 25 + 1) + len(sample.SEPARATOR)

@@ -1,0 +1,442 @@
+"""train.py end to end: what a run leaves in out_dir, refusing to clobber a run, exact resume, bad input in one
+line, --help, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, SMALL_TEXT, tiny_overrides
+
+import train
+from configs import describe, to_dict, valid_keys
+from model import load_checkpoint, model_from_checkpoint
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+TAGS = ("loss/train", "loss/val", "lr", "grad_norm", "tokens_per_sec")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine its waits cost many times the work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    # train.py's default config is configs/tiny.yaml relative to the working folder, as for a person at the prompt
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 20-step run, trained once for the module; tests that change it work on a copy."""
+    base = tmp_path_factory.mktemp("finished")
+    corpus = base / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    out = base / "out"
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 0
+    return out
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a real train.py (TINYCHAR_DATA_DIR and all), on one thread as in this process."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "out"))
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+def one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path)["model"]
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def logged_losses(stdout: str) -> dict[int, str]:
+    """Per-step training losses from the plain progress lines: 'step 7/20: loss 3.4132, ...'."""
+    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+)/\d+: loss ([0-9.]+)", stdout, re.MULTILINE)}
+
+
+def read_events(out_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir))
+    events.Reload()
+    return events
+
+
+# ------------------------------------------------------------------------------------------ a real run
+
+
+@pytest.mark.slow
+def test_a_real_run_writes_checkpoints_config_and_tensorboard_logs(small_corpus, tmp_path):
+    out = tmp_path / "run"
+    overrides = tiny_overrides(small_corpus, out)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=child_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "done: step 20" in result.stdout
+    for name in ("ckpt.pt", "best.pt", "config.yaml"):
+        assert (out / name).is_file(), name
+    assert list(out.glob("events.out.tfevents.*"))
+
+    # config.yaml is the resolved config: loading it gives exactly what the command line asked for
+    cfg = train.load_config(None, overrides)
+    assert train.load_config(str(out / "config.yaml"), []) == cfg
+
+    events = read_events(out)
+    scalars = events.Tags()["scalars"]
+    assert set(TAGS) <= set(scalars)
+    series = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in TAGS}
+    vocab = len(set(SMALL_TEXT))
+    assert sorted(series["loss/val"]) == [10, 20]
+    for value in series["loss/val"].values():
+        assert math.isfinite(value) and 0 < value < math.log(vocab) + 0.5
+    assert all(math.isfinite(v) and 0 < v < math.log(vocab) + 0.5 for v in series["loss/train"].values())
+    assert sorted(series["lr"]) == [5, 10, 15, 20]
+    for step, value in series["lr"].items():  # the rate used for the step that ended there
+        assert value == pytest.approx(train.lr_at(step - 1, cfg.train), rel=1e-6)
+    assert all(math.isfinite(v) and v > 0 for v in series["grad_norm"].values())
+    assert all(v > 0 for v in series["tokens_per_sec"].values())
+
+    texts = [tag for tag in events.Tags()["tensors"] if tag.startswith("sample")]
+    assert texts, events.Tags()
+    logged = events.Tensors(texts[0])
+    assert [e.step for e in logged] == [10, 20]
+    sample = logged[-1].tensor_proto.string_val[0].decode("utf-8")
+    # fenced as a code block: the start character and train.sample_chars=20 sampled ones
+    assert sample.startswith("```\n") and sample.endswith("\n```") and len(sample) == 4 + 1 + 20 + 4
+
+
+def test_a_finished_run_checkpoint_describes_itself(finished_run):
+    raw = torch.load(finished_run / "ckpt.pt", weights_only=True)
+    for key in ("model", "model_config", "vocab", "optimizer", "step", "best_val_loss", "config", "rng"):
+        assert key in raw, key
+    assert raw["vocab"] == sorted(set(SMALL_TEXT))
+    assert raw["model_config"]["vocab_size"] == len(raw["vocab"])
+    assert raw["step"] == 20
+    assert math.isfinite(raw["best_val_loss"])
+    assert raw["config"]["train"]["max_iters"] == 20 and raw["config"]["out_dir"] == str(finished_run)
+    assert {"state", "param_groups"} <= set(raw["optimizer"])
+    assert isinstance(raw["rng"]["torch"], torch.Tensor) and isinstance(raw["rng"]["batches"], torch.Tensor)
+    best = torch.load(finished_run / "best.pt", weights_only=True)
+    assert best["best_val_loss"] == raw["best_val_loss"]
+    # a checkpoint alone rebuilds the model
+    model, vocab = model_from_checkpoint(raw)
+    assert vocab == raw["vocab"] and model.config.n_embd == 16
+
+
+# ------------------------------------------------------------------------------------- refusing to clobber
+
+
+def test_a_new_run_into_a_finished_run_is_refused_and_changes_nothing(finished_run, tmp_path, capsys):
+    out = copy_run(finished_run, tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    before = snapshot(out)
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--resume" in line and "--overwrite" in line
+    assert snapshot(out) == before
+
+
+def test_overwrite_starts_afresh(finished_run, tmp_path, capsys):
+    out = copy_run(finished_run, tmp_path)
+    old_events = {p.name for p in out.glob("events.out.tfevents.*")}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    args = ["--config", TINY, "--overwrite", *tiny_overrides(corpus, out, **{"train.max_iters": 10})]
+    assert train.main(args, progress=False) == 0
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 10  # from step 0, not continued from 20
+    assert load_checkpoint(out / "best.pt")["step"] == 10
+    events = {p.name for p in out.glob("events.out.tfevents.*")}
+    assert len(events) == 1 and not events & old_events
+    assert "max_iters: 10" in (out / "config.yaml").read_text(encoding="utf-8")
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
+    assert train.main(["--resume", "--out-dir", str(tmp_path / "empty")], progress=False) == 2
+    assert "nothing to resume" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "empty").exists()
+
+
+# ------------------------------------------------------------------------------------------ exact resume
+
+# Both halves and the straight run share one schedule: lr_decay_iters defaults to max_iters, so a run planned
+# for 10 steps decays faster than one planned for 20, and no resume could match the straight run then.
+# Dropout makes the torch RNG state matter as well as the batch generator's.
+RESUME_KEYS = {"model.dropout": 0.1, "train.lr_decay_iters": 20, "train.log_interval": 1}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> tuple[Path, dict[int, str]]:
+    """20 steps in one go, with the per-step losses it logged."""
+    base = tmp_path_factory.mktemp("straight")
+    corpus = base / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    out = base / "out"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):  # capsys is per test; this fixture lives for the module
+        assert train.main(["--config", TINY, *tiny_overrides(corpus, out, **RESUME_KEYS)], progress=False) == 0
+    return out, logged_losses(stdout.getvalue())
+
+
+def half_then_resume(tmp_path: Path, capsys) -> tuple[Path, dict[int, str]]:
+    """10 steps, then --resume (no --config: the saved one) to 20; the per-step losses of the resumed half."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    out = tmp_path / "out"
+    first = tiny_overrides(corpus, out, **RESUME_KEYS, **{"train.max_iters": 10})
+    assert train.main(["--config", TINY, *first], progress=False) == 0
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 10
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=20"], progress=False) == 0
+    captured = capsys.readouterr()
+    assert "resume: train.max_iters: 10 -> 20" in captured.out
+    return out, logged_losses(captured.out)
+
+
+def test_resume_continues_the_run_exactly(straight_run, tmp_path, capsys):
+    straight, straight_losses = straight_run
+    out, resumed_losses = half_then_resume(tmp_path, capsys)
+    assert sorted(resumed_losses) == list(range(11, 21))
+    assert resumed_losses == {s: straight_losses[s] for s in range(11, 21)}
+    resumed = load_checkpoint(out / "ckpt.pt")
+    assert resumed["step"] == 20
+    assert bitwise_equal(resumed["model"], weights(straight / "ckpt.pt"))
+    assert torch.equal(resumed["rng"]["batches"], load_checkpoint(straight / "ckpt.pt")["rng"]["batches"])
+
+
+@pytest.mark.parametrize("forgotten", ["batches", "torch"])
+def test_a_resume_that_forgot_an_rng_state_would_differ(straight_run, tmp_path, capsys, monkeypatch, forgotten):
+    """The negative control: without the saved batch generator (or dropout's RNG) the weights come out different,
+    so the equality above cannot hold by accident."""
+    straight, _ = straight_run
+    real_load = train.load_checkpoint
+
+    def load_forgetting(path, *args, **kwargs):
+        payload = real_load(path, *args, **kwargs)
+        # as if never restored: a freshly seeded state, which for the batch generator is exactly what a resume that
+        # skipped gen.set_state would leave (torch.Generator is a C type, so set_state itself cannot be patched)
+        payload["rng"][forgotten] = torch.Generator().manual_seed(payload["config"]["seed"]).get_state()
+        return payload
+
+    first = tiny_overrides(tmp_path / "corpus.txt", tmp_path / "out", **RESUME_KEYS, **{"train.max_iters": 10})
+    (tmp_path / "corpus.txt").write_text(SMALL_TEXT, encoding="utf-8")
+    assert train.main(["--config", TINY, *first], progress=False) == 0
+    monkeypatch.setattr(train, "load_checkpoint", load_forgetting)
+    assert train.main(["--resume", "--out-dir", str(tmp_path / "out"), "train.max_iters=20"], progress=False) == 0
+    assert not bitwise_equal(weights(tmp_path / "out" / "ckpt.pt"), weights(straight / "ckpt.pt"))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("model.n_embd=32", "model.n_embd"), ("train.learning_rate=0.01", "train.learning_rate"), ("seed=7", "seed")],
+)
+def test_resume_with_a_changed_key_that_defines_the_run_is_refused(finished_run, tmp_path, capsys, override, key):
+    out = copy_run(finished_run, tmp_path)
+    before = snapshot(out)
+    assert train.main(["--resume", "--out-dir", str(out), override], progress=False) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert key in line
+    assert snapshot(out) == before
+
+
+def test_resume_on_text_with_characters_the_model_never_saw_is_refused(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    out = tmp_path / "out"
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out, **{"train.max_iters": 10})], progress=False) == 0
+    before = snapshot(out)
+    corpus.write_text(SMALL_TEXT + "Zebra\u20ac\n", encoding="utf-8")
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=20"], progress=False) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "never saw" in line and "Z" in line and "\u20ac" in line
+    assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def _latin1(tmp_path: Path) -> Path:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(("Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9. " * 40).encode("latin-1"))
+    return path
+
+
+def _named(name: str, content: str | None = None):
+    def make(tmp_path: Path) -> Path:
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(content, encoding="utf-8")
+        return path
+
+    return make
+
+
+def _folder(tmp_path: Path) -> Path:
+    path = tmp_path / "a_folder"
+    path.mkdir()
+    return path
+
+
+BAD_INPUT = [
+    # id, makes data.path, extra overrides, fragment of the error line
+    ("missing-file", _named("corpsu.txt"), {}, "did you mean"),
+    ("empty-file", _named("empty.txt", ""), {}, "is empty"),
+    ("a-directory", _folder, {}, "is a folder"),
+    ("latin-1", _latin1, {}, "is not UTF-8"),
+    ("shorter-than-a-window", _named("short.txt", "abcde"), {}, "block_size + 1 = 9"),
+    ("too-short-to-split", _named("split.txt", "abcdefghijklmnopqrst"), {}, "too short for block_size 8"),
+    ("unknown-key", _named("corpus.txt"), {"train.learning_rat": 1}, "did you mean 'train.learning_rate'"),
+    ("bad-value", _named("corpus.txt"), {"model.n_head": 3}, "divisible"),
+    ("bad-type", _named("corpus.txt"), {"train.batch_size": "many"}, "must be an integer"),
+]
+
+
+@pytest.mark.parametrize(("make_path", "extra", "fragment"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_leaves_a_previous_run_alone(
+    finished_run, tmp_path, capsys, make_path, extra, fragment
+):
+    (tmp_path / "corpus.txt").write_text(SMALL_TEXT, encoding="utf-8")  # a near name for the missing-file case
+    out = copy_run(finished_run, tmp_path)
+    before = snapshot(out)
+    # --overwrite: the run would be replaced, so nothing in out_dir may go before the input is known to be good
+    args = ["--config", TINY, "--overwrite", *tiny_overrides(make_path(tmp_path), out, **extra)]
+    assert train.main(args, progress=False) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert fragment in line
+    if fragment == "did you mean":
+        assert "corpus.txt" in line
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_bad_input_in_a_real_process_is_one_line_on_stderr(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "train.py", *tiny_overrides(_latin1(tmp_path), out)],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "is not UTF-8" in one_error_line(result.stderr)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------- --help
+
+
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    listed = text.split("config keys", 1)[1].splitlines()[1:]
+    assert [row.split()[0] for row in listed if row.strip()] == valid_keys(train.RunConfig)
+    for (key, default, meaning), row in zip(describe(train.RunConfig), listed, strict=True):
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        assert row.split()[:2] == [key, shown.split()[0]]
+        assert meaning and row.rstrip().endswith(meaning)
+
+
+# --------------------------------------------------------------------------------------- learning rate
+
+
+def schedule(**kw) -> train.TrainConfig:
+    base = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "max_iters": 100}
+    return train.TrainConfig(**{**base, **kw})
+
+
+def test_warmup_rises_to_the_learning_rate():
+    cfg = schedule()
+    rates = [train.lr_at(s, cfg) for s in range(cfg.warmup_iters + 1)]
+    assert 0 < rates[0] < cfg.learning_rate
+    assert all(a < b for a, b in itertools.pairwise(rates))
+    assert rates[-1] == cfg.learning_rate  # warmup ends exactly at the peak
+
+
+def test_cosine_reaches_min_lr_at_max_iters_by_default_and_stays():
+    cfg = schedule()
+    mid = (cfg.warmup_iters + cfg.max_iters) // 2
+    assert train.lr_at(mid, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
+    assert train.lr_at(cfg.max_iters - 1, cfg) > cfg.min_lr
+    assert train.lr_at(cfg.max_iters, cfg) == pytest.approx(cfg.min_lr)
+    assert all(train.lr_at(s, cfg) == cfg.min_lr for s in range(cfg.max_iters, cfg.max_iters + 50))
+
+
+def test_lr_decay_iters_moves_the_end_of_the_decay():
+    cfg = schedule(lr_decay_iters=50)
+    assert train.lr_at(49, cfg) > cfg.min_lr
+    assert train.lr_at(50, cfg) == pytest.approx(cfg.min_lr)
+    assert train.lr_at(80, cfg) == cfg.min_lr
+    assert train.lr_at(30, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
+    assert train.lr_at(30, cfg) < train.lr_at(30, replace(cfg, lr_decay_iters=None))
+
+
+def test_the_rate_never_rises_after_warmup():
+    cfg = schedule(max_iters=300, warmup_iters=17)
+    rates = [train.lr_at(s, cfg) for s in range(cfg.warmup_iters, 400)]
+    assert all(a >= b for a, b in itertools.pairwise(rates))
+    assert rates[0] == cfg.learning_rate and rates[-1] == cfg.min_lr
+
+
+def test_no_warmup_starts_at_the_peak():
+    cfg = schedule(warmup_iters=0)
+    assert train.lr_at(0, cfg) == cfg.learning_rate
+
+
+def test_a_constant_rate_when_decay_is_off():
+    cfg = schedule(decay_lr=False)
+    assert {train.lr_at(s, cfg) for s in (0, 5, 10, 50, 99, 100, 1000)} == {cfg.learning_rate}
+
+
+def test_the_run_uses_the_schedule_it_was_given(finished_run):
+    # the optimizer's stored rate is the one lr_at gave for the last step taken
+    raw = load_checkpoint(finished_run / "ckpt.pt")
+    cfg = train.load_config(str(finished_run / "config.yaml"), [])
+    assert raw["config"] == to_dict(cfg)
+    for group in raw["optimizer"]["param_groups"]:
+        assert group["lr"] == train.lr_at(cfg.train.max_iters - 1, cfg.train)
