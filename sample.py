@@ -8,13 +8,14 @@ stdout carries only the samples (the prompt, then the generated characters); eve
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from model import CheckpointError, load_checkpoint, model_from_checkpoint
-from model.runtime import DeviceError, resolve_device
+from model.runtime import DeviceError, OneLineParser, resolve_device
 
 SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
 
@@ -24,7 +25,7 @@ class UsageError(ValueError):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sample.py", description="Sample text from a trained tinychar checkpoint.")
+    p = OneLineParser(prog="sample.py", description="Sample text from a trained tinychar checkpoint.")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out-dir", default=None, help="a run folder: uses best.pt, else ckpt.pt (default runs/tiny)")
     where.add_argument("--checkpoint", default=None, help="a checkpoint file")
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context per character (slower)")
     p.add_argument("--stream", action="store_true", help="print characters as they are generated")
+    p.add_argument("--attention-map", default=None, metavar="FILE.png",
+                   help="also draw the attention of every layer and head over the prompt (its last block_size "
+                        "characters) into this PNG")
     return p.parse_args(argv)
 
 
@@ -108,7 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{path}: {model.num_params() / 1e6:.2f}M parameters, step {payload.get('step', '?')}, "
           f"vocabulary {len(vocab)}", file=sys.stderr)
     ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
+    if args.attention_map is not None:
+        from model.attention_map import save_attention_map
+
+        try:
+            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=f"{path}: {prompt[-40:]!r}")
+        except (OSError, ValueError) as e:  # ValueError: Pillow knows no image format for that file name
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"error: cannot write --attention-map '{args.attention_map}': {reason}", file=sys.stderr)
+            return 2
+        print(f"attention map: {saved}", file=sys.stderr)
+    try:
+        write_samples(model, ids, prompt, vocab, args)
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail too
+        return 0
+    return 0
+
+
+def write_samples(model, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace) -> None:
+    gen = torch.Generator(device=ids.device).manual_seed(args.seed)
     out = sys.stdout
     for n in range(args.num_samples):
         if n:
@@ -124,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
             out.write("".join(vocab[t.item()] for t in steps))
         out.write("\n")
         out.flush()
-    return 0
 
 
 if __name__ == "__main__":

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import yaml
@@ -25,7 +27,7 @@ import yaml
 from configs import ConfigError, apply_overrides, build, describe, flatten, load_yaml, to_dict
 from data import CharTokenizer, DataConfig, DataError, get_batch, load_corpus, split_ids
 from model import GPT, CheckpointError, GPTConfig, load_checkpoint, save_checkpoint
-from model.runtime import DeviceError, autocast_context, resolve_device, resolve_dtype
+from model.runtime import DeviceError, OneLineParser, autocast_context, resolve_device, resolve_dtype
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -121,12 +123,51 @@ class Diverged(RuntimeError):
     """The loss or gradient norm stopped being finite."""
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder not writable); the message is one line."""
+
+
+class Stopped(Exception):
+    """The run was asked to stop by a signal and has saved its state."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"signal {signum} at step {step}")
+        self.signum, self.step = signum, step
+
+
+class StopSignals:
+    """While active, Ctrl-C (SIGINT) and SIGTERM only ask the training loop to stop at the next step boundary,
+    so the step in flight finishes and the checkpoint written after it is whole. A second signal while saving
+    asks again and changes nothing. Outside the main thread (where handlers cannot be set) this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal = self.signal or signum
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 # ---------------------------------------------------------------------------------------------- config
 
 
 def load_config(config_path: str | None, overrides: list[str], base: dict | None = None) -> RunConfig:
     """Config file (or ``base``, a saved run config) plus dotted overrides -> validated RunConfig."""
     path = config_path or DEFAULT_CONFIG
+    if config_path is None and not Path(path).exists():  # run from another folder: the one beside this script
+        path = str(Path(__file__).resolve().parent / DEFAULT_CONFIG)
     mapping = base if base is not None else load_yaml(path)
     where = "" if base is not None else f" (in {path})"
     build(RunConfig, mapping, where)  # report problems in the file before blaming the overrides
@@ -242,6 +283,16 @@ class Logger:
     def text(self, step: int, tag: str, text: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
+
+    def attention(self, step: int, model: GPT, ids: list[int], tokenizer: CharTokenizer) -> None:
+        """The attention maps of every layer and head for a fixed prompt, as one image per evaluation."""
+        if self.writer is None:
+            return
+        from model.attention_map import attention_grid_tensor, attention_weights, render_attention_grid
+
+        chars = [tokenizer.chars[i] for i in ids]
+        image = render_attention_grid(attention_weights(model, ids), chars, title=f"step {step}")
+        self.writer.add_image("attention/layers_x_heads", attention_grid_tensor(image), step, dataformats="CHW")
 
     def hparams(self, cfg: RunConfig, params: int) -> None:
         if self.writer is None:
@@ -380,75 +431,104 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
         log.info(f"resuming {out_dir / 'ckpt.pt'} at step {step}")
     if step == 0:
         log.hparams(cfg, params)
+    # A fixed stretch of validation text whose attention maps TensorBoard shows at every evaluation.
+    attention_prompt = val_ids[:block_size].tolist()
+
+    timing = {"eval": 0.0}
+    val_history: list[tuple[float, float]] = []  # (seconds since start, validation loss)
+    last_losses: dict[str, float] = {}
+
+    def save(step: int, improved: bool) -> None:
+        state = checkpoint_payload(model, optimizer, scaler, tokenizer, cfg, step, best_val, gen)
+        try:
+            save_checkpoint(state, out_dir / "ckpt.pt")
+            if improved:
+                save_checkpoint(state, out_dir / "best.pt")
+        except OSError as e:
+            raise SaveError(f"cannot write a checkpoint into '{out_dir}' ({e.strerror or e}); the previous "
+                            f"checkpoint there is intact. Free some space or choose another out_dir") from None
 
     def evaluate_and_save(step: int) -> None:
         nonlocal best_val
+        t0 = time.perf_counter()
         losses = estimate_loss(fwd, splits, block_size, tc.batch_size, tc.eval_iters, cfg.seed + 1, device, dtype)
         improved = losses["val"] < best_val
         best_val = min(best_val, losses["val"])
         log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"], "hparam/best_val_loss": best_val})
         log.info(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                  + (" (best)" if improved else ""))
-        if tc.sample_chars and log.writer is not None:
-            log.text(step, "sample", "```\n" + sample_text(model, tokenizer, tc.sample_chars, cfg.seed, device) + "\n```")
-        state = checkpoint_payload(model, optimizer, scaler, tokenizer, cfg, step, best_val, gen)
-        save_checkpoint(state, out_dir / "ckpt.pt")
-        if improved:
-            save_checkpoint(state, out_dir / "best.pt")
+        if log.writer is not None:
+            if tc.sample_chars:
+                sample = sample_text(model, tokenizer, tc.sample_chars, cfg.seed, device)
+                log.text(step, "sample", "```\n" + sample + "\n```")
+            log.attention(step, model, attention_prompt, tokenizer)
+        save(step, improved)
         last_losses.update(losses)
+        val_history.append((time.perf_counter() - t_start, losses["val"]))
+        timing["eval"] += time.perf_counter() - t0
 
-    last_losses: dict[str, float] = {}
     tokens_per_step = tc.batch_size * block_size * tc.grad_accum_steps
     t_log, steps_since_log = time.perf_counter(), 0
+    stop = StopSignals()
     model.train()
     try:
-        while step < tc.max_iters:
-            lr = lr_at(step, tc)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = 0.0
-            for _ in range(tc.grad_accum_steps):
-                x, y = get_batch(train_ids, block_size, tc.batch_size, gen, device)
-                with autocast_context(device, dtype):
-                    _, loss = fwd(x, y)
-                loss = loss / tc.grad_accum_steps
-                loss_sum += loss.detach()
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
-            if scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
-                raise Diverged(f"step {step + 1}: loss {float(loss_sum):.4g}, gradient norm {float(grad_norm):.4g}")
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            steps_since_log += 1
-            if step % tc.log_interval == 0 or step == tc.max_iters:
-                now = time.perf_counter()
-                tok_s = tokens_per_step * steps_since_log / max(now - t_log, 1e-9)
-                loss_value = float(loss_sum)
-                log.scalars(step, {"loss/train_step": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                                   "tokens_per_sec": tok_s})
-                log.step(step, steps_since_log, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}",
-                                                 "tok/s": f"{tok_s:,.0f}"})
-                if not log.progress:
-                    log.info(f"step {step}/{tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, {tok_s:,.0f} tokens/s")
-                t_log, steps_since_log = time.perf_counter(), 0
-            if step % tc.eval_interval == 0 or step == tc.max_iters:
+        with stop:
+            while step < tc.max_iters and stop.signal is None:
+                lr = lr_at(step, tc)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = 0.0
+                for _ in range(tc.grad_accum_steps):
+                    x, y = get_batch(train_ids, block_size, tc.batch_size, gen, device)
+                    with autocast_context(device, dtype):
+                        _, loss = fwd(x, y)
+                    loss = loss / tc.grad_accum_steps
+                    loss_sum += loss.detach()
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                # Checked before the update, so a non-finite step never reaches the weights. (With float16 the
+                # gradient scaler skips such steps itself and lowers its scale.)
+                if scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+                    raise Diverged(f"step {step + 1}: loss {float(loss_sum):.4g}, gradient norm {float(grad_norm):.4g}")
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                steps_since_log += 1
+                if step % tc.log_interval == 0 or step == tc.max_iters:
+                    now = time.perf_counter()
+                    tok_s = tokens_per_step * steps_since_log / max(now - t_log, 1e-9)
+                    loss_value = float(loss_sum)
+                    log.scalars(step, {"loss/train_step": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                                       "tokens_per_sec": tok_s})
+                    log.step(step, steps_since_log, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}",
+                                                     "tok/s": f"{tok_s:,.0f}"})
+                    if not log.progress:
+                        log.info(f"step {step}/{tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, "
+                                 f"{tok_s:,.0f} tokens/s")
+                    t_log, steps_since_log = time.perf_counter(), 0
+                if step % tc.eval_interval == 0 or step == tc.max_iters:
+                    evaluate_and_save(step)
+                    t_log = time.perf_counter()  # evaluation time is not training throughput
+            if stop.signal is not None:
+                if not last_losses or step % tc.eval_interval:  # not saved at this step yet
+                    save(step, improved=False)
+                raise Stopped(stop.signal, step)
+            if not last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
                 evaluate_and_save(step)
-                t_log = time.perf_counter()  # evaluation time is not training throughput
-        if not last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
-            evaluate_and_save(step)
     finally:
         log.close()
     elapsed = time.perf_counter() - t_start
     print(f"done: step {step}, val loss {last_losses['val']:.4f} (best {best_val:.4f}) in {elapsed:.1f}s; "
           f"sample with: python sample.py --out-dir {out_dir}", flush=True)
-    return {**last_losses, "best_val": best_val, "seconds": elapsed}
+    return {**last_losses, "best_val": best_val, "seconds": elapsed, "eval_seconds": timing["eval"],
+            "val_history": val_history, "step": step}
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -456,16 +536,16 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
 
 def help_epilog() -> str:
     rows = describe(RunConfig)
-    width = max(len(key) for key, _, _ in rows)
+    shown = ["null" if d is None else str(d).lower() if isinstance(d, bool) else str(d) for _, d, _ in rows]
+    key_width, value_width = max(len(key) for key, _, _ in rows), max(len(v) for v in shown)
     lines = ["config keys (set in the YAML file or as KEY=VALUE overrides):"]
-    for key, default, meaning in rows:
-        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
-        lines.append(f"  {key:<{width}}  {shown:<10} {meaning}")
+    for (key, _, meaning), value in zip(rows, shown, strict=True):
+        lines.append(f"  {key:<{key_width}}  {value:<{value_width}}  {meaning}")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="train.py",
         description="Train a character-level GPT on a text file.",
         epilog=help_epilog(),
@@ -508,8 +588,16 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         print(f"error: training diverged at {e}; the last good checkpoint is kept. Try a lower "
               f"train.learning_rate, train.grad_clip=1.0, or train.dtype=float32", file=sys.stderr)
         return 1
+    except SaveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Stopped as e:
+        out_dir = Path(cfg.out_dir)
+        print(f"stopped at step {e.step}: saved {out_dir / 'ckpt.pt'}; continue with: python train.py "
+              f"--out-dir {out_dir} --resume", file=sys.stderr)
+        return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as shells report them
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
     return 0
 

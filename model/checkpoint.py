@@ -26,6 +26,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for a person."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
     """Write payload to path so that a crash at any moment leaves either the old file or the new one.
 
@@ -37,6 +43,7 @@ def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it owner-only; a checkpoint is a normal file
             torch.save({"format": FORMAT, "version": VERSION, **payload}, f)
             f.flush()
             os.fsync(f.fileno())

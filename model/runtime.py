@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 from contextlib import AbstractContextManager, nullcontext
+from typing import NoReturn
 
 import torch
 
@@ -51,3 +53,10 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> AbstractContex
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
