@@ -121,7 +121,7 @@ class GPT(nn.Module):
             return logits, loss, weights
         return logits, loss
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate_iter(
         self,
         idx: torch.Tensor,
@@ -131,24 +131,33 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        keep: int | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield the next (B, 1) character ids one at a time; see ``generate``."""
         block_size = self.config.block_size
-        cache = KVCache(self.config, idx.size(0), idx.device, self.lm_head.weight.dtype) if use_cache else None
-        context = idx
-        for _ in range(max_new_tokens):
+        keep = block_size - 1 if keep is None else keep
+        if not 1 <= keep < block_size:
+            raise ValueError(f"keep must be in [1, block_size - 1] = [1, {block_size - 1}], got {keep}")
+        B, T = idx.shape
+        context = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        context[:, :T] = idx
+        start = max(0, T - block_size)  # the window the model sees is context[:, start:end]
+        cache = KVCache(self.config, B, idx.device, self.lm_head.weight.dtype) if use_cache else None
+        for end in range(T, T + max_new_tokens):
+            if end - start > block_size:  # full: keep its last `keep` characters and the newest one
+                start = end - keep - 1
             if cache is None:
-                x, _ = self.hidden(context[:, -block_size:])
-            elif cache.length == 0 or cache.length >= block_size:
-                # Learned positions: once the window slides every position shifts, so the cached keys and
-                # values are stale and the window is recomputed (at most block_size positions per character).
+                x, _ = self.hidden(context[:, start:end])
+            elif cache.length == 0 or start != end - 1 - cache.length:
+                # Learned positions: when the window moves, every position in it shifts, so the cached keys and
+                # values are stale and the window is computed afresh (at most block_size positions).
                 cache.reset()
-                x, _ = self.hidden(context[:, -block_size:], cache)
+                x, _ = self.hidden(context[:, start:end], cache)
             else:
-                x, _ = self.hidden(context[:, -1:], cache)
+                x, _ = self.hidden(context[:, end - 1 : end], cache)
             logits = self.lm_head(x[:, -1, :]).float()  # (B, vocab)
             next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
-            context = torch.cat((context, next_id), dim=1)
+            context[:, end : end + 1] = next_id
             yield next_id
 
     def generate(
@@ -160,17 +169,24 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        keep: int | None = None,
     ) -> torch.Tensor:
         """Continue idx (B, T) by max_new_tokens characters; returns (B, T + max_new_tokens).
 
-        The model sees the last block_size characters, so generation may run past block_size. temperature 0
-        is greedy decoding; top_k keeps the k likeliest characters, top_p the smallest set whose probability
-        reaches p. The KV cache changes only the speed, never the characters.
+        The model sees at most block_size characters, so generation may run past block_size. By default the
+        window slides by one character, so every prediction sees the last block_size characters (as nanoGPT
+        does); once the window is full that costs a forward pass over block_size positions per character,
+        because learned positions shift and the KV cache cannot be reused. ``keep`` < block_size - 1 lets the
+        window jump instead: when it is full, only its last ``keep`` characters are kept, and the cache serves
+        the next block_size - keep characters (much faster; each prediction then sees at least ``keep``).
+
+        temperature 0 is greedy decoding; top_k keeps the k likeliest characters, top_p the smallest set whose
+        probability reaches p. The KV cache changes only the speed, never the characters.
         """
         if max_new_tokens <= 0:
             return idx
-        new = list(self.generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
-        return torch.cat([idx, *new], dim=1)
+        steps = self.generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache, keep)
+        return torch.cat([idx, *steps], dim=1)
 
 
 def sample_next(

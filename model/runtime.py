@@ -36,14 +36,36 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+# Below this width a CPU step is dominated by per-operation overhead, which autocast's casts only add to; from it
+# on, native bfloat16 matrix multiplies win (measured on an AVX-512-bf16 CPU: block 8 / n_embd 32 is ~15% slower
+# under bfloat16, block 64 / n_embd 128 about 2x faster).
+CPU_BF16_MIN_WIDTH = 128
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device, width: int | None = None) -> torch.dtype:
     """The autocast dtype for 'auto', 'float32', 'bfloat16' or 'float16'; float32 means no autocast.
 
-    auto: bfloat16 on a CUDA GPU that supports it (float16 on older ones), float32 elsewhere.
+    auto: bfloat16 on a CUDA GPU that supports it (float16 on older ones); on a CPU with native bfloat16,
+    bfloat16 for models at least CPU_BF16_MIN_WIDTH wide (``width`` = n_embd); float32 otherwise.
     """
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu" and width is not None and width >= CPU_BF16_MIN_WIDTH and cpu_has_native_bf16():
+            return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 

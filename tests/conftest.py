@@ -25,6 +25,21 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# Tiny models gain nothing from a second thread, and on a busy machine OpenMP's waits between threads cost many
+# times the work: the tests and the training runs they start use one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 SMALL_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
     "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n\n"

@@ -113,6 +113,32 @@ def test_kv_cache_generates_the_same_characters(attention):
     assert torch.equal(with_cache, without)
 
 
+@pytest.mark.parametrize("keep", [None, 1, 4, 6])
+def test_window_policy_is_the_same_with_and_without_cache(keep):
+    model = tiny()
+    prompt = torch.randint(0, 11, (1, 10))  # longer than block_size 8: cropped from the start
+    kwargs = {"temperature": 0.0, "keep": keep}
+    with_cache = model.generate(prompt, 25, use_cache=True, **kwargs)
+    assert torch.equal(with_cache, model.generate(prompt, 25, use_cache=False, **kwargs))
+
+
+def test_default_window_sees_the_last_block_size_characters():
+    """keep=None is nanoGPT's rule: every prediction is made from the last block_size characters."""
+    model = tiny()
+    idx = torch.randint(0, 11, (1, 3))
+    out = model.generate(idx, 20, temperature=0.0)
+    expected = idx
+    for _ in range(20):
+        logits, _ = model(expected[:, -8:])
+        expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, expected)
+
+
+def test_keep_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="keep"):
+        tiny().generate(torch.zeros(1, 1, dtype=torch.long), 3, keep=8)
+
+
 def test_cached_logits_equal_full_forward():
     from model import KVCache
 

@@ -21,15 +21,6 @@ PROMPT = "First Citizen:\n"  # longer than block_size 8, so generation starts fr
 GREEDY_PROMPT = "Caius Marc"  # where the greedy continuation of the tiny model is not one character repeated
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine its waits cost many times the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TRAIN_KEYS = {"train.max_iters": 200, "train.eval_interval": 100, "train.log_interval": 100, "train.sample_chars": 0}
 
 

@@ -27,15 +27,6 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 TAGS = ("loss/train", "loss/val", "lr", "grad_norm", "tokens_per_sec")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine its waits cost many times the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch):
     # train.py's default config is configs/tiny.yaml relative to the working folder, as for a person at the prompt
