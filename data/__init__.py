@@ -3,16 +3,21 @@
 from .batches import get_batch, split_ids
 from .config import DataConfig
 from .corpus import SHAKESPEARE_SHA256, DataError, data_dir, load_corpus, read_text, shakespeare_path
+from .prepare import Corpus, prepare_corpus
+from .stream import UNKNOWN
 from .tokenizer import CharTokenizer
 
 __all__ = [
     "SHAKESPEARE_SHA256",
+    "UNKNOWN",
     "CharTokenizer",
+    "Corpus",
     "DataConfig",
     "DataError",
     "data_dir",
     "get_batch",
     "load_corpus",
+    "prepare_corpus",
     "read_text",
     "shakespeare_path",
     "split_ids",

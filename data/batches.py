@@ -6,6 +6,11 @@ import torch
 
 from .corpus import DataError
 
+# Ids wider than a byte are stored unsigned (uint16, uint32) but gathered through a signed view of the same bits:
+# indexing int16/int32 works on every torch device, uint16/uint32 only on some. The mask after widening to int64
+# gives back ids above 32767 (2**31 - 1) that the signed view reads as negative.
+_SIGNED_VIEW = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFFFFFF)}
+
 
 def split_ids(ids: torch.Tensor, val_fraction: float, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, val): the last val_fraction of ids (rounded) is validation, the rest training.
@@ -38,7 +43,9 @@ def get_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """batch_size random windows of data: inputs x and next-character targets y, both int64 (B, T) on device.
 
-    The starts come from generator alone, so the same generator state gives the same batch (exact resume).
+    data is a 1-D tensor of ids of any integer dtype: int64, or the uint8/uint16/uint32 of a memory-mapped corpus,
+    of which only the windows drawn are read. The starts come from generator alone, so the same generator state
+    gives the same batch (exact resume).
     """
     n_starts = data.size(0) - block_size
     if n_starts < 1:
@@ -48,8 +55,12 @@ def get_batch(
     offsets = torch.arange(block_size + 1, device=data.device)  # (T+1,)
     # One gather of B windows of T+1 ids; x and y are two overlapping views of it, so each id is copied and moved
     # to the device once instead of twice.
-    windows = data[starts.to(data.device)[:, None] + offsets]  # (B, T+1)
+    signed, mask = _SIGNED_VIEW.get(data.dtype, (None, 0))
+    source = data if signed is None else data.view(signed)
+    windows = source[starts.to(data.device)[:, None] + offsets]  # (B, T+1)
     windows = windows.to(torch.int64)
+    if mask:
+        windows &= mask  # in place on the int64 copy that .to just made
     device = torch.device(device)
     if device.type == "cuda" and windows.device.type == "cpu":
         # Pinned memory lets the copy run asynchronously and overlap the previous step's GPU work.

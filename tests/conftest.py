@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "slow: runs a real train.py or sample.py subprocess (seconds); part of the default run"
     )
 
+
+# Encoded corpora go to a cache folder of this test session, not the user's cache.
+os.environ.setdefault("TINYCHAR_CACHE_DIR", tempfile.mkdtemp(prefix="tinychar-test-cache-"))
 
 # Tiny models gain nothing from a second thread, and on a busy machine OpenMP's waits between threads cost many
 # times the work: the tests and the training runs they start use one thread.

@@ -1,0 +1,371 @@
+"""Benchmark of the streaming pipeline: preparation speed and memory, and the start of training on the result.
+
+    python -m data.bench                        # a 100 MB corpus (a few minutes, most of it train.py)
+    python -m data.bench --size-mb 1000 --json bench.json
+
+A corpus of tiny Shakespeare repeated, with a slice of several thousand distinct CJK characters in the middle (so
+ids are uint16), is generated in a temp folder with a 1 MB one of the same vocabulary beside it. Each measurement
+runs in a child process that reports its own peak resident memory (VmHWM): preparing each corpus into a fresh
+cache, a second preparation (a cache hit), an in-process loop of get_batch calls on the prepared ids (the memory
+claim checked without train.py), get_batch timings, and train.py itself, timed from launch to its first 'step N'
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CJK_FIRST, N_CJK = 0x4E00, 6000  # CJK Unified Ideographs: 6000 distinct characters
+_STEP_LINE = re.compile(rb"^step \d+")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=100, help="size of the big corpus in MB (1e6 bytes)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--workdir", default=None, help="folder for corpora and caches (default: a new temp folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder afterwards")
+    parser.add_argument("--no-train", action="store_true", help="skip the train.py runs")
+    parser.add_argument("--train-script", default=str(ROOT / "train.py"), help="the train.py to run (default: ours)")
+    parser.add_argument("--cold", action="store_true", help="drop the corpus from the page cache before preparing")
+    parser.add_argument(
+        "--train-memory-cap-gb",
+        type=float,
+        default=6.0,
+        help=(
+            "address-space limit for the train.py children, so a train.py that still reads the whole text into memory "
+            "fails instead of exhausting the machine"
+        ),
+    )
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "CORPUS", "CACHE"), help=argparse.SUPPRESS)
+    parser.add_argument("--train-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(*args.child)
+    if args.train_child:
+        _train_child(*args.train_child[:2], args.train_child[2:])
+        return 0
+
+    from data import DataError, shakespeare_path
+
+    try:
+        shakespeare = shakespeare_path(progress=True).read_bytes()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tinychar-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "cache"
+    results: dict = {"size_mb": args.size_mb, "workdir": str(work), "python": sys.version.split()[0]}
+    try:
+        big = _generate(work / "big" / "corpus.txt", int(args.size_mb * 1e6), shakespeare)
+        small = _generate(work / "small" / "corpus.txt", 1_000_000, shakespeare)
+        ascii_only = work / "ascii" / "corpus.txt"
+        ascii_only.parent.mkdir(parents=True, exist_ok=True)
+        ascii_only.write_bytes(shakespeare[:1_000_000])
+        if args.cold:
+            _evict(big)
+        results["prepare"] = {
+            "big": _run_child("prepare", big, cache),
+            "big_again": _run_child("prepare", big, cache),
+            "small": _run_child("prepare", small, cache),
+        }
+        _run_child("prepare", ascii_only, cache)
+        results["batches"] = {"big": _run_child("batches", big, cache), "small": _run_child("batches", small, cache)}
+        results["get_batch_us"] = {
+            **_run_child("timing", ascii_only, cache)["us"],
+            **_run_child("timing", small, cache)["us"],
+            **_run_child("timing-cold", big, cache)["us"],
+        }
+        if not args.no_train:
+            cap = int(args.train_memory_cap_gb * 2**30)
+            results["train"] = {
+                "big": _train(args.train_script, big, cache, work / "run-big", cap),
+                "small": _train(args.train_script, small, cache, work / "run-small", cap),
+            }
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _generate(path: Path, size: int, shakespeare: bytes) -> Path:
+    """size bytes of UTF-8: tiny Shakespeare repeated, with a CJK slice (1% of the size, every one of the N_CJK
+    characters at least once) in the middle, 80 characters a line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    n_cjk = max(N_CJK, size // 100 // 3)
+    codes = np.concatenate([rng.permutation(N_CJK), rng.integers(0, N_CJK, n_cjk - N_CJK)]) + CJK_FIRST
+    lines = [codes[i : i + 80].astype("<u4").tobytes().decode("utf-32-le") for i in range(0, len(codes), 80)]
+    cjk = ("\n".join(lines) + "\n").encode("utf-8")
+    if size < len(cjk) + 2:
+        raise ValueError(f"--size-mb is too small for the CJK slice of {len(cjk)} bytes")
+    ascii_bytes = size - len(cjk)
+    with path.open("wb") as f:
+        _repeat(f, shakespeare, ascii_bytes // 2)
+        f.write(cjk)
+        _repeat(f, shakespeare, ascii_bytes - ascii_bytes // 2)
+        f.flush()
+        os.fsync(f.fileno())  # written out, so that --cold can drop it from the page cache
+    return path
+
+
+def _repeat(f, text: bytes, n_bytes: int) -> None:
+    """Write text over and over, n_bytes in all (text is ASCII, so any cut is a character boundary)."""
+    while n_bytes > 0:
+        piece = text[:n_bytes]
+        f.write(piece)
+        n_bytes -= len(piece)
+
+
+def _evict(path: Path) -> None:
+    """Drop path's pages from the page cache, so that preparing it reads the disk (Linux; a no-op elsewhere)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _run_child(mode: str, corpus: Path, cache: Path) -> dict:
+    """Run this module's child mode in a fresh interpreter; its JSON result, with the wall time added."""
+    command = [sys.executable, "-m", "data.bench", "--child", mode, str(corpus), str(cache)]
+    start = time.perf_counter()
+    proc = subprocess.run(command, check=False, cwd=ROOT, stdout=subprocess.PIPE)
+    if proc.returncode:
+        raise SystemExit(f"error: the {mode} child for {corpus} failed with status {proc.returncode}")
+    result = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def _train(script: str, corpus: Path, cache: Path, out_dir: Path, cap: int) -> dict:
+    """train.py for 20 steps on corpus (already prepared): seconds from launch to its first step line, peak RSS."""
+    overrides = [
+        f"data.path={corpus}",
+        "train.max_iters=20",
+        "train.eval_interval=20",
+        "train.eval_iters=2",
+        f"out_dir={out_dir}",
+        "train.tensorboard=false",
+        "train.sample_chars=0",
+        "train.log_interval=1",
+    ]
+    report = out_dir.with_suffix(".memory.json")
+    command = [sys.executable, "-m", "data.bench", "--train-child", script, str(report), *overrides]
+    env = {**os.environ, "TINYCHAR_CACHE_DIR": str(cache)}
+    start = time.perf_counter()
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
+        # Set from outside rather than in preexec_fn (unsafe with threads); the child needs seconds to reach the
+        # reading of its data, long before any limit matters.
+        resource.prlimit(proc.pid, resource.RLIMIT_AS, (cap, cap))
+        first_step = None
+        for line in proc.stdout:
+            if first_step is None and _STEP_LINE.match(line):
+                first_step = time.perf_counter() - start
+        status = proc.wait()
+        err.seek(0)
+        tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
+    memory = json.loads(report.read_text()) if report.exists() else {}
+    return {
+        "first_step_s": first_step,
+        "total_s": time.perf_counter() - start,
+        "peak_rss_mb": memory.get("peak_mb"),
+        "memory_at_exit": memory,
+        "status": status,
+        "error": tail[0] if status and tail else None,
+    }
+
+
+def _train_child(script: str, report: str, overrides: list[str]) -> None:
+    """Run script (a train.py) as `python train.py overrides...` would, writing this process's memory at exit.
+
+    The peak is read from /proc inside the process: getrusage of a child counts the parent's resident memory at
+    fork time as well (Linux keeps the larger across exec), which would hide a small child behind a big parent.
+    """
+    import atexit
+    import runpy
+
+    atexit.register(lambda: Path(report).write_text(json.dumps(_memory())))
+    sys.argv = [script, *overrides]
+    runpy.run_path(script, run_name="__main__")
+
+
+# ---------------------------------------------------------------------------------------------- children
+
+
+def _memory() -> dict[str, float]:
+    """This process's resident memory in MB: total, anonymous (its own) and file-backed (mapped files), and peak."""
+    fields = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb", "VmHWM": "peak_mb"}
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in fields:
+                found[fields[name]] = int(value.split()[0]) / 1024
+    return found
+
+
+def _child(mode: str, corpus: str, cache: str) -> int:
+    import torch
+
+    from data import DataConfig, get_batch, prepare_corpus, split_ids
+
+    cfg = DataConfig(path=corpus, dataset=None, cache_dir=cache)
+    result: dict = {"mode": mode, "bytes": os.path.getsize(corpus)}
+    if mode == "prepare":
+        before = _memory()
+        start = time.perf_counter()
+        c = prepare_corpus(cfg, min_chars=9, progress=True)
+        seconds = time.perf_counter() - start
+        result.update(
+            seconds=seconds,
+            mb_per_s=result["bytes"] / 1e6 / seconds,
+            n_tokens=c.n_tokens,
+            vocab=c.vocab_size,
+            dtype=str(c.ids.dtype).replace("torch.", ""),
+            cache_hit=c.cache_hit,
+            rss_after_imports_mb=before["rss_mb"],
+        )
+    elif mode == "batches":
+        # What train.py does with the data, without the model: 20 steps of batch 128 x block 8 and an evaluation
+        # of 2 batches per split, as in the train.py runs.
+        start = time.perf_counter()
+        before = _memory()
+        c = prepare_corpus(cfg, min_chars=9, progress=False)
+        train, val = split_ids(c.ids, 0.1, 8)
+        g = torch.Generator().manual_seed(0)
+        get_batch(train, 8, 128, g)
+        first = time.perf_counter() - start
+        for _ in range(19):
+            get_batch(train, 8, 128, g)
+        for split in (train, val):
+            for _ in range(2):
+                get_batch(split, 8, 128, g)
+        after = _memory()
+        result.update(
+            first_batch_s=first,
+            cache_hit=c.cache_hit,
+            **{f"before_{k}": v for k, v in before.items()},
+            **{f"after_{k}": v for k, v in after.items()},
+        )
+    elif mode in ("timing", "timing-cold"):
+        c = prepare_corpus(cfg, min_chars=9, progress=False)
+        kind = str(c.ids.dtype).replace("torch.", "")
+        size = f"{result['bytes'] / 1e6:g} MB"
+        if mode == "timing":  # the CPU cost of get_batch: the small ids are soon all in the page cache
+            tensors = {f"{kind} memmap ({size})": c.ids}
+            if kind == "uint8":
+                tensors[f"int64 tensor ({size}, in memory)"] = c.ids.to(torch.int64)
+            result["us"] = {
+                f"{name}, B={batch} T={block}": _time_get_batch(ids, batch, block)
+                for name, ids in tensors.items()
+                for batch, block in ((32, 8), (12, 64))
+            }
+        else:  # the first windows of a corpus just prepared: each is a read from disk (a page fault)
+            result["us"] = {
+                f"{kind} memmap ({size}, cold pages), B={batch} T={block}": _time_get_batch(
+                    c.ids, batch, block, calls=500, repeats=1, warmup=0
+                )
+                for batch, block in ((32, 8), (12, 64))
+            }
+    result["peak_rss_mb"] = _memory()["peak_mb"]
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _time_get_batch(ids, batch: int, block: int, calls: int = 2000, repeats: int = 5, warmup: int = 200) -> float:
+    """Microseconds per get_batch call, the best of repeats (the machine is shared, so the best is the signal)."""
+    import torch
+
+    from data import get_batch
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(warmup):
+        get_batch(ids, block, batch, g)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            get_batch(ids, block, batch, g)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _table(r: dict) -> str:
+    """The figures as two markdown tables: per corpus, and get_batch timings."""
+    p, b = r["prepare"], r["batches"]
+    rows = [
+        (
+            "prepare, fresh cache: speed",
+            *(f"{p[k]['mb_per_s']:.0f} MB/s ({p[k]['seconds']:.2f} s)" for k in ("big", "small")),
+        ),
+        ("prepare: peak RSS of the process", *(f"{p[k]['peak_rss_mb']:.0f} MB" for k in ("big", "small"))),
+        ("prepare: RSS after imports (before)", *(f"{p[k]['rss_after_imports_mb']:.0f} MB" for k in ("big", "small"))),
+        ("prepare again (cache hit)", f"{p['big_again']['seconds'] * 1e3:.0f} ms", ""),
+        (
+            "tokens, vocabulary, ids",
+            *(f"{p[k]['n_tokens']:,}, {p[k]['vocab']}, {p[k]['dtype']}" for k in ("big", "small")),
+        ),
+        ("get_batch loop: prepare + first batch", *(f"{b[k]['first_batch_s'] * 1e3:.0f} ms" for k in ("big", "small"))),
+        ("get_batch loop: peak RSS", *(f"{b[k]['peak_rss_mb']:.0f} MB" for k in ("big", "small"))),
+        (
+            "get_batch loop: RSS anon / file-backed",
+            *(f"{b[k]['after_anon_mb']:.0f} / {b[k]['after_file_mb']:.0f} MB" for k in ("big", "small")),
+        ),
+    ]
+    if "train" in r:
+        runs = [r["train"]["big"], r["train"]["small"]]
+        rows += [
+            ("train.py: launch to first step", *(_first_step(t) for t in runs)),
+            ("train.py: peak RSS", *(_mb(t["peak_rss_mb"]) for t in runs)),
+            (
+                "train.py: RSS anon / file-backed at exit",
+                *(
+                    f"{_mb(t['memory_at_exit'].get('anon_mb'))} / {_mb(t['memory_at_exit'].get('file_mb'))}"
+                    for t in runs
+                ),
+            ),
+        ]
+    lines = [f"| measurement | {r['size_mb']:g} MB corpus | 1 MB corpus |", "|---|---|---|"]
+    lines += [f"| {label} | {big} | {small} |" for label, big, small in rows]
+    lines += ["", "| get_batch | µs per call |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in r["get_batch_us"].items()]
+    return "\n".join(lines)
+
+
+def _first_step(t: dict) -> str:
+    if t["status"]:
+        return f"failed (status {t['status']}: {t['error']})"
+    if t["first_step_s"] is None:
+        return "no 'step N' line printed"
+    return f"{t['first_step_s']:.1f} s (20 steps: {t['total_s']:.1f} s)"
+
+
+def _mb(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f} MB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""Tests for the streaming pipeline: prepare_corpus, its cache, and batches from memory-mapped ids. Tiny inputs, tiny
+read chunks, CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import data.prepare
+import data.sources
+from data import (
+    UNKNOWN,
+    CharTokenizer,
+    Corpus,
+    DataConfig,
+    DataError,
+    get_batch,
+    prepare_corpus,
+    read_text,
+    shakespeare_path,
+    split_ids,
+)
+
+MIXED = "Γειά σου κόσμε, 你好世界 😀🎉 e\u0301 n\u0303\r\nline two\r\n\tend\u00a0"
+
+
+@pytest.fixture(autouse=True)
+def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Every test encodes into a folder of its own (never the shared data folder)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("TINYCHAR_CACHE_DIR", str(folder))
+    return folder
+
+
+def prepare(
+    path: Path | str, min_chars: int = 2, chunk_bytes: int = 7, vocab: list[str] | None = None, **settings: object
+) -> Corpus:
+    return prepare_corpus(
+        DataConfig(path=str(path), **settings), min_chars, progress=False, vocab=vocab, chunk_bytes=chunk_bytes
+    )
+
+
+def text_of(corpus: Corpus) -> str:
+    return CharTokenizer(corpus.chars).decode(corpus.ids)
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+    return path
+
+
+def distinct_chars(n: int) -> str:
+    """n distinct characters from U+0020 up, skipping the surrogates (which UTF-8 cannot hold)."""
+    codes = [c for c in range(0x20, 0x20 + n + 0x800) if not 0xD800 <= c <= 0xDFFF][:n]
+    return "".join(map(chr, codes))
+
+
+def entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# --- one file --------------------------------------------------------------------------------------------------------
+
+
+def test_a_file_round_trips_exactly_with_the_tokenizer_vocabulary(tmp_path: Path) -> None:
+    f = write(tmp_path / "mixed.txt", MIXED * 3)
+    corpus = prepare(f)
+    assert corpus.chars == CharTokenizer.from_text(MIXED).chars
+    assert corpus.ids.dtype == torch.uint8 and corpus.n_tokens == len(corpus.ids) == 3 * len(MIXED)
+    assert text_of(corpus) == MIXED * 3  # "\r\n", combining marks and emoji untouched
+    assert torch.equal(corpus.ids.to(torch.int64), CharTokenizer.from_text(MIXED).encode_tensor(MIXED * 3))
+    assert not corpus.cache_hit and "encoded" in corpus.description and "\n" not in corpus.description
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 5, 1 << 20])
+def test_characters_split_across_read_chunks_are_decoded_whole(tmp_path: Path, chunk_bytes: int) -> None:
+    # 1-, 2-, 3- and 4-byte characters at every offset against every chunk size above
+    text = "a\u00e9\u4e2d\U0001f600" * 7 + "\u0436z\U00010348"
+    corpus = prepare(write(tmp_path / "t.txt", text), chunk_bytes=chunk_bytes)
+    assert text_of(corpus) == text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(exclude_categories=("Cs",)), min_size=2, max_size=40), chunk_bytes=st.integers(1, 9))
+def test_any_text_round_trips_at_any_chunk_size(tmp_path: Path, text: str, chunk_bytes: int) -> None:
+    corpus = prepare(write(tmp_path / "any.txt", text), chunk_bytes=chunk_bytes)
+    assert text_of(corpus) == text and corpus.chars == sorted(set(text))
+
+
+def test_the_built_in_dataset_goes_through_the_same_path() -> None:
+    corpus = prepare_corpus(DataConfig(), min_chars=257, progress=False, chunk_bytes=1 << 18)
+    text = read_text(shakespeare_path(progress=False))
+    assert corpus.n_tokens == len(text) == 1_115_394
+    assert corpus.vocab_size == 65 and corpus.ids.dtype == torch.uint8
+    assert "tiny Shakespeare" in corpus.description
+    assert torch.equal(corpus.ids.to(torch.int64), CharTokenizer.from_text(text).encode_tensor(text))
+
+
+def test_missing_empty_binary_and_too_short_inputs_are_refused(tmp_path: Path) -> None:
+    write(tmp_path / "input.txt", "hello")
+    with pytest.raises(DataError, match=r"no such file '.*inptu\.txt'; did you mean '.*input\.txt'\?"):
+        prepare(tmp_path / "inptu.txt")
+    with pytest.raises(DataError, match="is empty"):
+        prepare(write(tmp_path / "empty.txt", ""))
+    with pytest.raises(DataError, match="is a binary file .*give a UTF-8 text file"):
+        prepare(write(tmp_path / "utf16.txt", "hello".encode("utf-16-le")))  # valid UTF-8, but not text
+    with pytest.raises(DataError, match=r"has 5 characters.*block_size \+ 1 = 9") as info:
+        prepare(tmp_path / "input.txt", min_chars=9)
+    assert "\n" not in str(info.value)
+
+
+# --- folders and globs ----------------------------------------------------------------------------------------------
+
+
+def test_a_folder_is_its_text_files_in_sorted_order_joined_by_newlines(tmp_path: Path) -> None:
+    books = tmp_path / "books"
+    write(books / "b.txt", "second\n")
+    write(books / "a.txt", "first")  # no final newline: the separator keeps it off the next file's first line
+    write(books / "sub" / "c.md", "third")
+    write(books / "z.txt", "fourth")
+    write(books / "empty.txt", "")
+    write(books / ".hidden.txt", "never")
+    write(books / ".git" / "HEAD", "never")
+    write(books / "cover.png", b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    corpus = prepare(books)
+    assert text_of(corpus) == "first\nsecond\n\nthird\nfourth"
+    assert "4 files" in corpus.description
+    assert any("left out 1 binary file" in note and "cover.png" in note for note in corpus.notes)
+
+
+def test_a_glob_picks_its_matches_in_sorted_order(tmp_path: Path) -> None:
+    write(tmp_path / "logs" / "2.log", "two")
+    write(tmp_path / "logs" / "1.log", "one")
+    write(tmp_path / "logs" / "notes.txt", "not a log")
+    write(tmp_path / "logs" / "old" / "0.log", "zero")
+    assert text_of(prepare(tmp_path / "logs" / "*.log")) == "one\ntwo"
+    assert text_of(prepare(tmp_path / "logs" / "**" / "*.log")) == "one\ntwo\nzero"
+    with pytest.raises(DataError, match=r"no text file matches '.*\*\.csv'"):
+        prepare(tmp_path / "logs" / "*.csv")
+
+
+def test_a_folder_without_text_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(DataError, match="is a folder with no text files in it"):
+        prepare(tmp_path / "nothing")
+
+
+# --- invalid UTF-8 ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "offset"),
+    [
+        (b"a" * 1000 + b"\xff" + b"b" * 100, 1000),  # a byte that never starts a character
+        (b"a" * 63 + b"\xe4" + b"b" * 100, 63),  # a character cut short, its lead byte the last of a read
+        (b"a" * 62 + b"\xe4\xbd" + b"b" * 100, 62),  # the same, two bytes held over from the read before
+        (b"x" * 100 + b"\xe4\xbd", 100),  # a character cut short by the end of the file
+        (b"\xed\xa0\x80" + b"a" * 10, 0),  # an encoded surrogate, which UTF-8 forbids
+    ],
+)
+def test_invalid_utf8_names_the_file_and_absolute_byte_offset(tmp_path: Path, content: bytes, offset: int) -> None:
+    f = write(tmp_path / "big.txt", content)
+    with pytest.raises(DataError) as info:
+        prepare(f, chunk_bytes=64)
+    assert str(info.value) == (
+        f"data.path: {str(f)!r} is not UTF-8 at byte {offset}; fix the file or set data.errors=replace"
+    )
+
+
+def test_invalid_utf8_in_a_folder_names_that_file(tmp_path: Path) -> None:
+    write(tmp_path / "d" / "a.txt", "fine " * 50)
+    bad = write(tmp_path / "d" / "b.txt", b"ok" * 20 + b"caf\xe9")
+    with pytest.raises(DataError, match=rf"{str(bad)!r} is not UTF-8 at byte 43;"):
+        prepare(tmp_path / "d", chunk_bytes=16)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 64])
+def test_replace_mode_puts_fffd_where_the_bytes_were_bad(tmp_path: Path, chunk_bytes: int) -> None:
+    content = b"caf\xe9 \xe4\xbd\xa0 \xe4\xbd! \xff\xfe end \xf0\x9f\x98"
+    corpus = prepare(write(tmp_path / "t.txt", content), chunk_bytes=chunk_bytes, errors="replace")
+    assert text_of(corpus) == content.decode("utf-8", "replace")
+    assert text_of(corpus).count(UNKNOWN) == 5 and UNKNOWN in corpus.chars
+
+
+# --- vocabulary ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n_chars", "dtype"),
+    [(256, torch.uint8), (257, torch.uint16), (65536, torch.uint16), (65537, torch.uint32)],
+)
+def test_ids_take_the_narrowest_dtype_and_round_trip_exactly(tmp_path: Path, n_chars: int, dtype: torch.dtype) -> None:
+    chars = distinct_chars(n_chars)
+    text = chars[::-1] + chars[:300]
+    corpus = prepare(write(tmp_path / "t.txt", text), chunk_bytes=4096)
+    assert corpus.ids.dtype == dtype and corpus.vocab_size == n_chars
+    expected = CharTokenizer.from_text(text).encode_tensor(text)
+    assert int(expected.max()) == n_chars - 1  # the highest id is there: above 32767 for the uint16 cases
+    assert torch.equal(corpus.ids.to(torch.int64), expected)
+    # batches widen every id exactly, above 32767 (uint16) and 65535 (uint32) included
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for got, want in zip(get_batch(corpus.ids, 64, 16, g1), get_batch(expected, 64, 16, g2), strict=True):
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_get_batch_keeps_uint16_ids_above_32767() -> None:
+    values = np.arange(65536 - 40, 65536, dtype=np.uint16)
+    for ids in (torch.from_numpy(values), torch.from_numpy(values.astype(np.uint32) + 70000)):
+        x, y = get_batch(ids, 8, 4, torch.Generator().manual_seed(0))
+        assert int(x.min()) >= int(values[0]) and x.dtype == torch.int64
+        assert torch.equal(y, x + 1)  # consecutive values: the target is the next one
+
+
+def test_max_vocab_keeps_the_most_frequent_and_maps_the_rest_to_unknown(tmp_path: Path) -> None:
+    text = "a" * 50 + "b" * 40 + "c" * 30 + "e" * 5 + "d" * 5 + "z" * 1  # d and e tie: the lower code point stays
+    f = write(tmp_path / "t.txt", text)
+    corpus = prepare(f, max_vocab=5)
+    assert corpus.chars == ["a", "b", "c", "d", UNKNOWN]
+    assert text_of(corpus) == text.replace("e", UNKNOWN).replace("z", UNKNOWN)
+    (note,) = corpus.notes
+    assert "data.max_vocab=5: 2 rare character(s), 6 occurrences" in note and "U+FFFD" in note
+    # a cap the text fits in changes nothing; without one every character is kept
+    assert prepare(f, max_vocab=6).chars == prepare(f).chars == sorted(set(text))
+    assert prepare(f, max_vocab=6).notes == ()
+
+
+def test_an_unknown_symbol_already_in_the_text_is_not_counted_twice(tmp_path: Path) -> None:
+    text = "aaaa" + UNKNOWN * 3 + "bb" + "c"
+    corpus = prepare(write(tmp_path / "t.txt", text), max_vocab=3)
+    assert corpus.chars == ["a", "b", UNKNOWN]
+    assert "1 rare character(s), 1 occurrences" in corpus.notes[0]
+
+
+def test_a_given_vocabulary_encodes_and_names_characters_outside_it(tmp_path: Path) -> None:
+    first = prepare(write(tmp_path / "first.txt", "hello world"))
+    second = prepare(write(tmp_path / "second.txt", "low dell"), vocab=first.chars)
+    assert second.chars == first.chars and text_of(second) == "low dell"
+    with pytest.raises(
+        DataError, match=r"2 character\(s\) the model never saw \(outside its vocabulary of 8\): 'H', 'W'"
+    ):
+        prepare(write(tmp_path / "third.txt", "Hello World"), vocab=first.chars)
+    with_unknown = sorted([*first.chars, UNKNOWN])
+    mapped = prepare(tmp_path / "third.txt", vocab=with_unknown)
+    assert text_of(mapped) == f"{UNKNOWN}ello {UNKNOWN}orld" and "2 rare character(s)" in mapped.notes[0]
+
+
+def test_resuming_with_the_texts_own_vocabulary_reuses_its_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = write(tmp_path / "t.txt", MIXED)
+    first = prepare(f)
+    monkeypatch.setattr(data.prepare, "count_chars", refuse_to_read)
+    again = prepare(f, vocab=first.chars)
+    assert again.cache_hit and again.path == first.path
+
+
+# --- cache -----------------------------------------------------------------------------------------------------------
+
+
+def refuse_to_read(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the text was read again")
+
+
+def test_a_second_run_reuses_the_cache_without_reading_the_text(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = write(tmp_path / "t.txt", MIXED * 5)
+    first = prepare(f)
+    assert not first.cache_hit and first.path.parent == cache
+    monkeypatch.setattr(data.prepare, "count_chars", refuse_to_read)
+    monkeypatch.setattr(data.prepare, "write_ids", refuse_to_read)
+    second = prepare(f, chunk_bytes=1 << 20)  # the read size is not part of the key: it never changes the ids
+    assert second.cache_hit and "cached" in second.description and second.path == first.path
+    assert torch.equal(second.ids, first.ids) and second.chars == first.chars
+    assert entries(cache) == [first.path.name, first.path.with_suffix(".json").name]
+
+
+def test_a_changed_file_is_encoded_again_and_its_old_entry_removed(tmp_path: Path, cache: Path) -> None:
+    f = write(tmp_path / "t.txt", "old text, old text")
+    first = prepare(f)
+    write(f, "new text, now longer than before")
+    second = prepare(f)
+    assert not second.cache_hit and text_of(second) == "new text, now longer than before"
+    assert entries(cache) == [second.path.name, second.path.with_suffix(".json").name]
+    assert not first.path.exists()
+
+
+def test_an_edit_keeping_size_and_mtime_is_caught_by_the_content_hash(tmp_path: Path) -> None:
+    f = write(tmp_path / "t.txt", "abcdefgh" * 10)
+    prepare(f)
+    before = f.stat()
+    write(f, "hgfedcba" * 10)
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert f.stat().st_mtime_ns == before.st_mtime_ns and f.stat().st_size == before.st_size
+    again = prepare(f)
+    assert not again.cache_hit and text_of(again) == "hgfedcba" * 10
+
+
+def test_large_inputs_are_keyed_by_size_and_mtime_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data.sources, "CONTENT_HASH_BELOW", 0)  # as if the file were large
+    f = write(tmp_path / "t.txt", "abcdefgh" * 10)
+    prepare(f)
+    before = f.stat()
+    write(f, "hgfedcba" * 10)
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert prepare(f).cache_hit  # not re-read: that is the point of keying large inputs by their metadata
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    assert text_of(prepare(f)) == "hgfedcba" * 10
+
+
+def test_settings_that_change_the_ids_have_entries_of_their_own(tmp_path: Path) -> None:
+    f = write(tmp_path / "t.txt", b"abc\xff abc")
+    replaced = prepare(f, errors="replace")
+    capped = prepare(f, errors="replace", max_vocab=2)
+    assert replaced.path != capped.path and replaced.path.exists()
+    assert prepare(f, errors="replace").cache_hit
+
+
+def test_a_failed_encoding_leaves_no_file_behind(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def write_some_then_fail(inputs: object, errors: str, lookup: np.ndarray, out, *args: object) -> int:
+        out.write(b"\0" * 10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data.prepare, "write_ids", write_some_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(write(tmp_path / "t.txt", MIXED))
+    assert entries(cache) == []  # neither a final name nor a partial file
+
+
+def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
+    data_folder = tmp_path / "shared"
+    write(data_folder / "encoded", "a file where the cache folder would go")  # mkdir fails even for root
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(data_folder))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    corpus = prepare(write(tmp_path / "t.txt", MIXED))
+    assert corpus.path.parent == tmp_path / "user-cache" / "tinychar" / "encoded"
+    assert any("cannot write to the cache folder" in note for note in corpus.notes)
+    assert prepare(tmp_path / "t.txt").cache_hit
+
+
+def test_a_read_only_data_folder_is_left_alone_even_by_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(shared))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    shared.chmod(0o555)
+    try:
+        corpus = prepare(write(tmp_path / "t.txt", MIXED))
+    finally:
+        shared.chmod(0o755)
+    assert list(shared.iterdir()) == []  # no encoded/ folder made in it
+    assert corpus.path.parent == tmp_path / "user-cache" / "tinychar" / "encoded"
+
+
+def test_a_chosen_cache_folder_is_used_or_refused(tmp_path: Path) -> None:
+    f = write(tmp_path / "t.txt", MIXED)
+    assert prepare(f, cache_dir=str(tmp_path / "mine")).path.parent == tmp_path / "mine"
+    blocked = write(tmp_path / "blocked", "a file, not a folder")
+    with pytest.raises(DataError, match="cannot write the encoded corpus to .*blocked.*set data.cache_dir"):
+        prepare(f, cache_dir=str(blocked))
+
+
+def test_the_cache_entry_describes_itself(tmp_path: Path) -> None:
+    corpus = prepare(write(tmp_path / "t.txt", MIXED))
+    meta = json.loads(corpus.path.with_suffix(".json").read_text(encoding="utf-8"))
+    assert meta["chars"] == corpus.chars and meta["n_tokens"] == corpus.n_tokens and meta["dtype"] == "|u1"
+    assert meta["sources"][0][0] == str((tmp_path / "t.txt").resolve())
+
+
+# --- memory map ------------------------------------------------------------------------------------------------------
+
+
+def rss_anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+def mapped_ranges(path: Path) -> list[range]:
+    """The address ranges at which this process maps path, from /proc/self/maps."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path.resolve()):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append(range(start, end))
+    return ranges
+
+
+def test_ids_are_a_memory_map_of_the_cache_file_not_a_copy(tmp_path: Path) -> None:
+    f = tmp_path / "big.txt"
+    with f.open("w", encoding="utf-8") as out:
+        for _ in range(24):
+            out.write("abcdefghijklmnopqrstuvwxyz0123456789 .,;\n" * 25_000)  # 24 MB
+    prepare(f, chunk_bytes=1 << 22)
+    before = rss_anon_mb()
+    corpus = prepare(f)
+    train, val = split_ids(corpus.ids, 0.1, 8)
+    checksum = int(corpus.ids[::4096].sum())  # reads a byte of every page: file pages, not this process's own
+    for _ in range(20):
+        get_batch(train, 8, 32, torch.Generator().manual_seed(0))
+    assert checksum > 0 and rss_anon_mb() - before < 8  # a copy would add 24 MB (uint8) or 192 MB (int64)
+
+    # the tensor's memory is the kernel's mapping of the cache file
+    assert any(corpus.ids.data_ptr() in r for r in mapped_ranges(corpus.path))
+    # split_ids gives views into the same map
+    assert train.data_ptr() == corpus.ids.data_ptr()
+    assert val.data_ptr() == corpus.ids.data_ptr() + len(train) * corpus.ids.element_size()
+
+
+def test_ids_on_a_device_are_read_from_the_cache_file_in_pieces(tmp_path: Path) -> None:
+    corpus = prepare(write(tmp_path / "t.txt", distinct_chars(300) * 3))
+    assert corpus.ids.dtype == torch.uint16 and corpus.ids_on("cpu") is corpus.ids
+    for piece_bytes in (2, 6, 1 << 20):  # one id at a time, three, and all at once
+        copy = data.prepare._read_ids(corpus.path, corpus.ids.dtype, corpus.n_tokens, torch.device("cpu"), piece_bytes)
+        assert torch.equal(copy, corpus.ids) and copy.data_ptr() != corpus.ids.data_ptr()
+
+
+def test_a_stray_write_to_the_ids_never_reaches_the_cache_file(tmp_path: Path) -> None:
+    corpus = prepare(write(tmp_path / "t.txt", MIXED))
+    on_disk = corpus.path.read_bytes()
+    corpus.ids[:5] = 0
+    assert corpus.path.read_bytes() == on_disk
+    assert text_of(prepare(tmp_path / "t.txt")) == MIXED
+
+
+# --- config ----------------------------------------------------------------------------------------------------------
+
+
+def test_data_config_new_fields_default_and_validate() -> None:
+    cfg = DataConfig()
+    assert (cfg.errors, cfg.max_vocab, cfg.cache_dir) == ("strict", None, None)
+    for bad, message in [
+        ({"errors": "ignore"}, "data.errors must be one of strict, replace, got 'ignore'"),
+        ({"max_vocab": 1}, "data.max_vocab must be >= 2"),
+        ({"max_vocab": True}, "data.max_vocab must be >= 2"),
+        ({"cache_dir": " "}, "data.cache_dir is empty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DataConfig(**bad)
