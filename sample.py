@@ -18,6 +18,9 @@ from model import CheckpointError, load_checkpoint, model_from_checkpoint
 from model.runtime import DeviceError, OneLineParser, resolve_device
 
 SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
+# generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
+# text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
+MAX_NEW_TOKENS = 10_000_000
 
 
 class UsageError(ValueError):
@@ -53,6 +56,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS:,}, got {args.max_new_tokens}")
+    if not -(2**63) <= args.seed < 2**63:  # what torch.Generator.manual_seed takes without an overflow
+        raise UsageError(f"--seed must fit in a signed 64-bit integer, got {args.seed}")
     if not args.temperature >= 0 or args.temperature == float("inf"):
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:

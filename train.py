@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import signal
 import sys
 import threading
@@ -25,19 +26,26 @@ import torch
 import yaml
 
 from configs import ConfigError, apply_overrides, build, describe, flatten, load_yaml, to_dict
-from data import CharTokenizer, DataConfig, DataError, get_batch, load_corpus, split_ids
-from model import GPT, CheckpointError, GPTConfig, load_checkpoint, save_checkpoint
+from data import CharTokenizer, DataConfig, DataError, get_batch, prepare_corpus, split_ids
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+from model.checkpoint import write_atomic
 from model.runtime import DeviceError, OneLineParser, autocast_context, resolve_device, resolve_dtype
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
+MAX_THREADS = 4096
+# What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
+TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
+# Temporary files that an atomic write killed midway leaves behind (see save_checkpoint and write_atomic).
+STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
 
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "train.max_iters", "train.lr_decay_iters", "train.min_lr", "train.eval_interval",
     "train.eval_iters", "train.log_interval", "train.device", "train.dtype", "train.compile",
-    "train.threads", "train.sample_chars", "train.tensorboard",
+    "train.threads", "train.sample_chars", "train.tensorboard", "data.cache_dir",
 })
 
 
@@ -78,6 +86,8 @@ class TrainConfig:
         for name in ("max_iters", "warmup_iters", "sample_chars", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.threads > MAX_THREADS:
+            raise ValueError(f"train.threads must be at most {MAX_THREADS} (0 = torch's default), got {self.threads}")
         for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -120,7 +130,12 @@ class UsageError(ValueError):
 
 
 class Diverged(RuntimeError):
-    """The loss or gradient norm stopped being finite."""
+    """The loss or gradient norm of a step stopped being finite; the step was not applied to the weights."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, saved_step: int | None) -> None:
+        super().__init__(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}")
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        self.saved_step = saved_step  # the step of out_dir/ckpt.pt, None when the run has written none
 
 
 class SaveError(RuntimeError):
@@ -158,6 +173,23 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM outside the training loop, where there is nothing to save."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class InterruptSignals(StopSignals):
+    """While active, Ctrl-C (SIGINT) and SIGTERM raise Interrupted at once. For the work before the training loop
+    (reading the data, building the model), which has nothing to save and should not keep anyone waiting, and so
+    that SIGTERM there ends the run with a line and status 143 as it does during training."""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        raise Interrupted(signum)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -261,7 +293,12 @@ class Logger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=start if start > 0 else None)
+            # TensorBoard hides every earlier event at or after purge_step: those a killed or stopped run logged
+            # past its last checkpoint, which this run logs again. Events at `start` itself were written before
+            # that checkpoint (see flush) and stay, unless this run logs `start` again (nothing left to train); a
+            # fresh run owns every step, so a run that died before its first checkpoint leaves nothing behind.
+            first = 0 if start == 0 else start + 1 if start < total else start
+            self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)
 
     def info(self, line: str) -> None:
         if self.bar is not None:
@@ -304,6 +341,11 @@ class Logger:
         for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
             self.writer.file_writer.add_summary(summary)
         self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
+
+    def flush(self) -> None:
+        """Put every event logged so far into the file (not only the writer's queue)."""
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -357,6 +399,40 @@ def checkpoint_payload(model: GPT, optimizer, scaler, tokenizer, cfg: RunConfig,
     }
 
 
+def check_training_state(payload: dict, path: Path) -> None:
+    """Refuse, in one line, a checkpoint that cannot be continued: weights only, or damaged in a way that would
+    otherwise surface as a traceback halfway through setting the run up."""
+    model_from_checkpoint(payload, path)  # vocabulary, model config and weights fit together
+    missing = [key for key in TRAINING_STATE if key not in payload]
+    if "config" in missing or "optimizer" in missing:
+        raise CheckpointError(f"{path} holds weights only (no training state); it cannot be resumed")
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}; it is damaged and cannot be resumed")
+    rng = payload["rng"]
+    if not isinstance(payload["config"], dict) or not isinstance(rng, dict) or not {"torch", "batches"} <= set(rng):
+        raise CheckpointError(f"{path} has a damaged run config or RNG state; it cannot be resumed")
+
+
+def restore_training_state(payload: dict, model: GPT, optimizer, scaler, gen: torch.Generator,
+                           path: Path) -> tuple[int, float]:
+    """Load weights, optimizer, scaler and every RNG from a checkpoint into a freshly built run; (step, best_val)."""
+    try:
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        if scaler is not None and payload.get("scaler"):
+            scaler.load_state_dict(payload["scaler"])
+        step, best_val = int(payload["step"]), float(payload["best_val_loss"])
+        torch.set_rng_state(payload["rng"]["torch"])
+        gen.set_state(payload["rng"]["batches"])
+        if torch.cuda.is_available() and "cuda" in payload["rng"]:
+            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} does not fit the run it describes ({first}); it is damaged and cannot be "
+                              f"resumed") from None
+    return step, best_val
+
+
 def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
     """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused."""
     old, new = flatten(saved), flatten(to_dict(cfg))
@@ -377,23 +453,16 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     prepare_out_dir(out_dir, resume, overwrite)
     tc, block_size = cfg.train, cfg.model.block_size
     device = resolve_device(tc.device)
-    dtype = resolve_dtype(tc.dtype, device)
+    dtype = resolve_dtype(tc.dtype, device, cfg.model.n_embd)
     if tc.threads:
         torch.set_num_threads(tc.threads)
 
-    text, source = load_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False)
-    if payload is not None:
-        tokenizer = CharTokenizer(payload["vocab"])
-        unseen = tokenizer.unknown(text)
-        if unseen:
-            raise UsageError(f"the data now holds characters the saved model never saw ({''.join(unseen)[:20]!r}); "
-                             f"resume on the same text or start a new run")
-    else:
-        tokenizer = CharTokenizer.from_text(text)
-    ids = tokenizer.encode_tensor(text)
+    # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
+    corpus = prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False,
+                            vocab=payload["vocab"] if payload is not None else None)
+    tokenizer = corpus.tokenizer()
+    ids = corpus.ids_on(device) if device.type == "cuda" else corpus.ids  # uint8/16/32; get_batch widens windows
     train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
-    if device.type == "cuda":
-        train_ids, val_ids = train_ids.to(device), val_ids.to(device)
 
     torch.manual_seed(cfg.seed)
     model_cfg = replace(cfg.model, vocab_size=tokenizer.vocab_size)
@@ -403,29 +472,31 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     gen = torch.Generator().manual_seed(cfg.seed)
     step, best_val = 0, float("inf")
     if payload is not None:
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        if scaler is not None and payload.get("scaler"):
-            scaler.load_state_dict(payload["scaler"])
-        step, best_val = int(payload["step"]), float(payload["best_val_loss"])
-        torch.set_rng_state(payload["rng"]["torch"])
-        gen.set_state(payload["rng"]["batches"])
-        if torch.cuda.is_available() and "cuda" in payload["rng"]:
-            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+        step, best_val = restore_training_state(payload, model, optimizer, scaler, gen, out_dir / "ckpt.pt")
 
     # Everything is checked: from here on the run writes into out_dir.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if overwrite and not resume:
-        for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
-            old.unlink(missing_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
+            for stale in out_dir.glob(pattern):
+                stale.unlink(missing_ok=True)
+        if overwrite and not resume:
+            for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
+                old.unlink(missing_ok=True)
+        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
+        write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
+    except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise UsageError(f"cannot write into out_dir '{out_dir}' ({reason}); choose another out_dir") from None
 
     fwd = torch.compile(model) if tc.compile else model
     splits = {"train": train_ids, "val": val_ids}
     params = model.num_params()
     log = Logger(out_dir, step, tc.max_iters, tc.tensorboard, progress)
-    log.info(f"data: {source} ({len(ids):,} characters, vocabulary {tokenizer.vocab_size}); "
-             f"model: {params / 1e6:.2f}M parameters; device {device}, {str(dtype).replace('torch.', '')}"
+    log.info(f"data: {corpus.description}")
+    for note in corpus.notes:
+        log.info(note)
+    log.info(f"model: {params / 1e6:.2f}M parameters; device {device}, {str(dtype).replace('torch.', '')}"
              + (", compiled" if tc.compile else ""))
     if resume:
         log.info(f"resuming {out_dir / 'ckpt.pt'} at step {step}")
@@ -437,11 +508,17 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     timing = {"eval": 0.0}
     val_history: list[tuple[float, float]] = []  # (seconds since start, validation loss)
     last_losses: dict[str, float] = {}
+    saved_step = step if payload is not None else None  # the step out_dir/ckpt.pt holds
 
     def save(step: int, improved: bool) -> None:
+        nonlocal saved_step
         state = checkpoint_payload(model, optimizer, scaler, tokenizer, cfg, step, best_val, gen)
+        # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving and
+        # resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
+        log.flush()
         try:
             save_checkpoint(state, out_dir / "ckpt.pt")
+            saved_step = step
             if improved:
                 save_checkpoint(state, out_dir / "best.pt")
         except OSError as e:
@@ -451,7 +528,7 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     def evaluate_and_save(step: int) -> None:
         nonlocal best_val
         t0 = time.perf_counter()
-        losses = estimate_loss(fwd, splits, block_size, tc.batch_size, tc.eval_iters, cfg.seed + 1, device, dtype)
+        losses = estimate_loss(model, splits, block_size, tc.batch_size, tc.eval_iters, cfg.seed + 1, device, dtype)
         improved = losses["val"] < best_val
         best_val = min(best_val, losses["val"])
         log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"], "hparam/best_val_loss": best_val})
@@ -471,8 +548,9 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     t_log, steps_since_log = time.perf_counter(), 0
     stop = StopSignals()
     model.train()
-    try:
-        with stop:
+    # The handlers stay until the end of the run, so a signal while the logs are closed cannot cut that short.
+    with stop:
+        try:
             while step < tc.max_iters and stop.signal is None:
                 lr = lr_at(step, tc)
                 for group in optimizer.param_groups:
@@ -492,7 +570,7 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
                 # Checked before the update, so a non-finite step never reaches the weights. (With float16 the
                 # gradient scaler skips such steps itself and lowers its scale.)
                 if scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
-                    raise Diverged(f"step {step + 1}: loss {float(loss_sum):.4g}, gradient norm {float(grad_norm):.4g}")
+                    raise Diverged(step + 1, float(loss_sum), float(grad_norm), saved_step)
                 if scaler is not None:
                     scaler.step(optimizer)
                     scaler.update()
@@ -522,11 +600,11 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
                 raise Stopped(stop.signal, step)
             if not last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
                 evaluate_and_save(step)
-    finally:
-        log.close()
-    elapsed = time.perf_counter() - t_start
-    print(f"done: step {step}, val loss {last_losses['val']:.4f} (best {best_val:.4f}) in {elapsed:.1f}s; "
-          f"sample with: python sample.py --out-dir {out_dir}", flush=True)
+        finally:
+            log.close()
+        elapsed = time.perf_counter() - t_start
+        print(f"done: step {step}, val loss {last_losses['val']:.4f} (best {best_val:.4f}) in {elapsed:.1f}s; "
+              f"sample with: python sample.py --out-dir {shlex.quote(str(out_dir))}", flush=True)
     return {**last_losses, "best_val": best_val, "seconds": elapsed, "eval_seconds": timing["eval"],
             "val_history": val_history, "step": step}
 
@@ -556,7 +634,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="start afresh even if out_dir holds a run")
     parser.add_argument("--out-dir", default=None, help="same as the override out_dir=DIR")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.max_iters=500")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; choose one")
     if args.out_dir is not None:
@@ -564,43 +642,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
+    """One line: the step that went non-finite, what was kept, and what to change."""
+    ckpt = Path(cfg.out_dir) / "ckpt.pt"
+    kept = (f"the last good checkpoint {ckpt} (step {e.saved_step}) is untouched" if e.saved_step is not None
+            else "no checkpoint had been written yet")
+    tries = ["a lower train.learning_rate", "a longer train.warmup_iters"]
+    if cfg.train.grad_clip == 0:
+        tries.append("train.grad_clip=1.0")
+    if cfg.train.dtype != "float32":
+        tries.append("train.dtype=float32")
+    # The same state and batches would diverge again, and a resume may not change the learning rate: a new run.
+    return (f"training diverged at step {e.step} (loss {e.loss:.4g}, gradient norm {e.grad_norm:.4g}) and stopped "
+            f"before updating the weights; {kept}. Try {', '.join(tries[:-1])} or {tries[-1]}, in a new run "
+            f"(another out_dir, or --overwrite)")
+
+
 def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
     args = parse_args(argv)
+    cfg = None
     try:
-        cfg = load_config(args.config, args.overrides)
-        payload = None
-        if args.resume:
-            ckpt = Path(cfg.out_dir) / "ckpt.pt"
-            if not ckpt.exists():
-                raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
-            payload = load_checkpoint(ckpt)
-            if "config" not in payload or "optimizer" not in payload:
-                raise CheckpointError(f"{ckpt} holds weights only (no training state); it cannot be resumed")
-            if args.config is None:  # no config named: continue with the saved one
-                cfg = load_config(None, args.overrides, base=payload["config"])
-            for change in check_resume_config(payload["config"], cfg):
-                print(f"resume: {change}", flush=True)
-        run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload)
+        with InterruptSignals():
+            cfg = load_config(args.config, args.overrides)
+            payload = None
+            if args.resume:
+                ckpt = Path(cfg.out_dir) / "ckpt.pt"
+                if not ckpt.exists():
+                    raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
+                payload = load_checkpoint(ckpt)
+                check_training_state(payload, ckpt)
+                if args.config is None:  # no config named: continue with the saved one
+                    cfg = load_config(None, args.overrides, base=payload["config"])
+                for change in check_resume_config(payload["config"], cfg):
+                    print(f"resume: {change}", flush=True)
+            run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload)
     except (ConfigError, DataError, CheckpointError, DeviceError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Diverged as e:
-        print(f"error: training diverged at {e}; the last good checkpoint is kept. Try a lower "
-              f"train.learning_rate, train.grad_clip=1.0, or train.dtype=float32", file=sys.stderr)
+    except Diverged as e:  # not bad input: the run itself went wrong
+        print(f"error: {divergence_advice(e, cfg)}", file=sys.stderr)
         return 1
     except SaveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Stopped as e:
-        out_dir = Path(cfg.out_dir)
-        print(f"stopped at step {e.step}: saved {out_dir / 'ckpt.pt'}; continue with: python train.py "
+        out_dir = shlex.quote(str(cfg.out_dir))
+        print(f"stopped at step {e.step}: saved {Path(cfg.out_dir) / 'ckpt.pt'}; continue with: python train.py "
               f"--out-dir {out_dir} --resume", file=sys.stderr)
         return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as shells report them
-    except KeyboardInterrupt:
-        print("interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130
+    except Interrupted as e:
+        print(f"interrupted ({signal.Signals(e.signum).name}) before training started; nothing was saved",
+              file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 
 if __name__ == "__main__":
+    # Outside main's own handlers, Ctrl-C and SIGTERM are ignored: main has then either not begun (it is reading its
+    # arguments) or said all it has to say, and a second Ctrl-C while the interpreter shuts down (torch's exit
+    # handlers take a moment) would only print a traceback from inside one of them.
+    for sig in StopSignals.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     sys.exit(main())

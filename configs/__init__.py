@@ -63,12 +63,18 @@ def _section_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _shown(text: str) -> str:
+    """Text a person typed, echoed in a message: as it is, or escaped where a newline or the like would break the
+    message's one line."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _unknown(key: str, cls: type, where: str, section: bool = False) -> ConfigError:
     # A misspelt section ('trian:' holding a mapping) is compared with the section names as well, which the
     # dotted keys alone never come close to.
     guess = nearest(key, valid_keys(cls) + (_section_keys(cls) if section else []))
     hint = f"; did you mean '{guess}'?" if guess else "; see `python train.py --help` for the valid keys"
-    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+    return ConfigError(f"unknown config key '{_shown(key)}'{where}{hint}")
 
 
 def _type_name(tp: Any) -> str:
@@ -187,6 +193,12 @@ def load_yaml(path: str | Path) -> dict:
         at = f" (line {mark.line + 1})" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file '{path}' is not valid YAML{at}: {problem}") from None
+    except (ValueError, OverflowError) as e:
+        # safe_load builds dates as it reads them: 'seed: 2024-13-01' is a date with month 13, which Python refuses
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"config file '{path}' holds a value YAML cannot build: {detail}") from None
+    except RecursionError:
+        raise ConfigError(f"config file '{path}' is nested too deeply to read") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -202,7 +214,7 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
     hints = _flat_hints(cls)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like KEY=VALUE, e.g. train.max_iters=500")
+            raise ConfigError(f"override '{_shown(item)}' must look like KEY=VALUE, e.g. train.max_iters=500")
         key, _, text = item.partition("=")
         key = key.strip()
         if key not in keys:

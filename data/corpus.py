@@ -24,6 +24,7 @@ SHAKESPEARE_FILE = "tinyshakespeare.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # 1,115,394 bytes
 _CHUNK = 1 << 16
 _TIMEOUT_S = 30.0  # per socket operation, so a dead connection fails instead of hanging the run
+_SNIFF = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 
 
 class DataError(ValueError):
@@ -150,8 +151,17 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
         raise DataError(f"{label}: cannot read {shown!r} (permission denied); check the file's permissions") from e
     except OSError as e:
         raise DataError(f"{label}: cannot read {shown!r} ({e.strerror or e})") from e
+    except ValueError as e:  # a NUL character in the path, which no file name can hold
+        raise DataError(f"{label}: {shown!r} is not a usable path ({e})") from e
     if not raw:
         raise DataError(f"{label}: {shown!r} is empty; give a UTF-8 text file with at least {min_chars} characters")
+    if b"\x00" in raw[:_SNIFF]:
+        # Text has no NUL bytes; a checkpoint, an archive, an image or UTF-16 text has many. Said plainly here, as
+        # the UTF-8 error below would suggest converting the file from Latin-1.
+        raise DataError(
+            f"{label}: {shown!r} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
+            "not UTF-8 text; give a UTF-8 text file"
+        )
     try:
         # Bytes decoded directly rather than a text-mode open, which would turn "\r\n" into "\n".
         text = raw.decode("utf-8")

@@ -10,8 +10,9 @@ import os
 import pickle
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -33,18 +34,25 @@ def _umask() -> int:
 
 
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
-    """Write payload to path so that a crash at any moment leaves either the old file or the new one.
+    """Write payload to path so that a crash at any moment leaves either the old file or the new one."""
+    write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **payload}, f))
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call write on a new file that then replaces path at once: a crash at any moment leaves the old file or the
+    new one, never a part of either.
 
     The bytes go to a temporary file in the same folder, are flushed to disk, and the file is renamed over the
-    old one (``os.replace`` is atomic within a file system). The temporary name starts with a dot and ends in
-    ``.tmp`` so it is never mistaken for a checkpoint.
+    old one (``os.replace`` is atomic within a file system). The temporary name, ``.<name>.<random>.tmp``, starts
+    with a dot and ends in ``.tmp`` so it is never mistaken for the file itself; a process killed before the rename
+    leaves it behind, for the next writer of the folder to remove.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it owner-only; a checkpoint is a normal file
-            torch.save({"format": FORMAT, "version": VERSION, **payload}, f)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it owner-only; this is a normal file
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -73,9 +81,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             # torch warns about the pickle protocol of files it did not write; the error below says all there is
             warnings.simplefilter("ignore", UserWarning)
             payload = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as e:
         # torch's own message spans several lines, carries terminal escape codes and explains how to load the
-        # file unsafely, which is not advice to pass on for a file nobody vouches for.
+        # file unsafely, which is not advice to pass on for a file nobody vouches for. The weights-only unpickler
+        # refuses a pickle that names a Python callable or class as an unsupported "global"; any other complaint
+        # (an "unsupported operand") is bytes that are no pickle at all: text, an image, a damaged file.
+        if "global" not in str(e).lower():
+            raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): it is not a "
+                                  f"file that torch.save wrote") from None
         raise CheckpointError(f"refusing to load '{path}': it holds Python objects, not just plain data "
                               f"(tensors, numbers, strings, lists, dicts); only load checkpoints tinychar wrote") from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
