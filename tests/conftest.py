@@ -77,3 +77,15 @@ def tiny_overrides(corpus: Path, out_dir: Path, **extra: object) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_small_run(base: Path, **extra: object) -> Path:
+    """Train a tiny model on SMALL_TEXT into base/out, in process; returns the run folder."""
+    import train
+
+    corpus = base / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    out = base / "out"
+    assert train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(corpus, out, **extra)],
+                      progress=False) == 0
+    return out

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, tiny_overrides
+from conftest import ROOT, SMALL_TEXT, train_small_run
 
 import sample
-import train
 from model import load_checkpoint, model_from_checkpoint
 
 PROMPT = "First Citizen:\n"  # longer than block_size 8, so generation starts from a cropped context
@@ -27,13 +26,7 @@ TRAIN_KEYS = {"train.max_iters": 200, "train.eval_interval": 100, "train.log_int
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A tiny model trained once for this module, long enough that its greedy text varies."""
-    base = tmp_path_factory.mktemp("sample_run")
-    corpus = base / "corpus.txt"
-    corpus.write_text(SMALL_TEXT, encoding="utf-8")
-    out = base / "out"
-    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(corpus, out, **TRAIN_KEYS)]
-    assert train.main(args, progress=False) == 0
-    return out
+    return train_small_run(tmp_path_factory.mktemp("sample_run"), **TRAIN_KEYS)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, tiny_overrides
+from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
 
 import train
 from configs import describe, to_dict, valid_keys
@@ -36,12 +36,7 @@ def _in_repo(monkeypatch):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     """A finished 20-step run, trained once for the module; tests that change it work on a copy."""
-    base = tmp_path_factory.mktemp("finished")
-    corpus = base / "corpus.txt"
-    corpus.write_text(SMALL_TEXT, encoding="utf-8")
-    out = base / "out"
-    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 0
-    return out
+    return train_small_run(tmp_path_factory.mktemp("finished"))
 
 
 def child_env() -> dict[str, str]:
