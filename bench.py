@@ -28,7 +28,7 @@ import torch
 from data import CharTokenizer, get_batch, load_corpus, split_ids
 from data.config import DataConfig
 from model import GPT, GPTConfig
-from model.runtime import autocast_context, resolve_dtype
+from model.runtime import autocast_context, matmul_ceiling, resolve_dtype
 from train import TrainConfig, make_optimizer
 
 # nanoGPT's figures measured on the 2-core machine this project is developed on (torch 2.13 CPU, 2 threads)
@@ -52,23 +52,10 @@ def time_it(fn: Callable[[], object], repeat: int) -> float:
 
 
 def matmul_ceilings(seconds: float = 1.5) -> dict[str, float]:
-    """GFLOP/s of a large square matrix multiply: float32 as PyTorch runs it by default, and bfloat16."""
-    n = 1024
-    out = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        reps = max(3, int(seconds / max(time_it(lambda: a @ b, 2), 1e-6)))  # noqa: B023
-        out[name] = 2 * n**3 / time_it(lambda: a @ b, reps) / 1e9  # noqa: B023
-    return out
-
-
-def flops_per_token(cfg: GPTConfig) -> float:
-    """Training FLOPs per token: 6 per matrix parameter (forward 2, backward 4) plus attention's scores and
-    weighted sums (forward 2 * 2 * T * C per layer, three times that with the backward pass)."""
-    C, L, T = cfg.n_embd, cfg.n_layer, cfg.block_size
-    matrix_params = L * 12 * C * C + cfg.vocab_size * C  # qkv, proj, mlp in/out; the (tied) head
-    return 6 * matrix_params + 12 * L * T * C
+    """GFLOP/s of a 1024x1024 matrix multiply, best of many: float32 as PyTorch runs it by default, and bfloat16."""
+    cpu = torch.device("cpu")
+    return {name: matmul_ceiling(cpu, dtype, seconds) / 1e9
+            for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
 
 
 class Loop:
@@ -135,7 +122,7 @@ def bench_training(train_ids: torch.Tensor, vocab: int, rounds: int, steps: int,
             ceiling = ceilings["bfloat16" if loop.dtype == torch.bfloat16 else "float32"]
             results.append({
                 "row": row_name, "loop": loop.name, "ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec,
-                "mfu": flops_per_token(loop.cfg) * tokens / sec / (ceiling * 1e9),
+                "mfu": loop.model.flops_per_token() * tokens / sec / (ceiling * 1e9),
                 "dtype": str(loop.dtype).replace("torch.", ""),
             })
     return results

@@ -90,6 +90,13 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per weight of every matrix multiply (2 forward, 4 backward), including the
+        tied output head, plus attention's scores and weighted sums (2 * 2 * T * C forward per layer, times 3)."""
+        C, L, T = self.config.n_embd, self.config.n_layer, self.config.block_size
+        matrix_weights = L * 12 * C * C + self.config.vocab_size * C  # q/k/v, projection, MLP in and out; the head
+        return 6 * matrix_weights + 12 * L * T * C
+
     def hidden(
         self, idx: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import NoReturn
 
@@ -75,6 +77,25 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> AbstractContex
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, n: int = 1024) -> float:
+    """Measured FLOP/s of a large square matrix multiply in dtype on device: the best of a few short timings,
+    the yardstick for model FLOPs utilisation (MFU)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = math.inf
+    deadline = time.perf_counter() + seconds
+    while True:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            return 2 * n**3 / best
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -177,3 +177,11 @@ def test_sample_next_top_k_and_top_p_only_draw_allowed_ids():
     probs = torch.softmax(logits[0], -1)  # 0.64, 0.24, ... : top_p=0.7 keeps ids 4 and 3
     assert probs[4] < 0.7 < probs[4] + probs[3]
     assert set(sample_next(logits, top_p=0.7, generator=gen).flatten().tolist()) == {3, 4}
+
+
+def test_flops_per_token_counts_every_matrix_weight_and_attention():
+    model = tiny(bias=False, n_layer=3, n_embd=32, n_head=4, block_size=8)
+    C, L, T = 32, 3, 8
+    norm_weights = (2 * L + 1) * C  # layer norms: not matrix multiplies
+    matrix_weights = model.num_params() - norm_weights  # num_params() already leaves out the position table
+    assert model.flops_per_token() == 6 * matrix_weights + 12 * L * T * C
