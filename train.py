@@ -3,6 +3,7 @@
     python train.py                                    # = --config configs/tiny.yaml
     python train.py --config configs/shakespeare_char_cpu.yaml train.max_iters=500 data.path=my.txt
     python train.py --resume                           # continue out_dir/ckpt.pt
+    torchrun --standalone --nproc-per-node 2 train.py  # data-parallel over 2 processes (DDP)
     tensorboard --logdir runs
 
 Config: a YAML file of sections (data, model, train) and top-level keys (out_dir, seed), then dotted
@@ -12,12 +13,16 @@ KEY=VALUE overrides. ``python train.py --help`` lists every key with its default
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import io
 import math
 import shlex
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self
@@ -27,9 +32,10 @@ import yaml
 
 from configs import ConfigError, apply_overrides, build, describe, flatten, load_yaml, to_dict
 from data import CharTokenizer, DataConfig, DataError, get_batch, prepare_corpus, split_ids
-from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+from model import GPT, CheckpointError, GPTConfig, distributed, load_checkpoint, model_from_checkpoint, save_checkpoint
 from model.checkpoint import write_atomic
-from model.runtime import DeviceError, OneLineParser, autocast_context, resolve_device, resolve_dtype
+from model.distributed import BACKENDS, Launch, LaunchError, derived_seed
+from model.runtime import DeviceError, OneLineParser, autocast_context, resolve_dtype
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -40,12 +46,16 @@ MAX_THREADS = 4096
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
 # Temporary files that an atomic write killed midway leaves behind (see save_checkpoint and write_atomic).
 STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
+# The streams of random numbers each process of a torchrun launch draws for itself (but rank 0, which uses the seed
+# as a lone process does): derived_seed(seed, stream, rank), and derived_seed(seed, stream, rank, step) after a
+# resume with another number of processes.
+BATCHES, DROPOUT, EVALUATION = range(3)
 
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "train.max_iters", "train.lr_decay_iters", "train.min_lr", "train.eval_interval",
     "train.eval_iters", "train.log_interval", "train.device", "train.dtype", "train.compile",
-    "train.threads", "train.sample_chars", "train.tensorboard", "data.cache_dir",
+    "train.threads", "train.sample_chars", "train.tensorboard", "train.backend", "data.cache_dir",
 })
 
 
@@ -76,7 +86,10 @@ class TrainConfig:
     dtype: str = field(default="auto", metadata={
         "help": "auto, float32, bfloat16 or float16 (autocast); auto = bfloat16 on CUDA if supported, else float32"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (slow start, faster steps)"})
-    threads: int = field(default=0, metadata={"help": "CPU threads for torch (0 = torch's default)"})
+    threads: int = field(default=0, metadata={
+        "help": "CPU threads for torch (0 = torch's default; under torchrun, the cores shared out among processes)"})
+    backend: str = field(default="auto", metadata={
+        "help": "process group backend under torchrun: auto (nccl on CUDA, else gloo), gloo or nccl"})
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "grad_accum_steps", "eval_interval", "eval_iters", "log_interval")
@@ -104,6 +117,8 @@ class TrainConfig:
             raise ValueError(f"train.device must be one of auto, cpu, cuda, cuda:N, mps; got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"train.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,6 +205,49 @@ class InterruptSignals(StopSignals):
 
     def _handle(self, signum: int, frame: object) -> None:
         raise Interrupted(signum)
+
+
+# ------------------------------------------------------------------------------------- several processes
+
+
+class SharedFailure(Exception):
+    """Under torchrun, a failure of one process that every process has agreed on (see agree): all of them stop with
+    its exit status, and rank 0 prints its line (None for a bug, whose traceback the failing process prints)."""
+
+    def __init__(self, rank: int, status: int, line: str | None) -> None:
+        super().__init__(f"rank {rank} failed with status {status}")
+        self.rank, self.status, self.line = rank, status, line
+
+
+def agree(launch: Launch, error: Exception | None) -> None:
+    """Collective under torchrun: every process learns whether any failed at this point and, if one did, all raise
+    SharedFailure for the lowest failing rank, instead of some carrying on to wait for a partner that has gone. A bug
+    is re-raised by the process that met it, for its traceback. Alone, a process simply raises its own error."""
+    if not launch.torchrun:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (exit_status(error), failure_line(error, None, launch))
+    failures = distributed.all_gather(mine)
+    failed = next((rank for rank, failure in enumerate(failures) if failure is not None), None)
+    if failed is None:
+        return
+    status, line = failures[failed]
+    if line is None and failed == launch.rank:
+        raise error
+    raise SharedFailure(failed, status, line) from None
+
+
+@contextlib.contextmanager
+def agreeing(launch: Launch) -> Iterator[None]:
+    """A block whose failure in any process stops every process when the block ends (see agree). Each process runs
+    its own block, so there is one agreement per block in every process, whatever each one did inside it."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every failure is shared, bugs included, so that no process is left waiting
+        error = e
+    agree(launch, error)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -280,10 +338,14 @@ def estimate_loss(
 
 
 class Logger:
-    """Progress to the terminal (a tqdm bar, or plain lines when output is not a terminal) and TensorBoard."""
+    """Progress to the terminal (a tqdm bar, or plain lines when output is not a terminal) and TensorBoard. A quiet
+    Logger (every process of a torchrun launch but rank 0) shows and writes nothing."""
 
-    def __init__(self, out_dir: Path, start: int, total: int, tensorboard: bool, progress: bool | None) -> None:
-        self.progress = sys.stderr.isatty() if progress is None else progress
+    def __init__(self, out_dir: Path, start: int, total: int, tensorboard: bool, progress: bool | None,
+                 quiet: bool = False) -> None:
+        self.quiet = quiet
+        tensorboard = tensorboard and not quiet
+        self.progress = False if quiet else sys.stderr.isatty() if progress is None else progress
         self.bar = None
         if self.progress:
             from tqdm import tqdm
@@ -301,6 +363,8 @@ class Logger:
             self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)
 
     def info(self, line: str) -> None:
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -381,11 +445,24 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
                          f"choose another out_dir=..., or start afresh with --overwrite")
 
 
+def rank_rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random state: dropout's (torch's, and its GPU's on CUDA) and its batch generator's."""
+    state = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
 def checkpoint_payload(model: GPT, optimizer, scaler, tokenizer, cfg: RunConfig, step: int, best_val: float,
-                       gen: torch.Generator) -> dict[str, Any]:
+                       gen: torch.Generator, ranks: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Everything a run needs to continue. ranks: every process's rank_rng_state, in rank order, under torchrun; the
+    top-level RNG states are this process's (rank 0's), where a one-process run keeps its own."""
     rng = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    world_size = len(ranks) if ranks else 1
+    if world_size > 1:
+        rng["per_rank"] = ranks
     return {
         "model": model.state_dict(),
         "model_config": model.config.to_dict(),
@@ -396,6 +473,7 @@ def checkpoint_payload(model: GPT, optimizer, scaler, tokenizer, cfg: RunConfig,
         "best_val_loss": best_val,
         "config": to_dict(cfg),
         "rng": rng,
+        "world_size": world_size,  # for information: a run resumes with any number of processes
     }
 
 
@@ -413,24 +491,56 @@ def check_training_state(payload: dict, path: Path) -> None:
         raise CheckpointError(f"{path} has a damaged run config or RNG state; it cannot be resumed")
 
 
-def restore_training_state(payload: dict, model: GPT, optimizer, scaler, gen: torch.Generator,
-                           path: Path) -> tuple[int, float]:
-    """Load weights, optimizer, scaler and every RNG from a checkpoint into a freshly built run; (step, best_val)."""
+# What a checkpoint that does not fit the run it describes makes torch or the code below raise.
+DAMAGED = (RuntimeError, ValueError, TypeError, KeyError, IndexError)
+
+
+def damaged(path: Path, e: Exception) -> CheckpointError:
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    return CheckpointError(f"{path} does not fit the run it describes ({first}); it is damaged and cannot be resumed")
+
+
+def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: Path) -> tuple[int, float]:
+    """Load weights, optimizer and scaler from a checkpoint into a freshly built run; (step, best_val)."""
     try:
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         if scaler is not None and payload.get("scaler"):
             scaler.load_state_dict(payload["scaler"])
-        step, best_val = int(payload["step"]), float(payload["best_val_loss"])
-        torch.set_rng_state(payload["rng"]["torch"])
-        gen.set_state(payload["rng"]["batches"])
-        if torch.cuda.is_available() and "cuda" in payload["rng"]:
-            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
-    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} does not fit the run it describes ({first}); it is damaged and cannot be "
-                              f"resumed") from None
-    return step, best_val
+        return int(payload["step"]), float(payload["best_val_loss"])
+    except DAMAGED as e:
+        raise damaged(path, e) from None
+
+
+def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: torch.device, seed: int,
+                path: Path) -> bool:
+    """Put this process's random state back as the checkpoint saved it, for a run with as many processes as the one
+    that saved it (True). With another number, there is no such state to take: each process reseeds its batches and
+    dropout from (seed, rank, step) instead, so the run goes on reproducibly but not as it would have (False)."""
+    try:
+        saved_world = int(payload.get("world_size", 1))
+        rng = payload["rng"]
+        if saved_world != launch.world_size:
+            step = int(payload["step"])
+            gen.manual_seed(derived_seed(seed, BATCHES, launch.rank, step))
+            torch.manual_seed(derived_seed(seed, DROPOUT, launch.rank, step))
+            return False
+        if saved_world == 1:
+            torch.set_rng_state(rng["torch"])
+            gen.set_state(rng["batches"])
+            if torch.cuda.is_available() and "cuda" in rng:
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            return True
+        if len(rng["per_rank"]) != saved_world:
+            raise ValueError(f"{len(rng['per_rank'])} per-process RNG states for {saved_world} processes")
+        mine = rng["per_rank"][launch.rank]
+        torch.set_rng_state(mine["torch"])
+        gen.set_state(mine["batches"])
+        if device.type == "cuda" and "cuda" in mine:
+            torch.cuda.set_rng_state(mine["cuda"], device)
+        return True
+    except DAMAGED as e:
+        raise damaged(path, e) from None
 
 
 def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
@@ -446,60 +556,94 @@ def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
 
 
 def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool | None = None,
-        payload: dict | None = None) -> dict[str, float]:
-    """Train as cfg says; returns the final losses. Raises UsageError/DataError/... for bad input."""
+        payload: dict | None = None, launch: Launch | None = None) -> dict[str, float]:
+    """Train as cfg says; returns the final losses. Raises UsageError/DataError/... for bad input.
+
+    launch: this process's place among the processes of a torchrun launch, whose group it has joined (None: alone).
+    Every process runs this function; where one of them could fail alone, they agree before going on (agreeing).
+    """
     t_start = time.perf_counter()
+    launch = launch or Launch()
     out_dir = Path(cfg.out_dir)
-    prepare_out_dir(out_dir, resume, overwrite)
     tc, block_size = cfg.train, cfg.model.block_size
-    device = resolve_device(tc.device)
-    dtype = resolve_dtype(tc.dtype, device, cfg.model.n_embd)
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
 
-    # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
-    corpus = prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False,
-                            vocab=payload["vocab"] if payload is not None else None)
-    tokenizer = corpus.tokenizer()
-    ids = corpus.ids_on(device) if device.type == "cuda" else corpus.ids  # uint8/16/32; get_batch widens windows
-    train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
+    def read_corpus() -> Any:
+        # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
+        return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
+                              vocab=payload["vocab"] if payload is not None else None)
 
-    torch.manual_seed(cfg.seed)
-    model_cfg = replace(cfg.model, vocab_size=tokenizer.vocab_size)
-    model = GPT(model_cfg).to(device)
-    optimizer = make_optimizer(model, tc, device)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    gen = torch.Generator().manual_seed(cfg.seed)
-    step, best_val = 0, float("inf")
-    if payload is not None:
-        step, best_val = restore_training_state(payload, model, optimizer, scaler, gen, out_dir / "ckpt.pt")
+    # The first process on each machine reads the corpus (downloading or encoding it into the cache if need be)
+    # while the others wait, then they map the cached file: not every process encoding the same text at once.
+    with agreeing(launch):
+        prepare_out_dir(out_dir, resume, overwrite)  # every process checks; rank 0 alone writes, further down
+        device = distributed.rank_device(tc.device, launch)
+        dtype = resolve_dtype(tc.dtype, device, cfg.model.n_embd)
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        elif launch.torchrun:  # torchrun gives each process one thread unless OMP_NUM_THREADS says otherwise
+            torch.set_num_threads(distributed.threads_per_process(launch))
+        corpus = read_corpus() if launch.local_rank == 0 else None
+    with agreeing(launch):
+        if corpus is None:
+            corpus = read_corpus()
+        tokenizer = corpus.tokenizer()
+        ids = corpus.ids_on(device) if device.type == "cuda" else corpus.ids  # uint8/16/32; get_batch widens windows
+        train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
 
-    # Everything is checked: from here on the run writes into out_dir.
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
-            for stale in out_dir.glob(pattern):
-                stale.unlink(missing_ok=True)
-        if overwrite and not resume:
-            for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
-                old.unlink(missing_ok=True)
-        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
-        write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
-    except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-        raise UsageError(f"cannot write into out_dir '{out_dir}' ({reason}); choose another out_dir") from None
+        torch.manual_seed(cfg.seed)  # the same initial weights in every process (and DDP broadcasts rank 0's)
+        model_cfg = replace(cfg.model, vocab_size=tokenizer.vocab_size)
+        model = GPT(model_cfg).to(device)
+        optimizer = make_optimizer(model, tc, device)
+        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        # Each process draws its own batches and dropout masks; rank 0 uses the seed itself, as a lone process does.
+        gen = torch.Generator().manual_seed(cfg.seed if launch.main else derived_seed(cfg.seed, BATCHES, launch.rank))
+        if not launch.main:
+            torch.manual_seed(derived_seed(cfg.seed, DROPOUT, launch.rank))
+        step, best_val, reseeded = 0, float("inf"), False
+        if payload is not None:
+            step, best_val = restore_training_state(payload, model, optimizer, scaler, out_dir / "ckpt.pt")
+            reseeded = not restore_rng(payload, gen, launch, device, cfg.seed, out_dir / "ckpt.pt")
+
+    # Everything is checked in every process: from here on rank 0 writes into out_dir.
+    with agreeing(launch):
+        if launch.main:
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
+                    for stale in out_dir.glob(pattern):
+                        stale.unlink(missing_ok=True)
+                if overwrite and not resume:
+                    for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
+                        old.unlink(missing_ok=True)
+                resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
+                write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
+            except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+                raise UsageError(f"cannot write into out_dir '{out_dir}' ({reason}); choose another out_dir") from None
 
     fwd = torch.compile(model) if tc.compile else model
+    if launch.torchrun:
+        fwd = distributed.data_parallel(fwd, device)
     splits = {"train": train_ids, "val": val_ids}
     params = model.num_params()
-    log = Logger(out_dir, step, tc.max_iters, tc.tensorboard, progress)
+    log = Logger(out_dir, step, tc.max_iters, tc.tensorboard, progress, quiet=not launch.main)
     log.info(f"data: {corpus.description}")
     for note in corpus.notes:
         log.info(note)
     log.info(f"model: {params / 1e6:.2f}M parameters; device {device}, {str(dtype).replace('torch.', '')}"
              + (", compiled" if tc.compile else ""))
+    world = launch.world_size
+    tokens_per_step = tc.batch_size * block_size * tc.grad_accum_steps * world
+    log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "
+             f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
+             f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({tokens_per_step:,} tokens) per step")
     if resume:
         log.info(f"resuming {out_dir / 'ckpt.pt'} at step {step}")
+    if reseeded:
+        saved = int(payload.get("world_size", 1))
+        log.info(f"resume: the checkpoint was saved by {saved} process{'es' if saved > 1 else ''} and this run has "
+                 f"{world}: each process draws its batches afresh from (seed, rank, step), so the batch order "
+                 f"differs from that of an uninterrupted run")
     if step == 0:
         log.hparams(cfg, params)
     # A fixed stretch of validation text whose attention maps TensorBoard shows at every evaluation.
@@ -509,32 +653,39 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     val_history: list[tuple[float, float]] = []  # (seconds since start, validation loss)
     last_losses: dict[str, float] = {}
     saved_step = step if payload is not None else None  # the step out_dir/ckpt.pt holds
+    eval_seed = cfg.seed + 1 if launch.main else derived_seed(cfg.seed, EVALUATION, launch.rank)
 
     def save(step: int, improved: bool) -> None:
         nonlocal saved_step
-        state = checkpoint_payload(model, optimizer, scaler, tokenizer, cfg, step, best_val, gen)
-        # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving and
-        # resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
-        log.flush()
-        try:
-            save_checkpoint(state, out_dir / "ckpt.pt")
-            saved_step = step
-            if improved:
-                save_checkpoint(state, out_dir / "best.pt")
-        except OSError as e:
-            raise SaveError(f"cannot write a checkpoint into '{out_dir}' ({e.strerror or e}); the previous "
-                            f"checkpoint there is intact. Free some space or choose another out_dir") from None
+        ranks = distributed.all_gather(rank_rng_state(gen, device)) if launch.torchrun else None
+        with agreeing(launch):  # rank 0 writes; should that fail, every process stops
+            if not launch.main:
+                return
+            state = checkpoint_payload(model, optimizer, scaler, tokenizer, cfg, step, best_val, gen, ranks)
+            # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
+            # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
+            log.flush()
+            try:
+                save_checkpoint(state, out_dir / "ckpt.pt")
+                saved_step = step
+                if improved:
+                    save_checkpoint(state, out_dir / "best.pt")
+            except OSError as e:
+                raise SaveError(f"cannot write a checkpoint into '{out_dir}' ({e.strerror or e}); the previous "
+                                f"checkpoint there is intact. Free some space or choose another out_dir") from None
 
     def evaluate_and_save(step: int) -> None:
         nonlocal best_val
         t0 = time.perf_counter()
-        losses = estimate_loss(model, splits, block_size, tc.batch_size, tc.eval_iters, cfg.seed + 1, device, dtype)
+        losses = estimate_loss(model, splits, block_size, tc.batch_size, tc.eval_iters, eval_seed, device, dtype)
+        if launch.torchrun:  # each process evaluated windows of its own; the run's loss is the mean over them
+            losses = dict(zip(losses, distributed.mean(list(losses.values()), device), strict=True))
         improved = losses["val"] < best_val
         best_val = min(best_val, losses["val"])
         log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"], "hparam/best_val_loss": best_val})
         log.info(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                  + (" (best)" if improved else ""))
-        if log.writer is not None:
+        if log.writer is not None:  # rank 0 alone, on the model itself: nothing here may wait for the others
             if tc.sample_chars:
                 sample = sample_text(model, tokenizer, tc.sample_chars, cfg.seed, device)
                 log.text(step, "sample", "```\n" + sample + "\n```")
@@ -544,29 +695,41 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
         val_history.append((time.perf_counter() - t_start, losses["val"]))
         timing["eval"] += time.perf_counter() - t0
 
-    tokens_per_step = tc.batch_size * block_size * tc.grad_accum_steps
     t_log, steps_since_log = time.perf_counter(), 0
     stop = StopSignals()
+    agreed_stop = False  # under torchrun: whether the processes agreed, at the end of the last step, to stop
+
+    def stopping() -> bool:
+        # Under torchrun only the agreement counts: a process that saw a signal after it must not stop a step before
+        # the others, who would then wait for it in vain.
+        return agreed_stop if launch.torchrun else stop.signal is not None
+
     model.train()
     # The handlers stay until the end of the run, so a signal while the logs are closed cannot cut that short.
     with stop:
         try:
-            while step < tc.max_iters and stop.signal is None:
+            while step < tc.max_iters and not stopping():
                 lr = lr_at(step, tc)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = 0.0
-                for _ in range(tc.grad_accum_steps):
+                for micro in range(tc.grad_accum_steps):
                     x, y = get_batch(train_ids, block_size, tc.batch_size, gen, device)
-                    with autocast_context(device, dtype):
-                        _, loss = fwd(x, y)
-                    loss = loss / tc.grad_accum_steps
-                    loss_sum += loss.detach()
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    # Under DDP, backward all-reduces the gradients only on the last micro-batch of a step: the
+                    # earlier ones accumulate in each process, and the last all-reduce carries their sum.
+                    with distributed.local_only(fwd, micro < tc.grad_accum_steps - 1):
+                        with autocast_context(device, dtype):
+                            _, loss = fwd(x, y)
+                        loss = loss / tc.grad_accum_steps
+                        loss_sum += loss.detach()
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
                 if scaler is not None:
                     scaler.unscale_(optimizer)
                 max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+                # Under DDP the gradients are already averaged over the processes: the same norm in every one.
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                if launch.torchrun:  # the mean loss (so all judge divergence alike) and whether to stop after this step
+                    loss_sum, agreed_stop = distributed.step_consensus(loss_sum, stop.signal is not None)
                 # Checked before the update, so a non-finite step never reaches the weights. (With float16 the
                 # gradient scaler skips such steps itself and lowers its scale.)
                 if scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
@@ -594,17 +757,24 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
                 if step % tc.eval_interval == 0 or step == tc.max_iters:
                     evaluate_and_save(step)
                     t_log = time.perf_counter()  # evaluation time is not training throughput
-            if stop.signal is not None:
+            if stopping():
                 if not last_losses or step % tc.eval_interval:  # not saved at this step yet
                     save(step, improved=False)
-                raise Stopped(stop.signal, step)
+                # a process that saw no signal itself stops because another did: as if sent SIGTERM
+                raise Stopped(stop.signal or signal.SIGTERM, step)
             if not last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
                 evaluate_and_save(step)
         finally:
             log.close()
+            if launch.torchrun:
+                # DDP goes before the process group does: left to the interpreter's exit, it sometimes aborts the
+                # process ("terminate called without an active exception"; seen with torch 2.13 and gloo).
+                fwd = None
+                gc.collect()
         elapsed = time.perf_counter() - t_start
-        print(f"done: step {step}, val loss {last_losses['val']:.4f} (best {best_val:.4f}) in {elapsed:.1f}s; "
-              f"sample with: python sample.py --out-dir {shlex.quote(str(out_dir))}", flush=True)
+        if launch.main:
+            print(f"done: step {step}, val loss {last_losses['val']:.4f} (best {best_val:.4f}) in {elapsed:.1f}s; "
+                  f"sample with: python sample.py --out-dir {shlex.quote(str(out_dir))}", flush=True)
     return {**last_losses, "best_val": best_val, "seconds": elapsed, "eval_seconds": timing["eval"],
             "val_history": val_history, "step": step}
 
@@ -658,42 +828,108 @@ def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
             f"(another out_dir, or --overwrite)")
 
 
+# Bad input: the person running the command can fix it (exit status 2).
+INPUT_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError, UsageError, LaunchError)
+
+
+def exit_status(e: Exception) -> int:
+    """2 for bad input, 128 + the signal for a stop (130 for Ctrl-C, 143 for SIGTERM, as shells report them), 1 for
+    anything else."""
+    if isinstance(e, INPUT_ERRORS):
+        return 2
+    if isinstance(e, (Stopped, Interrupted)):
+        return 128 + e.signum
+    if isinstance(e, SharedFailure):
+        return e.status
+    return 1
+
+
+def resume_command(out_dir: str, launch: Launch) -> str:
+    """The command that continues this run, with as many processes (so that it continues exactly)."""
+    tail = f"train.py --out-dir {shlex.quote(out_dir)} --resume"
+    if not launch.torchrun:
+        return f"python {tail}"
+    if launch.local_world_size == launch.world_size:
+        return f"torchrun --standalone --nproc-per-node {launch.world_size} {tail}"
+    return f"torchrun, with the options this run had, on every machine: {tail}"
+
+
+def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | None:
+    """The one line a failure is reported with; None for a bug (its traceback says more), '' for nothing to say."""
+    if isinstance(e, SharedFailure):
+        if e.line is None:  # a bug in another process, which prints its traceback
+            return ""
+        return e.line if e.rank == 0 else e.line.replace("error: ", f"error: rank {e.rank}: ", 1)
+    if isinstance(e, (*INPUT_ERRORS, SaveError)):
+        return f"error: {e}"
+    if isinstance(e, Diverged):  # not bad input: the run itself went wrong
+        return f"error: {divergence_advice(e, cfg)}"
+    if isinstance(e, Stopped):
+        return (f"stopped at step {e.step}: saved {Path(cfg.out_dir) / 'ckpt.pt'}; continue with: "
+                f"{resume_command(cfg.out_dir, launch)}")
+    if isinstance(e, Interrupted):
+        return f"interrupted ({signal.Signals(e.signum).name}) before training started; nothing was saved"
+    if launch.torchrun and (reason := distributed.lost_peer(e)):
+        return (f"error: lost contact with another process of the run ({reason}); what ended it is in its own "
+                f"output or torchrun's report")
+    return None
+
+
+def load_run(args: argparse.Namespace, announce: bool) -> tuple[RunConfig, dict | None]:
+    """The run's config and, for --resume, the checkpoint it continues (checked); announce prints what a resume
+    changes."""
+    cfg = load_config(args.config, args.overrides)
+    payload = None
+    if args.resume:
+        ckpt = Path(cfg.out_dir) / "ckpt.pt"
+        if not ckpt.exists():
+            raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
+        payload = load_checkpoint(ckpt)
+        check_training_state(payload, ckpt)
+        if args.config is None:  # no config named: continue with the saved one
+            cfg = load_config(None, args.overrides, base=payload["config"])
+        for change in check_resume_config(payload["config"], cfg):
+            if announce:
+                print(f"resume: {change}", flush=True)
+    return cfg, payload
+
+
 def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        launch = distributed.launch_from_env()
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as quiet:
+        if not launch.main:  # every process has the same command line: rank 0 answers --help or refuses a bad one
+            quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        args = parse_args(argv)
     cfg = None
     try:
         with InterruptSignals():
-            cfg = load_config(args.config, args.overrides)
-            payload = None
-            if args.resume:
-                ckpt = Path(cfg.out_dir) / "ckpt.pt"
-                if not ckpt.exists():
-                    raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
-                payload = load_checkpoint(ckpt)
-                check_training_state(payload, ckpt)
-                if args.config is None:  # no config named: continue with the saved one
-                    cfg = load_config(None, args.overrides, base=payload["config"])
-                for change in check_resume_config(payload["config"], cfg):
-                    print(f"resume: {change}", flush=True)
-            run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload)
-    except (ConfigError, DataError, CheckpointError, DeviceError, UsageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Diverged as e:  # not bad input: the run itself went wrong
-        print(f"error: {divergence_advice(e, cfg)}", file=sys.stderr)
-        return 1
-    except SaveError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Stopped as e:
-        out_dir = shlex.quote(str(cfg.out_dir))
-        print(f"stopped at step {e.step}: saved {Path(cfg.out_dir) / 'ckpt.pt'}; continue with: python train.py "
-              f"--out-dir {out_dir} --resume", file=sys.stderr)
-        return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as shells report them
-    except Interrupted as e:
-        print(f"interrupted ({signal.Signals(e.signum).name}) before training started; nothing was saved",
-              file=sys.stderr)
-        return 128 + e.signum
+            failure, payload, backend, device = None, None, "gloo", torch.device("cpu")
+            try:
+                cfg, payload = load_run(args, announce=launch.main)
+                if launch.torchrun:
+                    device = distributed.rank_device(cfg.train.device, launch)
+                    backend = distributed.resolve_backend(cfg.train.backend, device)
+            except Exception as e:
+                if not launch.torchrun:
+                    raise
+                failure = e  # said once, by rank 0, when the processes have joined and agree on it
+            with distributed.joined(launch, backend, device):
+                agree(launch, failure)
+                run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload,
+                    launch=launch)
+    except Exception as e:
+        line = failure_line(e, cfg, launch)
+        if line is None:
+            raise  # a bug
+        # Under torchrun every process gets here for a shared failure, a stop or a divergence; one line is enough.
+        if line and launch.main:
+            print(line, file=sys.stderr)
+        return exit_status(e)
     return 0
 
 

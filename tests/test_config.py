@@ -208,14 +208,14 @@ def test_overrides_are_typed_by_the_field_they_set():
             "train.max_iters=500",
             "model.bias=false",
             "train.lr_decay_iters=null",
-            "train.learning_rate=3e-4",
+            "train.learning_rate=3e-2",
             "seed=7",
             "train.grad_clip=2",
             "model.attention=fused",
         ],
     )
     assert cfg.train.max_iters == 500 and cfg.model.bias is False and cfg.train.lr_decay_iters is None
-    assert cfg.train.learning_rate == 3e-4 and cfg.seed == 7
+    assert cfg.train.learning_rate == 3e-2 and cfg.seed == 7
     assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
     assert cfg.model.attention == "fused"
     # and the later of two overrides of one key wins

@@ -1,0 +1,225 @@
+"""Data-parallel training over the processes that torchrun starts: where this process sits among them, joining and
+leaving the process group, and the few collective operations the trainer needs. Imports only torch.
+
+torchrun gives every process it starts RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (and MASTER_ADDR and
+MASTER_PORT, which ``init_process_group`` reads itself). A script started without torchrun has none of them and is
+rank 0 of 1, with no process group: then nothing here communicates.
+
+Every function marked *collective* must be called by every process of the group, in the same order, or the ones
+that called it wait for the others until the group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .runtime import DeviceError, resolve_device
+
+BACKENDS = ("auto", "gloo", "nccl")
+# How long a collective waits for the slowest process before it fails rather than hang. Generous, because some waits
+# are long and legitimate: the other processes wait while the first one on each machine encodes a large corpus.
+TIMEOUT = datetime.timedelta(minutes=30)
+_MASK64 = 2**64 - 1
+
+
+class LaunchError(ValueError):
+    """torchrun's environment is unusable, or the processes could not join; the message is one line for a person."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """This process's place in its run: rank ``rank`` of ``world_size`` processes, ``local_rank`` of
+    ``local_world_size`` on this machine. ``torchrun``: started by torchrun, so a process group joins the processes
+    (even a group of one)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    torchrun: bool = False
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one process that prints, writes TensorBoard logs and saves checkpoints."""
+        return self.rank == 0
+
+
+def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
+    """The Launch that torchrun's variables describe; rank 0 of 1 when they are absent."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return Launch()
+    raw = {"RANK": env["RANK"], "WORLD_SIZE": env["WORLD_SIZE"], "LOCAL_RANK": env.get("LOCAL_RANK", "0"),
+           # without LOCAL_WORLD_SIZE (a launcher other than torchrun), assume one machine
+           "LOCAL_WORLD_SIZE": env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])}
+    try:
+        rank, world, local_rank, local_world = (int(raw[name]) for name in raw)
+    except ValueError:
+        shown = ", ".join(f"{k}={v!r}" for k, v in raw.items())
+        raise LaunchError(f"torchrun's environment variables are not whole numbers ({shown}); start the run with "
+                          f"torchrun, or unset RANK and WORLD_SIZE to run one process") from None
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise LaunchError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK="
+                          f"{local_rank}, LOCAL_WORLD_SIZE={local_world}; start the run with torchrun, or unset RANK "
+                          f"and WORLD_SIZE to run one process")
+    return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, torchrun=True)
+
+
+def rank_device(name: str, launch: Launch) -> torch.device:
+    """The device this process trains on. Under torchrun, one process per GPU: a CUDA run uses GPU LOCAL_RANK of its
+    machine whatever index train.device names; auto means CUDA if there is a GPU, else the CPU (DDP has no MPS)."""
+    if not launch.torchrun:
+        return resolve_device(name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(name)
+    if device.type == "mps":
+        raise DeviceError("multi-process training runs on CPUs or CUDA GPUs, not mps; set train.device=cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if launch.local_rank >= count:
+            raise DeviceError(f"torchrun started {launch.local_world_size} processes on this machine, which has "
+                              f"{count} GPU(s); use --nproc-per-node {count} (one process per GPU)")
+        return torch.device("cuda", launch.local_rank)
+    return device
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The process group backend: auto is nccl for CUDA devices and gloo for CPUs; nccl needs CUDA."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+        raise DeviceError(f"train.backend=nccl needs CUDA GPUs and a torch built with NCCL, and this run is on "
+                          f"{device}; use train.backend=gloo (or auto)")
+    return name
+
+
+def threads_per_process(launch: Launch) -> int:
+    """A fair share of this machine's cores: processes x threads never exceeds them (at least one thread each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // launch.local_world_size)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM during the block take effect when it ends. For collectives that run Python between their
+    steps (all_gather_object, DDP's construction): a handler that raises there would cut one process's collective
+    short and leave the others waiting for its second half. Outside the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])  # now for the handler the block held back
+
+
+@contextmanager
+def joined(launch: Launch, backend: str, device: torch.device) -> Iterator[None]:
+    """Collective: the process group for the block, under torchrun (nothing otherwise). It is torn down on the way
+    out however the block ends, so an error or Ctrl-C leaves no half-open connections behind."""
+    if not launch.torchrun:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the collectives on objects (all_gather_object) use the current device
+    try:
+        with signals_deferred():
+            dist.init_process_group(backend, timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise LaunchError(f"cannot join the other {launch.world_size - 1} process(es) of the run with backend "
+                          f"{backend} ({first})") from None
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """If e is a collective failing because another process has gone (killed, crashed) or cannot be reached, a short
+    reason; else None. gloo reports a vanished peer as a plain RuntimeError whose text names gloo and the peer."""
+    text = str(e).strip()
+    if not (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in text and "peer" in text)):
+        return None
+    first = text.splitlines()[0] if text else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's source file and line
+    return first.split(". ")[0][:160]
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Collective: every process's obj (small, picklable), in rank order, in every process."""
+    out: list[Any] = [None] * dist.get_world_size()
+    with signals_deferred():
+        dist.all_gather_object(out, obj)
+    return out
+
+
+def step_consensus(loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+    """Collective, once per optimizer step: the mean of the processes' losses, and whether any process was asked to
+    stop. One all-reduce of two numbers, so it costs next to nothing beside the gradients'."""
+    both = torch.stack([loss.detach().float().reshape(()), torch.tensor(float(stop), device=loss.device)])
+    dist.all_reduce(both)  # a sum: gloo has no average
+    return both[0] / dist.get_world_size(), bool(both[1] > 0)
+
+
+def mean(values: list[float], device: torch.device) -> list[float]:
+    """Collective: the element-wise mean of values over the processes."""
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """Collective: model wrapped so that backward averages its gradients over the processes. Construction broadcasts
+    rank 0's weights, so every process starts from the same ones."""
+    with signals_deferred():
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # The causal mask is the model's only buffer and never changes: broadcasting it before every forward is waste.
+    # Set as an attribute, which every torch version reads: torch 2.13 renamed the keyword and warns about the old one.
+    ddp.broadcast_buffers = False
+    return ddp
+
+
+def local_only(model: torch.nn.Module, local: bool) -> AbstractContextManager:
+    """While active, backward on a DDP model accumulates its gradients in this process only (no all-reduce): for
+    all but the last micro-batch of an accumulated step. Does nothing for any other model or when local is False."""
+    if local and isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return nullcontext()
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derived_seed(seed: int, *parts: int) -> int:
+    """A seed for one stream of a run's random numbers, such as (seed, rank) or (seed, rank, step): SplitMix64 over
+    the parts, so that neighbouring inputs give unrelated seeds. In [0, 2**64), which torch.Generator takes."""
+    x = _splitmix64(seed & _MASK64)
+    for part in parts:
+        x = _splitmix64(x ^ (part & _MASK64))
+    return x

@@ -1,0 +1,356 @@
+"""Data-parallel training under torchrun (gloo on the CPU): two processes with half the batch each take the same steps
+as one with all of it; a two-process run stops on Ctrl-C with a checkpoint, resumes exactly, and hands its checkpoint
+to sample.py and to a one-process run (and back); a bad data path ends every process with one line; and the pieces
+of model/distributed.py on their own."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, SMALL_TEXT, tiny_overrides
+from test_train import bitwise_equal, child_env, weights
+
+import sample
+import train
+from configs import to_dict
+from data import get_batch
+from model import load_checkpoint
+from model.distributed import Launch, LaunchError, derived_seed, launch_from_env, resolve_backend, threads_per_process
+from model.runtime import DeviceError
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+# A launch starts three interpreters (torchrun and two workers) that each import torch: seconds, not minutes. A run
+# that hangs (a process waiting for a partner that has gone) is what this limit catches.
+TIMEOUT = 90
+# As in test_train: a schedule that does not depend on max_iters, and dropout so that the torch RNG matters.
+RESUME_KEYS = {"model.dropout": 0.1, "train.lr_decay_iters": 20}
+
+
+def torchrun_command(*args: str, script: str = "train.py", nproc: int = 2) -> list[str]:
+    # --standalone: a rendezvous on a port the system picks, so launches never clash with each other
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
+
+
+def torchrun(*args: str, script: str = "train.py") -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_command(*args, script=script), cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
+
+
+def our_traceback(output: str) -> bool:
+    """Whether a traceback passes through tinychar's own code (torchrun prints its own when a worker fails)."""
+    return bool(re.search(r'File "[^"]*/(train|sample)\.py"|File "[^"]*/(model|data|configs)/', output))
+
+
+def write_corpus(folder: Path) -> Path:
+    path = folder / "corpus.txt"
+    path.write_text(SMALL_TEXT, encoding="utf-8")
+    return path
+
+
+def quiet_main(args: list[str]) -> tuple[int, str]:
+    """train.main in this process: (exit status, stdout)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = train.main(args, progress=False)
+    return code, out.getvalue()
+
+
+# ------------------------------------------------------------------------------- the same optimizer steps
+
+
+def fixed_batches(pool: torch.Tensor, rank: int, world: int) -> Callable:
+    """A stand-in for get_batch: micro-batch m of every step is pool[m] (B windows of T + 1 ids), of which process
+    rank of world takes its own consecutive B / world rows. Other sizes (evaluation) get real batches."""
+    accum, batch, _ = pool.shape
+    calls = [0]
+
+    def draw(data, block_size, batch_size, generator, device="cpu"):
+        if batch_size != batch // world:
+            return get_batch(data, block_size, batch_size, generator, device)
+        micro = pool[calls[0] % accum]
+        calls[0] += 1
+        mine = micro[rank * batch_size:(rank + 1) * batch_size]
+        return mine[:, :-1].contiguous().to(device), mine[:, 1:].contiguous().to(device)
+
+    return draw
+
+
+def batch_pool(accum: int, batch: int, block_size: int) -> torch.Tensor:
+    vocab = len(set(SMALL_TEXT))
+    return torch.randint(vocab, (accum, batch, block_size + 1), generator=torch.Generator().manual_seed(0))
+
+
+# Runs train.py in a torchrun process with get_batch replaced by fixed_batches (argv: accumulation, global batch,
+# block size, then train.py's arguments).
+FIXED_BATCHES = """
+import os, sys
+sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
+import train
+from test_distributed import batch_pool, fixed_batches
+
+accum, batch, block = (int(a) for a in sys.argv[1:4])
+pool = batch_pool(accum, batch, block)
+train.get_batch = fixed_batches(pool, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+sys.exit(train.main(sys.argv[4:], progress=False))
+"""
+
+# No biases: the key projection's bias has a gradient of exactly zero in theory (adding one number to every score of a
+# row leaves its softmax alone), so in practice rounding noise, which Adam scales up to a full step either way.
+# A modest learning rate: Adam divides each gradient by its own size, so rounding differences in small gradients
+# move the weights by a fraction of the rate.
+EQUIVALENCE_KEYS = {"model.bias": "false", "train.learning_rate": 1e-3, "train.min_lr": 1e-4, "train.max_iters": 3, "train.warmup_iters": 0, "train.eval_interval": 3, "train.eval_iters": 1,
+                    "train.grad_accum_steps": 2, "train.tensorboard": "false"}
+
+
+@pytest.mark.slow
+def test_two_processes_with_half_the_batch_take_the_same_steps_as_one_with_all_of_it(tmp_path, monkeypatch):
+    batch, block, accum = 8, 8, EQUIVALENCE_KEYS["train.grad_accum_steps"]
+    corpus = write_corpus(tmp_path)
+    script = tmp_path / "fixed_batches.py"
+    script.write_text(FIXED_BATCHES, encoding="utf-8")
+    two = tiny_overrides(corpus, tmp_path / "two", **EQUIVALENCE_KEYS, **{"train.batch_size": batch // 2})
+    result = torchrun(str(accum), str(batch), str(block), "--config", TINY, *two, script=str(script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "global batch: 2 processes x 4 sequences x 2 micro-batches = 16 sequences (128 tokens)" in result.stdout
+
+    pool = batch_pool(accum, batch, block)
+    monkeypatch.setattr(train, "get_batch", fixed_batches(pool, 0, 1))
+    one = tiny_overrides(corpus, tmp_path / "one", **EQUIVALENCE_KEYS, **{"train.batch_size": batch})
+    assert quiet_main(["--config", TINY, *one])[0] == 0
+    # the control: rank 0's half alone, as if the other process's gradients never arrived
+    monkeypatch.setattr(train, "get_batch", fixed_batches(pool, 0, 2))
+    half = tiny_overrides(corpus, tmp_path / "half", **EQUIVALENCE_KEYS, **{"train.batch_size": batch // 2})
+    assert quiet_main(["--config", TINY, *half])[0] == 0
+
+    two_w, one_w, half_w = (weights(tmp_path / name / "ckpt.pt") for name in ("two", "one", "half"))
+    assert two_w.keys() == one_w.keys()
+    for name in one_w:
+        torch.testing.assert_close(two_w[name], one_w[name], rtol=0, atol=1e-6, msg=name)
+    assert max((half_w[k] - one_w[k]).abs().max().item() for k in one_w) > 1e-4
+
+
+# ------------------------------------------------------------------- Ctrl-C, resume, sample, 1 <-> 2 processes
+
+
+@pytest.fixture(scope="module")
+def stopped_two_process_run(tmp_path_factory) -> tuple[Path, int, str]:
+    """A two-process run stopped by Ctrl-C to torchrun: (out_dir, the step it stopped at, its output)."""
+    base = tmp_path_factory.mktemp("two")
+    out = base / "out"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(base), out, **RESUME_KEYS, **{
+        "train.max_iters": 100_000, "train.log_interval": 1, "train.eval_interval": 10})]
+    log = base / "log.txt"
+    with log.open("w") as f:
+        proc = subprocess.Popen(torchrun_command(*args), cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while not re.search(r"^step 5/", log.read_text(encoding="utf-8"), re.MULTILINE):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text(encoding="utf-8")
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal does; torchrun passes it on to every process
+    try:
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    text = log.read_text(encoding="utf-8")
+    stops = [line for line in text.splitlines() if line.startswith("stopped at step")]
+    assert len(stops) == 1, text
+    step = int(re.match(r"stopped at step (\d+):", stops[0])[1])
+    return out, step, text
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_at_one_step_with_one_checkpoint_and_a_resume_line(stopped_two_process_run):
+    out, step, text = stopped_two_process_run
+    assert step >= 5 and f"step {step}/" in text and f"step {step + 1}/" not in text  # the last step finished
+    assert f"continue with: torchrun --standalone --nproc-per-node 2 train.py --out-dir {out} --resume" in text
+    assert not our_traceback(text), text
+    raw = load_checkpoint(out / "ckpt.pt")
+    assert raw["step"] == step and raw["world_size"] == 2
+    batches = [state["batches"] for state in raw["rng"]["per_rank"]]
+    assert len(batches) == 2 and not torch.equal(*batches)  # each process drew batches of its own
+    assert torch.equal(raw["rng"]["batches"], batches[0])
+    assert len(list(out.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes TensorBoard logs
+    assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumes_exactly_and_its_checkpoint_serves_sample_py_and_one_process(
+    stopped_two_process_run, tmp_path, capsys
+):
+    stopped, step, _ = stopped_two_process_run
+    out = tmp_path / "resumed"
+    out.mkdir()
+    for name in ("ckpt.pt", "config.yaml"):  # the module's run stays as it stopped for the other tests
+        (out / name).write_bytes((stopped / name).read_bytes())
+    end = step + 5
+    resumed = torchrun("--resume", "--out-dir", str(out), f"train.max_iters={end}")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming {out / 'ckpt.pt'} at step {step}" in resumed.stdout
+    assert resumed.stdout.count(f"done: step {end}") == 1  # rank 0 alone reports
+    assert "batch order differs" not in resumed.stdout
+
+    # The same run without a stop, from start to end in one go (the same configs/tiny.yaml, as a user would).
+    straight = tmp_path / "straight"
+    args = ["--config", TINY, *tiny_overrides(stopped.parent / "corpus.txt", straight, **RESUME_KEYS, **{
+        "train.max_iters": end, "train.log_interval": 1, "train.eval_interval": 10})]
+    result = torchrun(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "global batch: 2 processes x 8 sequences x 1 micro-batch = 16 sequences (128 tokens) per step" in result.stdout
+    assert bitwise_equal(weights(out / "ckpt.pt"), weights(straight / "ckpt.pt"))
+
+    capsys.readouterr()
+    assert sample.main(["--out-dir", str(straight), "--device", "cpu", "--prompt", "First", "--max-new-tokens",
+                        "30"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("First") and text.endswith("\n") and len(text) == len("First") + 30 + 1
+
+    # One process continues what two saved: the same weights and optimizer, batches drawn afresh, said in one line.
+    code, stdout = quiet_main(["--resume", "--out-dir", str(out), f"train.max_iters={end + 5}"])
+    assert code == 0
+    assert "resume: the checkpoint was saved by 2 processes and this run has 1" in stdout
+    raw = load_checkpoint(out / "ckpt.pt")
+    assert raw["step"] == end + 5 and raw["world_size"] == 1 and "per_rank" not in raw["rng"]
+
+
+@pytest.mark.slow
+def test_two_processes_continue_a_one_process_run_and_a_bad_data_path_ends_both_with_one_line(tmp_path):
+    out = tmp_path / "one"
+    corpus = write_corpus(tmp_path)
+    assert quiet_main(["--config", TINY, *tiny_overrides(corpus, out, **{"train.max_iters": 10})])[0] == 0
+    result = torchrun("--resume", "--out-dir", str(out), "train.max_iters=20")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resume: the checkpoint was saved by 1 process and this run has 2" in result.stdout
+    raw = load_checkpoint(out / "ckpt.pt")
+    assert raw["step"] == 20 and raw["world_size"] == 2
+
+    started = time.monotonic()
+    bad = torchrun("--config", TINY, *tiny_overrides(tmp_path / "corpsu.txt", tmp_path / "bad"))
+    output = bad.stdout + bad.stderr
+    assert bad.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    missing = f"error: data.path: no such file '{tmp_path / 'corpsu.txt'}'; did you mean '{corpus}'?"
+    assert errors == [missing], output
+    # every process ended, none hung: torchrun's report of its processes
+    assert re.findall(r"^\s*exitcode\s+: (\d+)", output, re.MULTILINE) == ["2", "2"], output
+    assert not our_traceback(output), output
+    assert not (tmp_path / "bad").exists()
+    assert time.monotonic() - started < 30
+
+
+# ------------------------------------------------------------------------------------- one torchrun process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_torchrun_launch_of_one_process_trains_exactly_as_a_plain_run(tmp_path, monkeypatch):
+    """The whole torchrun path (process group, DDP, the per-step agreement, gathered RNG states) in this process,
+    as a group of one: it must change nothing about the run."""
+    corpus = write_corpus(tmp_path)
+    # one thread for both: a torchrun process would otherwise take every core, and split its sums differently
+    keys = {**RESUME_KEYS, "train.grad_accum_steps": 2, "train.tensorboard": "false", "train.threads": 1}
+    code, plain_out = quiet_main(["--config", TINY, *tiny_overrides(corpus, tmp_path / "plain", **keys)])
+    assert code == 0
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    wrapped = []
+    real_data_parallel = train.distributed.data_parallel
+
+    def data_parallel(model, device):
+        wrapped.append(real_data_parallel(model, device))
+        return wrapped[-1]
+
+    monkeypatch.setattr(train.distributed, "data_parallel", data_parallel)
+    code, group_out = quiet_main(["--config", TINY, *tiny_overrides(corpus, tmp_path / "group", **keys)])
+    assert code == 0
+    assert len(wrapped) == 1 and isinstance(wrapped[0], torch.nn.parallel.DistributedDataParallel)
+    assert not torch.distributed.is_initialized()  # torn down on the way out
+    assert bitwise_equal(weights(tmp_path / "plain" / "ckpt.pt"), weights(tmp_path / "group" / "ckpt.pt"))
+    assert "global batch: 1 process x 8 sequences x 2 micro-batches = 16 sequences (128 tokens) per step" in group_out
+    losses = [re.findall(r"loss [0-9.]+", text) for text in (plain_out, group_out)]
+    assert losses[0] == losses[1] and losses[0]
+
+
+def test_a_one_process_checkpoint_keeps_its_format(tmp_path):
+    out = tmp_path / "out"
+    assert quiet_main(["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **{"train.max_iters": 3})])[0] == 0
+    raw = load_checkpoint(out / "ckpt.pt")
+    assert raw["world_size"] == 1 and set(raw["rng"]) <= {"torch", "batches", "cuda"}
+
+
+# ------------------------------------------------------------------------------------ the pieces on their own
+
+
+def test_launch_comes_from_torchruns_variables():
+    assert launch_from_env({}) == Launch()
+    assert Launch().main and not Launch().torchrun
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    launch = launch_from_env(env)
+    assert launch == Launch(rank=3, world_size=4, local_rank=1, local_world_size=2, torchrun=True)
+    assert not launch.main
+    with pytest.raises(LaunchError, match="not whole numbers"):
+        launch_from_env({**env, "RANK": "three"})
+    with pytest.raises(LaunchError, match="inconsistent"):
+        launch_from_env({**env, "RANK": "4"})
+
+
+def test_a_bad_torchrun_environment_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(["--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: inconsistent torchrun environment: RANK=2, WORLD_SIZE=2")
+
+
+def test_derived_seeds_differ_by_rank_stream_and_step_and_suit_a_generator():
+    seeds = {derived_seed(1337, stream, rank, *step) for stream in range(3) for rank in range(8)
+             for step in [(), (0,), (100,)]}
+    assert len(seeds) == 3 * 8 * 3
+    assert derived_seed(1337, 0, 1) == derived_seed(1337, 0, 1) != derived_seed(1338, 0, 1)
+    for seed in (0, -1, 2**63 - 1, -(2**63)):
+        value = derived_seed(seed, 2, 5)
+        assert 0 <= value < 2**64
+        torch.Generator().manual_seed(value)
+
+
+def test_the_backend_follows_the_device_and_nccl_needs_cuda():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "gloo" and resolve_backend("gloo", cpu) == "gloo"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(DeviceError, match="train.backend=nccl needs CUDA"):
+        resolve_backend("nccl", cpu)
+
+
+def test_processes_times_threads_never_exceed_the_cores():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for processes in (1, 2, 3, cores, 2 * cores):
+        threads = threads_per_process(Launch(world_size=processes, local_world_size=processes, torchrun=True))
+        assert threads >= 1 and (processes * threads <= cores or threads == 1)
+    assert threads_per_process(Launch(world_size=1, local_world_size=1, torchrun=True)) == cores
+
+
+def test_train_backend_is_checked_and_may_change_on_resume(tmp_path, capsys):
+    with pytest.raises(ValueError, match="train.backend must be one of auto, gloo, nccl; got 'mpi'"):
+        train.TrainConfig(backend="mpi")
+    saved = to_dict(train.load_config(TINY, []))
+    assert train.check_resume_config(saved, train.load_config(TINY, ["train.backend=gloo"])) == [
+        "train.backend: 'auto' -> 'gloo'"]
+    assert train.main(["train.backend=nccl2", "--out-dir", str(tmp_path / "x")], progress=False) == 2
+    assert "train.backend must be one of" in capsys.readouterr().err
