@@ -35,7 +35,7 @@ from data import CharTokenizer, DataConfig, DataError, get_batch, prepare_corpus
 from model import GPT, CheckpointError, GPTConfig, distributed, load_checkpoint, model_from_checkpoint, save_checkpoint
 from model.checkpoint import write_atomic
 from model.distributed import BACKENDS, Launch, LaunchError, derived_seed
-from model.runtime import DeviceError, OneLineParser, autocast_context, resolve_dtype
+from model.runtime import DeviceError, OneLineParser, autocast_context, matmul_ceiling, resolve_dtype
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -634,6 +634,12 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
              + (", compiled" if tc.compile else ""))
     world = launch.world_size
     tokens_per_step = tc.batch_size * block_size * tc.grad_accum_steps * world
+    # MFU: the model's FLOPs per second over what this machine's matrix multiply does in the run's dtype
+    # (measured here in a fraction of a second, as in bench.py), summed over the processes.
+    flops_per_token = model.flops_per_token()
+    ceiling = matmul_ceiling(device, dtype, seconds=0.2) * world
+    log.info(f"matrix-multiply ceiling {ceiling / 1e9:,.0f} GFLOP/s ({str(dtype).replace('torch.', '')}), "
+             f"{flops_per_token / 1e3:,.0f} kFLOP per trained token")
     log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "
              f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
              f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({tokens_per_step:,} tokens) per step")
@@ -746,13 +752,14 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
                     now = time.perf_counter()
                     tok_s = tokens_per_step * steps_since_log / max(now - t_log, 1e-9)
                     loss_value = float(loss_sum)
+                    mfu = flops_per_token * tok_s / ceiling
                     log.scalars(step, {"loss/train_step": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                                       "tokens_per_sec": tok_s})
+                                       "tokens_per_sec": tok_s, "mfu": mfu})
                     log.step(step, steps_since_log, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}",
-                                                     "tok/s": f"{tok_s:,.0f}"})
+                                                     "tok/s": f"{tok_s:,.0f}", "mfu": f"{mfu:.1%}"})
                     if not log.progress:
                         log.info(f"step {step}/{tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, "
-                                 f"{tok_s:,.0f} tokens/s")
+                                 f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%}")
                     t_log, steps_since_log = time.perf_counter(), 0
                 if step % tc.eval_interval == 0 or step == tc.max_iters:
                     evaluate_and_save(step)
