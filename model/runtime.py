@@ -82,8 +82,10 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> AbstractContex
 def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, n: int = 1024) -> float:
     """Measured FLOP/s of a large square matrix multiply in dtype on device: the best of a few short timings,
     the yardstick for model FLOPs utilisation (MFU)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # Its own generator: drawing from torch's global one would shift a run's dropout masks and break exact resume.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     best = math.inf
     deadline = time.perf_counter() + seconds
     while True:

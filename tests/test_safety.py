@@ -65,6 +65,10 @@ def temporary_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
 
 
+# Scalars that measure speed, not the run: their values differ between any two runs, so only their steps compare.
+TIMED = ("tokens_per_sec", "mfu")
+
+
 def timeline(out_dir: Path) -> dict[str, list]:
     """Every TensorBoard series in out_dir as TensorBoard's own reader shows it, after it has hidden what a restart
     superseded: scalars as (step, value), everything else (text, images, hparams) as steps. Throughput is timing,
@@ -77,7 +81,7 @@ def timeline(out_dir: Path) -> dict[str, list]:
     series: dict[str, list] = {}
     for tag in events.Tags()[tb.TENSORS]:
         points = events.Tensors(tag)
-        if events.SummaryMetadata(tag).plugin_data.plugin_name == "scalars" and tag != "tokens_per_sec":
+        if events.SummaryMetadata(tag).plugin_data.plugin_name == "scalars" and tag not in TIMED:
             series[tag] = [(e.step, make_ndarray(e.tensor_proto).item()) for e in points]
         else:
             series[tag] = [e.step for e in points]
@@ -260,7 +264,7 @@ def test_kill_9_at_random_moments_never_breaks_a_checkpoint_and_the_run_ends_as_
         if attempt % 5 == 2:  # now and then anywhere in start-up: imports, reading the data, building the model
             time.sleep(rng.uniform(0.2, 1.2))
         else:  # otherwise while it trains: a step and a checkpoint take a few milliseconds each
-            wait_for(log, r"^data: ", proc)
+            wait_for(log, r"^global batch: ", proc)  # printed just before the first step
             time.sleep(rng.uniform(0.03, 0.25))
         proc.kill()
         assert proc.wait(timeout=30) == -signal.SIGKILL

@@ -24,7 +24,7 @@ from configs import describe, to_dict, valid_keys
 from model import load_checkpoint, model_from_checkpoint
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-TAGS = ("loss/train", "loss/val", "lr", "grad_norm", "tokens_per_sec")
+TAGS = ("loss/train", "loss/val", "lr", "grad_norm", "tokens_per_sec", "mfu")
 
 
 @pytest.fixture(autouse=True)
