@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    text, _ = load_corpus(DataConfig(dataset="shakespeare_char"), progress=False)
+    text, _ = load_corpus(DataConfig(dataset="shakespeare_char"))
     tok = CharTokenizer.from_text(text)
     train_ids, _ = split_ids(tok.encode_tensor(text), 0.1, 64)
     report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "

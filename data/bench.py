@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from data import DataError, shakespeare_path
 
     try:
-        shakespeare = shakespeare_path(progress=True).read_bytes()
+        shakespeare = shakespeare_path().read_bytes()
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

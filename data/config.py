@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Built-in corpora that ``load_corpus`` knows how to fetch; ``data.path`` covers everything else.
+# Built-in corpora, which ship inside data/; ``data.path`` covers everything else.
 DATASETS = ("shakespeare_char",)
 ERRORS = ("strict", "replace")
 
@@ -22,7 +22,7 @@ class DataConfig:
     )
     dataset: str | None = field(
         default="shakespeare_char",
-        metadata={"help": f"built-in corpus, downloaded and cached on first use: {', '.join(DATASETS)}"},
+        metadata={"help": f"built-in corpus, shipped with tinychar: {', '.join(DATASETS)}"},
     )
     val_fraction: float = field(
         default=0.1, metadata={"help": "fraction of the text, taken from its end, held out for validation"}
@@ -37,7 +37,7 @@ class DataConfig:
     )
     cache_dir: str | None = field(
         default=None,
-        metadata={"help": "folder for encoded corpora (null = $TINYCHAR_CACHE_DIR, else <data dir>/encoded)"},
+        metadata={"help": "folder for encoded corpora (null = $TINYCHAR_CACHE_DIR, else ~/.cache/tinychar/encoded)"},
     )
 
     def __post_init__(self) -> None:

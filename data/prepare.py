@@ -89,7 +89,7 @@ def prepare_corpus(
         inputs = resolve_inputs(cfg.path, "data.path")
         source = cfg.path
     elif cfg.dataset == "shakespeare_char":
-        path = shakespeare_path(progress)
+        path = shakespeare_path()
         inputs = resolve_inputs(path, "data.dataset=shakespeare_char")
         source = f"tiny Shakespeare ({path})"
     else:
@@ -275,8 +275,7 @@ def _open_part(folders: list[Path], stem: str, suffix: str, refused: list[str]) 
 def _read_only(folder: Path) -> bool:
     """Whether folder, or the nearest existing folder above it, is marked read-only.
 
-    The mode bits count even for root, who could write anyway: a folder made read-only, like the shared data folder
-    CI points TINYCHAR_DATA_DIR at, is meant to stay as it is.
+    The mode bits count even for root, who could write anyway: a folder made read-only is meant to stay as it is.
     """
     existing = folder
     while not existing.exists() and existing.parent != existing:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .corpus import DataError, _did_you_mean, data_dir
+from .corpus import DataError, _did_you_mean, data_dir, locate
 
 FORMAT_VERSION = 1  # bump when the encoded files or their meta change meaning, so old caches are not trusted
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
@@ -58,7 +58,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     shown = str(spec)
     if "\0" in shown:
         raise DataError(f"{label}: {shown!r} is not a usable path (it holds a NUL character)")
-    p = Path(spec).expanduser()
+    p = locate(shown)
     skipped: list[Path] = []
     if p.is_file():
         if not _is_text(p, label):
@@ -74,7 +74,11 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
             raise DataError(f"{label}: {shown!r} is a folder with no text files in it; add some, or give a file")
     elif _GLOB_MAGIC & set(shown):
         files = []
-        for match in sorted(glob.glob(str(p), recursive=True)):
+        matches = sorted(glob.glob(str(p), recursive=True))
+        folder = data_dir()
+        if not matches and folder is not None and not p.is_absolute():
+            matches = sorted(glob.glob(str(folder / p), recursive=True))
+        for match in matches:
             m = Path(match)
             if m.is_dir():
                 files += _walk(m, skipped, label)
@@ -157,8 +161,9 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
 def cache_dirs(configured: str | None) -> list[Path]:
     """Folders to look for and write encoded corpora in, in order.
 
-    data.cache_dir, else $TINYCHAR_CACHE_DIR, is the only folder. The default, <data dir>/encoded, may be read-only
-    (CI points TINYCHAR_DATA_DIR at a shared folder), so the per-user cache and the temp folder follow it.
+    data.cache_dir, else $TINYCHAR_CACHE_DIR, is the only folder. Otherwise the per-user cache
+    ($XDG_CACHE_HOME/tinychar/encoded, else ~/.cache/tinychar/encoded), then the temp folder should that one be
+    read-only or missing. Never a folder of the project or of the corpus.
     """
     chosen = configured or os.environ.get("TINYCHAR_CACHE_DIR")
     if chosen:
@@ -166,8 +171,4 @@ def cache_dirs(configured: str | None) -> list[Path]:
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "tinychar" / "encoded"
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     temp = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "encoded"
-    folders = []
-    for folder in (data_dir() / "encoded", user, temp):
-        if folder not in folders:
-            folders.append(folder)
-    return folders
+    return [user, temp]

@@ -1,8 +1,12 @@
-"""Shared test fixtures: tiny corpora, tiny configs, and the shared data folder for the built-in dataset."""
+"""Shared test fixtures: tiny corpora and tiny configs. The tests stand alone: they read nothing outside the clone and
+their own temporary folders, write nothing into the user's home or cache, and reach no other machine."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -10,14 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# CI sets TINYCHAR_DATA_DIR to ../shared/data; a developer running pytest by hand gets the same.
-if "TINYCHAR_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
-    os.environ["TINYCHAR_DATA_DIR"] = str(SHARED_DATA)
+# Encoded corpora, and anything else that honours the XDG cache folder, go to a folder of this test session, which is
+# removed at its end; the processes the tests start inherit it. A user's TINYCHAR_DATA_DIR is not the tests' business.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="tinychar-test-cache-")
+os.environ["TINYCHAR_CACHE_DIR"] = os.path.join(_SESSION_CACHE, "encoded")
+os.environ["XDG_CACHE_HOME"] = _SESSION_CACHE
+os.environ.pop("TINYCHAR_DATA_DIR", None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,8 +32,34 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# Encoded corpora go to a cache folder of this test session, not the user's cache.
-os.environ.setdefault("TINYCHAR_CACHE_DIR", tempfile.mkdtemp(prefix="tinychar-test-cache-"))
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+def _is_local(address: object) -> bool:
+    if not isinstance(address, tuple):  # a Unix socket path
+        return True
+    host = str(address[0])
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False  # a host name: resolving it would already be network
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every connection beyond this machine fails at once, so a test that needs the network fails here too."""
+    connect = socket.socket.connect
+
+    def local_only(self: socket.socket, address: object) -> None:
+        if not _is_local(address):
+            raise OSError(f"tests reach no other machine (tried {address!r})")
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", local_only)
+
 
 # Tiny models gain nothing from a second thread, and on a busy machine OpenMP's waits between threads cost many
 # times the work: the tests and the training runs they start use one thread.

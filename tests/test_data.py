@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
-import os
-import shutil
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,25 +16,18 @@ from data import (
     data_dir,
     get_batch,
     load_corpus,
+    prepare_corpus,
     read_text,
     shakespeare_path,
     split_ids,
 )
+from data.corpus import check_shakespeare
 
 SHAKESPEARE_SIZE = 1_115_394
 MIXED = "Γειά σου κόσμε, 你好世界 😀🎉 e\u0301 n\u0303\r\nline two\r\n\tend\u00a0"
 
 
-def _real_data_dir() -> Path:
-    """The shared folder holding a verified tinyshakespeare.txt (CI exports it as TINYCHAR_DATA_DIR)."""
-    if folder := os.environ.get("TINYCHAR_DATA_DIR"):
-        return Path(folder)
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-# Read once, before any test points TINYCHAR_DATA_DIR at a temporary folder.
-REAL_DATA_DIR = _real_data_dir()
-REAL_FILE = REAL_DATA_DIR / "tinyshakespeare.txt"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def files_in(folder: Path) -> dict[str, bytes]:
@@ -173,7 +160,7 @@ def test_read_text_refuses_a_text_shorter_than_one_window(tmp_path: Path) -> Non
 def test_load_corpus_prefers_path(tmp_path: Path) -> None:
     f = tmp_path / "mine.txt"
     f.write_text("my own text")
-    text, source = load_corpus(DataConfig(path=str(f)), progress=False)
+    text, source = load_corpus(DataConfig(path=str(f)))
     assert text == "my own text" and str(f) in source
 
 
@@ -228,103 +215,66 @@ def test_get_batch_depends_only_on_the_generator_state() -> None:
     assert not torch.equal(first[0], other[0])
 
 
-# --- cache folder and tiny Shakespeare --------------------------------------------------------------------------
+# --- tiny Shakespeare, shipped in the repo, and TINYCHAR_DATA_DIR ----------------------------------------------
 
 
-def test_data_dir_honours_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(tmp_path / "d"))
-    assert data_dir() == tmp_path / "d"
-    monkeypatch.delenv("TINYCHAR_DATA_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert data_dir() == tmp_path / "cache" / "tinychar"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert data_dir() == Path.home() / ".cache" / "tinychar"
-
-
-class FakeResponse(io.BytesIO):
-    """What urlopen returns, as far as the download uses it: headers, read(n), a context manager."""
-
-    def __init__(self, payload: bytes) -> None:
-        super().__init__(payload)
-        self.headers = {"Content-Length": str(len(payload))}
-
-
-def serve(payload: bytes) -> Callable[..., FakeResponse]:
-    """A fake urlopen that answers every request with payload."""
-
-    def urlopen(url: str, *args: object, **kwargs: object) -> FakeResponse:
-        return FakeResponse(payload)
-
-    return urlopen
-
-
-def refuse_network(url: str, *args: object, **kwargs: object) -> None:
-    raise urllib.error.URLError("no network in tests")
-
-
-def test_shakespeare_path_uses_the_shared_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(REAL_DATA_DIR))
-    monkeypatch.setattr(urllib.request, "urlopen", refuse_network)
-    path = shakespeare_path(progress=False)
-    assert path == REAL_FILE
+def test_the_built_in_corpus_ships_in_the_repo_and_reads_offline() -> None:
+    # conftest refuses every connection beyond this machine, so this passing means no network was asked for
+    path = shakespeare_path()
+    assert path == ROOT / "data" / "tinyshakespeare.txt"
+    assert path.stat().st_size == SHAKESPEARE_SIZE
     assert hashlib.sha256(path.read_bytes()).hexdigest() == SHAKESPEARE_SHA256
-    text, source = load_corpus(DataConfig(), min_chars=257, progress=False)
-    assert str(REAL_FILE) in source
+    text, source = load_corpus(DataConfig(), min_chars=257)
+    assert str(path) in source and "tiny Shakespeare" in source
     assert len(text) == SHAKESPEARE_SIZE and text.startswith("First Citizen:")
     assert CharTokenizer.from_text(text).vocab_size == 65
 
 
-def test_corrupted_cache_is_refused_and_left_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(tmp_path))
-    monkeypatch.setattr(urllib.request, "urlopen", refuse_network)
-    bad = tmp_path / "tinyshakespeare.txt"
-    bad.write_bytes(b"not shakespeare")
-    with pytest.raises(DataError, match="tinyshakespeare.txt.*delete it") as info:
-        shakespeare_path(progress=False)
+def test_git_keeps_the_built_in_corpus_byte_for_byte() -> None:
+    # a checkout that turned its newlines into CRLF would change the sha256 and the vocabulary
+    attributes = (ROOT / ".gitattributes").read_text(encoding="utf-8").split("\n")
+    assert "data/tinyshakespeare.txt -text" in attributes
+
+
+def test_a_changed_or_missing_built_in_corpus_is_refused_and_left_alone(tmp_path: Path) -> None:
+    changed = tmp_path / "tinyshakespeare.txt"
+    changed.write_bytes(shakespeare_path().read_bytes().replace(b"\n", b"\r\n"))
+    before = changed.read_bytes()
+    with pytest.raises(DataError, match="is not the tiny Shakespeare tinychar ships.*git checkout") as info:
+        check_shakespeare(changed)
     assert "\n" not in str(info.value)
-    assert files_in(tmp_path) == {"tinyshakespeare.txt": b"not shakespeare"}
+    assert changed.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["tinyshakespeare.txt"]
+    with pytest.raises(DataError, match="is missing; restore it"):
+        check_shakespeare(tmp_path / "gone.txt")
 
 
-def test_valid_copy_in_a_read_only_folder_is_used_as_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    shutil.copyfile(REAL_FILE, folder / "tinyshakespeare.txt")
-    before = (folder / "tinyshakespeare.txt").stat().st_mtime_ns
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(folder))
-    monkeypatch.setattr(urllib.request, "urlopen", refuse_network)
-    folder.chmod(0o555)
-    try:
-        assert shakespeare_path(progress=False) == folder / "tinyshakespeare.txt"
-        # Root ignores the mode bits, so "nothing written" is checked directly rather than through a failed write.
-        assert [p.name for p in folder.iterdir()] == ["tinyshakespeare.txt"]
-        assert (folder / "tinyshakespeare.txt").stat().st_mtime_ns == before
-    finally:
-        folder.chmod(0o755)
+def test_the_built_in_corpus_is_encoded_into_the_cache_folder_not_beside_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("TINYCHAR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    shipped = sorted(p.name for p in (ROOT / "data").iterdir())
+    corpus = prepare_corpus(DataConfig(), min_chars=9, progress=False)
+    assert corpus.path.parent == tmp_path / "cache" / "tinychar" / "encoded"
+    assert sorted(p.name for p in (ROOT / "data").iterdir()) == shipped
 
 
-def test_download_lands_checked_and_leaves_no_partial_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    folder = tmp_path / "fresh" / "cache"  # not there yet: the download creates it
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(folder))
-    payload = REAL_FILE.read_bytes()
-    monkeypatch.setattr(urllib.request, "urlopen", serve(payload))
-    path = shakespeare_path(progress=False)
-    assert path == folder / "tinyshakespeare.txt"
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == SHAKESPEARE_SHA256
-    assert [p.name for p in folder.iterdir()] == ["tinyshakespeare.txt"]
-
-
-def test_download_with_wrong_bytes_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(tmp_path))
-    truncated = REAL_FILE.read_bytes()[:100_000]
-    monkeypatch.setattr(urllib.request, "urlopen", serve(truncated))
-    with pytest.raises(DataError, match="sha256"):
-        shakespeare_path(progress=False)
-    assert list(tmp_path.iterdir()) == []  # neither the final name nor a partial file
-
-
-def test_download_without_network_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(tmp_path))
-    monkeypatch.setattr(urllib.request, "urlopen", refuse_network)
-    with pytest.raises(DataError, match="not cached in .*could not be downloaded \\(no network in tests\\).*data.path"):
-        load_corpus(DataConfig(), progress=False)
-    assert list(tmp_path.iterdir()) == []
+def test_data_dir_is_where_relative_data_paths_are_also_looked_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("TINYCHAR_DATA_DIR", raising=False)
+    assert data_dir() is None
+    corpora = tmp_path / "corpora"
+    corpora.mkdir()
+    (corpora / "poems.txt").write_text("roses are red\n" * 20, encoding="utf-8")
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(corpora))
+    monkeypatch.chdir(tmp_path)
+    assert data_dir() == corpora
+    text, _ = load_corpus(DataConfig(path="poems.txt"))
+    assert text.startswith("roses are red")
+    (tmp_path / "poems.txt").write_text("violets are blue\n" * 20, encoding="utf-8")
+    text, _ = load_corpus(DataConfig(path="poems.txt"))
+    assert text.startswith("violets")  # the current folder comes first
+    with pytest.raises(DataError, match="no such file 'nothing.txt'"):
+        load_corpus(DataConfig(path="nothing.txt"))
+    assert sorted(p.name for p in corpora.iterdir()) == ["poems.txt"]  # nothing written into it

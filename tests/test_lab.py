@@ -1,10 +1,11 @@
 """The attention lab against the numbers the notes print.
 
-The literals below are typed from the printed outputs in /work/shared/notes (000_* and 001_* are the notebooks
-with outputs; 002_*, 003_* and 004_* print no tensors). They are the reference: each test recomputes a printed
-tensor with the lab and compares to the 4 decimals the notes show. Cell numbers are the notebooks' ``In [n]``.
-Where the notes print nothing (dropout, the causal and multi-head modules, additive scoring) the tests check the
-behaviour instead: the mask hides the future, the two multi-head forms agree, the lab runs the model's code.
+The literals below are typed from the printed outputs of the attention notes the model is described in (000_* and
+001_* are the notebooks with outputs; 002_*, 003_* and 004_* print no tensors). They are the reference: each test
+recomputes a printed tensor with the lab and compares to the 4 decimals the notes show. Cell numbers are the
+notebooks' ``In [n]``. Where the notes print nothing (dropout, the causal and multi-head modules, additive scoring)
+the tests check the behaviour instead: the mask hides the future, the two multi-head forms agree, the lab runs the
+model's code.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ MIXED = "Γειά σου κόσμε, 你好世界 😀🎉 e\u0301 n\u0303\r\nli
 
 @pytest.fixture(autouse=True)
 def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Every test encodes into a folder of its own (never the shared data folder)."""
+    """Every test encodes into a folder of its own (never the session's or the user's cache)."""
     folder = tmp_path / "cache"
     monkeypatch.setenv("TINYCHAR_CACHE_DIR", str(folder))
     return folder
@@ -101,7 +102,7 @@ def test_any_text_round_trips_at_any_chunk_size(tmp_path: Path, text: str, chunk
 
 def test_the_built_in_dataset_goes_through_the_same_path() -> None:
     corpus = prepare_corpus(DataConfig(), min_chars=257, progress=False, chunk_bytes=1 << 18)
-    text = read_text(shakespeare_path(progress=False))
+    text = read_text(shakespeare_path())
     assert corpus.n_tokens == len(text) == 1_115_394
     assert corpus.vocab_size == 65 and corpus.ids.dtype == torch.uint8
     assert "tiny Shakespeare" in corpus.description
@@ -343,29 +344,37 @@ def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TINYCHAR_CACHE_DIR")
-    data_folder = tmp_path / "shared"
-    write(data_folder / "encoded", "a file where the cache folder would go")  # mkdir fails even for root
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(data_folder))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    user_cache = tmp_path / "user-cache"
+    write(user_cache / "tinychar", "a file where the cache folder would go")  # mkdir fails even for root
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
     corpus = prepare(write(tmp_path / "t.txt", MIXED))
-    assert corpus.path.parent == tmp_path / "user-cache" / "tinychar" / "encoded"
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    assert corpus.path.parent == tmp_path / "temp" / f"tinychar-{uid}" / "encoded"
     assert any("cannot write to the cache folder" in note for note in corpus.notes)
     assert prepare(tmp_path / "t.txt").cache_hit
 
 
-def test_a_read_only_data_folder_is_left_alone_even_by_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_only_cache_or_data_folder_is_left_alone_even_by_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("TINYCHAR_CACHE_DIR")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(shared))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
-    shared.chmod(0o555)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    user_cache, corpora = tmp_path / "user-cache", tmp_path / "corpora"
+    user_cache.mkdir()
+    write(corpora / "t.txt", MIXED)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(corpora))
+    monkeypatch.chdir(tmp_path)
+    user_cache.chmod(0o555)
+    corpora.chmod(0o555)
     try:
-        corpus = prepare(write(tmp_path / "t.txt", MIXED))
+        corpus = prepare("t.txt")  # found in TINYCHAR_DATA_DIR
     finally:
-        shared.chmod(0o755)
-    assert list(shared.iterdir()) == []  # no encoded/ folder made in it
-    assert corpus.path.parent == tmp_path / "user-cache" / "tinychar" / "encoded"
+        user_cache.chmod(0o755)
+        corpora.chmod(0o755)
+    assert list(user_cache.iterdir()) == [] and [p.name for p in corpora.iterdir()] == ["t.txt"]
+    assert corpus.path.is_relative_to(tmp_path / "temp") and text_of(corpus) == MIXED
 
 
 def test_a_chosen_cache_folder_is_used_or_refused(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 
 def child_env() -> dict[str, str]:
-    """The environment for a real train.py (TINYCHAR_DATA_DIR and all), on one thread as in this process."""
+    """The environment for a real train.py (the session's cache folder and all), on one thread as in this process."""
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
