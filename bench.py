@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from data import CharTokenizer, get_batch, load_corpus, split_ids
-from data.config import DataConfig
+from data import CharTokenizer, DataConfig, load_corpus, split_ids
 from model import GPT, GPTConfig
-from model.runtime import autocast_context, matmul_ceiling, resolve_dtype
-from train import TrainConfig, make_optimizer
+from training import RunConfig, TrainConfig, load_config, run
+from training.devices import matmul_ceiling, resolve_dtype
+from training.loop import Trainer
+from training.optim import make_optimizer
 
 # nanoGPT's figures measured on the 2-core machine this project is developed on (torch 2.13 CPU, 2 threads)
 NANOGPT_REFERENCE = {
@@ -59,7 +60,8 @@ def matmul_ceilings(seconds: float = 1.5) -> dict[str, float]:
 
 
 class Loop:
-    """One training setup: model, optimizer, batches, and a step function."""
+    """One training setup: model, optimizer, batches, and a step function. The tinychar loop is train.py's own
+    Trainer.train_step; the nanoGPT-style one is written out here, as nanoGPT's train.py does it."""
 
     def __init__(self, name: str, row: dict, train_ids: torch.Tensor, vocab: int, nanogpt_style: bool,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -69,20 +71,20 @@ class Loop:
                              n_head=row["n_head"], n_embd=row["n_embd"], bias=False,
                              attention="fused" if nanogpt_style else "manual")
         self.model = GPT(self.cfg)
-        tc = TrainConfig(batch_size=row["batch_size"])
+        self.data, self.dtype = train_ids, dtype
+        self.gen = torch.Generator().manual_seed(0)
+        cpu = torch.device("cpu")
         if nanogpt_style:
             groups = [{"params": [p for p in self.model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                       {"params": [p for p in self.model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
             self.optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99))
+            self.step = self._nanogpt_step
         else:
-            self.optimizer = make_optimizer(self.model, tc, torch.device("cpu"))
-        self.data, self.dtype = train_ids, dtype
-        self.gen = torch.Generator().manual_seed(0)
-        self.batch = self._loop_batch if nanogpt_style else self._vector_batch
-        self.losses: list[float] = []
-
-    def _vector_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return get_batch(self.data, self.row["block_size"], self.row["batch_size"], self.gen)
+            run_cfg = RunConfig(model=self.cfg, train=TrainConfig(batch_size=row["batch_size"], warmup_iters=0))
+            self.optimizer = make_optimizer(self.model, run_cfg.train, cpu)
+            trainer = Trainer(run_cfg, self.model, self.optimizer, {"train": train_ids}, device=cpu, dtype=dtype,
+                              gen=self.gen)
+            self.step = trainer.train_step
 
     def _loop_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         T, B = self.row["block_size"], self.row["batch_size"]
@@ -91,10 +93,9 @@ class Loop:
         y = torch.stack([self.data[i + 1 : i + 1 + T] for i in starts.tolist()])
         return x, y
 
-    def step(self) -> None:
-        x, y = self.batch()
-        with autocast_context(torch.device("cpu"), self.dtype):
-            _, loss = self.model(x, y)
+    def _nanogpt_step(self) -> None:
+        x, y = self._loop_batch()
+        _, loss = self.model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -150,24 +151,20 @@ def bench_sampling(vocab: int, n_chars: int) -> dict[str, float]:
 
 def bench_eval_share() -> dict[str, float]:
     """Share of a default tiny.yaml run's wall time spent evaluating, logging samples and saving (~30 s)."""
-    import train
-
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = train.load_config("configs/tiny.yaml", [f"out_dir={tmp}"])
-        stats = train.run(cfg, progress=False)
+        cfg = load_config("configs/tiny.yaml", [f"out_dir={tmp}"])
+        stats = run(cfg, progress=False)
     return {"eval_seconds": stats["eval_seconds"], "total_seconds": stats["seconds"],
             "eval_share": stats["eval_seconds"] / stats["seconds"]}
 
 
 def time_to_quality() -> list[dict]:
     """Train the CPU configs and record the wall time when validation first reaches the target."""
-    import train
-
     out = []
     for config, target in (("configs/tiny.yaml", 1.93), ("configs/shakespeare_char_cpu.yaml", 1.886)):
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = train.load_config(config, [f"out_dir={tmp}", "train.tensorboard=false"])
-            stats = train.run(cfg, progress=False)
+            cfg = load_config(config, [f"out_dir={tmp}", "train.tensorboard=false"])
+            stats = run(cfg, progress=False)
         reached = next((t for t, v in stats["val_history"] if v <= target), None)
         out.append({"config": config, "target": target, "final_val": stats["val"], "seconds": stats["seconds"],
                      "seconds_to_target": reached})

@@ -8,23 +8,27 @@ stdout carries only the samples (the prompt, then the generated characters); eve
 from __future__ import annotations
 
 import argparse
-import os
+import signal
 import sys
 from pathlib import Path
 
-import torch
+try:  # Ctrl-C while torch loads (a second or more) ends the command with one line, not a traceback from an import
+    import torch
 
-from model import CheckpointError, load_checkpoint, model_from_checkpoint
-from model.runtime import DeviceError, OneLineParser, resolve_device
+    from model import GPT, CheckpointError, find_checkpoint, load_checkpoint, model_from_checkpoint
+    from training.devices import DeviceError, resolve_device
+    from training.errors import OneLineParser, UsageError
+    from training.logger import discard_stdout
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("interrupted (SIGINT) while starting; nothing was sampled", file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
 
 SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
 # text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
 MAX_NEW_TOKENS = 10_000_000
-
-
-class UsageError(ValueError):
-    """A request that cannot be carried out as asked; the message is one line for a person."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,18 +72,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def find_checkpoint(args: argparse.Namespace) -> Path:
-    if args.checkpoint is not None:
-        return Path(args.checkpoint)
-    out_dir = Path(args.out_dir if args.out_dir is not None else "runs/tiny")
-    if not out_dir.is_dir():
-        raise UsageError(f"no run folder '{out_dir}'; train one with `python train.py` or pass --checkpoint FILE")
-    for name in ("best.pt", "ckpt.pt"):
-        if (out_dir / name).exists():
-            return out_dir / name
-    raise UsageError(f"'{out_dir}' holds no best.pt or ckpt.pt; train first with `python train.py`")
-
-
 def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
     if args.prompt_file is not None:
         try:
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
-        path = find_checkpoint(args)
+        path = Path(args.checkpoint) if args.checkpoint is not None else find_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
         payload = load_checkpoint(path, map_location=device)
         model, vocab = model_from_checkpoint(payload, path)
@@ -120,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
           f"vocabulary {len(vocab)}", file=sys.stderr)
     ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
     if args.attention_map is not None:
-        from model.attention_map import save_attention_map
+        from lab.heatmap import save_attention_map
 
         try:
             saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=f"{path}: {prompt[-40:]!r}")
@@ -132,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_samples(model, ids, prompt, vocab, args)
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail too
-        return 0
+        discard_stdout()  # so the exit-time flush cannot fail too
+    except KeyboardInterrupt:  # Ctrl-C while the text streams out: what was printed stays, nothing else to do
+        print("\ninterrupted (SIGINT); stopped sampling", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 
-def write_samples(model, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace) -> None:
+def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace) -> None:
+    """Each sample to stdout: the prompt, then the characters (as they come, with --stream), then a newline."""
     gen = torch.Generator(device=ids.device).manual_seed(args.seed)
     out = sys.stdout
     for n in range(args.num_samples):

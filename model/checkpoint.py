@@ -1,25 +1,23 @@
-"""Checkpoints that describe themselves, written atomically and read with ``weights_only=True``.
+"""Reading a checkpoint (``weights_only=True``) and rebuilding the model and its vocabulary from it.
 
 A checkpoint is a plain dict: the model's weights and config, the vocabulary as a list of characters, and
 whatever the trainer adds (optimizer, step, RNG states, run config). Nothing in it needs pickle to run code.
+Writing one, and the training state in it, is the trainer's business (training/checkpoints.py).
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from .config import GPTConfig
 from .gpt import GPT
 
-FORMAT = "tinychar-checkpoint"
+FORMAT = "tinychar-checkpoint"  # the "format" entry of every checkpoint, checked on loading
 VERSION = 1
 
 
@@ -27,46 +25,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for a person."""
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
-    """Write payload to path so that a crash at any moment leaves either the old file or the new one."""
-    write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **payload}, f))
-
-
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """Call write on a new file that then replaces path at once: a crash at any moment leaves the old file or the
-    new one, never a part of either.
-
-    The bytes go to a temporary file in the same folder, are flushed to disk, and the file is renamed over the
-    old one (``os.replace`` is atomic within a file system). The temporary name, ``.<name>.<random>.tmp``, starts
-    with a dot and ends in ``.tmp`` so it is never mistaken for the file itself; a process killed before the rename
-    leaves it behind, for the next writer of the folder to remove.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it owner-only; this is a normal file
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
+def find_checkpoint(out_dir: str | Path) -> Path:
+    """The checkpoint to sample from in a run folder: best.pt, else ckpt.pt."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise CheckpointError(f"no run folder '{out_dir}'; train one with `python train.py` or pass --checkpoint FILE")
+    for name in ("best.pt", "ckpt.pt"):
+        if (out_dir / name).exists():
+            return out_dir / name
+    raise CheckpointError(f"'{out_dir}' holds no best.pt or ckpt.pt; train first with `python train.py`")
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint
+from training.checkpoints import save_checkpoint
 
 VOCAB = list("\n !,.:?ABCabcdefghij")
 

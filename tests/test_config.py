@@ -10,9 +10,9 @@ import pytest
 import yaml
 from conftest import ROOT
 
-import train
 from configs import ConfigError, apply_overrides, build, flatten, load_yaml, to_dict, valid_keys
 from model import GPT
+from training.config import RunConfig, load_config
 
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -27,7 +27,7 @@ def write_yaml(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
 def refused(config: Path | str | None, overrides: list[str] = ()) -> str:
     """The one-line message with which load_config refuses this config."""
     with pytest.raises(ConfigError) as info:
-        train.load_config(None if config is None else str(config), list(overrides))
+        load_config(None if config is None else str(config), list(overrides))
     message = str(info.value)
     assert "\n" not in message and message.strip() == message and message
     return message
@@ -43,8 +43,8 @@ def test_the_shipped_configs_are_there():
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_builds_its_model(path: Path):
-    cfg = train.load_config(str(path), [])
-    assert isinstance(cfg, train.RunConfig)
+    cfg = load_config(str(path), [])
+    assert isinstance(cfg, RunConfig)
     assert cfg.out_dir == str(Path("runs") / path.stem)
     # every key the file sets reaches the config: nothing is silently dropped or altered
     built = flatten(to_dict(cfg))
@@ -170,7 +170,7 @@ def test_config_file_missing_or_a_folder(tmp_path):
     [
         "!!python/object/apply:builtins.open [{marker!r}, w]",
         "!!python/object/new:builtins.open [{marker!r}, w]",
-        "!!python/object:train.RunConfig {{}}",
+        "!!python/object:training.config.RunConfig {{}}",
     ],
 )
 def test_python_tags_are_refused_not_executed(tmp_path, tag):
@@ -189,20 +189,20 @@ def test_python_tags_are_refused_not_executed(tmp_path, tag):
 def test_exponent_numbers_pyyaml_reads_as_strings_are_accepted(tmp_path):
     text = "train:\n  learning_rate: 3e-4\n  min_lr: 1e-5\n  max_iters: 1e3\n"
     assert yaml.safe_load(text)["train"]["learning_rate"] == "3e-4"  # the premise: YAML 1.1 wants a dot
-    cfg = train.load_config(str(write_yaml(tmp_path, text)), [])
+    cfg = load_config(str(write_yaml(tmp_path, text)), [])
     assert cfg.train.learning_rate == 3e-4 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.min_lr == 1e-5
     assert cfg.train.max_iters == 1000 and isinstance(cfg.train.max_iters, int)
 
 
 def test_an_integer_is_a_fine_float(tmp_path):
-    cfg = train.load_config(str(write_yaml(tmp_path, "train:\n  learning_rate: 1\n  min_lr: 0\n")), [])
+    cfg = load_config(str(write_yaml(tmp_path, "train:\n  learning_rate: 1\n  min_lr: 0\n")), [])
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.min_lr == 0.0 and isinstance(cfg.train.min_lr, float)
 
 
 def test_overrides_are_typed_by_the_field_they_set():
-    cfg = train.load_config(
+    cfg = load_config(
         str(TINY),
         [
             "train.max_iters=500",
@@ -219,12 +219,12 @@ def test_overrides_are_typed_by_the_field_they_set():
     assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
     assert cfg.model.attention == "fused"
     # and the later of two overrides of one key wins
-    assert train.load_config(str(TINY), ["seed=1", "seed=2"]).seed == 2
+    assert load_config(str(TINY), ["seed=1", "seed=2"]).seed == 2
 
 
 def test_overrides_leave_the_rest_of_the_file_alone():
-    base = train.load_config(str(TINY), [])
-    changed = train.load_config(str(TINY), ["train.batch_size=3"])
+    base = load_config(str(TINY), [])
+    changed = load_config(str(TINY), ["train.batch_size=3"])
     assert changed.train.batch_size == 3
     assert replace(changed, train=replace(changed.train, batch_size=base.train.batch_size)) == base
 
@@ -234,36 +234,36 @@ def test_overrides_leave_the_rest_of_the_file_alone():
 
 def test_out_dir_defaults_to_runs_and_the_config_stem(tmp_path):
     path = write_yaml(tmp_path, "seed: 1\n", name="my_experiment.yaml")
-    assert train.load_config(str(path), []).out_dir == str(Path("runs") / "my_experiment")
+    assert load_config(str(path), []).out_dir == str(Path("runs") / "my_experiment")
     with_dir = write_yaml(tmp_path, "out_dir: elsewhere\n", name="other.yaml")
-    assert train.load_config(str(with_dir), []).out_dir == "elsewhere"
-    assert train.load_config(str(with_dir), ["out_dir=third"]).out_dir == "third"
+    assert load_config(str(with_dir), []).out_dir == "elsewhere"
+    assert load_config(str(with_dir), ["out_dir=third"]).out_dir == "third"
 
 
 def test_a_data_path_on_the_command_line_wins_over_the_configs_dataset():
-    plain = train.load_config(str(TINY), [])
+    plain = load_config(str(TINY), [])
     assert plain.data.dataset == "shakespeare_char" and plain.data.path is None
-    cfg = train.load_config(str(TINY), ["data.path=my_text.txt"])
+    cfg = load_config(str(TINY), ["data.path=my_text.txt"])
     assert cfg.data.path == "my_text.txt" and cfg.data.dataset is None
 
 
 def test_an_empty_file_gives_the_defaults(tmp_path):
-    cfg = train.load_config(str(write_yaml(tmp_path, "")), [])
-    assert replace(cfg, out_dir=None) == train.RunConfig()
+    cfg = load_config(str(write_yaml(tmp_path, "")), [])
+    assert replace(cfg, out_dir=None) == RunConfig()
 
 
 def test_a_resolved_config_round_trips_through_yaml(tmp_path):
-    cfg = train.load_config(str(TINY), ["train.lr_decay_iters=700", "out_dir=x", "model.dropout=0.1"])
+    cfg = load_config(str(TINY), ["train.lr_decay_iters=700", "out_dir=x", "model.dropout=0.1"])
     path = write_yaml(tmp_path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    assert train.load_config(str(path), []) == cfg
+    assert load_config(str(path), []) == cfg
 
 
 def test_valid_keys_are_the_dotted_leaves_and_build_refuses_a_derived_one():
-    keys = valid_keys(train.RunConfig)
+    keys = valid_keys(RunConfig)
     assert "train.learning_rate" in keys and "out_dir" in keys and "data.path" in keys
     assert not any(k in keys for k in ("train", "model", "data", "model.vocab_size"))
     # vocab_size comes from the data, so a config may not set it
     with pytest.raises(ConfigError, match="model.vocab_size"):
-        build(train.RunConfig, {"model": {"vocab_size": 10}})
+        build(RunConfig, {"model": {"vocab_size": 10}})
     with pytest.raises(ConfigError, match="model.vocab_size"):
-        apply_overrides({}, ["model.vocab_size=10"], train.RunConfig)
+        apply_overrides({}, ["model.vocab_size=10"], RunConfig)

@@ -1,7 +1,7 @@
 """Data-parallel training under torchrun (gloo on the CPU): two processes with half the batch each take the same steps
 as one with all of it; a two-process run stops on Ctrl-C with a checkpoint, resumes exactly, and hands its checkpoint
 to sample.py and to a one-process run (and back); a bad data path ends every process with one line; and the pieces
-of model/distributed.py on their own."""
+of training/distributed.py on their own."""
 
 from __future__ import annotations
 
@@ -24,11 +24,22 @@ from test_train import bitwise_equal, child_env, weights
 
 import sample
 import train
+import training.distributed
+import training.loop
 from configs import to_dict
 from data import get_batch
 from model import load_checkpoint
-from model.distributed import Launch, LaunchError, derived_seed, launch_from_env, resolve_backend, threads_per_process
-from model.runtime import DeviceError
+from training.checkpoints import check_resume_config
+from training.config import TrainConfig, load_config
+from training.devices import DeviceError
+from training.distributed import (
+    Launch,
+    LaunchError,
+    derived_seed,
+    launch_from_env,
+    resolve_backend,
+    threads_per_process,
+)
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # A launch starts three interpreters (torchrun and two workers) that each import torch: seconds, not minutes. A run
@@ -98,11 +109,12 @@ FIXED_BATCHES = """
 import os, sys
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
 import train
+import training.loop
 from test_distributed import batch_pool, fixed_batches
 
 accum, batch, block = (int(a) for a in sys.argv[1:4])
 pool = batch_pool(accum, batch, block)
-train.get_batch = fixed_batches(pool, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+training.loop.get_batch = fixed_batches(pool, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 sys.exit(train.main(sys.argv[4:], progress=False))
 """
 
@@ -126,11 +138,11 @@ def test_two_processes_with_half_the_batch_take_the_same_steps_as_one_with_all_o
     assert "global batch: 2 processes x 4 sequences x 2 micro-batches = 16 sequences (128 tokens)" in result.stdout
 
     pool = batch_pool(accum, batch, block)
-    monkeypatch.setattr(train, "get_batch", fixed_batches(pool, 0, 1))
+    monkeypatch.setattr(training.loop, "get_batch", fixed_batches(pool, 0, 1))
     one = tiny_overrides(corpus, tmp_path / "one", **EQUIVALENCE_KEYS, **{"train.batch_size": batch})
     assert quiet_main(["--config", TINY, *one])[0] == 0
     # the control: rank 0's half alone, as if the other process's gradients never arrived
-    monkeypatch.setattr(train, "get_batch", fixed_batches(pool, 0, 2))
+    monkeypatch.setattr(training.loop, "get_batch", fixed_batches(pool, 0, 2))
     half = tiny_overrides(corpus, tmp_path / "half", **EQUIVALENCE_KEYS, **{"train.batch_size": batch // 2})
     assert quiet_main(["--config", TINY, *half])[0] == 0
 
@@ -271,13 +283,13 @@ def test_a_torchrun_launch_of_one_process_trains_exactly_as_a_plain_run(tmp_path
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     wrapped = []
-    real_data_parallel = train.distributed.data_parallel
+    real_data_parallel = training.distributed.data_parallel
 
     def data_parallel(model, device):
         wrapped.append(real_data_parallel(model, device))
         return wrapped[-1]
 
-    monkeypatch.setattr(train.distributed, "data_parallel", data_parallel)
+    monkeypatch.setattr(training.distributed, "data_parallel", data_parallel)
     code, group_out = quiet_main(["--config", TINY, *tiny_overrides(corpus, tmp_path / "group", **keys)])
     assert code == 0
     assert len(wrapped) == 1 and isinstance(wrapped[0], torch.nn.parallel.DistributedDataParallel)
@@ -348,9 +360,9 @@ def test_processes_times_threads_never_exceed_the_cores():
 
 def test_train_backend_is_checked_and_may_change_on_resume(tmp_path, capsys):
     with pytest.raises(ValueError, match="train.backend must be one of auto, gloo, nccl; got 'mpi'"):
-        train.TrainConfig(backend="mpi")
-    saved = to_dict(train.load_config(TINY, []))
-    assert train.check_resume_config(saved, train.load_config(TINY, ["train.backend=gloo"])) == [
+        TrainConfig(backend="mpi")
+    saved = to_dict(load_config(TINY, []))
+    assert check_resume_config(saved, load_config(TINY, ["train.backend=gloo"])) == [
         "train.backend: 'auto' -> 'gloo'"]
     assert train.main(["train.backend=nccl2", "--out-dir", str(tmp_path / "x")], progress=False) == 2
     assert "train.backend must be one of" in capsys.readouterr().err

@@ -12,12 +12,12 @@ from conftest import ROOT
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import train
-from configs import ConfigError, build, load_yaml, valid_keys
+from configs import ConfigError, build, load_yaml, to_dict, valid_keys
 from data import CharTokenizer
+from training.config import RunConfig, load_config
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-KEYS = valid_keys(train.RunConfig)
+KEYS = valid_keys(RunConfig)
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Every code point a Python str can hold, lone surrogates included (they cannot come from a UTF-8 file, but can from
@@ -120,13 +120,13 @@ OVERRIDES = st.one_of(
 @example(["seed=99999999999999999999999"])
 def test_any_override_gives_a_config_or_one_clear_line(overrides):
     try:
-        cfg = train.load_config(TINY, overrides)
+        cfg = load_config(TINY, overrides)
     except ConfigError as e:
         one_clear_line(e)
         return
-    assert isinstance(cfg, train.RunConfig)
+    assert isinstance(cfg, RunConfig)
     # what was accepted is what a resumed run or config.yaml will hold: it survives a round trip
-    assert train.load_config(None, [], base=train.to_dict(cfg)) == cfg
+    assert load_config(None, [], base=to_dict(cfg)) == cfg
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +146,11 @@ def test_any_yaml_text_gives_a_config_or_one_clear_line(yaml_file, text):
     yaml_file.write_text(text, encoding="utf-8", errors="surrogatepass")
     try:
         mapping = load_yaml(yaml_file)
-        cfg = build(train.RunConfig, mapping, f" (in {yaml_file})")
+        cfg = build(RunConfig, mapping, f" (in {yaml_file})")
     except ConfigError as e:
         one_clear_line(e)
         return
-    assert isinstance(cfg, train.RunConfig)
+    assert isinstance(cfg, RunConfig)
 
 
 PLAIN = st.recursive(
@@ -171,10 +171,10 @@ PLAIN = st.recursive(
 @example({"seed": 2.5})
 def test_any_plain_data_builds_a_config_or_one_clear_line(data):
     try:
-        cfg = build(train.RunConfig, data)
+        cfg = build(RunConfig, data)
     except ConfigError as e:
         one_clear_line(e)
         return
-    assert isinstance(cfg, train.RunConfig)
+    assert isinstance(cfg, RunConfig)
     # and the same data through a YAML file, as a person would write it, gives the same config
-    assert build(train.RunConfig, yaml.safe_load(yaml.safe_dump(data))) == cfg
+    assert build(RunConfig, yaml.safe_load(yaml.safe_dump(data))) == cfg

@@ -32,7 +32,14 @@ from test_train import bitwise_equal, child_env, logged_losses, one_error_line, 
 
 import sample
 import train
-from model import GPT, load_checkpoint, model_from_checkpoint, save_checkpoint
+import training.checkpoints
+import training.loop
+import training.runner
+from model import GPT, find_checkpoint, load_checkpoint, model_from_checkpoint
+from training.checkpoints import save_checkpoint
+from training.config import TrainConfig, load_config
+from training.optim import lr_at
+from training.signals import StopSignals
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # As in test_train: a schedule that does not depend on max_iters, and dropout so that the torch RNG matters.
@@ -92,15 +99,15 @@ def send(signum: int) -> None:
     """A real signal to this process, sent only while tinychar's handler holds it: were the handler missing, the
     signal would stop pytest itself instead of failing the test."""
     handler = signal.getsignal(signum)
-    assert isinstance(getattr(handler, "__self__", None), train.StopSignals), f"no tinychar handler for {signum}"
+    assert isinstance(getattr(handler, "__self__", None), StopSignals), f"no tinychar handler for {signum}"
     signal.raise_signal(signum)
 
 
 def signal_at(step: int, signum: int) -> Callable:
     """train.lr_at, sending signum as step (0-based) begins: that step finishes, and the run stops after it."""
-    real = train.lr_at
+    real = training.loop.lr_at
 
-    def lr_at(at: int, cfg: train.TrainConfig) -> float:
+    def lr_at(at: int, cfg: TrainConfig) -> float:
         if at == step:
             send(signum)
         return real(at, cfg)
@@ -145,7 +152,7 @@ def assert_continues_the_straight_run(out: Path, straight: tuple[Path, dict[int,
 def test_a_signal_between_evaluations_saves_and_resuming_is_exact(straight, tmp_path, capsys, monkeypatch, signum):
     out = tmp_path / "out"
     args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS)]
-    monkeypatch.setattr(train, "lr_at", signal_at(6, signum))
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signum))
     code, stdout, err = call(train_main, args, capsys)
     assert code == 128 + signum
     assert one_line(err) == stop_line(out, 7)
@@ -166,18 +173,18 @@ def test_a_signal_between_evaluations_saves_and_resuming_is_exact(straight, tmp_
 def test_resuming_without_the_batch_generator_state_changes_the_losses(straight, tmp_path, capsys, monkeypatch):
     """The negative control for the test above: a resume that restored everything but the sampler's generator."""
     out = tmp_path / "out"
-    monkeypatch.setattr(train, "lr_at", signal_at(6, signal.SIGINT))
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
     args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS)]
     assert call(train_main, args, capsys)[0] == 130
     monkeypatch.undo()
-    real_load = train.load_checkpoint
+    real_load = training.checkpoints.load_checkpoint
 
     def load_without_sampler_state(path, *a, **kw):
         payload = real_load(path, *a, **kw)
         payload["rng"]["batches"] = torch.Generator().manual_seed(payload["config"]["seed"]).get_state()
         return payload
 
-    monkeypatch.setattr(train, "load_checkpoint", load_without_sampler_state)
+    monkeypatch.setattr(training.checkpoints, "load_checkpoint", load_without_sampler_state)
     code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out)], capsys)
     assert code == 0, err
     losses = logged_losses(stdout)
@@ -193,16 +200,16 @@ def test_resume_takes_changed_schedule_and_logging_keys_and_says_so(straight, tm
     code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), *(f"{k}={v}" for k, v in changes.items())],
                              capsys)
     assert code == 0, err
-    saved = train.load_config(str(straight[0] / "config.yaml"), [])
+    saved = load_config(str(straight[0] / "config.yaml"), [])
     for key, value in changes.items():
         assert f"resume: {key}: {getattr(saved.train, key.split('.')[1])!r} -> {value!r}" in stdout.splitlines()
     assert "resume: out_dir" not in stdout  # where the run lives now is no change to report
-    new = train.load_config(str(out / "config.yaml"), [])
+    new = load_config(str(out / "config.yaml"), [])
     assert new.train.max_iters == 24 and new.train.min_lr == 2e-4 and new.out_dir == str(out)
     raw = load_checkpoint(out / "ckpt.pt")
     assert raw["step"] == 24
     # the new schedule's end was used for the last step, the new eval_interval for when to save
-    assert raw["optimizer"]["param_groups"][0]["lr"] == train.lr_at(23, new.train) == 2e-4
+    assert raw["optimizer"]["param_groups"][0]["lr"] == lr_at(23, new.train) == 2e-4
     assert sorted(logged_losses(stdout)) == [24]  # log_interval 4 from step 20
 
 
@@ -331,7 +338,7 @@ def test_kill_9_while_writing_a_checkpoint_keeps_the_previous_one_and_resumes_ex
     assert load_checkpoint(out / "best.pt")["step"] == 10
     left = temporary_files(out)
     assert len(left) == 1 and left[0].startswith(".ckpt.pt.")  # the write that was cut short ...
-    assert sample.find_checkpoint(sample.parse_args(["--out-dir", str(out)])) == out / "best.pt"  # ... is no checkpoint
+    assert find_checkpoint(out) == out / "best.pt"  # ... is no checkpoint
 
     resumed = subprocess.run([sys.executable, "train.py", "--resume", "--out-dir", str(out)], cwd=ROOT,
                              env=child_env(), capture_output=True, text=True, timeout=120, check=False)
@@ -386,7 +393,7 @@ def test_a_signal_stops_a_real_run_promptly_with_a_checkpoint_and_a_resume_line(
 
 def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setattr(train, "lr_at", signal_at(6, signal.SIGINT))
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
     real_save = torch.save
 
     def save_between_two_ctrl_c(obj, f, *args, **kwargs):
@@ -409,18 +416,18 @@ def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_path, capsys, monkeypatch, signum):
     out = tmp_path / "out"
-    handlers = {sig: signal.getsignal(sig) for sig in train.StopSignals.SIGNALS}
+    handlers = {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS}
 
     def reading_the_data(*args, **kwargs):  # a long read of a big corpus, cut short
         send(signum)
         raise AssertionError("the signal should have ended the run before the data was read")
 
-    monkeypatch.setattr(train, "prepare_corpus", reading_the_data)
+    monkeypatch.setattr(training.runner, "prepare_corpus", reading_the_data)
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert code == 128 + signum
     assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; nothing was saved"
     assert not out.exists()
-    assert {sig: signal.getsignal(sig) for sig in train.StopSignals.SIGNALS} == handlers  # left as it found them
+    assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
 
 
 # ------------------------------------------------------------------------------------------ divergence

@@ -20,8 +20,11 @@ import torch
 from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
 
 import train
+import training.checkpoints
 from configs import describe, to_dict, valid_keys
 from model import load_checkpoint, model_from_checkpoint
+from training.config import RunConfig, TrainConfig, load_config
+from training.optim import lr_at
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 TAGS = ("loss/train", "loss/val", "lr", "grad_norm", "tokens_per_sec", "mfu")
@@ -104,8 +107,8 @@ def test_a_real_run_writes_checkpoints_config_and_tensorboard_logs(small_corpus,
     assert list(out.glob("events.out.tfevents.*"))
 
     # config.yaml is the resolved config: loading it gives exactly what the command line asked for
-    cfg = train.load_config(None, overrides)
-    assert train.load_config(str(out / "config.yaml"), []) == cfg
+    cfg = load_config(None, overrides)
+    assert load_config(str(out / "config.yaml"), []) == cfg
 
     events = read_events(out)
     scalars = events.Tags()["scalars"]
@@ -118,7 +121,7 @@ def test_a_real_run_writes_checkpoints_config_and_tensorboard_logs(small_corpus,
     assert all(math.isfinite(v) and 0 < v < math.log(vocab) + 0.5 for v in series["loss/train"].values())
     assert sorted(series["lr"]) == [5, 10, 15, 20]
     for step, value in series["lr"].items():  # the rate used for the step that ended there
-        assert value == pytest.approx(train.lr_at(step - 1, cfg.train), rel=1e-6)
+        assert value == pytest.approx(lr_at(step - 1, cfg.train), rel=1e-6)
     assert all(math.isfinite(v) and v > 0 for v in series["grad_norm"].values())
     assert all(v > 0 for v in series["tokens_per_sec"].values())
 
@@ -235,7 +238,7 @@ def test_a_resume_that_forgot_an_rng_state_would_differ(straight_run, tmp_path, 
     """The negative control: without the saved batch generator (or dropout's RNG) the weights come out different,
     so the equality above cannot hold by accident."""
     straight, _ = straight_run
-    real_load = train.load_checkpoint
+    real_load = training.checkpoints.load_checkpoint
 
     def load_forgetting(path, *args, **kwargs):
         payload = real_load(path, *args, **kwargs)
@@ -247,7 +250,7 @@ def test_a_resume_that_forgot_an_rng_state_would_differ(straight_run, tmp_path, 
     first = tiny_overrides(tmp_path / "corpus.txt", tmp_path / "out", **RESUME_KEYS, **{"train.max_iters": 10})
     (tmp_path / "corpus.txt").write_text(SMALL_TEXT, encoding="utf-8")
     assert train.main(["--config", TINY, *first], progress=False) == 0
-    monkeypatch.setattr(train, "load_checkpoint", load_forgetting)
+    monkeypatch.setattr(training.checkpoints, "load_checkpoint", load_forgetting)
     assert train.main(["--resume", "--out-dir", str(tmp_path / "out"), "train.max_iters=20"], progress=False) == 0
     assert not bitwise_equal(weights(tmp_path / "out" / "ckpt.pt"), weights(straight / "ckpt.pt"))
 
@@ -361,8 +364,8 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     listed = text.split("config keys", 1)[1].splitlines()[1:]
-    assert [row.split()[0] for row in listed if row.strip()] == valid_keys(train.RunConfig)
-    for (key, default, meaning), row in zip(describe(train.RunConfig), listed, strict=True):
+    assert [row.split()[0] for row in listed if row.strip()] == valid_keys(RunConfig)
+    for (key, default, meaning), row in zip(describe(RunConfig), listed, strict=True):
         shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
         assert row.split()[:2] == [key, shown.split()[0]]
         assert meaning and row.rstrip().endswith(meaning)
@@ -371,14 +374,14 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
 # --------------------------------------------------------------------------------------- learning rate
 
 
-def schedule(**kw) -> train.TrainConfig:
+def schedule(**kw) -> TrainConfig:
     base = {"learning_rate": 1e-3, "min_lr": 1e-4, "warmup_iters": 10, "max_iters": 100}
-    return train.TrainConfig(**{**base, **kw})
+    return TrainConfig(**{**base, **kw})
 
 
 def test_warmup_rises_to_the_learning_rate():
     cfg = schedule()
-    rates = [train.lr_at(s, cfg) for s in range(cfg.warmup_iters + 1)]
+    rates = [lr_at(s, cfg) for s in range(cfg.warmup_iters + 1)]
     assert 0 < rates[0] < cfg.learning_rate
     assert all(a < b for a, b in itertools.pairwise(rates))
     assert rates[-1] == cfg.learning_rate  # warmup ends exactly at the peak
@@ -387,42 +390,42 @@ def test_warmup_rises_to_the_learning_rate():
 def test_cosine_reaches_min_lr_at_max_iters_by_default_and_stays():
     cfg = schedule()
     mid = (cfg.warmup_iters + cfg.max_iters) // 2
-    assert train.lr_at(mid, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
-    assert train.lr_at(cfg.max_iters - 1, cfg) > cfg.min_lr
-    assert train.lr_at(cfg.max_iters, cfg) == pytest.approx(cfg.min_lr)
-    assert all(train.lr_at(s, cfg) == cfg.min_lr for s in range(cfg.max_iters, cfg.max_iters + 50))
+    assert lr_at(mid, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
+    assert lr_at(cfg.max_iters - 1, cfg) > cfg.min_lr
+    assert lr_at(cfg.max_iters, cfg) == pytest.approx(cfg.min_lr)
+    assert all(lr_at(s, cfg) == cfg.min_lr for s in range(cfg.max_iters, cfg.max_iters + 50))
 
 
 def test_lr_decay_iters_moves_the_end_of_the_decay():
     cfg = schedule(lr_decay_iters=50)
-    assert train.lr_at(49, cfg) > cfg.min_lr
-    assert train.lr_at(50, cfg) == pytest.approx(cfg.min_lr)
-    assert train.lr_at(80, cfg) == cfg.min_lr
-    assert train.lr_at(30, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
-    assert train.lr_at(30, cfg) < train.lr_at(30, replace(cfg, lr_decay_iters=None))
+    assert lr_at(49, cfg) > cfg.min_lr
+    assert lr_at(50, cfg) == pytest.approx(cfg.min_lr)
+    assert lr_at(80, cfg) == cfg.min_lr
+    assert lr_at(30, cfg) == pytest.approx((cfg.learning_rate + cfg.min_lr) / 2)
+    assert lr_at(30, cfg) < lr_at(30, replace(cfg, lr_decay_iters=None))
 
 
 def test_the_rate_never_rises_after_warmup():
     cfg = schedule(max_iters=300, warmup_iters=17)
-    rates = [train.lr_at(s, cfg) for s in range(cfg.warmup_iters, 400)]
+    rates = [lr_at(s, cfg) for s in range(cfg.warmup_iters, 400)]
     assert all(a >= b for a, b in itertools.pairwise(rates))
     assert rates[0] == cfg.learning_rate and rates[-1] == cfg.min_lr
 
 
 def test_no_warmup_starts_at_the_peak():
     cfg = schedule(warmup_iters=0)
-    assert train.lr_at(0, cfg) == cfg.learning_rate
+    assert lr_at(0, cfg) == cfg.learning_rate
 
 
 def test_a_constant_rate_when_decay_is_off():
     cfg = schedule(decay_lr=False)
-    assert {train.lr_at(s, cfg) for s in (0, 5, 10, 50, 99, 100, 1000)} == {cfg.learning_rate}
+    assert {lr_at(s, cfg) for s in (0, 5, 10, 50, 99, 100, 1000)} == {cfg.learning_rate}
 
 
 def test_the_run_uses_the_schedule_it_was_given(finished_run):
     # the optimizer's stored rate is the one lr_at gave for the last step taken
     raw = load_checkpoint(finished_run / "ckpt.pt")
-    cfg = train.load_config(str(finished_run / "config.yaml"), [])
+    cfg = load_config(str(finished_run / "config.yaml"), [])
     assert raw["config"] == to_dict(cfg)
     for group in raw["optimizer"]["param_groups"]:
-        assert group["lr"] == train.lr_at(cfg.train.max_iters - 1, cfg.train)
+        assert group["lr"] == lr_at(cfg.train.max_iters - 1, cfg.train)

@@ -1,12 +1,11 @@
-"""Choosing where and in what precision the model runs; shared by training and sampling."""
+"""Devices, dtypes and the matmul ceiling: where and in what precision the model runs, and what MFU is measured
+against. Shared by training and sampling."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from contextlib import AbstractContextManager, nullcontext
-from typing import NoReturn
 
 import torch
 
@@ -98,10 +97,3 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
         best = min(best, time.perf_counter() - start)
         if time.perf_counter() > deadline:
             return 2 * n**3 / best
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -4,8 +4,9 @@
 grid, rows = layers, columns = heads. Each cell shows one head's (T, T) weights: query characters down the left,
 key characters along the top, the future (upper triangle) drawn as empty grey, a colour bar from 0 to 1 beside.
 
-This module needs Pillow (it ships with tensorboard), so ``model/__init__.py`` does not import it and
-``from model import GPT`` stays torch-only. Colours are interpolated here; there is no matplotlib.
+Drawn with Pillow (not matplotlib: colours are interpolated here), which is why this lives in lab/ and not in
+model/, whose code imports only torch. train.py logs the same grid to TensorBoard; sample.py --attention-map saves
+it as a PNG.
 """
 
 from __future__ import annotations

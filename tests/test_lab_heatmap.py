@@ -8,8 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from model import GPT, GPTConfig
-from model.attention_map import (
+from lab.heatmap import (
     EMPTY_COLOUR,
     attention_grid_tensor,
     attention_weights,
@@ -19,6 +18,7 @@ from model.attention_map import (
     render_attention_grid,
     save_attention_map,
 )
+from model import GPT, GPTConfig
 
 VOCAB = list("\n !,.:?abcdefghijklmnopqrstuvwxyz")
 

@@ -1,4 +1,4 @@
-"""The attention lab: each step of the attention notes as a small, documented function or module.
+"""The notes' attention, step by step: each step of the attention notes as a small, documented function or module.
 
 The notes build attention up on one worked example, six 3-d embeddings of "Your journey starts with one
 step": attention without trainable weights, then with trainable query/key/value matrices (``SelfAttention_v1``
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attention import AdditiveScore, dot_scores, masked_attention
+from model.attention import AdditiveScore, dot_scores, masked_attention
 
 WORDS = ("Your", "journey", "starts", "with", "one", "step")
 SCORE_KINDS = ("dot", "additive")

@@ -14,16 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from model import lab
-from model.attention import CausalSelfAttention
-from model.config import GPTConfig
-from model.lab import (
+from lab import notes as lab
+from lab.notes import (
     CausalAttention,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention_v1,
     SelfAttention_v2,
 )
+from model.attention import CausalSelfAttention
+from model.config import GPTConfig
 
 INF = float("inf")
 

@@ -25,13 +25,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .runtime import DeviceError, resolve_device
+from .devices import DeviceError, resolve_device
 
 BACKENDS = ("auto", "gloo", "nccl")
 # How long a collective waits for the slowest process before it fails rather than hang. Generous, because some waits
 # are long and legitimate: the other processes wait while the first one on each machine encodes a large corpus.
 TIMEOUT = datetime.timedelta(minutes=30)
 _MASK64 = 2**64 - 1
+# The streams of random numbers each process of a torchrun launch draws for itself (but rank 0, which uses the seed
+# as a lone process does): derived_seed(seed, stream, rank), and derived_seed(seed, stream, rank, step) after a
+# resume with another number of processes.
+BATCHES, DROPOUT, EVALUATION = range(3)
 
 
 class LaunchError(ValueError):

@@ -1,0 +1,96 @@
+"""Tests for training/logger.py: the throughput a run reports covers its training time exactly, and a closed output
+is handled, not a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, tiny_overrides
+from test_train import read_events
+
+import train
+import training.loop
+from training.logger import Logger, Throughput
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throughput_counts_only_the_time_it_runs() -> None:
+    clock = FakeClock()
+    meter = Throughput(clock)
+    meter.resume()
+    clock.now += 2.0
+    meter.count()
+    meter.pause()
+    clock.now += 50.0  # an evaluation: not training
+    meter.resume()
+    meter.resume()  # a second resume changes nothing
+    clock.now += 1.0
+    meter.count()
+    assert meter.take() == (2, 3.0)
+    clock.now += 7.0  # paused by take: still not training
+    meter.resume()
+    clock.now += 0.5
+    meter.count()
+    assert meter.take() == (1, 0.5)
+
+
+def test_tokens_per_second_cover_exactly_the_training_time_of_each_interval(tmp_path, monkeypatch) -> None:
+    """Every training batch takes 10 ms of a fake clock and every evaluation 100 s: each logged tokens/s must be
+    exactly tokens per step / 10 ms, for the intervals that straddle an evaluation too (eval_interval 7 and
+    log_interval 5 fall out of step). Evaluation time leaking in would lower the figure; training time left out
+    (the interval's clock restarting at an evaluation while its steps still count) would raise it."""
+    clock = FakeClock()
+    real_batch, real_estimate = training.loop.get_batch, training.loop.estimate_loss
+
+    def batch(*args, **kwargs):
+        clock.now += 0.010
+        return real_batch(*args, **kwargs)
+
+    def estimate(*args, **kwargs):
+        clock.now += 100.0
+        return real_estimate(*args, **kwargs)
+
+    monkeypatch.setattr(training.loop, "get_batch", batch)
+    monkeypatch.setattr(training.loop, "estimate_loss", estimate)
+    monkeypatch.setattr(training.loop, "Throughput", lambda: Throughput(clock))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 40, encoding="utf-8")
+    out = tmp_path / "out"
+    overrides = tiny_overrides(corpus, out, **{"train.max_iters": 30, "train.eval_interval": 7,
+                                               "train.log_interval": 5, "train.batch_size": 4})
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert train.main(["--config", TINY, *overrides], progress=False) == 0
+    logged = read_events(out).Scalars("tokens_per_sec")
+    assert [e.step for e in logged] == [5, 10, 15, 20, 25, 30]
+    tokens_per_step = 4 * 8
+    for event in logged:
+        assert event.value == pytest.approx(tokens_per_step / 0.010, rel=1e-6), event.step
+
+
+def test_a_closed_output_asks_the_run_to_stop_and_silences_the_logger(tmp_path: Path, monkeypatch) -> None:
+    closed = []
+    log = Logger(tmp_path, 0, 10, tensorboard=False, progress=False, on_closed=lambda: closed.append(True))
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError
+
+    discarded = []
+    monkeypatch.setattr("builtins.print", broken)
+    monkeypatch.setattr("training.logger.discard_stdout", lambda: discarded.append(True))
+    log.info("a line nobody reads")
+    log.info("and another")
+    assert closed == [True] and discarded == [True]  # once: the logger is quiet from then on

@@ -1,0 +1,78 @@
+"""Tests for training/memory.py: the estimate follows the model, and a run that cannot fit is refused in one line
+before anything is allocated."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import ROOT, tiny_overrides
+
+import train
+import training.memory
+from model import GPT, GPTConfig
+from training.errors import UsageError
+from training.memory import MemoryNeed, activation_bytes, check_fits, parameter_count, training_need
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"bias": False}, {"score": "additive"}, {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 3},
+    {"attention": "fused", "block_size": 64, "n_embd": 128},
+])
+def test_the_parameter_count_is_the_model_s(kw) -> None:
+    cfg = GPTConfig(vocab_size=65, **kw)
+    assert parameter_count(cfg) == GPT(cfg).num_params(non_embedding=False)
+
+
+def test_the_estimate_grows_with_what_it_should() -> None:
+    cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    base = training_need(cfg, 12, 512)
+    assert base.total < 1e9  # nanoGPT's CPU config is far from a gigabyte
+    assert training_need(cfg, 24, 12).activations > training_need(cfg, 12, 12).activations  # batch
+    assert training_need(cfg, 12, 1024).activations > base.activations  # the evaluation pass, when it is larger
+    assert training_need(replace(cfg, block_size=128), 12, 512).masks == 4 * base.masks  # masks are T x T
+    assert training_need(replace(cfg, n_layer=8), 12, 512).weights > base.weights
+    assert activation_bytes(replace(cfg, score="additive"), 12, backward=True) > activation_bytes(cfg, 12, backward=True)
+
+
+def test_a_need_beyond_what_is_free_is_refused_with_the_numbers_and_what_to_change(monkeypatch) -> None:
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 23 * 10**9)
+    cpu = torch.device("cpu")
+    check_fits(MemoryNeed(weights=10**9, masks=0, activations=10**9), cpu)  # fits: nothing said
+    with pytest.raises(UsageError) as info:
+        check_fits(MemoryNeed(weights=10**9, masks=0, activations=36 * 10**9), cpu)
+    assert str(info.value) == ("this run needs about 37.0 GB of memory and this machine has 23.0 GB free; use a "
+                               "smaller train.batch_size (train.grad_accum_steps keeps the batch per step) or "
+                               "model.block_size")
+    with pytest.raises(UsageError, match=r"needs about 2 processes x 12.0 GB .* smaller model.block_size"):
+        check_fits(MemoryNeed(weights=10**9, masks=11 * 10**9, activations=0), cpu, processes=2)
+
+
+def test_free_memory_is_known_here() -> None:
+    free = training.memory.available_bytes(torch.device("cpu"))
+    assert free is not None and free > 10**8
+
+
+@pytest.mark.parametrize(("override", "part"), [
+    ("train.batch_size=1000000000", "train.batch_size"),
+    ("model.block_size=100000", "model.block_size"),
+    ("model.n_embd=1000000", "model.n_layer, model.n_embd"),
+])
+def test_a_run_that_cannot_fit_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch, override, part):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built: the check came too late")
+
+    monkeypatch.setattr(GPT, "__init__", never)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("all the world's a stage\n" * 100_000, encoding="utf-8")  # windows of 100,000 fit
+    out = tmp_path / "out"
+    args = ["--config", TINY, *tiny_overrides(corpus, out), override]
+    if override.startswith("model.n_embd"):
+        args.append("model.n_head=1")
+    assert train.main(args, progress=False) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this run needs about ") and part in err[0], err
+    assert not out.exists()  # nothing written

@@ -1,0 +1,231 @@
+"""Run checkpoints: what a run saves to continue exactly (payload, RNG states), atomic writes into out_dir, and the
+checks and restore that a resume goes through."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import yaml
+
+from configs import flatten, to_dict
+from data import CharTokenizer
+from model import GPT, CheckpointError, load_checkpoint, model_from_checkpoint
+from model.checkpoint import FORMAT, VERSION
+
+from .config import RunConfig, load_config
+from .distributed import BATCHES, DROPOUT, Launch, derived_seed
+from .errors import UsageError
+
+# What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
+TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
+# Temporary files that an atomic write killed midway leaves behind (see save_checkpoint and write_atomic).
+STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
+# Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
+RESUMABLE_CHANGES = frozenset({
+    "out_dir", "train.max_iters", "train.lr_decay_iters", "train.min_lr", "train.eval_interval",
+    "train.eval_iters", "train.log_interval", "train.device", "train.dtype", "train.compile",
+    "train.threads", "train.sample_chars", "train.tensorboard", "train.backend", "data.cache_dir",
+})
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
+    """Write payload to path so that a crash at any moment leaves either the old file or the new one."""
+    write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **payload}, f))
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call write on a new file that then replaces path at once: a crash at any moment leaves the old file or the
+    new one, never a part of either.
+
+    The bytes go to a temporary file in the same folder, are flushed to disk, and the file is renamed over the
+    old one (``os.replace`` is atomic within a file system). The temporary name, ``.<name>.<random>.tmp``, starts
+    with a dot and ends in ``.tmp`` so it is never mistaken for the file itself; a process killed before the rename
+    leaves it behind, for the next writer of the folder to remove.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it owner-only; this is a normal file
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a finished run; clear an old one only when asked to."""
+    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt") if p.exists()]
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"out_dir '{out_dir}' exists and is not a folder; choose another out_dir")
+    if resume:
+        return
+    if existing and not overwrite:
+        raise UsageError(f"'{out_dir}' already holds a run ({existing[0].name}); continue it with --resume, "
+                         f"choose another out_dir=..., or start afresh with --overwrite")
+
+
+def rank_rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random state: dropout's (torch's, and its GPU's on CUDA) and its batch generator's."""
+    state = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def checkpoint_payload(model: GPT, optimizer, scaler, tokenizer: CharTokenizer, cfg: RunConfig, step: int, best_val: float,
+                       gen: torch.Generator, ranks: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Everything a run needs to continue. ranks: every process's rank_rng_state, in rank order, under torchrun; the
+    top-level RNG states are this process's (rank 0's), where a one-process run keeps its own."""
+    rng = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    world_size = len(ranks) if ranks else 1
+    if world_size > 1:
+        rng["per_rank"] = ranks
+    return {
+        "model": model.state_dict(),
+        "model_config": model.config.to_dict(),
+        "vocab": list(tokenizer.chars),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "step": step,
+        "best_val_loss": best_val,
+        "config": to_dict(cfg),
+        "rng": rng,
+        "world_size": world_size,  # for information: a run resumes with any number of processes
+    }
+
+
+def check_training_state(payload: dict, path: Path) -> None:
+    """Refuse, in one line, a checkpoint that cannot be continued: weights only, or damaged in a way that would
+    otherwise surface as a traceback halfway through setting the run up."""
+    model_from_checkpoint(payload, path)  # vocabulary, model config and weights fit together
+    missing = [key for key in TRAINING_STATE if key not in payload]
+    if "config" in missing or "optimizer" in missing:
+        raise CheckpointError(f"{path} holds weights only (no training state); it cannot be resumed")
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}; it is damaged and cannot be resumed")
+    rng = payload["rng"]
+    if not isinstance(payload["config"], dict) or not isinstance(rng, dict) or not {"torch", "batches"} <= set(rng):
+        raise CheckpointError(f"{path} has a damaged run config or RNG state; it cannot be resumed")
+
+
+# What a checkpoint that does not fit the run it describes makes torch or the code below raise.
+DAMAGED = (RuntimeError, ValueError, TypeError, KeyError, IndexError)
+
+
+def damaged(path: Path, e: Exception) -> CheckpointError:
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    return CheckpointError(f"{path} does not fit the run it describes ({first}); it is damaged and cannot be resumed")
+
+
+def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: Path) -> tuple[int, float]:
+    """Load weights, optimizer and scaler from a checkpoint into a freshly built run; (step, best_val)."""
+    try:
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        if scaler is not None and payload.get("scaler"):
+            scaler.load_state_dict(payload["scaler"])
+        return int(payload["step"]), float(payload["best_val_loss"])
+    except DAMAGED as e:
+        raise damaged(path, e) from None
+
+
+def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: torch.device, seed: int,
+                path: Path) -> bool:
+    """Put this process's random state back as the checkpoint saved it, for a run with as many processes as the one
+    that saved it (True). With another number, there is no such state to take: each process reseeds its batches and
+    dropout from (seed, rank, step) instead, so the run goes on reproducibly but not as it would have (False)."""
+    try:
+        saved_world = int(payload.get("world_size", 1))
+        rng = payload["rng"]
+        if saved_world != launch.world_size:
+            step = int(payload["step"])
+            gen.manual_seed(derived_seed(seed, BATCHES, launch.rank, step))
+            torch.manual_seed(derived_seed(seed, DROPOUT, launch.rank, step))
+            return False
+        if saved_world == 1:
+            torch.set_rng_state(rng["torch"])
+            gen.set_state(rng["batches"])
+            if torch.cuda.is_available() and "cuda" in rng:
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            return True
+        if len(rng["per_rank"]) != saved_world:
+            raise ValueError(f"{len(rng['per_rank'])} per-process RNG states for {saved_world} processes")
+        mine = rng["per_rank"][launch.rank]
+        torch.set_rng_state(mine["torch"])
+        gen.set_state(mine["batches"])
+        if device.type == "cuda" and "cuda" in mine:
+            torch.cuda.set_rng_state(mine["cuda"], device)
+        return True
+    except DAMAGED as e:
+        raise damaged(path, e) from None
+
+
+def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
+    """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused."""
+    old, new = flatten(saved), flatten(to_dict(cfg))
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    refused = [k for k in changed if k not in RESUMABLE_CHANGES]
+    if refused:
+        shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
+        raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "
+                         f"the saved run; start a new run in another out_dir instead")
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
+
+
+def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[RunConfig, dict | None, list[str]]:
+    """The run's config and, for a resume, the checkpoint it continues (checked) and what the resume changes, as
+    'key: old -> new' lines to show."""
+    cfg = load_config(config, overrides)
+    if not resume:
+        return cfg, None, []
+    ckpt = Path(cfg.out_dir) / "ckpt.pt"
+    if not ckpt.exists():
+        raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
+    payload = load_checkpoint(ckpt)
+    check_training_state(payload, ckpt)
+    if config is None:  # no config named: continue with the saved one
+        cfg = load_config(None, overrides, base=payload["config"])
+    return cfg, payload, check_resume_config(payload["config"], cfg)
+
+
+def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
+    """Make out_dir this run's (rank 0 alone, once every check has passed): clear what a killed writer left, the old
+    run's checkpoints and logs on --overwrite, and write the resolved config.yaml."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
+            for stale in out_dir.glob(pattern):
+                stale.unlink(missing_ok=True)
+        if overwrite and not resume:
+            for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
+                old.unlink(missing_ok=True)
+        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
+        write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
+    except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise UsageError(f"cannot write into out_dir '{out_dir}' ({reason}); choose another out_dir") from None

@@ -1,0 +1,121 @@
+"""The run config: TrainConfig (how to train) and RunConfig (one run: out_dir, seed, data, model, train), and
+loading them from a YAML file plus dotted KEY=VALUE overrides."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from configs import apply_overrides, build, load_yaml
+from data import DataConfig
+from model import GPTConfig
+
+from .distributed import BACKENDS
+
+# The config train.py runs without --config, found from the current folder or else beside train.py.
+DEFAULT_CONFIG = "configs/tiny.yaml"
+_PROJECT = Path(__file__).resolve().parents[1]
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
+MAX_THREADS = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How to train: optimisation, schedule, evaluation, logging, hardware."""
+
+    batch_size: int = field(default=32, metadata={"help": "sequences per micro-batch"})
+    max_iters: int = field(default=2000, metadata={"help": "optimizer steps in the whole run"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (after warmup)"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the cosine decay"})
+    warmup_iters: int = field(default=100, metadata={"help": "steps of linear warmup from 0 to learning_rate"})
+    lr_decay_iters: int | None = field(default=None, metadata={
+        "help": "step where the cosine decay reaches min_lr (null = max_iters)"})
+    decay_lr: bool = field(default=True, metadata={"help": "cosine-decay the learning rate (false = constant)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay, applied to matrices only"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = no clipping)"})
+    grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    eval_interval: int = field(default=250, metadata={"help": "evaluate and save a checkpoint every N steps"})
+    eval_iters: int = field(default=20, metadata={"help": "batches per split averaged at each evaluation"})
+    log_interval: int = field(default=50, metadata={"help": "log training loss, lr, grad norm, tokens/s every N steps"})
+    sample_chars: int = field(default=200, metadata={
+        "help": "characters of sample text logged to TensorBoard at each evaluation (0 = none)"})
+    tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard logs into out_dir"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto, float32, bfloat16 or float16 (autocast); auto = bfloat16 on CUDA if supported, else float32"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (slow start, faster steps)"})
+    threads: int = field(default=0, metadata={
+        "help": "CPU threads for torch (0 = torch's default; under torchrun, the cores shared out among processes)"})
+    backend: str = field(default="auto", metadata={
+        "help": "process group backend under torchrun: auto (nccl on CUDA, else gloo), gloo or nccl"})
+
+    def __post_init__(self) -> None:
+        positive = ("batch_size", "grad_accum_steps", "eval_interval", "eval_iters", "log_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_iters", "warmup_iters", "sample_chars", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.threads > MAX_THREADS:
+            raise ValueError(f"train.threads must be at most {MAX_THREADS} (0 = torch's default), got {self.threads}")
+        for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"train.{name} must be a finite number >= 0, got {value}")
+        if self.min_lr > self.learning_rate:
+            raise ValueError(f"train.min_lr ({self.min_lr}) must not exceed train.learning_rate ({self.learning_rate})")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise ValueError(f"train.lr_decay_iters must be >= 1 or null, got {self.lr_decay_iters}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        base = self.device.split(":")[0]
+        if base not in DEVICES or (":" in self.device and (base != "cuda" or not self.device[5:].isdigit())):
+            raise ValueError(f"train.device must be one of auto, cpu, cuda, cuda:N, mps; got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"train.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training run: where it writes, its seed, and the data, model and train sections."""
+
+    out_dir: str | None = field(default=None, metadata={
+        "help": "folder for checkpoints, config.yaml and TensorBoard logs (default runs/<config file name>)"})
+    seed: int = field(default=1337, metadata={"help": "seed for initialisation, batches and dropout"})
+    data: DataConfig = field(default_factory=DataConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.out_dir is not None and not self.out_dir.strip():
+            # '' would mean the current folder: checkpoints and logs strewn among whatever is there
+            raise ValueError("out_dir is empty; give a folder name, or leave it unset for runs/<config file name>")
+        if not -(2**63) <= self.seed < 2**63:  # torch seeds are 64-bit; a larger one fails deep inside torch
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+
+
+def load_config(config_path: str | None, overrides: list[str], base: dict | None = None) -> RunConfig:
+    """Config file (or ``base``, a saved run config) plus dotted overrides -> validated RunConfig."""
+    path = config_path or DEFAULT_CONFIG
+    if config_path is None and not Path(path).exists():  # run from another folder: the one beside this script
+        path = str(_PROJECT / DEFAULT_CONFIG)
+    mapping = base if base is not None else load_yaml(path)
+    where = "" if base is not None else f" (in {path})"
+    build(RunConfig, mapping, where)  # report problems in the file before blaming the overrides
+    cfg = build(RunConfig, apply_overrides(mapping, overrides, RunConfig), where)
+    if cfg.out_dir is None:
+        cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
+    cli_path = any(o.split("=", 1)[0].strip() == "data.path" for o in overrides)
+    if cli_path and cfg.data.dataset is not None:
+        # a data.path given on the command line wins over the config's built-in dataset
+        cfg = replace(cfg, data=replace(cfg.data, dataset=None))
+    return cfg

@@ -1,0 +1,150 @@
+"""Failures of a run told to a person: their kinds, the one line and exit status of each, and how the processes of a
+torchrun launch agree on one so that none is left waiting."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+from configs import ConfigError
+from data import DataError
+from model import CheckpointError
+
+from . import distributed
+from .config import RunConfig
+from .devices import DeviceError
+from .distributed import Launch, LaunchError
+from .signals import Interrupted, Stopped
+
+
+class UsageError(ValueError):
+    """A request that cannot be carried out as asked; the message is one line for a person."""
+
+
+class Diverged(RuntimeError):
+    """The loss or gradient norm of a step stopped being finite; the step was not applied to the weights."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, saved_step: int | None) -> None:
+        super().__init__(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}")
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        self.saved_step = saved_step  # the step of out_dir/ckpt.pt, None when the run has written none
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder not writable); the message is one line."""
+
+
+class SharedFailure(Exception):
+    """Under torchrun, a failure of one process that every process has agreed on (see agree): all of them stop with
+    its exit status, and rank 0 prints its line (None for a bug, whose traceback the failing process prints)."""
+
+    def __init__(self, rank: int, status: int, line: str | None) -> None:
+        super().__init__(f"rank {rank} failed with status {status}")
+        self.rank, self.status, self.line = rank, status, line
+
+
+def agree(launch: Launch, error: Exception | None) -> None:
+    """Collective under torchrun: every process learns whether any failed at this point and, if one did, all raise
+    SharedFailure for the lowest failing rank, instead of some carrying on to wait for a partner that has gone. A bug
+    is re-raised by the process that met it, for its traceback. Alone, a process simply raises its own error."""
+    if not launch.torchrun:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (exit_status(error), failure_line(error, None, launch))
+    failures = distributed.all_gather(mine)
+    failed = next((rank for rank, failure in enumerate(failures) if failure is not None), None)
+    if failed is None:
+        return
+    status, line = failures[failed]
+    if line is None and failed == launch.rank:
+        raise error
+    raise SharedFailure(failed, status, line) from None
+
+
+@contextlib.contextmanager
+def agreeing(launch: Launch) -> Iterator[None]:
+    """A block whose failure in any process stops every process when the block ends (see agree). Each process runs
+    its own block, so there is one agreement per block in every process, whatever each one did inside it."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every failure is shared, bugs included, so that no process is left waiting
+        error = e
+    agree(launch, error)
+
+
+def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
+    """One line: the step that went non-finite, what was kept, and what to change."""
+    ckpt = Path(cfg.out_dir) / "ckpt.pt"
+    kept = (f"the last good checkpoint {ckpt} (step {e.saved_step}) is untouched" if e.saved_step is not None
+            else "no checkpoint had been written yet")
+    tries = ["a lower train.learning_rate", "a longer train.warmup_iters"]
+    if cfg.train.grad_clip == 0:
+        tries.append("train.grad_clip=1.0")
+    if cfg.train.dtype != "float32":
+        tries.append("train.dtype=float32")
+    # The same state and batches would diverge again, and a resume may not change the learning rate: a new run.
+    return (f"training diverged at step {e.step} (loss {e.loss:.4g}, gradient norm {e.grad_norm:.4g}) and stopped "
+            f"before updating the weights; {kept}. Try {', '.join(tries[:-1])} or {tries[-1]}, in a new run "
+            f"(another out_dir, or --overwrite)")
+
+
+# Bad input: the person running the command can fix it (exit status 2).
+INPUT_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError, UsageError, LaunchError)
+
+
+def exit_status(e: Exception) -> int:
+    """2 for bad input, 128 + the signal for a stop (130 for Ctrl-C, 143 for SIGTERM, as shells report them), 1 for
+    anything else."""
+    if isinstance(e, INPUT_ERRORS):
+        return 2
+    if isinstance(e, (Stopped, Interrupted)):
+        return 128 + e.signum
+    if isinstance(e, SharedFailure):
+        return e.status
+    return 1
+
+
+def resume_command(out_dir: str, launch: Launch) -> str:
+    """The command that continues this run, with as many processes (so that it continues exactly)."""
+    tail = f"train.py --out-dir {shlex.quote(out_dir)} --resume"
+    if not launch.torchrun:
+        return f"python {tail}"
+    if launch.local_world_size == launch.world_size:
+        return f"torchrun --standalone --nproc-per-node {launch.world_size} {tail}"
+    return f"torchrun, with the options this run had, on every machine: {tail}"
+
+
+def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | None:
+    """The one line a failure is reported with; None for a bug (its traceback says more), '' for nothing to say."""
+    if isinstance(e, SharedFailure):
+        if e.line is None:  # a bug in another process, which prints its traceback
+            return ""
+        return e.line if e.rank == 0 else e.line.replace("error: ", f"error: rank {e.rank}: ", 1)
+    if isinstance(e, (*INPUT_ERRORS, SaveError)):
+        return f"error: {e}"
+    if isinstance(e, Diverged):  # not bad input: the run itself went wrong
+        return f"error: {divergence_advice(e, cfg)}"
+    if isinstance(e, Stopped):
+        why = " (its output was closed)" if e.signum == signal.SIGPIPE else ""
+        return (f"stopped at step {e.step}{why}: saved {Path(cfg.out_dir) / 'ckpt.pt'}; continue with: "
+                f"{resume_command(cfg.out_dir, launch)}")
+    if isinstance(e, Interrupted):
+        return f"interrupted ({signal.Signals(e.signum).name}) before training started; nothing was saved"
+    if launch.torchrun and (reason := distributed.lost_peer(e)):
+        return (f"error: lost contact with another process of the run ({reason}); what ended it is in its own "
+                f"output or torchrun's report")
+    return None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -1,0 +1,167 @@
+"""What a run shows and records: progress on the terminal (a tqdm bar, or plain lines), TensorBoard scalars, text,
+images and hyperparameters, and the training throughput they report."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from configs import flatten, to_dict
+from data import CharTokenizer
+from lab.heatmap import attention_grid_tensor, attention_weights, render_attention_grid
+from model import GPT
+
+from .config import RunConfig
+
+
+class Throughput:
+    """Training time and steps of the current logging interval. Its clock runs only while the loop trains: paused
+    for evaluations, saves and logging, so that tokens/s and MFU describe training alone."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.seconds, self.steps = 0.0, 0
+        self._since: float | None = None
+
+    def resume(self) -> None:
+        if self._since is None:
+            self._since = self.clock()
+
+    def count(self) -> None:
+        """One more step trained in this interval."""
+        self.steps += 1
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self.seconds += self.clock() - self._since
+            self._since = None
+
+    def take(self) -> tuple[int, float]:
+        """(steps, seconds) of training since the last take, which starts the next interval; the clock is paused."""
+        self.pause()
+        taken = self.steps, self.seconds
+        self.seconds, self.steps = 0.0, 0
+        return taken
+
+
+def say(line: str) -> None:
+    """Print line to stdout; if its reader has gone, discard this and all later output instead of failing."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        discard_stdout()
+
+
+def discard_stdout() -> None:
+    """Point stdout at /dev/null, so that nothing written later, nor the flush at exit, fails on a closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+class Logger:
+    """Progress to the terminal (a tqdm bar, or plain lines when output is not a terminal) and TensorBoard. A quiet
+    Logger (every process of a torchrun launch but rank 0) shows and writes nothing."""
+
+    def __init__(self, out_dir: Path, start: int, total: int, tensorboard: bool, progress: bool | None,
+                 quiet: bool = False, on_closed: Callable[[], None] | None = None) -> None:
+        self.quiet = quiet
+        self.on_closed = on_closed
+        tensorboard = tensorboard and not quiet
+        self.progress = False if quiet else sys.stderr.isatty() if progress is None else progress
+        self.bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # TensorBoard hides every earlier event at or after purge_step: those a killed or stopped run logged
+            # past its last checkpoint, which this run logs again. Events at `start` itself were written before
+            # that checkpoint (see flush) and stay, unless this run logs `start` again (nothing left to train); a
+            # fresh run owns every step, so a run that died before its first checkpoint leaves nothing behind.
+            first = 0 if start == 0 else start + 1 if start < total else start
+            self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)
+
+    def info(self, line: str) -> None:
+        if self.quiet:
+            return
+        try:
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+        except BrokenPipeError:  # the reader went away (`python train.py | head`): say nothing more, and stop
+            self.quiet = True
+            discard_stdout()
+            if self.on_closed is not None:
+                self.on_closed()
+
+    def step(self, step: int, n: int, postfix: dict[str, str] | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def attention(self, step: int, model: GPT, ids: list[int], tokenizer: CharTokenizer) -> None:
+        """The attention maps of every layer and head for a fixed prompt, as one image per evaluation."""
+        if self.writer is None:
+            return
+
+        chars = [tokenizer.chars[i] for i in ids]
+        image = render_attention_grid(attention_weights(model, ids), chars, title=f"step {step}")
+        self.writer.add_image("attention/layers_x_heads", attention_grid_tensor(image), step, dataformats="CHW")
+
+    def hparams(self, cfg: RunConfig, params: int) -> None:
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flatten(to_dict(cfg)).items()}
+        flat["params"] = params
+        for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
+
+    def flush(self) -> None:
+        """Put every event logged so far into the file (not only the writer's queue)."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Close the bar and the TensorBoard files; info() still prints, as plain lines."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, device: torch.device) -> str:
+    """A short sample from the model for the logs, from a newline prompt, reproducible by seed."""
+    start = "\n" if "\n" in tokenizer.chars else tokenizer.chars[0]
+    idx = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(idx, n_chars, temperature=1.0, top_k=None, generator=gen)
+    model.train(was_training)
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,262 @@
+"""The training loop: a Trainer owns a run's state (model, optimizer, generators, step, best loss) and takes its
+steps, evaluates, saves and logs, until the run ends or a signal stops it at a step boundary."""
+
+from __future__ import annotations
+
+import gc
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from data import CharTokenizer, get_batch
+from model import GPT
+
+from . import distributed
+from .checkpoints import checkpoint_payload, rank_rng_state, save_checkpoint
+from .config import RunConfig
+from .devices import autocast_context
+from .distributed import EVALUATION, Launch, derived_seed
+from .errors import Diverged, SaveError, agreeing
+from .logger import Logger, Throughput, sample_text
+from .optim import lr_at
+from .signals import Stopped, StopSignals
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: nn.Module,
+    splits: dict[str, torch.Tensor],
+    block_size: int,
+    batch_size: int,
+    eval_iters: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Mean loss over eval_iters batches of each split, the same windows at every evaluation (a fixed seed),
+    so the curves compare like with like. Batches are stacked into larger forward passes for speed."""
+    was_training = model.training
+    model.eval()
+    windows = eval_iters * batch_size
+    per_pass = eval_pass_sequences(block_size, batch_size, eval_iters)
+    out = {}
+    for name, data in splits.items():
+        gen = torch.Generator().manual_seed(seed)
+        total, count = 0.0, 0
+        while count < windows:
+            n = min(per_pass, windows - count)
+            x, y = get_batch(data, block_size, n, gen, device)
+            with autocast_context(device, dtype):
+                _, loss = model(x, y)
+            total += loss.item() * n
+            count += n
+        out[name] = total / count
+    model.train(was_training)
+    return out
+
+
+def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int) -> int:
+    """Windows per forward pass of an evaluation: at least a batch, up to 32,768 tokens."""
+    return max(batch_size, min(eval_iters * batch_size, 32768 // block_size))
+
+
+class Trainer:
+    """One process's part of a training run, from its current step to train.max_iters.
+
+    model is the plain GPT (what checkpoints hold); fwd is what the steps call: the model, compiled and/or wrapped
+    in DDP. The run's random state lives in gen (batches) and torch's global generator (dropout).
+    """
+
+    def __init__(self, cfg: RunConfig, model: GPT, optimizer: torch.optim.Optimizer, splits: dict[str, torch.Tensor],
+                 *, device: torch.device, dtype: torch.dtype, gen: torch.Generator, fwd: nn.Module | None = None,
+                 scaler: torch.amp.GradScaler | None = None, launch: Launch | None = None, step: int = 0,
+                 best_val: float = math.inf, saved_step: int | None = None) -> None:
+        self.cfg, self.tc = cfg, cfg.train
+        self.model, self.fwd = model, fwd if fwd is not None else model
+        self.optimizer, self.scaler = optimizer, scaler
+        self.splits, self.device, self.dtype, self.gen = splits, device, dtype, gen
+        self.launch = launch or Launch()
+        self.step, self.best_val = step, best_val
+        self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
+        self.reseeded = False  # resumed with another number of processes: batches drawn afresh (see restore_rng)
+        self.out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
+        self.eval_seed = cfg.seed + 1 if self.launch.main else derived_seed(cfg.seed, EVALUATION, self.launch.rank)
+        self.stop = StopSignals()
+        self.agreed_stop = False  # under torchrun: whether the processes agreed, after the last step, to stop
+        self.throughput = Throughput()
+        self.last_losses: dict[str, float] = {}
+        self.val_history: list[tuple[float, float]] = []  # (seconds since the run began, validation loss)
+        self.eval_seconds = 0.0
+        self.started = time.perf_counter()
+        # Filled by attach() for a run that logs and saves: the logger, vocabulary, and the text the attention
+        # images show.
+        self.log: Logger | None = None
+        self.tokenizer: CharTokenizer | None = None
+        self.attention_prompt: list[int] = []
+
+    def attach(self, log: Logger, tokenizer: CharTokenizer, started: float) -> None:
+        """Give the run its logger and vocabulary (what evaluating and saving need) and the moment it began."""
+        self.log, self.tokenizer, self.started = log, tokenizer, started
+        # A fixed stretch of validation text whose attention maps TensorBoard shows at every evaluation.
+        self.attention_prompt = self.splits["val"][: self.cfg.model.block_size].tolist()
+
+    # ------------------------------------------------------------------------------------------- one step
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over grad_accum_steps micro-batches: (mean loss, gradient norm, learning rate)."""
+        tc, block_size = self.tc, self.cfg.model.block_size
+        lr = lr_at(self.step, tc)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(tc.grad_accum_steps):
+            x, y = get_batch(self.splits["train"], block_size, tc.batch_size, self.gen, self.device)
+            # Under DDP, backward all-reduces the gradients only on the last micro-batch of a step: the earlier
+            # ones accumulate in each process, and the last all-reduce carries their sum.
+            with distributed.local_only(self.fwd, micro < tc.grad_accum_steps - 1):
+                with autocast_context(self.device, self.dtype):
+                    _, loss = self.fwd(x, y)
+                loss = loss / tc.grad_accum_steps
+                loss_sum += loss.detach()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+        # Under DDP the gradients are already averaged over the processes: the same norm in every one.
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.launch.torchrun:  # the mean loss (so all judge divergence alike) and whether to stop after this step
+            loss_sum, self.agreed_stop = distributed.step_consensus(loss_sum, self.stop.signal is not None)
+        # Checked before the update, so a non-finite step never reaches the weights. (With float16 the gradient
+        # scaler skips such steps itself and lowers its scale.)
+        if self.scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum, grad_norm, lr
+
+    # ------------------------------------------------------------------------------------ the whole run
+
+    def stopping(self) -> bool:
+        # Under torchrun only the agreement counts: a process that saw a signal after it must not stop a step before
+        # the others, who would then wait for it in vain.
+        return self.agreed_stop if self.launch.torchrun else self.stop.signal is not None
+
+    def fit(self) -> dict[str, float]:
+        """Train to train.max_iters, evaluating and saving every eval_interval steps; the final losses and timings.
+        Raises Stopped after saving when a signal (or a closed output) asked the run to stop."""
+        tc = self.tc
+        self.model.train()
+        # The handlers stay until the end of the run, so a signal while the logs are closed cannot cut that short.
+        with self.stop:
+            try:
+                self.throughput.resume()
+                while self.step < tc.max_iters and not self.stopping():
+                    loss, grad_norm, lr = self.train_step()
+                    self.throughput.count()
+                    if self.step % tc.log_interval == 0 or self.step == tc.max_iters:
+                        self.log_step(loss, grad_norm, lr)
+                    if self.step % tc.eval_interval == 0 or self.step == tc.max_iters:
+                        self.throughput.pause()  # evaluation time is not training throughput
+                        self.evaluate_and_save()
+                    self.throughput.resume()
+                self.throughput.pause()
+                if self.stopping():
+                    if not self.last_losses or self.step % tc.eval_interval:  # not saved at this step yet
+                        self.save(improved=False)
+                    # a process that saw no signal itself stops because another did: as if sent SIGTERM
+                    raise Stopped(self.stop.signal or signal.SIGTERM, self.step)
+                if not self.last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
+                    self.evaluate_and_save()
+            finally:
+                self.log.close()
+                if self.launch.torchrun:
+                    # DDP goes before the process group does: left to the interpreter's exit, it sometimes aborts the
+                    # process ("terminate called without an active exception"; seen with torch 2.13 and gloo).
+                    self.fwd = None
+                    gc.collect()
+        return {**self.last_losses, "best_val": self.best_val, "seconds": time.perf_counter() - self.started,
+                "eval_seconds": self.eval_seconds, "val_history": self.val_history, "step": self.step}
+
+    def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """Loss, learning rate, gradient norm, and tokens/s and MFU over the training time since the last log."""
+        steps, seconds = self.throughput.take()
+        tok_s = self.tokens_per_step * steps / max(seconds, 1e-9)
+        loss_value = float(loss)
+        mfu = self.flops_per_token * tok_s / self.ceiling
+        log = self.log
+        log.scalars(self.step, {"loss/train_step": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                                "tokens_per_sec": tok_s, "mfu": mfu})
+        log.step(self.step, steps, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}",
+                                    "mfu": f"{mfu:.1%}"})
+        if not log.progress:
+            log.info(f"step {self.step}/{self.tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, "
+                     f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%}")
+
+    def measure(self, ceiling: float) -> None:
+        """Set what throughput is reported against: tokens per step over all processes, model FLOPs per token, and
+        the matmul ceiling (FLOP/s, summed over the processes)."""
+        tc, world = self.tc, self.launch.world_size
+        self.tokens_per_step = tc.batch_size * self.cfg.model.block_size * tc.grad_accum_steps * world
+        self.flops_per_token = self.model.flops_per_token()
+        self.ceiling = ceiling
+
+    # ------------------------------------------------------------------------------ evaluating and saving
+
+    def evaluate(self) -> dict[str, float]:
+        """Train and validation loss, averaged over the processes under torchrun."""
+        tc = self.tc
+        losses = estimate_loss(self.model, self.splits, self.cfg.model.block_size, tc.batch_size, tc.eval_iters,
+                               self.eval_seed, self.device, self.dtype)
+        if self.launch.torchrun:  # each process evaluated windows of its own; the run's loss is the mean over them
+            losses = dict(zip(losses, distributed.mean(list(losses.values()), self.device), strict=True))
+        return losses
+
+    def evaluate_and_save(self) -> None:
+        t0 = time.perf_counter()
+        losses = self.evaluate()
+        improved = losses["val"] < self.best_val
+        self.best_val = min(self.best_val, losses["val"])
+        log, step = self.log, self.step
+        log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"],
+                           "hparam/best_val_loss": self.best_val})
+        log.info(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                 + (" (best)" if improved else ""))
+        if log.writer is not None:  # rank 0 alone, on the model itself: nothing here may wait for the others
+            if self.tc.sample_chars:
+                sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed, self.device)
+                log.text(step, "sample", "```\n" + sample + "\n```")
+            log.attention(step, self.model, self.attention_prompt, self.tokenizer)
+        self.save(improved)
+        self.last_losses.update(losses)
+        self.val_history.append((time.perf_counter() - self.started, losses["val"]))
+        self.eval_seconds += time.perf_counter() - t0
+
+    def save(self, improved: bool) -> None:
+        """ckpt.pt (and best.pt when improved) from rank 0; should that fail, every process stops."""
+        launch = self.launch
+        ranks = distributed.all_gather(rank_rng_state(self.gen, self.device)) if launch.torchrun else None
+        with agreeing(launch):
+            if not launch.main:
+                return
+            state = checkpoint_payload(self.model, self.optimizer, self.scaler, self.tokenizer, self.cfg, self.step,
+                                       self.best_val, self.gen, ranks)
+            # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
+            # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
+            self.log.flush()
+            try:
+                save_checkpoint(state, self.out_dir / "ckpt.pt")
+                self.saved_step = self.step
+                if improved:
+                    save_checkpoint(state, self.out_dir / "best.pt")
+            except OSError as e:
+                raise SaveError(f"cannot write a checkpoint into '{self.out_dir}' ({e.strerror or e}); the previous "
+                                f"checkpoint there is intact. Free some space or choose another out_dir") from None

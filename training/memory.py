@@ -1,0 +1,136 @@
+"""Memory a run needs, estimated from its config before anything is allocated, and the check that refuses a run that
+cannot fit in one line instead of leaving it to the allocator or the kernel's OOM killer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import GPTConfig
+
+from .errors import UsageError
+
+# Estimates count float32 (4 bytes) for every float: autocast keeps master weights, gradients and optimizer state in
+# float32 and halves only some activations, so this errs on the side of a run that fits.
+FLOAT = 4
+ID = 8  # token ids are int64 once batched
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a training run needs at its peak, by part."""
+
+    weights: int  # parameters, their gradients and AdamW's two moments
+    masks: int  # the causal mask each layer keeps (block_size x block_size booleans)
+    activations: int  # what one micro-batch's forward keeps for backward, or one evaluation pass, the larger
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.masks + self.activations
+
+    def largest(self) -> str:
+        """What to change to need less, for the part that dominates."""
+        parts = {
+            "weights": "a smaller model (model.n_layer, model.n_embd)",
+            "masks": "a smaller model.block_size",
+            "activations": "a smaller train.batch_size (train.grad_accum_steps keeps the batch per step) or "
+                           "model.block_size",
+        }
+        return parts[max(parts, key=lambda name: getattr(self, name))]
+
+
+def parameter_count(cfg: GPTConfig) -> int:
+    """Parameters of GPT(cfg), counted from the config (the head shares the token embedding)."""
+    C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    bias = 1 if cfg.bias else 0
+    per_layer = 12 * C * C + bias * 11 * C + 2 * C  # q/k/v and projection, MLP in and out; their biases and the 2 layer norms
+    if cfg.score == "additive":
+        hs = cfg.head_size
+        per_layer += 2 * hs * hs + hs
+    return L * per_layer + V * C + T * C + C + bias * C
+
+
+def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:
+    """Bytes of activations for a forward pass over `sequences` windows of block_size: with backward, what every
+    layer keeps for it (and one layer's gradients besides); without (evaluation), what one layer holds at once."""
+    C, L, V, T, nh = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size, cfg.n_head
+    scores = 3 * nh * T if cfg.attention == "manual" else nh  # scores, masked scores, softmax; the fused kernel none
+    if cfg.score == "additive":
+        scores += 2 * T * C  # the (T, T, head_size) tanh hidden of every head, and its input
+    if cfg.dropout > 0 and cfg.attention == "manual":
+        scores += 2 * nh * T
+    ends = (3 * C + 3 * V) * FLOAT + 6 * ID  # embeddings; logits, log-softmax and its gradient; ids and windows
+    if backward:  # norms, q/k/v, attention output, projections, the 4x MLP, residuals: kept by every layer
+        per_token = (L + 1) * (19 * C + scores) * FLOAT + ends
+    else:  # a layer's input, q/k/v, scores and the 4x MLP, freed as the next layer starts
+        per_token = (10 * C + scores) * FLOAT + ends
+    return sequences * T * per_token
+
+
+def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int) -> MemoryNeed:
+    """The peak of a training run of model cfg (vocab_size set) with micro-batches of batch_size sequences and
+    evaluation passes of eval_sequences."""
+    return MemoryNeed(
+        weights=4 * parameter_count(cfg) * FLOAT,
+        masks=cfg.n_layer * cfg.block_size * cfg.block_size,
+        activations=max(activation_bytes(cfg, batch_size, backward=True),
+                        activation_bytes(cfg, eval_sequences, backward=False)),
+    )
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_available() -> int | None:
+    """What the cgroup (a container's memory limit) still allows, where there is one."""
+    folder = Path("/sys/fs/cgroup")
+    try:
+        limit = (folder / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((folder / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for a new allocation on device, or None where it cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    known = [n for n in (_meminfo_available(), _cgroup_available()) if n is not None]
+    if not known and hasattr(os, "sysconf"):
+        try:
+            known.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            pass
+    return min(known) if known else None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.0f} MB"
+
+
+def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1) -> None:
+    """UsageError, in one line, when `processes` runs of this need cannot fit in what device has free."""
+    free = available_bytes(device)
+    total = need.total * processes
+    if free is None or total <= free:
+        return
+    who = f"{processes} processes x {_gb(need.total)}" if processes > 1 else _gb(total)
+    where = "this machine has" if device.type == "cpu" else f"{device} has"
+    raise UsageError(f"this run needs about {who} of memory and {where} {_gb(free)} free; use "
+                     f"{need.largest()}")

@@ -1,0 +1,152 @@
+"""A training run from its config: check out_dir, read the corpus, check that the run fits in memory, build or
+restore the model and optimizer, claim out_dir, and hand the state to a Trainer."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from data import Corpus, prepare_corpus, split_ids
+from model import GPT
+
+from . import distributed
+from .checkpoints import claim_out_dir, prepare_out_dir, restore_rng, restore_training_state
+from .config import RunConfig
+from .devices import matmul_ceiling, resolve_dtype
+from .distributed import BATCHES, DROPOUT, Launch, derived_seed
+from .errors import agreeing
+from .logger import Logger
+from .loop import Trainer, eval_pass_sequences
+from .memory import check_fits, training_need
+from .optim import make_optimizer
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from: the corpus, and where the model and its numbers live."""
+
+    corpus: Corpus
+    device: torch.device
+    dtype: torch.dtype
+
+
+def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool | None = None,
+        payload: dict | None = None, launch: Launch | None = None) -> dict[str, float]:
+    """Train as cfg says; returns the final losses and timings. Raises UsageError/DataError/... for bad input.
+
+    payload: the checkpoint a resume continues (checked by load_run). launch: this process's place among the
+    processes of a torchrun launch, whose group it has joined (None: alone). Every process runs this function;
+    where one of them could fail alone, they agree before going on (agreeing).
+    """
+    started = time.perf_counter()
+    launch = launch or Launch()
+    start = prepare(cfg, resume=resume, overwrite=overwrite, progress=progress, payload=payload, launch=launch)
+    trainer = build_trainer(cfg, start, payload, launch)
+    # Everything is checked in every process: from here on rank 0 writes into out_dir.
+    with agreeing(launch):
+        if launch.main:
+            claim_out_dir(Path(cfg.out_dir), cfg, resume=resume, overwrite=overwrite)
+    if cfg.train.compile:
+        trainer.fwd = torch.compile(trainer.model)
+    if launch.torchrun:
+        trainer.fwd = distributed.data_parallel(trainer.fwd, start.device)
+    log = Logger(Path(cfg.out_dir), trainer.step, cfg.train.max_iters, cfg.train.tensorboard, progress,
+                 quiet=not launch.main, on_closed=partial(trainer.stop.request, signal.SIGPIPE))
+    trainer.attach(log, start.corpus.tokenizer(), started)
+    # MFU: the model's FLOPs per second over what this machine's matrix multiply does in the run's dtype (measured
+    # here in a fraction of a second, as in bench.py), summed over the processes.
+    trainer.measure(matmul_ceiling(start.device, start.dtype, seconds=0.2) * launch.world_size)
+    announce(trainer, start, payload, resume)
+    stats = trainer.fit()
+    if launch.main:
+        log.info(f"done: step {trainer.step}, val loss {stats['val']:.4f} (best {trainer.best_val:.4f}) in "
+                 f"{stats['seconds']:.1f}s; sample with: python sample.py --out-dir {shlex.quote(cfg.out_dir)}")
+    return stats
+
+
+def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | None, payload: dict | None,
+            launch: Launch) -> Start:
+    """Check out_dir, choose the device, dtype and threads, and read the corpus, in every process."""
+    tc, block_size = cfg.train, cfg.model.block_size
+
+    def read_corpus() -> Corpus:
+        # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
+        return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
+                              vocab=payload["vocab"] if payload is not None else None)
+
+    # The first process on each machine reads the corpus (encoding it into the cache if need be) while the others
+    # wait, then they map the cached file: not every process encoding the same text at once.
+    with agreeing(launch):
+        prepare_out_dir(Path(cfg.out_dir), resume, overwrite)  # every process checks; rank 0 alone writes, later
+        device = distributed.rank_device(tc.device, launch)
+        dtype = resolve_dtype(tc.dtype, device, cfg.model.n_embd)
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        elif launch.torchrun:  # torchrun gives each process one thread unless OMP_NUM_THREADS says otherwise
+            torch.set_num_threads(distributed.threads_per_process(launch))
+        corpus = read_corpus() if launch.local_rank == 0 else None
+    with agreeing(launch):
+        if corpus is None:
+            corpus = read_corpus()
+    return Start(corpus, device, dtype)
+
+
+def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: Launch) -> Trainer:
+    """The model, optimizer and random state, fresh or restored from payload, in a Trainer (every process)."""
+    tc, block_size, device = cfg.train, cfg.model.block_size, start.device
+    with agreeing(launch):
+        ids = start.corpus.ids_on(device) if device.type == "cuda" else start.corpus.ids  # get_batch widens them
+        train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
+        model_cfg = replace(cfg.model, vocab_size=start.corpus.vocab_size)
+        # Before the first allocation: a run that cannot fit is refused in one line, not killed by the kernel.
+        need = training_need(model_cfg, tc.batch_size, eval_pass_sequences(block_size, tc.batch_size, tc.eval_iters))
+        check_fits(need, device, launch.local_world_size if device.type == "cpu" else 1)
+
+        torch.manual_seed(cfg.seed)  # the same initial weights in every process (and DDP broadcasts rank 0's)
+        model = GPT(model_cfg).to(device)
+        optimizer = make_optimizer(model, tc, device)
+        scaler = torch.amp.GradScaler(device.type) if start.dtype == torch.float16 else None
+        # Each process draws its own batches and dropout masks; rank 0 uses the seed itself, as a lone process does.
+        gen = torch.Generator().manual_seed(cfg.seed if launch.main else derived_seed(cfg.seed, BATCHES, launch.rank))
+        if not launch.main:
+            torch.manual_seed(derived_seed(cfg.seed, DROPOUT, launch.rank))
+        trainer = Trainer(cfg, model, optimizer, {"train": train_ids, "val": val_ids}, device=device,
+                          dtype=start.dtype, gen=gen, scaler=scaler, launch=launch)
+        if payload is not None:
+            ckpt = Path(cfg.out_dir) / "ckpt.pt"
+            trainer.step, trainer.best_val = restore_training_state(payload, model, optimizer, scaler, ckpt)
+            trainer.saved_step = trainer.step
+            trainer.reseeded = not restore_rng(payload, gen, launch, device, cfg.seed, ckpt)
+    return trainer
+
+
+def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool) -> None:
+    """The lines a run starts with: its data, model, device, throughput yardstick, global batch, and resume."""
+    log, tc, world = trainer.log, trainer.tc, trainer.launch.world_size
+    params = trainer.model.num_params()
+    dtype = str(start.dtype).replace("torch.", "")
+    log.info(f"data: {start.corpus.description}")
+    for note in start.corpus.notes:
+        log.info(note)
+    log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}"
+             + (", compiled" if tc.compile else ""))
+    log.info(f"matrix-multiply ceiling {trainer.ceiling / 1e9:,.0f} GFLOP/s ({dtype}), "
+             f"{trainer.flops_per_token / 1e3:,.0f} kFLOP per trained token")
+    log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "
+             f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
+             f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({trainer.tokens_per_step:,} tokens) per step")
+    if resume:
+        log.info(f"resuming {Path(trainer.cfg.out_dir) / 'ckpt.pt'} at step {trainer.step}")
+    if trainer.reseeded:
+        saved = int(payload.get("world_size", 1))
+        log.info(f"resume: the checkpoint was saved by {saved} process{'es' if saved > 1 else ''} and this run has "
+                 f"{world}: each process draws its batches afresh from (seed, rank, step), so the batch order "
+                 f"differs from that of an uninterrupted run")
+    if trainer.step == 0:
+        log.hparams(trainer.cfg, params)

@@ -1,0 +1,63 @@
+"""Stop signals: Ctrl-C and SIGTERM end a training run at a step boundary with a checkpoint, and end the work
+before the loop at once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Self
+
+
+class Stopped(Exception):
+    """The run was asked to stop by a signal and has saved its state."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"signal {signum} at step {step}")
+        self.signum, self.step = signum, step
+
+
+class StopSignals:
+    """While active, Ctrl-C (SIGINT) and SIGTERM only ask the training loop to stop at the next step boundary,
+    so the step in flight finishes and the checkpoint written after it is whole. A second signal while saving
+    asks again and changes nothing. Outside the main thread (where handlers cannot be set) this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.request(signum)
+
+    def request(self, signum: int) -> None:
+        """Ask the loop to stop as a signal would (the first request counts): for events that are not signals,
+        such as the reader of the run's output going away (SIGPIPE)."""
+        self.signal = self.signal or signum
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM outside the training loop, where there is nothing to save."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class InterruptSignals(StopSignals):
+    """While active, Ctrl-C (SIGINT) and SIGTERM raise Interrupted at once. For the work before the training loop
+    (reading the data, building the model), which has nothing to save and should not keep anyone waiting, and so
+    that SIGTERM there ends the run with a line and status 143 as it does during training."""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        raise Interrupted(signum)
