@@ -140,7 +140,8 @@ def bench_sampling(vocab: int, n_chars: int) -> dict[str, float]:
     prompt = torch.zeros(1, 1, dtype=torch.long)
     out = {}
     half = row["block_size"] // 2
-    for name, use_cache, keep in (("no_cache", False, None), ("kv_cache", True, None), ("kv_cache_keep_half", True, half)):
+    ways = (("no_cache", False, None), ("kv_cache", True, None), ("kv_cache_keep_half", True, half))
+    for name, use_cache, keep in ways:
         gen = torch.Generator().manual_seed(0)
         model.generate(prompt, 20, generator=gen, use_cache=use_cache, keep=keep)
         start = time.perf_counter()
@@ -172,12 +173,14 @@ def time_to_quality() -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    title = f"tinychar benchmark, {report['date']}, {report['machine']}, torch {report['torch']}, {report['threads']} threads"
+    title = (f"tinychar benchmark, {report['date']}, {report['machine']}, torch {report['torch']}, "
+             f"{report['threads']} threads")
     lines = [title, ""]
     c = report["matmul_gflops"]
     lines += ["| matmul ceiling (1024x1024) | GFLOP/s |", "|---|---|",
               f"| float32 | {c['float32']:.0f} |", f"| bfloat16 | {c['bfloat16']:.0f} |", ""]
-    lines += ["| training step | loop | dtype | ms/step | tokens/s | MFU | vs nanoGPT-style loop | vs nanoGPT's figure |",
+    lines += [("| training step | loop | dtype | ms/step | tokens/s | MFU | vs nanoGPT-style loop "
+               "| vs nanoGPT's figure |"),
               "|---|---|---|---|---|---|---|---|"]
     base = {r["row"]: r for r in report["training"] if r["loop"] == "nanoGPT-style"}
     for r in report["training"]:
@@ -189,11 +192,13 @@ def markdown(report: dict) -> str:
     lines += ["", "| sampling, block-64 model | characters/s |", "|---|---|",
               f"| full recompute per character | {s['no_cache']:,.0f} |",
               f"| KV cache, window slides by one (exact last-block_size context) | {s['kv_cache']:,.0f} |",
-              f"| KV cache, window jumps keeping the last half (`keep=block_size/2`) | {s['kv_cache_keep_half']:,.0f} |",
+              ("| KV cache, window jumps keeping the last half (`keep=block_size/2`) | "
+               f"{s['kv_cache_keep_half']:,.0f} |"),
               f"| nanoGPT (reference figure) | {NANOGPT_REFERENCE['sampling_chars_per_s']:,} |"]
     if "eval" in report:
         e = report["eval"]
-        share = f"Evaluation: {e['eval_seconds']:.2f} s of a {e['total_seconds']:.1f} s tiny.yaml run = {e['eval_share']:.1%}."
+        share = (f"Evaluation: {e['eval_seconds']:.2f} s of a {e['total_seconds']:.1f} s tiny.yaml run = "
+                 f"{e['eval_share']:.1%}.")
         lines += ["", share]
     for q in report.get("time_to_quality", []):
         reached = f"{q['seconds_to_target']:.1f} s" if q["seconds_to_target"] is not None else "not reached"

@@ -68,34 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tinychar-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    cache = work / "cache"
-    results: dict = {"size_mb": args.size_mb, "workdir": str(work), "python": sys.version.split()[0]}
     try:
-        big = _generate(work / "big" / "corpus.txt", int(args.size_mb * 1e6), shakespeare)
-        small = _generate(work / "small" / "corpus.txt", 1_000_000, shakespeare)
-        ascii_only = work / "ascii" / "corpus.txt"
-        ascii_only.parent.mkdir(parents=True, exist_ok=True)
-        ascii_only.write_bytes(shakespeare[:1_000_000])
-        if args.cold:
-            _evict(big)
-        results["prepare"] = {
-            "big": _run_child("prepare", big, cache),
-            "big_again": _run_child("prepare", big, cache),
-            "small": _run_child("prepare", small, cache),
-        }
-        _run_child("prepare", ascii_only, cache)
-        results["batches"] = {"big": _run_child("batches", big, cache), "small": _run_child("batches", small, cache)}
-        results["get_batch_us"] = {
-            **_run_child("timing", ascii_only, cache)["us"],
-            **_run_child("timing", small, cache)["us"],
-            **_run_child("timing-cold", big, cache)["us"],
-        }
-        if not args.no_train:
-            cap = int(args.train_memory_cap_gb * 2**30)
-            results["train"] = {
-                "big": _train(args.train_script, big, cache, work / "run-big", cap),
-                "small": _train(args.train_script, small, cache, work / "run-small", cap),
-            }
+        results = _measure(args, work, shakespeare)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -103,6 +77,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _measure(args: argparse.Namespace, work: Path, shakespeare: bytes) -> dict:
+    """Every figure of the table, from corpora generated in work."""
+    cache = work / "cache"
+    results: dict = {"size_mb": args.size_mb, "workdir": str(work), "python": sys.version.split()[0]}
+    big = _generate(work / "big" / "corpus.txt", int(args.size_mb * 1e6), shakespeare)
+    small = _generate(work / "small" / "corpus.txt", 1_000_000, shakespeare)
+    ascii_only = work / "ascii" / "corpus.txt"
+    ascii_only.parent.mkdir(parents=True, exist_ok=True)
+    ascii_only.write_bytes(shakespeare[:1_000_000])
+    if args.cold:
+        _evict(big)
+    results["prepare"] = {
+        "big": _run_child("prepare", big, cache),
+        "big_again": _run_child("prepare", big, cache),
+        "small": _run_child("prepare", small, cache),
+    }
+    _run_child("prepare", ascii_only, cache)
+    results["batches"] = {"big": _run_child("batches", big, cache), "small": _run_child("batches", small, cache)}
+    results["get_batch_us"] = {
+        **_run_child("timing", ascii_only, cache)["us"],
+        **_run_child("timing", small, cache)["us"],
+        **_run_child("timing-cold", big, cache)["us"],
+    }
+    if not args.no_train:
+        cap = int(args.train_memory_cap_gb * 2**30)
+        results["train"] = {
+            "big": _train(args.train_script, big, cache, work / "run-big", cap),
+            "small": _train(args.train_script, small, cache, work / "run-small", cap),
+        }
+    return results
 
 
 def _generate(path: Path, size: int, shakespeare: bytes) -> Path:

@@ -56,8 +56,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         if "global" not in str(e).lower():
             raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): it is not a "
                                   f"file that torch.save wrote") from None
-        raise CheckpointError(f"refusing to load '{path}': it holds Python objects, not just plain data "
-                              f"(tensors, numbers, strings, lists, dicts); only load checkpoints tinychar wrote") from None
+        raise CheckpointError(
+            f"refusing to load '{path}': it holds Python objects, not just plain data (tensors, numbers, strings, "
+            f"lists, dicts); only load checkpoints tinychar wrote") from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         detail = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__  # a bare KeyError reads '101'

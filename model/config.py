@@ -21,7 +21,8 @@ class GPTConfig:
     n_layer: int = field(default=4, metadata={"help": "number of transformer blocks"})
     n_head: int = field(default=4, metadata={"help": "attention heads per block (head size = n_embd // n_head)"})
     n_embd: int = field(default=64, metadata={"help": "width of the embeddings and the residual stream"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout probability (attention weights, residuals, embeddings)"})
+    dropout: float = field(default=0.0, metadata={
+        "help": "dropout probability (attention weights, residuals, embeddings)"})
     bias: bool = field(default=True, metadata={"help": "use biases in linear layers and layer norms"})
     attention: str = field(default="manual", metadata={
         "help": "manual: explicit masked softmax of the notes; fused: torch scaled_dot_product_attention"})
@@ -44,7 +45,8 @@ class GPTConfig:
         if self.score not in SCORE_KINDS:
             raise ValueError(f"model.score must be one of {', '.join(SCORE_KINDS)}, got {self.score!r}")
         if self.score == "additive" and self.attention == "fused":
-            raise ValueError("model.score=additive needs model.attention=manual (the fused kernel only does dot products)")
+            raise ValueError(
+                "model.score=additive needs model.attention=manual (the fused kernel only does dot products)")
 
     @property
     def head_size(self) -> int:

@@ -121,3 +121,12 @@ def train_small_run(base: Path, **extra: object) -> Path:
     assert train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(corpus, out, **extra)],
                       progress=False) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, str]]:
+    """20 steps in one go (evaluations at 10 and 20, TensorBoard on), with its per-step losses: trained once for the
+    signal, checkpoint and bad-input tests, which compare with it and work on copies of it."""
+    from training_runs import straight_run
+
+    return straight_run(tmp_path_factory.mktemp("straight"))

@@ -115,6 +115,19 @@ def test_data_config_refuses_unknown_dataset_and_no_source() -> None:
     assert DataConfig(path="x.txt", dataset=None).path == "x.txt"
 
 
+def test_data_config_new_fields_default_and_validate() -> None:
+    cfg = DataConfig()
+    assert (cfg.errors, cfg.max_vocab, cfg.cache_dir) == ("strict", None, None)
+    for bad, message in [
+        ({"errors": "ignore"}, "data.errors must be one of strict, replace, got 'ignore'"),
+        ({"max_vocab": 1}, "data.max_vocab must be >= 2"),
+        ({"max_vocab": True}, "data.max_vocab must be >= 2"),
+        ({"cache_dir": " "}, "data.cache_dir is empty"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DataConfig(**bad)
+
+
 # --- read_text --------------------------------------------------------------------------------------------------
 
 

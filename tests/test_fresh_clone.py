@@ -26,7 +26,7 @@ def project_files() -> list[Path]:
     files = []
     for path in sorted(ROOT.rglob("*")):
         parts = set(path.relative_to(ROOT).parts)
-        if path.is_file() and not parts & NOT_PROJECT and path.suffix not in (".png", ".pyc"):
+        if path.is_file() and not parts & NOT_PROJECT and path.suffix not in (".png", ".pyc", ".pt"):
             files.append(path)
     return files
 

@@ -95,7 +95,8 @@ def rank_rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torc
     return state
 
 
-def checkpoint_payload(model: GPT, optimizer, scaler, tokenizer: CharTokenizer, cfg: RunConfig, step: int, best_val: float,
+def checkpoint_payload(model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                       tokenizer: CharTokenizer, cfg: RunConfig, step: int, best_val: float,
                        gen: torch.Generator, ranks: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Everything a run needs to continue. ranks: every process's rank_rng_state, in rank order, under torchrun; the
     top-level RNG states are this process's (rank 0's), where a one-process run keeps its own."""

@@ -16,7 +16,7 @@ from data import CharTokenizer, get_batch
 from model import GPT
 
 from . import distributed
-from .checkpoints import checkpoint_payload, rank_rng_state, save_checkpoint
+from .checkpoints import checkpoint_payload, rank_rng_state, restore_rng, restore_training_state, save_checkpoint
 from .config import RunConfig
 from .devices import autocast_context
 from .distributed import EVALUATION, Launch, derived_seed
@@ -88,6 +88,12 @@ class Trainer:
         self.stop = StopSignals()
         self.agreed_stop = False  # under torchrun: whether the processes agreed, after the last step, to stop
         self.throughput = Throughput()
+        # What throughput is reported against: tokens per step over all processes, the model's FLOPs per token, and
+        # the matmul ceiling in FLOP/s summed over the processes (measured by the runner; MFU is 0 until then).
+        world = self.launch.world_size
+        self.tokens_per_step = self.tc.batch_size * cfg.model.block_size * self.tc.grad_accum_steps * world
+        self.flops_per_token = model.flops_per_token()
+        self.ceiling = math.inf
         self.last_losses: dict[str, float] = {}
         self.val_history: list[tuple[float, float]] = []  # (seconds since the run began, validation loss)
         self.eval_seconds = 0.0
@@ -103,6 +109,13 @@ class Trainer:
         self.log, self.tokenizer, self.started = log, tokenizer, started
         # A fixed stretch of validation text whose attention maps TensorBoard shows at every evaluation.
         self.attention_prompt = self.splits["val"][: self.cfg.model.block_size].tolist()
+
+    def restore(self, payload: dict, path: Path) -> None:
+        """Continue the run a checkpoint holds: weights, optimizer and scaler, step, best loss, and this process's
+        random state (or fresh streams, when it was saved by another number of processes)."""
+        self.step, self.best_val = restore_training_state(payload, self.model, self.optimizer, self.scaler, path)
+        self.saved_step = self.step
+        self.reseeded = not restore_rng(payload, self.gen, self.launch, self.device, self.cfg.seed, path)
 
     # ------------------------------------------------------------------------------------------- one step
 
@@ -200,14 +213,6 @@ class Trainer:
         if not log.progress:
             log.info(f"step {self.step}/{self.tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, "
                      f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%}")
-
-    def measure(self, ceiling: float) -> None:
-        """Set what throughput is reported against: tokens per step over all processes, model FLOPs per token, and
-        the matmul ceiling (FLOP/s, summed over the processes)."""
-        tc, world = self.tc, self.launch.world_size
-        self.tokens_per_step = tc.batch_size * self.cfg.model.block_size * tc.grad_accum_steps * world
-        self.flops_per_token = self.model.flops_per_token()
-        self.ceiling = ceiling
 
     # ------------------------------------------------------------------------------ evaluating and saving
 

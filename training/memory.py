@@ -46,7 +46,8 @@ def parameter_count(cfg: GPTConfig) -> int:
     """Parameters of GPT(cfg), counted from the config (the head shares the token embedding)."""
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
     bias = 1 if cfg.bias else 0
-    per_layer = 12 * C * C + bias * 11 * C + 2 * C  # q/k/v and projection, MLP in and out; their biases and the 2 layer norms
+    # q/k/v and projection, MLP in and out; their 9C biases and the two layer norms' 2C biases; the norms' weights
+    per_layer = 12 * C * C + bias * 11 * C + 2 * C
     if cfg.score == "additive":
         hs = cfg.head_size
         per_layer += 2 * hs * hs + hs

@@ -16,7 +16,7 @@ from data import Corpus, prepare_corpus, split_ids
 from model import GPT
 
 from . import distributed
-from .checkpoints import claim_out_dir, prepare_out_dir, restore_rng, restore_training_state
+from .checkpoints import claim_out_dir, prepare_out_dir
 from .config import RunConfig
 from .devices import matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -61,7 +61,7 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     trainer.attach(log, start.corpus.tokenizer(), started)
     # MFU: the model's FLOPs per second over what this machine's matrix multiply does in the run's dtype (measured
     # here in a fraction of a second, as in bench.py), summed over the processes.
-    trainer.measure(matmul_ceiling(start.device, start.dtype, seconds=0.2) * launch.world_size)
+    trainer.ceiling = matmul_ceiling(start.device, start.dtype, seconds=0.2) * launch.world_size
     announce(trainer, start, payload, resume)
     stats = trainer.fit()
     if launch.main:
@@ -119,10 +119,7 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
         trainer = Trainer(cfg, model, optimizer, {"train": train_ids, "val": val_ids}, device=device,
                           dtype=start.dtype, gen=gen, scaler=scaler, launch=launch)
         if payload is not None:
-            ckpt = Path(cfg.out_dir) / "ckpt.pt"
-            trainer.step, trainer.best_val = restore_training_state(payload, model, optimizer, scaler, ckpt)
-            trainer.saved_step = trainer.step
-            trainer.reseeded = not restore_rng(payload, gen, launch, device, cfg.seed, ckpt)
+            trainer.restore(payload, Path(cfg.out_dir) / "ckpt.pt")
     return trainer
 
 

@@ -1,7 +1,7 @@
-"""Data-parallel training under torchrun (gloo on the CPU): two processes with half the batch each take the same steps
-as one with all of it; a two-process run stops on Ctrl-C with a checkpoint, resumes exactly, and hands its checkpoint
-to sample.py and to a one-process run (and back); a bad data path ends every process with one line; and the pieces
-of training/distributed.py on their own."""
+"""training/distributed.py: data-parallel training under torchrun (gloo on the CPU): two processes with half the
+batch each take the same steps as one with all of it; a two-process run stops on Ctrl-C with a checkpoint, resumes
+exactly, and hands its checkpoint to sample.py and to a one-process run (and back); a bad data path ends every process
+with one line; and the pieces of training/distributed.py on their own."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ import os, sys
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
 import train
 import training.loop
-from test_distributed import batch_pool, fixed_batches
+from test_training_distributed import batch_pool, fixed_batches
 
 accum, batch, block = (int(a) for a in sys.argv[1:4])
 pool = batch_pool(accum, batch, block)

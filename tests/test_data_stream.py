@@ -1,11 +1,9 @@
-"""Tests for the streaming pipeline: prepare_corpus, its cache, and batches from memory-mapped ids. Tiny inputs, tiny
-read chunks, CPU."""
+"""data/stream.py and data/prepare.py: prepare_corpus streams files, folders and globs into token ids exactly (however
+the read chunks split the characters), refuses bad UTF-8 naming the byte, keeps the vocabulary it is given or the most
+frequent characters, and hands training a memory map of the encoded file. Tiny inputs, tiny read chunks, CPU."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import data.prepare
-import data.sources
 from data import (
     UNKNOWN,
     CharTokenizer,
@@ -62,10 +59,6 @@ def distinct_chars(n: int) -> str:
     """n distinct characters from U+0020 up, skipping the surrogates (which UTF-8 cannot hold)."""
     codes = [c for c in range(0x20, 0x20 + n + 0x800) if not 0xD800 <= c <= 0xDFFF][:n]
     return "".join(map(chr, codes))
-
-
-def entries(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
 
 
 # --- one file --------------------------------------------------------------------------------------------------------
@@ -257,141 +250,6 @@ def test_a_given_vocabulary_encodes_and_names_characters_outside_it(tmp_path: Pa
     assert text_of(mapped) == f"{UNKNOWN}ello {UNKNOWN}orld" and "2 rare character(s)" in mapped.notes[0]
 
 
-def test_resuming_with_the_texts_own_vocabulary_reuses_its_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    f = write(tmp_path / "t.txt", MIXED)
-    first = prepare(f)
-    monkeypatch.setattr(data.prepare, "count_chars", refuse_to_read)
-    again = prepare(f, vocab=first.chars)
-    assert again.cache_hit and again.path == first.path
-
-
-# --- cache -----------------------------------------------------------------------------------------------------------
-
-
-def refuse_to_read(*args: object, **kwargs: object) -> None:
-    raise AssertionError("the text was read again")
-
-
-def test_a_second_run_reuses_the_cache_without_reading_the_text(
-    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    f = write(tmp_path / "t.txt", MIXED * 5)
-    first = prepare(f)
-    assert not first.cache_hit and first.path.parent == cache
-    monkeypatch.setattr(data.prepare, "count_chars", refuse_to_read)
-    monkeypatch.setattr(data.prepare, "write_ids", refuse_to_read)
-    second = prepare(f, chunk_bytes=1 << 20)  # the read size is not part of the key: it never changes the ids
-    assert second.cache_hit and "cached" in second.description and second.path == first.path
-    assert torch.equal(second.ids, first.ids) and second.chars == first.chars
-    assert entries(cache) == [first.path.name, first.path.with_suffix(".json").name]
-
-
-def test_a_changed_file_is_encoded_again_and_its_old_entry_removed(tmp_path: Path, cache: Path) -> None:
-    f = write(tmp_path / "t.txt", "old text, old text")
-    first = prepare(f)
-    write(f, "new text, now longer than before")
-    second = prepare(f)
-    assert not second.cache_hit and text_of(second) == "new text, now longer than before"
-    assert entries(cache) == [second.path.name, second.path.with_suffix(".json").name]
-    assert not first.path.exists()
-
-
-def test_an_edit_keeping_size_and_mtime_is_caught_by_the_content_hash(tmp_path: Path) -> None:
-    f = write(tmp_path / "t.txt", "abcdefgh" * 10)
-    prepare(f)
-    before = f.stat()
-    write(f, "hgfedcba" * 10)
-    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert f.stat().st_mtime_ns == before.st_mtime_ns and f.stat().st_size == before.st_size
-    again = prepare(f)
-    assert not again.cache_hit and text_of(again) == "hgfedcba" * 10
-
-
-def test_large_inputs_are_keyed_by_size_and_mtime_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.sources, "CONTENT_HASH_BELOW", 0)  # as if the file were large
-    f = write(tmp_path / "t.txt", "abcdefgh" * 10)
-    prepare(f)
-    before = f.stat()
-    write(f, "hgfedcba" * 10)
-    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert prepare(f).cache_hit  # not re-read: that is the point of keying large inputs by their metadata
-    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
-    assert text_of(prepare(f)) == "hgfedcba" * 10
-
-
-def test_settings_that_change_the_ids_have_entries_of_their_own(tmp_path: Path) -> None:
-    f = write(tmp_path / "t.txt", b"abc\xff abc")
-    replaced = prepare(f, errors="replace")
-    capped = prepare(f, errors="replace", max_vocab=2)
-    assert replaced.path != capped.path and replaced.path.exists()
-    assert prepare(f, errors="replace").cache_hit
-
-
-def test_a_failed_encoding_leaves_no_file_behind(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def write_some_then_fail(inputs: object, errors: str, lookup: np.ndarray, out, *args: object) -> int:
-        out.write(b"\0" * 10)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(data.prepare, "write_ids", write_some_then_fail)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(write(tmp_path / "t.txt", MIXED))
-    assert entries(cache) == []  # neither a final name nor a partial file
-
-
-def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
-    user_cache = tmp_path / "user-cache"
-    write(user_cache / "tinychar", "a file where the cache folder would go")  # mkdir fails even for root
-    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
-    corpus = prepare(write(tmp_path / "t.txt", MIXED))
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    assert corpus.path.parent == tmp_path / "temp" / f"tinychar-{uid}" / "encoded"
-    assert any("cannot write to the cache folder" in note for note in corpus.notes)
-    assert prepare(tmp_path / "t.txt").cache_hit
-
-
-def test_a_read_only_cache_or_data_folder_is_left_alone_even_by_root(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
-    user_cache, corpora = tmp_path / "user-cache", tmp_path / "corpora"
-    user_cache.mkdir()
-    write(corpora / "t.txt", MIXED)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
-    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(corpora))
-    monkeypatch.chdir(tmp_path)
-    user_cache.chmod(0o555)
-    corpora.chmod(0o555)
-    try:
-        corpus = prepare("t.txt")  # found in TINYCHAR_DATA_DIR
-    finally:
-        user_cache.chmod(0o755)
-        corpora.chmod(0o755)
-    assert list(user_cache.iterdir()) == [] and [p.name for p in corpora.iterdir()] == ["t.txt"]
-    assert corpus.path.is_relative_to(tmp_path / "temp") and text_of(corpus) == MIXED
-
-
-def test_a_chosen_cache_folder_is_used_or_refused(tmp_path: Path) -> None:
-    f = write(tmp_path / "t.txt", MIXED)
-    assert prepare(f, cache_dir=str(tmp_path / "mine")).path.parent == tmp_path / "mine"
-    blocked = write(tmp_path / "blocked", "a file, not a folder")
-    with pytest.raises(DataError, match="cannot write the encoded corpus to .*blocked.*set data.cache_dir"):
-        prepare(f, cache_dir=str(blocked))
-
-
-def test_the_cache_entry_describes_itself(tmp_path: Path) -> None:
-    corpus = prepare(write(tmp_path / "t.txt", MIXED))
-    meta = json.loads(corpus.path.with_suffix(".json").read_text(encoding="utf-8"))
-    assert meta["chars"] == corpus.chars and meta["n_tokens"] == corpus.n_tokens and meta["dtype"] == "|u1"
-    assert meta["sources"][0][0] == str((tmp_path / "t.txt").resolve())
-
-
 # --- memory map ------------------------------------------------------------------------------------------------------
 
 
@@ -447,19 +305,3 @@ def test_a_stray_write_to_the_ids_never_reaches_the_cache_file(tmp_path: Path) -
     corpus.ids[:5] = 0
     assert corpus.path.read_bytes() == on_disk
     assert text_of(prepare(tmp_path / "t.txt")) == MIXED
-
-
-# --- config ----------------------------------------------------------------------------------------------------------
-
-
-def test_data_config_new_fields_default_and_validate() -> None:
-    cfg = DataConfig()
-    assert (cfg.errors, cfg.max_vocab, cfg.cache_dir) == ("strict", None, None)
-    for bad, message in [
-        ({"errors": "ignore"}, "data.errors must be one of strict, replace, got 'ignore'"),
-        ({"max_vocab": 1}, "data.max_vocab must be >= 2"),
-        ({"max_vocab": True}, "data.max_vocab must be >= 2"),
-        ({"cache_dir": " "}, "data.cache_dir is empty"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            DataConfig(**bad)

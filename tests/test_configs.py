@@ -1,5 +1,6 @@
-"""Run configs: every shipped YAML loads, misspelt keys name the nearest valid one, bad values are refused in
-one line, YAML is read as plain data only, and command-line overrides are typed by the field they set."""
+"""configs/ (the loader) and training/config.py's load_config: every shipped YAML loads, misspelt keys name the
+nearest valid one, bad values are refused in one line, YAML is read as plain data only, and command-line overrides are
+typed by the field they set."""
 
 from __future__ import annotations
 

@@ -1,0 +1,49 @@
+"""What both lab-notes test files compare with: the notes' 4-decimal rounding, two of the tensors they print, and 001's
+SelfAttention_v2 rebuilt (test_lab_notes: attention without and with trainable weights; test_lab_notes_causal: the
+causal mask, dropout, the multi-head modules and additive scoring)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lab.notes import SelfAttention_v2
+
+
+def close(actual: torch.Tensor, expected: list | float) -> None:
+    """Equal to the notes' printed value, which is rounded to 4 decimals."""
+    torch.testing.assert_close(actual.detach(), torch.tensor(expected), atol=5e-5, rtol=0)
+
+
+# The attention weights of every query without trainable weights (test_all_scores_weights_and_context_vectors).
+ALL_WEIGHTS = [
+    [0.2098, 0.2006, 0.1981, 0.1242, 0.1220, 0.1452],
+    [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581],
+    [0.1390, 0.2369, 0.2326, 0.1242, 0.1108, 0.1565],
+    [0.1435, 0.2074, 0.2046, 0.1462, 0.1263, 0.1720],
+    [0.1526, 0.1958, 0.1975, 0.1367, 0.1879, 0.1295],
+    [0.1385, 0.2184, 0.2128, 0.1420, 0.0988, 0.1896],
+]
+
+
+# 001 In[58]: SelfAttention_v2 built after torch.manual_seed(123) in 001's layer order (v2_as_built_in_001).
+V2_001_SEED_123 = [
+    [-0.6433, 0.1075],
+    [-0.6464, 0.1035],
+    [-0.6464, 0.1035],
+    [-0.6443, 0.1024],
+    [-0.6449, 0.1029],
+    [-0.6445, 0.1027],
+]
+
+
+def v2_as_built_in_001(seed: int = 123) -> SelfAttention_v2:
+    """001's SelfAttention_v2 builds its layers key, value, query (the lab and 000 build query, key, value), and the
+    order decides which draws each layer gets: rebuild 001's draws and load them into the lab's class."""
+    torch.manual_seed(seed)
+    key, value, query = (nn.Linear(3, 2, bias=False) for _ in range(3))
+    v2 = SelfAttention_v2(3, 2)
+    with torch.no_grad():
+        for name, layer in (("W_query", query), ("W_key", key), ("W_value", value)):
+            getattr(v2, name).weight.copy_(layer.weight)
+    return v2

@@ -1,0 +1,213 @@
+"""A table of bad inputs to train.py and sample.py (configs, overrides, data files, checkpoints, prompts, sampling
+options): each is refused in one line with exit status 2, and out_dir is left as it was."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from test_train import one_error_line, snapshot
+from training_runs import TINY, call, train_main, write_corpus
+
+import sample
+from model import load_checkpoint, model_from_checkpoint
+from training.checkpoints import save_checkpoint
+
+
+@dataclass
+class Case:
+    tmp: Path
+    run: Path  # a copy of a finished run: --overwrite would replace it, so any early write would show
+    corpus: Path
+
+    def file(self, name: str, content: str | bytes) -> Path:
+        path = self.tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+        return path
+
+    def train(self, *extra: str, config: str | Path = TINY, corpus: Path | None = None, **keys: object) -> list[str]:
+        return ["--config", str(config), "--overwrite", *tiny_overrides(corpus or self.corpus, self.run, **keys),
+                *extra]
+
+    def yaml(self, text: str) -> list[str]:
+        return self.train(config=self.file("run.yaml", text))
+
+    def data(self, path: Path) -> list[str]:
+        return self.train(corpus=path)
+
+    def resume(self, change: Callable[[dict], None] | None = None, *extra: str) -> list[str]:
+        if change is not None:
+            payload = load_checkpoint(self.run / "ckpt.pt")
+            change(payload)
+            save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")},
+                            self.run / "ckpt.pt")
+        return ["--resume", "--out-dir", str(self.run), *extra]
+
+    def replace_checkpoint(self, write: Callable[[Path], object]) -> list[str]:
+        write(self.run / "ckpt.pt")
+        return ["--resume", "--out-dir", str(self.run)]
+
+    def sample(self, *extra: str, checkpoint: Path | None = None) -> list[str]:
+        where = ["--checkpoint", str(checkpoint)] if checkpoint else ["--out-dir", str(self.run)]
+        return [*where, "--device", "cpu", "--max-new-tokens", "20", *extra]
+
+
+def _latin1(c: Case) -> Path:
+    return c.file("latin1.txt", ("Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e. " * 40).encode("latin-1"))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _shrink_vocab(payload: dict) -> None:
+    payload["vocab"] = payload["vocab"][:-1]
+
+
+def _weights_only(payload: dict) -> None:
+    for key in ("optimizer", "config", "rng", "step", "best_val_loss", "scaler"):
+        payload.pop(key)
+
+
+def _foreign(path: Path) -> None:
+    torch.save({"state_dict": {"weight": torch.zeros(2, 2)}, "epoch": 3}, path)
+
+
+def _copy(path: Path, folder: Path, change: Callable[[Path], None]) -> Path:
+    copy = Path(shutil.copy(path, folder / "copy.pt"))
+    change(copy)
+    return copy
+
+
+def _unseen_vocab(c: Case) -> Path:
+    """A copy of the run's checkpoint whose vocabulary and config agree with each other but not with the weights."""
+    payload = load_checkpoint(c.run / "best.pt")
+    payload["vocab"] = payload["vocab"][:-1]
+    payload["model_config"] = {**payload["model_config"], "vocab_size": len(payload["vocab"])}
+    path = c.tmp / "other_vocab.pt"
+    save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")}, path)
+    return path
+
+
+def _folder(c: Case, name: str = "a_folder") -> Path:
+    (c.tmp / name).mkdir()
+    return c.tmp / name
+
+
+TEMPERATURE_ZERO = "temperature-0-is-greedy"  # the documented exception: not refused, it means greedy decoding
+
+BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
+    # id, program, arguments, a fragment of the one-line error
+    # --- config files
+    ("yaml-a-list", "train", lambda c: c.yaml("- data\n- model\n"), "must hold a mapping of sections"),
+    ("yaml-a-number", "train", lambda c: c.yaml("42\n"), "must hold a mapping of sections"),
+    ("yaml-python-tag", "train", lambda c: c.yaml(f"seed: !!python/object/apply:os.system ['touch {c.tmp}/pwned']\n"),
+     "is not valid YAML"),
+    ("yaml-python-object", "train", lambda c: c.yaml("train: !!python/object:collections.OrderedDict {}\n"),
+     "could not determine a constructor for the tag"),
+    ("yaml-syntax", "train", lambda c: c.yaml("model: [1, 2\n"), "is not valid YAML"),
+    ("yaml-impossible-date", "train", lambda c: c.yaml("seed: 2024-13-45\n"), "month must be in 1..12"),
+    ("yaml-unknown-section", "train", lambda c: c.yaml("optimiser:\n  lr: 0.1\n"), "unknown config key 'optimiser'"),
+    ("yaml-unknown-key", "train", lambda c: c.yaml("train:\n  lr: 0.1\n"), "unknown config key 'train.lr'"),
+    ("yaml-section-not-a-mapping", "train", lambda c: c.yaml("train: 5\n"), "section 'train'"),
+    ("yaml-wrong-type", "train", lambda c: c.yaml("model:\n  n_layer: two\n"), "model.n_layer must be an integer"),
+    ("config-missing", "train", lambda c: c.train(config=c.tmp / "nope.yaml"), "config file not found"),
+    ("config-a-folder", "train", lambda c: c.train(config=_folder(c)), "is a directory"),
+    ("config-binary", "train", lambda c: c.train(config=c.file("bin.yaml", b"\xff\xfe\x00\x01")),
+     "cannot read config file"),
+    # --- command-line overrides
+    ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
+    ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
+    ("override-wrong-type", "train", lambda c: c.train(**{"train.compile": "maybe"}), "must be true/false"),
+    ("override-negative-rate", "train", lambda c: c.train(**{"train.learning_rate": -0.1}), "finite number >= 0"),
+    ("override-dropout-1", "train", lambda c: c.train(**{"model.dropout": 1.0}), "model.dropout must be in [0, 1)"),
+    ("override-seed-too-big", "train", lambda c: c.train(seed=2**64), "seed must fit"),
+    ("override-threads-absurd", "train", lambda c: c.train(**{"train.threads": 10**6}), "must be at most 4096"),
+    ("n_embd-not-divisible-by-n_head", "train", lambda c: c.train(**{"model.n_embd": 30, "model.n_head": 4}),
+     "must be divisible by model.n_head, got 30 and 4"),
+    ("flags-contradict", "train", lambda c: c.train("--resume"), "contradict"),
+    ("out_dir-under-a-file", "train",
+     lambda c: c.train(f"out_dir={c.file('plain.txt', 'x')}/run"), "cannot write into out_dir"),
+    # --- data files
+    ("data-empty", "train", lambda c: c.data(c.file("empty.txt", "")), "is empty"),
+    ("data-one-character", "train", lambda c: c.data(c.file("one.txt", "a")), "has 1 characters"),
+    ("data-shorter-than-a-window", "train", lambda c: c.data(c.file("short.txt", "abcdefg")), "block_size + 1 = 9"),
+    ("data-binary", "train", lambda c: c.data(c.file("noise.bin", bytes(range(256)) * 8)), "is a binary file"),
+    ("data-latin-1", "train", lambda c: c.data(_latin1(c)), "is not UTF-8"),
+    ("data-a-folder", "train", lambda c: c.data(_folder(c)), "is a folder"),
+    ("data-missing", "train", lambda c: c.data(c.tmp / "corpus.tx"), "did you mean"),
+    ("data-a-checkpoint", "train", lambda c: c.data(c.run / "best.pt"), "is a binary file"),
+    ("data-nul-in-path", "train", lambda c: ["--overwrite", "--config", str(c.file("nul.yaml", f'out_dir: {c.run}\n'
+     'data:\n  path: "a\\0b"\n'))], "not a usable path"),
+    # --- checkpoints, resumed
+    ("resume-truncated", "train", lambda c: c.replace_checkpoint(_truncate), "truncated or not a checkpoint"),
+    ("resume-another-program", "train", lambda c: c.replace_checkpoint(_foreign), "not a tinychar checkpoint"),
+    ("resume-vocab-not-the-weights", "train", lambda c: c.resume(_shrink_vocab), "is inconsistent"),
+    ("resume-weights-only", "train", lambda c: c.resume(_weights_only), "holds weights only"),
+    ("resume-lost-rng", "train", lambda c: c.resume(lambda p: p.pop("rng")), "lacks rng"),
+    ("resume-changed-data", "train", lambda c: c.resume(None, "data.val_fraction=0.2"), "data.val_fraction"),
+    ("resume-changed-model", "train", lambda c: c.resume(None, "model.dropout=0.3"), "model.dropout"),
+    # --- prompts and sampling options
+    ("prompt-unseen-characters", "sample", lambda c: c.sample("--prompt", "Zebra \u20ac"), "never saw"),
+    ("prompt-empty", "sample", lambda c: c.sample("--prompt", ""), "prompt is empty"),
+    ("prompt-file-latin-1", "sample", lambda c: c.sample("--prompt-file", str(_latin1(c))), "as UTF-8"),
+    ("max-new-tokens-negative", "sample", lambda c: c.sample("--max-new-tokens", "-1"), "must be >= 0"),
+    ("max-new-tokens-absurd", "sample", lambda c: c.sample("--max-new-tokens", str(10**15)), "at most"),
+    (TEMPERATURE_ZERO, "sample", lambda c: c.sample("--prompt", "All:", "--temperature", "0"), ""),
+    ("top-k-zero", "sample", lambda c: c.sample("--top-k", "0"), "--top-k must be >= 1"),
+    ("top-p-above-one", "sample", lambda c: c.sample("--top-p", "1.5"), "--top-p must be in (0, 1]"),
+    ("seed-too-big", "sample", lambda c: c.sample("--seed", str(2**64)), "--seed must fit"),
+    # --- checkpoints, sampled
+    ("checkpoint-truncated", "sample", lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _truncate)),
+     "truncated or not a checkpoint"),
+    ("checkpoint-another-program", "sample", lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _foreign)),
+     "not a tinychar checkpoint"),
+    ("checkpoint-vocab-not-the-weights", "sample", lambda c: c.sample(checkpoint=_unseen_vocab(c)),
+     "weights do not match"),
+    ("checkpoint-is-text", "sample", lambda c: c.sample(checkpoint=c.corpus), "not a file that torch.save wrote"),
+    ("checkpoint-a-folder", "sample", lambda c: c.sample(checkpoint=_folder(c)), "is a directory"),
+]
+
+
+def test_the_bad_input_table_covers_what_it_promises():
+    assert len(BAD_INPUTS) >= 30
+    assert len({case[0] for case in BAD_INPUTS}) == len(BAD_INPUTS)
+    assert {program for _, program, _, _ in BAD_INPUTS} == {"train", "sample"}
+
+
+@pytest.mark.parametrize(("program", "make", "fragment"), [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_out_dir_is_left_as_it_was(
+    straight, tmp_path, capsys, request, program, make, fragment
+):
+    run = Path(shutil.copytree(straight[0], tmp_path / "run"))
+    case = Case(tmp=tmp_path, run=run, corpus=write_corpus(tmp_path))
+    args = make(case)
+    before = snapshot(run)
+    code, out, err = call(train_main if program == "train" else sample.main, args, capsys)
+    assert snapshot(run) == before  # not a byte written, not a file touched
+    assert not (tmp_path / "pwned").exists()
+    if request.node.callspec.id == TEMPERATURE_ZERO:
+        assert code == 0, err
+        assert out == greedy(run / "best.pt", "All:", 20) + "\n"
+        return
+    assert code == 2, err
+    assert fragment in one_error_line(err)
+    if program == "sample":
+        assert out == ""
+
+
+def greedy(path: Path, prompt: str, n: int) -> str:
+    """The prompt and the n likeliest next characters, one at a time, computed here from the checkpoint."""
+    model, vocab = model_from_checkpoint(load_checkpoint(path))
+    model.eval()
+    idx = torch.tensor([[vocab.index(c) for c in prompt]])
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(idx[:, -model.config.block_size :])
+            idx = torch.cat([idx, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return "".join(vocab[i] for i in idx[0].tolist())

@@ -1,0 +1,224 @@
+"""training/checkpoints.py: writing checkpoints atomically, so that kill -9 at any moment leaves the previous one whole
+and the resumed run ends as if never killed; a save that fails is one line with the previous checkpoint intact; and a
+resume takes changed schedule and logging keys and says so."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import itertools
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, tiny_overrides
+from test_model_checkpoint import payload_for, tiny_model
+from test_train import bitwise_equal, child_env, logged_losses, snapshot
+from training_runs import (
+    RESUME_KEYS,
+    TINY,
+    assert_continues_the_straight_run,
+    call,
+    check_after_a_crash,
+    launch,
+    one_line,
+    temporary_files,
+    train_main,
+    wait_for,
+    write_corpus,
+)
+
+from model import GPT, find_checkpoint, load_checkpoint
+from training.checkpoints import save_checkpoint
+from training.config import load_config
+from training.optim import lr_at
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[GPT, Path]:
+    """As in test_model_checkpoint: a tiny model saved at step 7."""
+    model = tiny_model()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(payload_for(model, step=7, best_val_loss=1.25), path)
+    return model, path
+
+
+# ------------------------------------------------------------------------------------------- atomic save
+
+
+def test_saving_leaves_no_temporary_files(saved):
+    _, path = saved
+    save_checkpoint(payload_for(tiny_model(), step=8), path)  # over an existing file
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+    assert load_checkpoint(path)["step"] == 8
+
+
+def test_a_save_that_fails_midway_keeps_the_old_file(saved, monkeypatch):
+    _, path = saved
+    before = path.read_bytes()
+
+    def half_then_crash(obj, f, *args, **kwargs):
+        f.write(before[: len(before) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(payload_for(tiny_model(), step=99), path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+def test_resume_takes_changed_schedule_and_logging_keys_and_says_so(straight, tmp_path, capsys):
+    out = Path(shutil.copytree(straight[0], tmp_path / "out"))
+    changes = {"train.max_iters": 24, "train.eval_interval": 2, "train.eval_iters": 3, "train.log_interval": 4,
+               "train.min_lr": 2e-4, "train.lr_decay_iters": 22, "train.sample_chars": 0}
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), *(f"{k}={v}" for k, v in changes.items())],
+                             capsys)
+    assert code == 0, err
+    saved = load_config(str(straight[0] / "config.yaml"), [])
+    for key, value in changes.items():
+        assert f"resume: {key}: {getattr(saved.train, key.split('.')[1])!r} -> {value!r}" in stdout.splitlines()
+    assert "resume: out_dir" not in stdout  # where the run lives now is no change to report
+    new = load_config(str(out / "config.yaml"), [])
+    assert new.train.max_iters == 24 and new.train.min_lr == 2e-4 and new.out_dir == str(out)
+    raw = load_checkpoint(out / "ckpt.pt")
+    assert raw["step"] == 24
+    # the new schedule's end was used for the last step, the new eval_interval for when to save
+    assert raw["optimizer"]["param_groups"][0]["lr"] == lr_at(23, new.train) == 2e-4
+    assert sorted(logged_losses(stdout)) == [24]  # log_interval 4 from step 20
+
+
+# ------------------------------------------------------------------------------------------ kill -9
+
+
+KILL_KEYS = {**RESUME_KEYS, "train.max_iters": 120, "train.lr_decay_iters": 120, "train.eval_interval": 1,
+             "train.eval_iters": 1, "train.log_interval": 50, "train.tensorboard": "false", "train.warmup_iters": 10}
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_never_breaks_a_checkpoint_and_the_run_ends_as_if_never_killed(tmp_path):
+    """A checkpoint at every step (so saving is much of the time), killed again and again, resumed each time."""
+    corpus = write_corpus(tmp_path)
+    args = ["--config", TINY, *tiny_overrides(corpus, tmp_path / "killed", **KILL_KEYS)]
+    rng = random.Random(20260501)
+    out = tmp_path / "killed"
+    steps, left_midway = [0], 0
+    for attempt in range(10):
+        resume = ["--resume"] if (out / "ckpt.pt").exists() else []
+        log = tmp_path / f"log{attempt}.txt"
+        proc = launch([*resume, *args], log)
+        if attempt % 5 == 2:  # now and then anywhere in start-up: imports, reading the data, building the model
+            time.sleep(rng.uniform(0.2, 1.2))
+        else:  # otherwise while it trains: a step and a checkpoint take a few milliseconds each
+            wait_for(log, r"^global batch: ", proc)  # printed just before the first step
+            time.sleep(rng.uniform(0.03, 0.25))
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        steps.append(check_after_a_crash(out))
+        assert steps[-1] >= steps[-2], steps  # never further back than the last checkpoint
+        left_midway += bool(temporary_files(out)) if out.exists() else 0
+    assert sum(b > a for a, b in itertools.pairwise(steps)) >= 5, steps  # most kills came while it trained
+
+    proc = launch(["--resume", *args], tmp_path / "final.txt")
+    assert proc.wait(timeout=120) == 0, (tmp_path / "final.txt").read_text(encoding="utf-8")
+    assert temporary_files(out) == []  # the resumed run cleared what the kills left midway
+    killed = load_checkpoint(out / "ckpt.pt")
+    assert killed["step"] == 120
+
+    # The same steps in one go: ten kills and resumes changed nothing.
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert train_main(["--config", TINY, *tiny_overrides(corpus, tmp_path / "straight", **KILL_KEYS)]) == 0
+    assert bitwise_equal(killed["model"], load_checkpoint(tmp_path / "straight" / "ckpt.pt")["model"])
+    print(f"kill -9 after steps {steps[1:]}; {left_midway} kill(s) landed while a checkpoint was being written")
+
+
+# Runs train.py with its checkpoint writer patched to SIGKILL the process at one chosen moment of one save.
+KILL_WHILE_SAVING = """
+import io, os, signal, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, os.getcwd())
+import train
+
+moment, at_step = sys.argv[1], int(sys.argv[2])
+real_save, real_replace = torch.save, os.replace
+saving = {}
+
+def save(obj, f, *args, **kwargs):
+    saving["step"] = obj.get("step")
+    if moment == "mid-write" and saving["step"] == at_step:
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *args, **kwargs)
+
+def replace(src, dst):
+    if moment == "before-rename" and Path(dst).name == "ckpt.pt" and saving.get("step") == at_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst)
+
+torch.save, os.replace = save, replace
+sys.exit(train.main(sys.argv[3:], progress=False))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["mid-write", "before-rename"])
+def test_kill_9_while_writing_a_checkpoint_keeps_the_previous_one_and_resumes_exactly(straight, tmp_path, moment):
+    out = tmp_path / "out"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS)]
+    killed = subprocess.run([sys.executable, "-c", KILL_WHILE_SAVING, moment, "20", *args], cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert "step 20: train loss" in killed.stdout  # it died saving step 20, after the evaluation
+    assert check_after_a_crash(out) == 10  # the previous checkpoint, whole
+    assert load_checkpoint(out / "best.pt")["step"] == 10
+    left = temporary_files(out)
+    assert len(left) == 1 and left[0].startswith(".ckpt.pt.")  # the write that was cut short ...
+    assert find_checkpoint(out) == out / "best.pt"  # ... is no checkpoint
+
+    resumed = subprocess.run([sys.executable, "train.py", "--resume", "--out-dir", str(out)], cwd=ROOT,
+                             env=child_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert resumed.returncode == 0, resumed.stderr
+    assert temporary_files(out) == []
+    assert logged_losses(resumed.stdout) == {s: straight[1][s] for s in range(11, 21)}
+    assert_continues_the_straight_run(out, straight)
+
+
+# ------------------------------------------------------------------------------------------ a full disk
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES], ids=["disk-full", "not-writable"])
+def test_a_save_that_fails_is_one_line_and_the_previous_checkpoint_stays_whole(tmp_path, capsys, monkeypatch, code):
+    out = tmp_path / "out"
+    real_save = torch.save
+    before: dict = {}
+
+    def save_failing_at_step_20(obj, f, *args, **kwargs):
+        if obj.get("step") != 20:
+            return real_save(obj, f, *args, **kwargs)
+        before.update(snapshot(out))
+        f.write(b"PK\x03\x04 the first bytes of a checkpoint")
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(torch, "save", save_failing_at_step_20)
+    status, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
+    assert status == 1
+    line = one_line(err)
+    assert f"cannot write a checkpoint into '{out}' ({os.strerror(code)})" in line and "intact" in line
+    assert snapshot(out)["ckpt.pt"] == before["ckpt.pt"] and snapshot(out)["best.pt"] == before["best.pt"]
+    assert check_after_a_crash(out) == 10
+    assert temporary_files(out) == []

@@ -1,0 +1,71 @@
+"""training/loop.py: a step whose loss or gradient is not finite stops the run before the update, in one line that
+says what to try, and the last checkpoint stays as it was."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from test_train import bitwise_equal, snapshot
+from training_runs import TINY, call, one_line, train_main, write_corpus
+
+from model import GPT, load_checkpoint
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """The identity forward; backward sends an infinite gradient: a finite loss whose gradient norm is not."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf
+
+
+@pytest.mark.parametrize(
+    ("poison", "at_step"), [("loss", 13), ("gradient", 13), ("loss", 3)], ids=["nan-loss", "inf-gradient", "early"]
+)
+def test_a_non_finite_step_stops_the_run_before_the_update_and_keeps_the_last_checkpoint(
+    tmp_path, capsys, monkeypatch, poison, at_step
+):
+    out = tmp_path / "out"
+    real_forward = GPT.forward
+    seen: dict = {"calls": 0}
+
+    def forward(self, *args, **kwargs):
+        result = real_forward(self, *args, **kwargs)
+        if not self.training or result[1] is None:  # evaluation and sampling run in eval mode
+            return result
+        seen["calls"] += 1
+        if seen["calls"] != at_step:
+            return result
+        seen["model"], seen["weights"] = self, {k: v.clone() for k, v in self.state_dict().items()}
+        seen["files"] = snapshot(out)
+        loss = result[1] * math.nan if poison == "loss" else InfiniteGradient.apply(result[1])
+        return (result[0], loss, *result[2:])
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
+    assert code == 1
+    line = one_line(err)
+    assert f"training diverged at step {at_step} " in line
+    if poison == "loss":
+        assert "(loss nan, gradient norm nan)" in line
+    else:  # a finite loss, whose gradients are not
+        assert re.search(r"\(loss \d\.\d+, gradient norm (inf|nan)\)", line), line
+    assert "train.learning_rate" in line  # what to try
+    # the poisoned step never reached the weights, and nothing was saved after it
+    assert bitwise_equal(seen["model"].state_dict(), seen["weights"])
+    assert {k: v for k, v in snapshot(out).items() if k.endswith(".pt")} == {
+        k: v for k, v in seen["files"].items() if k.endswith(".pt")}
+    if at_step > 10:
+        assert f"the last good checkpoint {out / 'ckpt.pt'} (step 10) is untouched" in line
+        assert load_checkpoint(out / "ckpt.pt")["step"] == load_checkpoint(out / "best.pt")["step"] == 10
+    else:
+        assert "no checkpoint had been written yet" in line
+        assert not (out / "ckpt.pt").exists()

@@ -1,0 +1,195 @@
+"""training/signals.py: Ctrl-C and SIGTERM stop a run after the step in flight with a saved state and a resume line,
+resuming after such a stop is exact, a second and third Ctrl-C while the checkpoint is written change nothing, and a
+signal before training starts writes nothing."""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, tiny_overrides
+from test_train import bitwise_equal, child_env, logged_losses, weights
+from training_runs import (
+    RESUME_KEYS,
+    TINY,
+    assert_continues_the_straight_run,
+    call,
+    check_after_a_crash,
+    launch,
+    one_line,
+    temporary_files,
+    train_main,
+    wait_for,
+    write_corpus,
+)
+
+import training.checkpoints
+import training.loop
+import training.runner
+from model import load_checkpoint
+from training.config import TrainConfig
+from training.signals import StopSignals
+
+
+def send(signum: int) -> None:
+    """A real signal to this process, sent only while tinychar's handler holds it: were the handler missing, the
+    signal would stop pytest itself instead of failing the test."""
+    handler = signal.getsignal(signum)
+    assert isinstance(getattr(handler, "__self__", None), StopSignals), f"no tinychar handler for {signum}"
+    signal.raise_signal(signum)
+
+
+def signal_at(step: int, signum: int) -> Callable:
+    """train.lr_at, sending signum as step (0-based) begins: that step finishes, and the run stops after it."""
+    real = training.loop.lr_at
+
+    def lr_at(at: int, cfg: TrainConfig) -> float:
+        if at == step:
+            send(signum)
+        return real(at, cfg)
+
+    return lr_at
+
+
+def stop_line(out: Path, step: int) -> str:
+    return (f"stopped at step {step}: saved {out / 'ckpt.pt'}; continue with: python train.py "
+            f"--out-dir {shlex.quote(str(out))} --resume")
+
+
+# ------------------------------------------------------------------------------------------ exact resume
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_between_evaluations_saves_and_resuming_is_exact(straight, tmp_path, capsys, monkeypatch, signum):
+    out = tmp_path / "out"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS)]
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signum))
+    code, stdout, err = call(train_main, args, capsys)
+    assert code == 128 + signum
+    assert one_line(err) == stop_line(out, 7)
+    assert sorted(logged_losses(stdout)) == list(range(1, 8))  # the step in flight finished, no later one began
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 7  # between evaluations (every 10): saved for the stop
+    assert not (out / "best.pt").exists()  # nothing evaluated yet, so nothing is best
+
+    monkeypatch.undo()
+    # TensorBoard reads a folder's event files in name order, and the name holds the time in whole seconds and a
+    # per-process counter (so "10" sorts before "9"): a resume in the same second and process could be read first.
+    time.sleep(1.02 - time.time() % 1)
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out)], capsys)
+    assert code == 0, err
+    assert logged_losses(stdout) == {s: straight[1][s] for s in range(8, 21)}
+    assert_continues_the_straight_run(out, straight)
+
+
+def test_resuming_without_the_batch_generator_state_changes_the_losses(straight, tmp_path, capsys, monkeypatch):
+    """The negative control for the test above: a resume that restored everything but the sampler's generator."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS)]
+    assert call(train_main, args, capsys)[0] == 130
+    monkeypatch.undo()
+    real_load = training.checkpoints.load_checkpoint
+
+    def load_without_sampler_state(path, *a, **kw):
+        payload = real_load(path, *a, **kw)
+        payload["rng"]["batches"] = torch.Generator().manual_seed(payload["config"]["seed"]).get_state()
+        return payload
+
+    monkeypatch.setattr(training.checkpoints, "load_checkpoint", load_without_sampler_state)
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out)], capsys)
+    assert code == 0, err
+    losses = logged_losses(stdout)
+    assert sorted(losses) == list(range(8, 21))
+    assert sum(losses[s] != straight[1][s] for s in losses) >= 10  # other batches: nearly every loss differs
+    assert not bitwise_equal(weights(out / "ckpt.pt"), weights(straight[0] / "ckpt.pt"))
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C, SIGTERM
+
+SIGNAL_KEYS = {"train.max_iters": 100_000, "train.eval_interval": 1000, "train.log_interval": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "gap"),
+    [(signal.SIGTERM, None), (signal.SIGINT, 0.0), (signal.SIGINT, 0.03)],
+    ids=["SIGTERM", "SIGINT-twice-at-once", "SIGINT-twice-30ms-apart"],
+)
+def test_a_signal_stops_a_real_run_promptly_with_a_checkpoint_and_a_resume_line(tmp_path, signum, gap):
+    out = tmp_path / "out"
+    log = tmp_path / "log.txt"
+    proc = launch(["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **SIGNAL_KEYS)], log)
+    wait_for(log, r"^step 5/", proc)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    if gap is not None:  # a second Ctrl-C, likely while the checkpoint is being written
+        time.sleep(gap)
+        proc.send_signal(signum)
+    code = proc.wait(timeout=60)
+    elapsed = time.monotonic() - sent
+    assert code == 128 + signum, log.read_text(encoding="utf-8")
+    assert elapsed < 10, elapsed  # a step is milliseconds; most of this is the interpreter shutting down
+    text = log.read_text(encoding="utf-8")  # stdout and stderr together
+    stops = [line for line in text.splitlines() if line.startswith("stopped at step")]
+    assert len(stops) == 1 and "Traceback" not in text and "error" not in text, text
+    step = int(re.match(r"stopped at step (\d+):", stops[0])[1])
+    assert stops[0] == stop_line(out, step)
+    assert step >= 5 and f"step {step}/" in text and f"step {step + 1}/" not in text  # the last step finished
+    assert check_after_a_crash(out) == step
+    assert temporary_files(out) == []
+
+    if gap:  # the printed command continues the run
+        command = shlex.split(stops[0].split("continue with: ", 1)[1])
+        assert command[:2] == ["python", "train.py"]
+        resumed = subprocess.run([sys.executable, *command[1:], f"train.max_iters={step + 2}"], cwd=ROOT,
+                                 env=child_env(), capture_output=True, text=True, timeout=120, check=False)
+        assert resumed.returncode == 0, resumed.stderr
+        assert load_checkpoint(out / "ckpt.pt")["step"] == step + 2
+
+
+def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
+    real_save = torch.save
+
+    def save_between_two_ctrl_c(obj, f, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        f.write(data[: len(data) // 2])
+        send(signal.SIGINT)
+        send(signal.SIGINT)
+        f.write(data[len(data) // 2 :])
+
+    monkeypatch.setattr(torch, "save", save_between_two_ctrl_c)
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
+    assert code == 130
+    assert one_line(err) == stop_line(out, 7)
+    assert check_after_a_crash(out) == 7
+    assert temporary_files(out) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_path, capsys, monkeypatch, signum):
+    out = tmp_path / "out"
+    handlers = {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS}
+
+    def reading_the_data(*args, **kwargs):  # a long read of a big corpus, cut short
+        send(signum)
+        raise AssertionError("the signal should have ended the run before the data was read")
+
+    monkeypatch.setattr(training.runner, "prepare_corpus", reading_the_data)
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
+    assert code == 128 + signum
+    assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; nothing was saved"
+    assert not out.exists()
+    assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
