@@ -15,10 +15,12 @@ from pathlib import Path
 try:  # Ctrl-C while torch loads (a second or more) ends the command with one line, not a traceback from an import
     import torch
 
-    from model import GPT, CheckpointError, find_checkpoint, load_checkpoint, model_from_checkpoint
+    from configs.userinput import read_user_file, shown
+    from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
     from training.devices import DeviceError, resolve_device
-    from training.errors import OneLineParser, UsageError
+    from training.errors import OneLineParser, UsageError, path_error, path_message
     from training.logger import discard_stdout
+    from training.memory import check_fits, model_need
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -29,6 +31,7 @@ SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits b
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
 # text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
 MAX_NEW_TOKENS = 10_000_000
+MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,13 +77,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
     if args.prompt_file is not None:
+        raw = read_user_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES, error=UsageError)
         try:
-            with open(args.prompt_file, encoding="utf-8", newline="") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise UsageError(f"--prompt-file: no such file '{args.prompt_file}'") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--prompt-file: cannot read '{args.prompt_file}' as UTF-8 text: {e}") from None
+            return raw.decode("utf-8")  # bytes decoded as they are: "\r\n" stays two characters
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is not UTF-8 (byte 0x{raw[e.start]:02x} at "
+                             f"offset {e.start}); convert it to UTF-8") from None
     if args.prompt is not None:
         return args.prompt
     return "\n" if "\n" in vocab else vocab[0]
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.checkpoint) if args.checkpoint is not None else find_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
         payload = load_checkpoint(path, map_location=device)
+        config, _ = checkpoint_config(payload, path)  # before the model is built: will it fit?
+        check_fits(model_need(config, args.num_samples), device, what=f"sampling from '{shown(str(path))}'",
+                   advice="it describes a model too large for this machine (or ask for fewer --num-samples)")
         model, vocab = model_from_checkpoint(payload, path)
         prompt = read_prompt(args, vocab)
         if prompt == "":
@@ -100,11 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         index = {c: i for i, c in enumerate(vocab)}
         unseen = sorted({c for c in prompt if c not in index})
         if unseen:
-            shown = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
-            raise UsageError(f"the prompt holds characters the model never saw in training: {shown}; "
+            listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
+            raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
                              f"remove or replace them")
     except (UsageError, CheckpointError, DeviceError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the system will not take (a name too long, a loop of links)
+        if not path_error(e):
+            raise
+        print(f"error: {path_message(e)}", file=sys.stderr)
         return 2
 
     model.to(device).eval()

@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .origins import Overridden, as_typed, source
+from .userinput import file_kind, read_user_file, shown
+from .yamlkeys import first_duplicate
+
+# A config file is a page of settings: the shipped ones are under 2 KB. PyYAML's pure-Python parser reads about
+# 100 KB a second and load_yaml parses twice (once for duplicate keys), so 64 KiB, thirty times the largest real
+# config, still reads in about a second; /dev/zero or a log given by mistake is refused at once.
+MAX_CONFIG_BYTES = 64 * 1024
+# Characters of a config class's own check message (or of a YAML parser's problem): room for every real one (the
+# longest is about 115), while a huge value quoted in it cannot flood the terminal.
+CHECK_LIMIT = 160
 
 
 class ConfigError(ValueError):
@@ -63,18 +77,12 @@ def _section_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _shown(text: str) -> str:
-    """Text a person typed, echoed in a message: as it is, or escaped where a newline or the like would break the
-    message's one line."""
-    return text if text.isprintable() else repr(text)[1:-1]
-
-
 def _unknown(key: str, cls: type, where: str, section: bool = False) -> ConfigError:
     # A misspelt section ('trian:' holding a mapping) is compared with the section names as well, which the
     # dotted keys alone never come close to.
     guess = nearest(key, valid_keys(cls) + (_section_keys(cls) if section else []))
     hint = f"; did you mean '{guess}'?" if guess else "; see `python train.py --help` for the valid keys"
-    return ConfigError(f"unknown config key '{_shown(key)}'{where}{hint}")
+    return ConfigError(f"unknown config key '{shown(key)}'{where}{hint}")
 
 
 def _type_name(tp: Any) -> str:
@@ -84,142 +92,227 @@ def _type_name(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
+def _wrong_type(key: str, tp: Any, value: Any) -> ConfigError:
+    # shown(): the value may be a few hundred bytes of YAML aliases that expand to billions of items
+    got = f"'{shown(value)}'" if isinstance(value, str) else shown(value)
+    return ConfigError(f"{key} must be {_type_name(tp)}, got {got}")
+
+
+class _NotOfType(Exception):
+    """Raised by a _to_* converter for a value it cannot take; coerce turns it into the one-line ConfigError."""
+
+
+def _to_bool(value: Any, from_text: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "yes", "on", "1"):
+            return True
+        if low in ("false", "no", "off", "0"):
+            return False
+    raise _NotOfType
+
+
+def _to_int(value: Any, from_text: bool) -> int:
+    if isinstance(value, bool):  # a bool is an int in Python; 'true' for a count is a mistake
+        raise _NotOfType
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if not isinstance(value, str):
+        raise _NotOfType
+    try:  # Python refuses integer text of over 4300 digits with a ValueError, which lands here too
+        number = float(value.replace("_", "")) if any(c in value for c in ".eE") else int(value, 10)
+    except ValueError:
+        raise _NotOfType from None
+    if isinstance(number, float) and not number.is_integer():  # 1e3 is a count, 1.5 and 1e400 (inf) are not
+        raise _NotOfType
+    return int(number)
+
+
+def _to_float(value: Any, from_text: bool) -> float:
+    if isinstance(value, bool):
+        raise _NotOfType
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
+        except ValueError:
+            raise _NotOfType from None
+    raise _NotOfType
+
+
+def _to_str(value: Any, from_text: bool) -> str:
+    if isinstance(value, str):
+        return value
+    if from_text or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return str(value)
+    raise _NotOfType
+
+
+_CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
 def coerce(value: Any, tp: Any, key: str, from_text: bool = False) -> Any:
     """Check value against a field's type; text from the command line is parsed by that type."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        is_null = value is None or (from_text and str(value).lower() in ("null", "none", "~"))
-        if is_null and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return coerce(value, option, key, from_text)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-    bad = ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            low = value.strip().lower()
-            if low in ("true", "yes", "on", "1"):
-                return True
-            if low in ("false", "no", "off", "0"):
-                return False
-        raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-            return int(value)
-        if isinstance(value, str):
-            try:
-                number = float(value.replace("_", "")) if any(c in value for c in ".eE") else int(value, 10)
-            except ValueError:
-                raise bad from None
-            if isinstance(number, float):
-                if not number.is_integer():
-                    raise bad
-                number = int(number)
-            return number
-        raise bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if from_text or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            return str(value)
-        raise bad
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return _coerce_union(value, tp, key, from_text)
+    convert = _CONVERTERS.get(tp)
+    if convert is None:
+        raise ConfigError(f"{key}: unsupported field type {shown(tp)}")
+    try:
+        return convert(value, from_text)
+    except _NotOfType:
+        raise _wrong_type(key, tp, value) from None
+
+
+def _coerce_union(value: Any, tp: Any, key: str, from_text: bool) -> Any:
+    options = typing.get_args(tp)
+    is_null = value is None or (from_text and str(value).lower() in ("null", "none", "~"))
+    if is_null and type(None) in options:
+        return None
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return coerce(value, option, key, from_text)
+        except ConfigError:
+            continue
+    raise _wrong_type(key, tp, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """What build needs to say where a refused value came from: the root class, the whole mapping (an Overridden
+    one knows its command-line keys) and `where`, the file's part of a message."""
+
+    root: type
+    mapping: Any
+    where: str
+
+    def refuse(self, message: str) -> ConfigError:
+        return ConfigError(message + source(message, self.mapping, set(valid_keys(self.root)), self.where))
 
 
 def build(cls: type, mapping: Any, where: str = "", prefix: str = "", root: type | None = None) -> Any:
-    """Make a cls instance from a plain mapping; unknown keys and wrong types raise ConfigError."""
-    root = root or cls
+    """Make a cls instance from a plain mapping; unknown keys and wrong types raise ConfigError. A message ends with
+    where its values came from: `where` (such as ' (in run.yaml)'), or the command line for an Overridden mapping's
+    overrides (see configs.origins)."""
+    return _build(cls, mapping, prefix, _Origin(root or cls, mapping, _bounded_where(where)))
+
+
+def _bounded_where(where: str) -> str:
+    """where, such as ' (in run.yaml)', with what it quotes escaped and bounded: load_config puts the config's path
+    there, and a path may hold a newline or run to thousands of characters."""
+    if where.startswith(" (") and where.endswith(")"):
+        return f" ({shown(where[2:-1])})"
+    return shown(where)
+
+
+def _build(cls: type, mapping: Any, prefix: str, origin: _Origin) -> Any:
     if mapping is None:
         mapping = {}
     if not isinstance(mapping, dict):
         what = f"section '{prefix[:-1]}'" if prefix else "a config"
-        raise ConfigError(f"{what}{where} must be a mapping of keys to values, got {type(mapping).__name__}")
+        raise ConfigError(f"{what}{origin.where} must be a mapping of keys to values, got {type(mapping).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in _user_fields(cls)}
     kwargs = {}
     for key, value in mapping.items():
         name = str(key)
         if name not in fields:
-            raise _unknown(prefix + name, root, where, section=isinstance(value, dict))
-        tp = hints[name]
-        if _is_section(tp):
-            kwargs[name] = build(tp, value, where, f"{prefix}{name}.", root)
-        else:
-            kwargs[name] = coerce(value, tp, prefix + name)
+            raise _unknown(prefix + name, origin.root, origin.where, section=isinstance(value, dict))
+        if _is_section(hints[name]):
+            kwargs[name] = _build(hints[name], value, f"{prefix}{name}.", origin)
+            continue
+        try:
+            kwargs[name] = coerce(value, hints[name], prefix + name)
+        except ConfigError as e:
+            raise origin.refuse(str(e)) from None
     try:
         return cls(**kwargs)
     except ValueError as e:
-        raise ConfigError(f"{e}{where}") from None
+        # The config classes' own checks quote values with repr; shown() bounds what a huge value would make.
+        raise origin.refuse(shown(str(e), limit=CHECK_LIMIT)) from None
 
 
 def load_yaml(path: str | Path) -> dict:
-    """A YAML config file as a mapping (empty file -> {}). Only plain data: safe_load, no Python tags."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config file not found: '{path}'")
-    if path.is_dir():
-        raise ConfigError(f"config path '{path}' is a directory; give a .yaml file")
+    """A YAML config file as a mapping (empty file -> {}). Only plain data: safe_load, no Python tags. A regular
+    file of at most MAX_CONFIG_BYTES, and a key given twice in one mapping is refused, not silently dropped."""
+    name = shown(str(path))
+    kind = _kind_of(path)
+    if kind is not None:
+        raise ConfigError(f"config file: '{name}' is {kind}, not a file; give the path of a regular file")
+    raw = read_user_file(path, "config file", MAX_CONFIG_BYTES, error=ConfigError)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file '{path}': {e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file '{path}' is not valid YAML{at}: {problem}") from None
-    except (ValueError, OverflowError) as e:
-        # safe_load builds dates as it reads them: 'seed: 2024-13-01' is a date with month 13, which Python refuses
-        detail = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"config file '{path}' holds a value YAML cannot build: {detail}") from None
-    except RecursionError:
-        raise ConfigError(f"config file '{path}' is nested too deeply to read") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read config file '{name}': it is not UTF-8 text (byte {e.start:,} is "
+                          f"{raw[e.start]:#04x}); save it as UTF-8") from None
+    duplicate = first_duplicate(_parsed(lambda: yaml.compose(text, Loader=yaml.SafeLoader), name))
+    if duplicate is not None:
+        first, second = duplicate.first_line, duplicate.second_line
+        lines = f"lines {first} and {second}" if first != second else f"both on line {first}"
+        raise ConfigError(f"config file '{name}' sets '{shown(duplicate.key)}' twice ({lines}); keep one, since "
+                          f"YAML would silently use only the last")
+    data = _parsed(lambda: yaml.safe_load(text), name)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections (data:, model:, train:), "
+        raise ConfigError(f"config file '{name}' must hold a mapping of sections (data:, model:, train:), "
                           f"got {type(data).__name__}")
     return data
 
 
+def _kind_of(path: str | Path) -> str | None:
+    """What path is when it is not a regular file, such as 'a folder' (None for a file, or for a path that cannot be
+    looked at, whose reason read_user_file gives). read_user_file refuses the others as well, but a folder makes its
+    os.fdopen raise IsADirectoryError, and a socket cannot be opened to be named."""
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except (OSError, ValueError):  # ValueError: a NUL character in the path
+        return None
+
+
+def _parsed(parse: Callable[[], Any], name: str) -> Any:
+    """parse() of a config file's text, its failures as one-line ConfigErrors naming the file."""
+    try:
+        return parse()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        # shown(): a problem may quote the file, such as an undefined alias's name
+        raise ConfigError(f"config file '{name}' is not valid YAML{at}: {shown(problem, CHECK_LIMIT)}") from None
+    except (ValueError, OverflowError) as e:
+        # safe_load builds dates as it reads them: 'seed: 2024-13-01' is a date with month 13, which Python refuses
+        detail = shown((str(e).splitlines() or [type(e).__name__])[0], CHECK_LIMIT)
+        raise ConfigError(f"config file '{name}' holds a value YAML cannot build: {detail}") from None
+    except RecursionError:
+        raise ConfigError(f"config file '{name}' is nested too deeply to read") from None
+
+
 def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
-    """Set dotted KEY=VALUE strings into a copy of mapping; each key must exist in cls."""
+    """Set dotted KEY=VALUE strings into a copy of mapping; each key must exist in cls. The copy is an Overridden
+    mapping, which remembers each key's override so that build can blame a bad value on it."""
     result = {k: (dict(v) if isinstance(v, dict) else v) for k, v in mapping.items()}
+    given = dict(getattr(mapping, "given", {}))
     keys = valid_keys(cls)
     hints = _flat_hints(cls)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{_shown(item)}' must look like KEY=VALUE, e.g. train.max_iters=500")
+            raise ConfigError(f"override '{shown(item)}' must look like KEY=VALUE, e.g. train.max_iters=500")
         key, _, text = item.partition("=")
         key = key.strip()
         if key not in keys:
             raise _unknown(key, cls, " (command line)")
-        value = coerce(text, hints[key], key, from_text=True)
+        try:
+            value = coerce(text, hints[key], key, from_text=True)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (command line: {as_typed(item)})") from None
         *sections, name = key.split(".")
         target = result
         for section in sections:
@@ -227,7 +320,8 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
                 target[section] = {}
             target = target[section]
         target[name] = value
-    return result
+        given[key] = item
+    return Overridden(result, given)
 
 
 def _flat_hints(cls: type, prefix: str = "") -> dict[str, Any]:

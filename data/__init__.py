@@ -2,7 +2,8 @@
 
 from .batches import get_batch, split_ids
 from .config import DataConfig
-from .corpus import SHAKESPEARE_SHA256, DataError, data_dir, load_corpus, read_text, shakespeare_path
+from .corpus import SHAKESPEARE_SHA256, data_dir, load_corpus, read_text, shakespeare_path
+from .paths import DataError
 from .prepare import Corpus, prepare_corpus
 from .stream import UNKNOWN
 from .tokenizer import CharTokenizer

@@ -8,18 +8,16 @@ from __future__ import annotations
 import difflib
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 from .config import DataConfig
+from .paths import DataError, open_regular, quoted, stat_path
 
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # 1,115,394 bytes
 _CHUNK = 1 << 16
 _SNIFF = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
-
-
-class DataError(ValueError):
-    """The training text cannot be had; the message is one line for a person: what is wrong, what to do."""
 
 
 def data_dir() -> Path | None:
@@ -51,14 +49,15 @@ def check_shakespeare(target: Path) -> Path:
     try:
         digest = _sha256(target)
     except FileNotFoundError:
-        raise DataError(f"the built-in tiny Shakespeare {target} is missing; {restore}") from None
+        raise DataError(f"the built-in tiny Shakespeare {quoted(target)} is missing; {restore}") from None
     except OSError as e:
-        raise DataError(f"cannot read the built-in tiny Shakespeare {target} ({e.strerror or e}); {restore}") from None
+        reason = e.strerror or type(e).__name__
+        raise DataError(f"cannot read the built-in tiny Shakespeare {quoted(target)} ({reason}); {restore}") from None
     if digest != SHAKESPEARE_SHA256:
         # Never rewritten here: the change may be someone's own edit. (Line endings converted by a checkout are the
         # usual cause; .gitattributes keeps git from doing that.)
         raise DataError(
-            f"{target} is not the tiny Shakespeare tinychar ships (sha256 {digest[:16]}..., expected "
+            f"{quoted(target)} is not the tiny Shakespeare tinychar ships (sha256 {digest[:16]}..., expected "
             f"{SHAKESPEARE_SHA256[:16]}...); {restore}"
         )
     return target
@@ -67,11 +66,23 @@ def check_shakespeare(target: Path) -> Path:
 def locate(spec: str) -> Path:
     """The path a data.path names: as given, or, when it is relative and not found from the current folder, inside
     $TINYCHAR_DATA_DIR if that holds it."""
-    p = Path(spec).expanduser()
+    try:
+        p = Path(spec).expanduser()
+    except RuntimeError:  # '~' with no $HOME and no entry in the user database: taken as written, and not found
+        p = Path(spec)
     folder = data_dir()
-    if folder is not None and not p.is_absolute() and not p.exists() and (folder / p).exists():
+    if folder is not None and not p.is_absolute() and not _exists(p) and _exists(folder / p):
         return folder / p
     return p
+
+
+def _exists(p: Path) -> bool:
+    """Whether p leads somewhere; False on any error, which looking at p itself then reports."""
+    try:
+        os.stat(p)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path") -> str:
@@ -81,26 +92,22 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
     path came from, so that the message points at what to change.
     """
     p = Path(path)
-    shown = str(path)
-    if p.is_dir():
-        raise DataError(f"{label}: {shown!r} is a folder, not a text file; give the path of a UTF-8 text file")
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError as e:
-        raise DataError(f"{label}: no such file {shown!r}{_did_you_mean(p)}") from e
-    except PermissionError as e:
-        raise DataError(f"{label}: cannot read {shown!r} (permission denied); check the file's permissions") from e
-    except OSError as e:
-        raise DataError(f"{label}: cannot read {shown!r} ({e.strerror or e})") from e
-    except ValueError as e:  # a NUL character in the path, which no file name can hold
-        raise DataError(f"{label}: {shown!r} is not a usable path ({e})") from e
+    st = stat_path(p, label)
+    if st is None:
+        raise DataError(f"{label}: no such file {quoted(path)}{_did_you_mean(p)}")
+    if stat.S_ISDIR(st.st_mode):
+        raise DataError(f"{label}: {quoted(path)} is a folder, not a text file; give the path of a UTF-8 text file")
+    with open_regular(p, label) as f:  # a pipe or device is refused here, before any read
+        raw = f.read()
     if not raw:
-        raise DataError(f"{label}: {shown!r} is empty; give a UTF-8 text file with at least {min_chars} characters")
+        raise DataError(
+            f"{label}: {quoted(path)} is empty; give a UTF-8 text file with at least {min_chars} characters"
+        )
     if b"\x00" in raw[:_SNIFF]:
         # Text has no NUL bytes; a checkpoint, an archive, an image or UTF-16 text has many. Said plainly here, as
         # the UTF-8 error below would suggest converting the file from Latin-1.
         raise DataError(
-            f"{label}: {shown!r} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
+            f"{label}: {quoted(path)} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
             "not UTF-8 text; give a UTF-8 text file"
         )
     try:
@@ -109,12 +116,12 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise DataError(
-            f"{label}: {shown!r} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}, line "
+            f"{label}: {quoted(path)} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}, line "
             f"{line}); convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"
         ) from e
     if len(text) < min_chars:
         raise DataError(
-            f"{label}: {shown!r} has {len(text)} characters, but one training window needs at least "
+            f"{label}: {quoted(path)} has {len(text)} characters, but one training window needs at least "
             f"block_size + 1 = {min_chars}; use a longer text or a smaller model.block_size"
         )
     return text
@@ -128,7 +135,7 @@ def _did_you_mean(p: Path) -> str:
     except OSError:
         return ""
     match = difflib.get_close_matches(p.name, names, n=1)
-    return f"; did you mean {str(p.with_name(match[0]))!r}?" if match else ""
+    return f"; did you mean {quoted(p.with_name(match[0]))}?" if match else ""
 
 
 def load_corpus(cfg: DataConfig, min_chars: int = 2) -> tuple[str, str]:

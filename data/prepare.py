@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import re
-import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from configs.userinput import shown
+
+from .cache import checksum, find, map_ids, open_part, prune, settle
 from .config import DataConfig
-from .corpus import DataError, shakespeare_path
+from .corpus import shakespeare_path
+from .paths import LOG_PATH, DataError, quoted
 from .sources import FORMAT_VERSION, Inputs, Source, cache_dirs, cache_key, resolve_inputs
 from .stream import CHUNK_BYTES, UNKNOWN, cap_vocab, count_chars, ids_dtype, lookup_table, write_ids
 from .tokenizer import CharTokenizer
@@ -45,6 +46,9 @@ class Corpus:
     notes: tuple[str, ...] = ()  # lines worth logging at start: characters replaced, files skipped, cache moved
     path: Path | None = None  # the cache file holding the ids
     cache_hit: bool = False
+    # The ids and vocabulary in 16 hex digits, the same on any machine and in any cache folder: a run can tell that
+    # it is given the text it was trained on (any change to the ids, their count or the vocabulary changes it).
+    fingerprint: str = field(kw_only=True)
 
     @property
     def vocab_size(self) -> int:
@@ -85,75 +89,75 @@ def prepare_corpus(
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    if cfg.path is not None:
-        inputs = resolve_inputs(cfg.path, "data.path")
-        source = cfg.path
-    elif cfg.dataset == "shakespeare_char":
-        path = shakespeare_path()
-        inputs = resolve_inputs(path, "data.dataset=shakespeare_char")
-        source = f"tiny Shakespeare ({path})"
-    else:
-        raise ValueError(f"data.dataset {cfg.dataset!r} is accepted by DataConfig but prepare_corpus cannot load it")
+    inputs, source = _inputs(cfg)
     if vocab is not None:
         CharTokenizer(vocab)  # refuses an unsorted or duplicated vocabulary before any work
     folders = cache_dirs(cfg.cache_dir)
     stem = _stem(inputs)
+    damaged: list[str] = []  # cached copies found damaged, so encoded again below
+    settings, key, found = _cached(inputs, cfg, vocab, folders, stem, damaged)
+    t0 = time.perf_counter()
+    moved: list[str] = []  # cache folders that refused the new entry
+    hit = found is not None
+    if found is None:
+        found = _encode(inputs, cfg, settings, key, vocab, folders, stem, chunk_bytes, progress, moved)
+    info, ids_path, ids = found
+    n_tokens = info["n_tokens"]
+    if n_tokens < min_chars:
+        raise DataError(
+            f"{inputs.label}: {quoted(inputs.spec)} has {n_tokens} characters, but one training window needs at "
+            f"least block_size + 1 = {min_chars}; use a longer text or a smaller model.block_size"
+        )
+    notes = _notes(inputs, info, moved, ids_path) + tuple(damaged if not hit else ())
+    how = "cached" if hit else f"encoded in {time.perf_counter() - t0:.1f} s"
+    description = (
+        f"{shown(source, LOG_PATH)} ({_files(inputs)}{_size(inputs.n_bytes)}, {n_tokens:,} characters, vocabulary "
+        f"{len(info['chars'])} as {np.dtype(info['dtype']).name}; {how}: {shown(ids_path, LOG_PATH)})"
+    )
+    chars = list(info["chars"])
+    return Corpus(
+        ids, chars, description, n_tokens, notes, ids_path, hit, fingerprint=fingerprint(info["crc32"], n_tokens, chars)
+    )
 
+
+def _cached(
+    inputs: Inputs, cfg: DataConfig, vocab: list[str] | None, folders: list[Path], stem: str, damaged: list[str]
+) -> tuple[dict, str, tuple[dict, Path, torch.Tensor] | None]:
+    """(settings, key, entry): the settings that make the ids, the cache key they give, and the cached entry for
+    that key if a whole one exists (damaged ones said in damaged)."""
     settings = {"errors": cfg.errors, "max_vocab": cfg.max_vocab, "vocab": None}
     key = cache_key(inputs, settings)
-    found = _find(folders, stem, key)
+    found = find(folders, stem, key, damaged)
     if vocab is not None and (found is None or found[0]["chars"] != list(vocab)):
         # a resumed run usually brings the vocabulary its text gave, so the entry above serves it; a different
         # vocabulary gives different ids, and an entry of its own
         digest = hashlib.blake2b("".join(vocab).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
         settings = {"errors": cfg.errors, "max_vocab": None, "vocab": digest}
         key = cache_key(inputs, settings)
-        found = _find(folders, stem, key)
-    t0 = time.perf_counter()
-    moved: list[str] = []  # cache folders that refused the new entry
-    hit = found is not None
-    if found is None:
-        found = _encode(inputs, cfg, settings, key, vocab, folders, stem, chunk_bytes, progress, moved)
-    info, ids_path = found
-    n_tokens = info["n_tokens"]
-    if n_tokens < min_chars:
-        raise DataError(
-            f"{inputs.label}: {inputs.spec!r} has {n_tokens} characters, but one training window needs at least "
-            f"block_size + 1 = {min_chars}; use a longer text or a smaller model.block_size"
-        )
-    ids = _map(ids_path, np.dtype(info["dtype"]), n_tokens)
-    notes = _notes(inputs, info, moved, ids_path)
-    files = f"{len(inputs.sources)} files, " if len(inputs.sources) > 1 else ""
-    how = "cached" if hit else f"encoded in {time.perf_counter() - t0:.1f} s"
-    description = (
-        f"{source} ({files}{_size(inputs.n_bytes)}, {n_tokens:,} characters, vocabulary {len(info['chars'])} as "
-        f"{np.dtype(info['dtype']).name}; {how}: {ids_path})"
-    )
-    return Corpus(ids, list(info["chars"]), description, n_tokens, notes, ids_path, hit)
+        found = find(folders, stem, key, damaged)
+    return settings, key, found
+
+
+def fingerprint(crc32: int, n_tokens: int, chars: list[str]) -> str:
+    """16 hex digits naming token ids (by their CRC-32 and count) and the vocabulary that gives them meaning."""
+    described = json.dumps({"crc32": crc32, "n_tokens": n_tokens, "chars": "".join(chars)})  # \u-escaped: ASCII
+    return hashlib.blake2b(described.encode("ascii"), digest_size=8).hexdigest()
+
+
+def _inputs(cfg: DataConfig) -> tuple[Inputs, str]:
+    """The files cfg names, and how the log names them."""
+    if cfg.path is not None:
+        return resolve_inputs(cfg.path, "data.path"), cfg.path
+    if cfg.dataset == "shakespeare_char":
+        path = shakespeare_path()
+        return resolve_inputs(path, "data.dataset=shakespeare_char"), f"tiny Shakespeare ({path})"
+    raise ValueError(f"data.dataset {cfg.dataset!r} is accepted by DataConfig but prepare_corpus cannot load it")
 
 
 def _stem(inputs: Inputs) -> str:
     """A readable start for cache file names: the input's name, made safe for any file system."""
     name = Path(inputs.spec).name or Path(inputs.spec).resolve().name
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:40] or "corpus"
-
-
-def _find(folders: list[Path], stem: str, key: str) -> tuple[dict, Path] | None:
-    """The meta and ids file of a complete cache entry for key, in the first folder holding one."""
-    for folder in folders:
-        meta_path, ids_path = folder / f"{stem}-{key}.json", folder / f"{stem}-{key}.ids"
-        try:
-            info = json.loads(meta_path.read_text(encoding="utf-8"))
-            complete = (
-                info["format"] == FORMAT_VERSION
-                and info["key"] == key
-                and ids_path.stat().st_size == info["n_tokens"] * np.dtype(info["dtype"]).itemsize
-            )
-        except (OSError, ValueError, KeyError, TypeError):  # absent, or not a meta file of this version
-            continue
-        if complete:
-            return info, ids_path
-    return None
 
 
 def _encode(
@@ -167,29 +171,19 @@ def _encode(
     chunk_bytes: int,
     progress: bool,
     moved: list[str],
-) -> tuple[dict, Path]:
-    """Both passes over the text, into a new cache entry in the first folder that takes it; its meta and ids file."""
+) -> tuple[dict, Path, torch.Tensor]:
+    """Both passes over the text, into a new cache entry in the first folder that takes it: its meta, its ids file
+    and the ids mapped."""
     with _bar(inputs, "vocabulary", progress) as bar:
         counts = count_chars(inputs, cfg.errors, chunk_bytes, bar)
-    if vocab is None:
-        kept, replaced = cap_vocab(counts, cfg.max_vocab)
-    else:
-        kept = np.array([ord(c) for c in vocab], dtype=np.int64)
-        present = np.flatnonzero(counts)
-        replaced = present[~np.isin(present, kept)]
-        if len(replaced) and UNKNOWN not in vocab:
-            shown = ", ".join(repr(chr(c)) for c in replaced[:_SHOW_AT_MOST])
-            more = f" and {len(replaced) - _SHOW_AT_MOST} more" if len(replaced) > _SHOW_AT_MOST else ""
-            raise DataError(
-                f"{inputs.label}: {inputs.spec!r} holds {len(replaced)} character(s) the model never saw (outside "
-                f"its vocabulary of {len(vocab)}): {shown}{more}; use the text it was trained on, or start a new run"
-            )
+    kept, replaced = _vocabulary(inputs, counts, cfg.max_vocab, vocab)
     dtype = ids_dtype(len(kept))
     info = {
         "format": FORMAT_VERSION,
         "key": key,
         "dtype": dtype.str,
         "n_tokens": int(counts.sum()),
+        "crc32": None,  # of the ids file, once written
         "chars": [chr(c) for c in kept],
         "replaced_chars": len(replaced),
         "replaced_occurrences": int(counts[replaced].sum()),
@@ -197,30 +191,53 @@ def _encode(
         "sources": [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources],
     }
     lookup = lookup_table(kept, replaced, dtype)
-    folder, out, part = _open_part(folders, stem, ".ids", moved)
+    folder, out, part = open_part(folders, stem, ".ids", moved)
     ids_path, meta_path = folder / f"{stem}-{key}.ids", folder / f"{stem}-{key}.json"
     try:
         with _bar(inputs, "ids", progress) as bar, out:
             written = write_ids(inputs, cfg.errors, lookup, out, chunk_bytes, bar)
-            _settle(out)
+            settle(out)
         if written != info["n_tokens"] or any(_changed(s) for s in inputs.sources):
-            raise DataError(f"{inputs.label}: {inputs.spec!r} changed while it was being read; run again")
+            raise DataError(f"{inputs.label}: {quoted(inputs.spec)} changed while it was being read; run again")
+        with part.open("rb") as f:  # read back rather than summed while written: the checksum is of what is stored
+            info["crc32"] = checksum(f)
+            ids = map_ids(f, dtype, info["n_tokens"])
         # Atomic renames: a reader sees a whole entry or none, and a crash leaves at worst a hidden .part file.
-        # The meta goes last because it is what _find looks for.
+        # The meta goes last because it is what find looks for.
         os.replace(part, ids_path)
-        _, meta_out, meta_part = _open_part([folder], stem, ".json", [])
+        _, meta_out, meta_part = open_part([folder], stem, ".json", [])
         with meta_out:
             meta_out.write(json.dumps(info).encode("utf-8"))
         os.replace(meta_part, meta_path)
     except OSError as e:
         raise DataError(
-            f"cannot write the encoded corpus to {folder} ({e.strerror or e}); "
+            f"data.cache_dir: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); "
             "free some space or set data.cache_dir to another folder"
         ) from e
     finally:
         part.unlink(missing_ok=True)
-    _prune(folder, stem, key, info)
-    return info, ids_path
+    prune(folder, stem, key, info)
+    return info, ids_path, ids
+
+
+def _vocabulary(
+    inputs: Inputs, counts: np.ndarray, max_vocab: int | None, vocab: list[str] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, replaced) code points: the text's own vocabulary (capped at max_vocab), or the one given, with
+    characters outside it replaced by UNKNOWN if it holds that, else refused."""
+    if vocab is None:
+        return cap_vocab(counts, max_vocab)
+    kept = np.array([ord(c) for c in vocab], dtype=np.int64)
+    present = np.flatnonzero(counts)
+    replaced = present[~np.isin(present, kept)]
+    if len(replaced) and UNKNOWN not in vocab:
+        named = ", ".join(repr(chr(c)) for c in replaced[:_SHOW_AT_MOST])
+        more = f" and {len(replaced) - _SHOW_AT_MOST} more" if len(replaced) > _SHOW_AT_MOST else ""
+        raise DataError(
+            f"{inputs.label}: {quoted(inputs.spec)} holds {len(replaced)} character(s) the model never saw (outside "
+            f"its vocabulary of {len(vocab)}): {named}{more}; use the text it was trained on, or start a new run"
+        )
+    return kept, replaced
 
 
 def _bar(inputs: Inputs, what: str, progress: bool) -> tqdm:
@@ -231,85 +248,12 @@ def _bar(inputs: Inputs, what: str, progress: bool) -> tqdm:
     )
 
 
-def _settle(out: BinaryIO) -> None:
-    """Put the ids on disk and out of the page cache.
-
-    On disk before the rename, so that a crash cannot leave a name pointing at blocks never written. Out of the
-    page cache because the writes left it in large folios (up to 2 MB), and a memory map maps a whole cached folio
-    on each fault: 3,000 random windows of a 2 GB file then made 1.5 GB resident (Linux 6.18, ext4). Read back
-    page by page (MADV_RANDOM), a window costs 4 KB of resident memory instead.
-    """
-    out.flush()
-    os.fsync(out.fileno())
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def _changed(source: Source) -> bool:
     try:
         st = source.path.stat()
     except OSError:
         return True
     return (st.st_size, st.st_mtime_ns) != (source.size, source.mtime_ns)
-
-
-def _open_part(folders: list[Path], stem: str, suffix: str, refused: list[str]) -> tuple[Path, BinaryIO, Path]:
-    """(folder, file, path): a new hidden partial file in the first folder that takes one; refusals noted."""
-    for folder in folders:
-        # A name of our own rather than tempfile's: mkstemp makes files 0600, and a shared cache should stay
-        # readable by others.
-        part = folder / f".{stem}.{os.getpid()}.{secrets.token_hex(4)}{suffix}.part"
-        if _read_only(folder):
-            refused.append(f"{folder} (read-only)")
-            continue
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            return folder, part.open("xb"), part
-        except OSError as e:
-            refused.append(f"{folder} ({e.strerror or e})")
-    raise DataError(
-        f"cannot write the encoded corpus to {'; nor to '.join(refused)}; set data.cache_dir to a writable folder"
-    )
-
-
-def _read_only(folder: Path) -> bool:
-    """Whether folder, or the nearest existing folder above it, is marked read-only.
-
-    The mode bits count even for root, who could write anyway: a folder made read-only is meant to stay as it is.
-    """
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    return existing.is_dir() and (not existing.stat().st_mode & 0o222 or not os.access(existing, os.W_OK))
-
-
-def _prune(folder: Path, stem: str, key: str, info: dict) -> None:
-    """Delete older entries made from the same files with the same settings: they are stale copies, and a
-    re-encoded 1 GB corpus would otherwise leave a 1 GB file behind at every edit."""
-    paths = [s[0] for s in info["sources"]]
-    for meta_path in folder.glob(f"{stem}-*.json"):
-        if meta_path.name == f"{stem}-{key}.json":
-            continue
-        try:
-            old = json.loads(meta_path.read_text(encoding="utf-8"))
-            if [s[0] for s in old["sources"]] != paths or old["settings"] != info["settings"]:
-                continue
-            meta_path.unlink()
-            meta_path.with_suffix(".ids").unlink(missing_ok=True)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # someone else's file, or one being replaced at this moment: leave it
-
-
-def _map(path: Path, dtype: np.dtype, n_tokens: int) -> torch.Tensor:
-    """The ids file as a 1-D tensor over a private, copy-on-write memory map: nothing is read until it is used."""
-    with path.open("rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if hasattr(mapped, "madvise"):
-        # Training reads windows at random: without this, each page fault reads ahead ~128 KB around it, which in
-        # a cold cache made batches ~8x slower and resident memory grow ~16x faster (measured on a 1 GB file).
-        mapped.madvise(mmap.MADV_RANDOM)
-    # a writable buffer (copy-on-write) so torch.from_numpy has nothing to warn about; no byte is copied
-    return torch.from_numpy(np.frombuffer(mapped, dtype=dtype, count=n_tokens))
 
 
 def _read_ids(
@@ -324,7 +268,7 @@ def _read_ids(
             piece = buffer[: min(step, n_tokens - start)]
             view = memoryview(piece.numpy()).cast("B")
             if f.readinto(view) != len(view):
-                raise DataError(f"the cache file {path} is shorter than its meta says; delete it and run again")
+                raise DataError(f"the cache file {quoted(path)} is shorter than its meta says; delete it and run again")
             out[start : start + len(piece)].copy_(piece)
     return out
 
@@ -339,15 +283,19 @@ def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tupl
             f"({share:.3g}% of the text), map to the unknown symbol U+FFFD {UNKNOWN!r}"
         )
     if inputs.skipped:
-        shown = ", ".join(repr(str(p)) for p in inputs.skipped[:3])
+        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.skipped[:3])
         more = " ..." if len(inputs.skipped) > 3 else ""
-        notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {shown}{more}")
+        notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {named}{more}")
     if moved:
         notes.append(
             f"data: cannot write to the cache folder {moved[0]}, so the encoded corpus went to "
-            f"{ids_path.parent}; set data.cache_dir to choose the folder"
+            f"{quoted(ids_path.parent, LOG_PATH)}; set data.cache_dir to choose the folder"
         )
     return tuple(notes)
+
+
+def _files(inputs: Inputs) -> str:
+    return f"{len(inputs.sources)} files, " if len(inputs.sources) > 1 else ""
 
 
 def _size(n_bytes: int) -> str:

@@ -5,20 +5,24 @@ Every failure a person can fix raises DataError with a one-line message saying w
 
 from __future__ import annotations
 
-import glob
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
-from .corpus import DataError, _did_you_mean, data_dir, locate
+from configs.userinput import file_kind
 
-FORMAT_VERSION = 1  # bump when the encoded files or their meta change meaning, so old caches are not trusted
+from .corpus import _did_you_mean, data_dir, locate
+from .globs import expand
+from .paths import DataError, not_a_file, open_regular, os_failure, quoted, stat_path
+
+# Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
+# CRC-32 of the ids, checked whenever the entry is opened.
+FORMAT_VERSION = 2
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
 _HASH_CHUNK = 1 << 20
 _SNIFF = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
@@ -52,75 +56,124 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     """The non-empty files that spec names, in the order they are joined; DataError if there is no text.
 
     A file is taken as it is, unless it is binary. A folder gives every file under it (hidden ones and binary ones
-    left out), sorted by relative path. Anything else holding *, ? or [ is a glob (** reaches into sub-folders);
-    folders it matches are walked like a folder.
+    left out), sorted by relative path. Anything else holding *, ? or [ is a glob (** reaches into sub-folders
+    without entering links to folders); folders it matches are walked like a folder. A pipe, device or socket is
+    refused by what it is, after a stat that never blocks.
     """
-    shown = str(spec)
-    if "\0" in shown:
-        raise DataError(f"{label}: {shown!r} is not a usable path (it holds a NUL character)")
-    p = locate(shown)
+    text = str(spec)
+    if "\0" in text:
+        raise DataError(f"{label}: {quoted(text)} is not a usable path (it holds a NUL character)")
+    p = locate(text)
+    globbed = bool(_GLOB_MAGIC & set(text))
+    st = _stat_or_glob(p, label) if globbed else stat_path(p, label)
     skipped: list[Path] = []
-    if p.is_file():
-        if not _is_text(p, label):
-            # said plainly: NUL bytes are valid UTF-8, so a UTF-16 file would otherwise become a corpus of garbage
-            raise DataError(
-                f"{label}: {shown!r} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
-                "not UTF-8 text; give a UTF-8 text file"
-            )
-        files = [p]
-    elif p.is_dir():
+    if st is None and globbed:
+        files = _glob(p, skipped, label)
+        if not files:
+            raise DataError(f"{label}: no text file matches {quoted(text)}; check the pattern (** reaches sub-folders)")
+    elif st is None:
+        raise DataError(f"{label}: no such file {quoted(text)}{_did_you_mean(p)}")
+    elif stat.S_ISDIR(st.st_mode):
         files = _walk(p, skipped, label)
         if not files:
-            raise DataError(f"{label}: {shown!r} is a folder with no text files in it; add some, or give a file")
-    elif _GLOB_MAGIC & set(shown):
-        files = []
-        matches = sorted(glob.glob(str(p), recursive=True))
-        folder = data_dir()
-        if not matches and folder is not None and not p.is_absolute():
-            matches = sorted(glob.glob(str(folder / p), recursive=True))
-        for match in matches:
-            m = Path(match)
-            if m.is_dir():
-                files += _walk(m, skipped, label)
-            elif m.is_file():
-                (files if _is_text(m, label) else skipped).append(m)
-        if not files:
-            raise DataError(f"{label}: no text file matches {shown!r}; check the pattern (** reaches sub-folders)")
+            raise DataError(f"{label}: {quoted(text)} is a folder with no text files in it; add some, or give a file")
+    elif (kind := file_kind(st.st_mode)) is not None:
+        raise not_a_file(label, text, kind)
+    elif not _is_text(p, label):
+        # said plainly: NUL bytes are valid UTF-8, so a UTF-16 file would otherwise become a corpus of garbage
+        raise DataError(
+            f"{label}: {quoted(text)} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
+            "not UTF-8 text; give a UTF-8 text file"
+        )
     else:
-        raise DataError(f"{label}: no such file {shown!r}{_did_you_mean(p)}")
+        files = [p]
+    sources = _sources(files, label)
+    if not sources:
+        what = "is empty" if st is not None and stat.S_ISREG(st.st_mode) else "holds only empty files"
+        raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
+    return Inputs(text, label, sources, skipped)
+
+
+def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
+    """p's status when a file or folder is named so (a name may hold '[' or '*'); None to read it as a pattern."""
+    try:
+        return stat_path(p, label)
+    except DataError:  # a pattern may be no usable path at all ('*' parts over 255 bytes); the pattern is tried
+        return None
+
+
+def _glob(pattern: Path, skipped: list[Path], label: str) -> list[Path]:
+    """The text files that pattern matches, in sorted order of the matches, folders walked in place."""
+    matches = expand(pattern, label)
+    folder = data_dir()
+    if not matches and folder is not None and not pattern.is_absolute():
+        matches = expand(folder / pattern, label)
+    files: list[Path] = []
+    for m in matches:
+        st = _regular_or_folder(m, label)
+        if st is None:
+            continue  # a pipe, device, socket or broken link matched by a wildcard: never opened
+        if stat.S_ISDIR(st.st_mode):
+            files += _walk(m, skipped, label)
+        else:
+            (files if _is_text(m, label) else skipped).append(m)
+    return files
+
+
+def _sources(files: list[Path], label: str) -> list[Source]:
+    """files as Sources, each real file once and empty ones left out."""
     sources, seen = [], set()
     for f in files:
         key = f.resolve()
-        if key in seen:  # '**' matches a folder (walked) and the files in it: each file is read once
+        if key in seen:  # '**' matches a folder (walked) and the files in it; links lead to a file twice
             continue
         seen.add(key)
         st = _stat(f, label)
         if st.st_size:  # an empty file adds nothing, not even a separating newline
             sources.append(Source(f, st.st_size, st.st_mtime_ns))
-    if not sources:
-        what = "is empty" if p.is_file() else "holds only empty files"
-        raise DataError(f"{label}: {shown!r} {what}; give UTF-8 text with at least one training window")
-    return Inputs(shown, label, sources, skipped)
+    return sources
 
 
 def _walk(folder: Path, skipped: list[Path], label: str) -> list[Path]:
-    """The text files under folder sorted by relative path; hidden files and folders (.git, .DS_Store) left out."""
+    """The text files under folder sorted by relative path; hidden files and folders (.git, .DS_Store) left out.
+
+    Links to folders are not entered (os.walk's default), so a link back up the tree cannot loop; a folder that
+    cannot be read is refused rather than skipped, which would train on part of the corpus without saying so.
+    """
+
+    def refuse(e: OSError) -> None:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # not removed while being listed
+            raise os_failure(label, e.filename, e, "cannot read the folder") from None
+
     found = []
-    for root, dirs, names in os.walk(folder):
+    for root, dirs, names in os.walk(folder, onerror=refuse):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(root, n) for n in names if not n.startswith(".")]
     found.sort(key=lambda f: f.relative_to(folder).as_posix())
     text = []
     for f in found:
-        if not f.is_file():
-            continue  # a socket, fifo or broken link
+        st = _regular_or_folder(f, label)
+        if st is None or stat.S_ISDIR(st.st_mode):
+            continue  # a socket, fifo or broken link; or a folder made since it was listed
         (text if _is_text(f, label) else skipped).append(f)
     return text
 
 
+def _regular_or_folder(path: Path, label: str) -> os.stat_result | None:
+    """path's status if it is a regular file or a folder (following links); None for anything else, or a broken
+    link; DataError if it cannot be looked at (no permission)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise os_failure(label, path, e) from None
+    return st if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) else None
+
+
 def _is_text(path: Path, label: str) -> bool:
     """False for a file with a NUL byte near its start (an image, an archive, UTF-16): no UTF-8 text has one."""
-    with open_source(path, label) as f:
+    with open_regular(path, label) as f:
         return b"\0" not in f.read(_SNIFF)
 
 
@@ -128,20 +181,7 @@ def _stat(path: Path, label: str) -> os.stat_result:
     try:
         return path.stat()
     except OSError as e:
-        raise DataError(f"{label}: cannot read {str(path)!r} ({e.strerror or e})") from e
-
-
-@contextmanager
-def open_source(path: Path, label: str) -> Iterator[BinaryIO]:
-    """path opened for binary reading, OSErrors on opening turned into DataError."""
-    try:
-        f = path.open("rb")
-    except PermissionError as e:
-        raise DataError(f"{label}: cannot read {str(path)!r} (permission denied); check the file's permissions") from e
-    except OSError as e:
-        raise DataError(f"{label}: cannot read {str(path)!r} ({e.strerror or e})") from e
-    with f:
-        yield f
+        raise os_failure(label, path, e) from None
 
 
 def cache_key(inputs: Inputs, settings: dict) -> str:
@@ -152,7 +192,7 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
     digest.update(json.dumps({"format": FORMAT_VERSION, "settings": settings, "files": files}).encode())
     if inputs.n_bytes < CONTENT_HASH_BELOW:
         for s in inputs.sources:
-            with open_source(s.path, inputs.label) as f:
+            with open_regular(s.path, inputs.label) as f:
                 while chunk := f.read(_HASH_CHUNK):
                     digest.update(chunk)
     return digest.hexdigest()
@@ -168,7 +208,11 @@ def cache_dirs(configured: str | None) -> list[Path]:
     chosen = configured or os.environ.get("TINYCHAR_CACHE_DIR")
     if chosen:
         return [Path(chosen).expanduser()]
-    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "tinychar" / "encoded"
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     temp = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "encoded"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):  # no $HOME and no entry in the user database, as in some containers
+        return [temp]
+    user = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache").expanduser() / "tinychar" / "encoded"
     return [user, temp]

@@ -13,8 +13,8 @@ from typing import BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from .corpus import DataError
-from .sources import Inputs, open_source
+from .paths import DataError, open_regular, quoted
+from .sources import Inputs
 
 # Bytes read at a time. Preparing peaks at ~10x this above the imports (UTF-32 copies, int64 temporaries); 16 MB
 # chunks were no faster and added ~130 MB to the peak (measured on 100 MB and 1 GB corpora).
@@ -39,7 +39,7 @@ def pieces(inputs: Inputs, errors: str, chunk_bytes: int, bar: tqdm | None = Non
             yield _SEPARATOR
         decoder = codecs.getincrementaldecoder("utf-8")(errors)
         done = 0  # bytes of this file read so far
-        with open_source(source.path, inputs.label) as f:
+        with open_regular(source.path, inputs.label) as f:
             while True:
                 chunk = f.read(chunk_bytes)
                 held = len(decoder.getstate()[0])  # bytes of an unfinished character kept from the last read
@@ -49,7 +49,7 @@ def pieces(inputs: Inputs, errors: str, chunk_bytes: int, bar: tqdm | None = Non
                     # e.start counts from the held bytes, which end where this read begins
                     at = done - held + e.start
                     raise DataError(
-                        f"{inputs.label}: {str(source.path)!r} is not UTF-8 at byte {at}; "
+                        f"{inputs.label}: {quoted(source.path)} is not UTF-8 at byte {at}; "
                         "fix the file or set data.errors=replace"
                     ) from e
                 done += len(chunk)

@@ -1,7 +1,7 @@
 """tinychar's model: ``from model import GPT, GPTConfig``. Imports only torch."""
 
 from .attention import CausalSelfAttention, KVCache, masked_attention
-from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, model_from_checkpoint
+from .checkpoint import CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
 from .config import GPTConfig
 from .gpt import GPT, sample_next
 
@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "GPTConfig",
     "KVCache",
+    "checkpoint_config",
     "find_checkpoint",
     "load_checkpoint",
     "masked_attention",

@@ -71,18 +71,27 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return payload
 
 
-def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[GPT, list[str]]:
-    """Rebuild the GPT and its vocabulary from a loaded checkpoint, checking that they fit together."""
+def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[GPTConfig, list[str]]:
+    """The model config and vocabulary a loaded checkpoint describes, validated as a config file is (types
+    included) and checked against each other, before anything the size of the model is allocated."""
     vocab = payload["vocab"]
     if not isinstance(vocab, list) or not all(isinstance(c, str) and len(c) == 1 for c in vocab):
         raise CheckpointError(f"checkpoint '{path}' has a malformed vocabulary")
+    if not isinstance(payload["model_config"], dict):
+        raise CheckpointError(f"checkpoint '{path}' has an unusable model config: not a mapping")
     try:
         config = GPTConfig(**payload["model_config"])
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint '{path}' has an unusable model config: {e}") from None
+        raise CheckpointError(f"checkpoint '{path}' has an unusable model config: {str(e)[:200]}") from None
     if config.vocab_size != len(vocab):
         raise CheckpointError(f"checkpoint '{path}' is inconsistent: its vocabulary has {len(vocab)} characters "
                               f"but the model expects {config.vocab_size}")
+    return config, vocab
+
+
+def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[GPT, list[str]]:
+    """Rebuild the GPT and its vocabulary from a loaded checkpoint, checking that they fit together."""
+    config, vocab = checkpoint_config(payload, path)
     model = GPT(config)
     try:
         model.load_state_dict(payload["model"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 ATTENTION_KINDS = ("manual", "fused")
 SCORE_KINDS = ("dot", "additive")
@@ -30,6 +30,7 @@ class GPTConfig:
         "help": "attention score: dot (scaled dot product) or additive (Bahdanau, v^T tanh(W1 q + W2 k))"})
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
@@ -47,6 +48,18 @@ class GPTConfig:
         if self.score == "additive" and self.attention == "fused":
             raise ValueError(
                 "model.score=additive needs model.attention=manual (the fused kernel only does dot products)")
+
+    def _check_types(self) -> None:
+        """Each field of the type it declares, as the config loader checks a YAML file: a model config also comes
+        from checkpoints, where `n_layer: 2.5` or `bias: "yes"` would otherwise fail deep inside torch."""
+        kinds = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "bool": ((bool,), "true or false"),
+                 "str": ((str,), "a string")}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            allowed, words = kinds[f.type]  # f.type is the annotation's text (annotations are postponed here)
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                shown = repr(value) if isinstance(value, (int, float, str, bool)) else type(value).__name__
+                raise ValueError(f"model.{f.name} must be {words}, got {shown[:40]}")
 
     @property
     def head_size(self) -> int:

@@ -206,7 +206,12 @@ def sample_next(
     """Draw one id per row of logits (B, vocab) -> (B, 1)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    scaled = logits / temperature
+    if not torch.isfinite(scaled).all():
+        # A temperature so close to 0 that the division overflows float32 (1e-40): to the precision of the logits
+        # that is greedy decoding, and the softmax of infinities would be NaN.
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = scaled
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

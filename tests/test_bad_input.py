@@ -116,8 +116,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("yaml-unknown-key", "train", lambda c: c.yaml("train:\n  lr: 0.1\n"), "unknown config key 'train.lr'"),
     ("yaml-section-not-a-mapping", "train", lambda c: c.yaml("train: 5\n"), "section 'train'"),
     ("yaml-wrong-type", "train", lambda c: c.yaml("model:\n  n_layer: two\n"), "model.n_layer must be an integer"),
-    ("config-missing", "train", lambda c: c.train(config=c.tmp / "nope.yaml"), "config file not found"),
-    ("config-a-folder", "train", lambda c: c.train(config=_folder(c)), "is a directory"),
+    ("config-missing", "train", lambda c: c.train(config=c.tmp / "nope.yaml"), "config file: no such file"),
+    ("config-a-folder", "train", lambda c: c.train(config=_folder(c)), "is a folder, not a file"),
     ("config-binary", "train", lambda c: c.train(config=c.file("bin.yaml", b"\xff\xfe\x00\x01")),
      "cannot read config file"),
     # --- command-line overrides
@@ -155,7 +155,7 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- prompts and sampling options
     ("prompt-unseen-characters", "sample", lambda c: c.sample("--prompt", "Zebra \u20ac"), "never saw"),
     ("prompt-empty", "sample", lambda c: c.sample("--prompt", ""), "prompt is empty"),
-    ("prompt-file-latin-1", "sample", lambda c: c.sample("--prompt-file", str(_latin1(c))), "as UTF-8"),
+    ("prompt-file-latin-1", "sample", lambda c: c.sample("--prompt-file", str(_latin1(c))), "is not UTF-8"),
     ("max-new-tokens-negative", "sample", lambda c: c.sample("--max-new-tokens", "-1"), "must be >= 0"),
     ("max-new-tokens-absurd", "sample", lambda c: c.sample("--max-new-tokens", str(10**15)), "at most"),
     (TEMPERATURE_ZERO, "sample", lambda c: c.sample("--prompt", "All:", "--temperature", "0"), ""),

@@ -158,9 +158,11 @@ def test_a_bad_value_in_the_file_is_blamed_on_the_file_not_the_overrides(tmp_pat
     assert "divisible" in message and str(path) in message
 
 
-def test_config_file_missing_or_a_folder(tmp_path):
-    assert "not found" in refused(tmp_path / "nope.yaml")
-    assert "directory" in refused(tmp_path)
+def test_config_file_missing_or_a_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short relative names, quoted whole
+    (tmp_path / "runs.yaml").mkdir()
+    assert refused("nope.yaml") == "config file: no such file 'nope.yaml'"
+    assert refused("runs.yaml").startswith("config file: 'runs.yaml' is a folder, not a file")
 
 
 # ------------------------------------------------------------------------------------------- safe loading

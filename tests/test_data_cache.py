@@ -1,13 +1,15 @@
 """data/prepare.py and data/sources.py, the cache of encoded corpora: a second run maps the cached ids without
 reading the text, changed inputs are encoded again and their old entries pruned, the key follows content (or size and
-mtime for large inputs) and the settings that change the ids, and an unwritable cache folder falls back or is refused
-in one line."""
+mtime for large inputs) and the settings that change the ids, an unwritable cache folder falls back or is refused
+in one line, a damaged entry (its checksum or size wrong) is encoded again and said, and the fingerprint names the
+ids and vocabulary wherever they are cached."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import torch
 from test_data_stream import MIXED, prepare, text_of, write
 
+import data.cache
 import data.prepare
 import data.sources
 from data import DataError
@@ -165,3 +168,97 @@ def test_the_cache_entry_describes_itself(tmp_path: Path) -> None:
     meta = json.loads(corpus.path.with_suffix(".json").read_text(encoding="utf-8"))
     assert meta["chars"] == corpus.chars and meta["n_tokens"] == corpus.n_tokens and meta["dtype"] == "|u1"
     assert meta["sources"][0][0] == str((tmp_path / "t.txt").resolve())
+
+
+# --- damaged entries -------------------------------------------------------------------------------------------------
+
+
+def damage(path: Path, how: str) -> None:
+    """Damage a cached ids file in place, as a disk error, a stray write or a copy cut short would."""
+    if how == "truncated":
+        os.truncate(path, path.stat().st_size - 3)
+        return
+    with path.open("r+b") as f:
+        f.seek(4)
+        first = f.read(1)[0]
+        f.seek(4)
+        # another id of the vocabulary (the text below has 8 characters, ids 0-7), or one beyond it
+        f.write(bytes([(first + 1) % 8 if how == "valid id" else 0xFF]))
+
+
+@pytest.mark.parametrize("how", ["valid id", "id beyond the vocabulary", "truncated"])
+def test_a_damaged_cache_entry_is_encoded_again_and_said(tmp_path: Path, how: str) -> None:
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    damage(first.path, how)
+    again = prepare(tmp_path / "t.txt")
+    assert not again.cache_hit and "cached" not in again.description
+    assert text_of(again) == text and again.fingerprint == first.fingerprint
+    [note] = again.notes
+    why = "holds 509 bytes, not 512" if how == "truncated" else "its CRC-32 is"
+    assert note.startswith(f"data: the cached copy '{first.path}' was damaged (") and why in note
+    assert note.endswith("; it has been encoded again")
+    assert prepare(tmp_path / "t.txt").cache_hit  # and the new copy is trusted
+
+
+def test_an_entry_without_a_checksum_is_not_trusted(tmp_path: Path) -> None:
+    f = write(tmp_path / "t.txt", MIXED)
+    first = prepare(f)
+    meta_path = first.path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    assert meta["crc32"] == zlib.crc32(first.path.read_bytes())
+    del meta["crc32"]  # as the meta of an older tinychar, had its key been the same
+    meta_path.write_text(json.dumps(meta), encoding="utf-8")
+    first.path.write_bytes(b"\0" * first.path.stat().st_size)
+    again = prepare(f)
+    assert not again.cache_hit and text_of(again) == MIXED
+
+
+def test_the_checksum_is_of_the_whole_file_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    content = bytes(range(256)) * 100
+    path = write(tmp_path / "ids", content)
+    monkeypatch.setattr(data.cache, "_CRC_PIECE", 7)  # pieces that never line up with the file's end
+    with path.open("rb", buffering=0) as f:
+        f.read(10)  # from the start, wherever the file was left
+        assert data.cache.checksum(f) == zlib.crc32(content)
+
+
+# --- fingerprint -----------------------------------------------------------------------------------------------------
+
+
+def test_the_fingerprint_names_the_text_and_vocabulary_not_where_they_are(tmp_path: Path) -> None:
+    here = prepare(write(tmp_path / "here" / "t.txt", MIXED), cache_dir=str(tmp_path / "cache-1"))
+    there = prepare(write(tmp_path / "there" / "other.txt", MIXED), cache_dir=str(tmp_path / "cache-2"))
+    assert here.path.parent != there.path.parent and here.fingerprint == there.fingerprint
+    assert len(here.fingerprint) == 16 and prepare(tmp_path / "here" / "t.txt").fingerprint == here.fingerprint
+
+    edited = prepare(write(tmp_path / "edited.txt", MIXED.replace("line two", "line Two")))
+    assert edited.n_tokens == here.n_tokens and edited.fingerprint != here.fingerprint
+    # the same ids, a vocabulary with one more character (after every other, so no id moves)
+    wider = prepare(tmp_path / "here" / "t.txt", vocab=[*here.chars, "\U0010ffff"])
+    assert torch.equal(wider.ids, here.ids) and wider.fingerprint != here.fingerprint
+
+
+# --- the cache folder ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("folder", "why"),
+    [
+        ("x" * 300, "(File name too long)"),
+        ("fifo", "(it is a pipe (a FIFO, or <(command) in a shell), not a folder)"),
+        ("file", "(it is a file, not a folder)"),
+        ("file/under", "(Not a directory)"),
+        ("new\nline/" + "y" * 300, "(File name too long)"),
+    ],
+)
+def test_a_cache_folder_that_cannot_be_one_is_refused_in_one_line(tmp_path: Path, folder: str, why: str) -> None:
+    f = write(tmp_path / "t.txt", MIXED)
+    os.mkfifo(tmp_path / "fifo")
+    write(tmp_path / "file", "a file")
+    with pytest.raises(DataError) as info:
+        prepare(f, cache_dir=str(tmp_path / folder))
+    message = str(info.value)
+    assert message.startswith("data.cache_dir: cannot write the encoded corpus to '") and why in message
+    assert message.endswith("; set data.cache_dir to a writable folder") and "\n" not in message
+    assert len(message) < 300

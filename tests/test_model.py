@@ -185,3 +185,25 @@ def test_flops_per_token_counts_every_matrix_weight_and_attention():
     norm_weights = (2 * L + 1) * C  # layer norms: not matrix multiplies
     matrix_weights = model.num_params() - norm_weights  # num_params() already leaves out the position table
     assert model.flops_per_token() == 6 * matrix_weights + 12 * L * T * C
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1e-40, None), (1e-300, None), (5e-324, 1e-300), (1e-45, 0.9)])
+def test_a_temperature_too_small_for_float32_is_greedy_not_a_crash(temperature, top_p):
+    from model import sample_next
+
+    logits = torch.randn(4, 65, generator=torch.Generator().manual_seed(0))
+    picked = sample_next(logits, temperature, None, top_p, torch.Generator().manual_seed(1))
+    assert torch.equal(picked, logits.argmax(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("n_layer", 2.5, "model.n_layer must be an integer, got 2.5"),
+    ("n_head", True, "model.n_head must be an integer, got True"),
+    ("bias", "yes", "model.bias must be true or false, got 'yes'"),
+    ("dropout", "0.1", "model.dropout must be a number, got '0.1'"),
+    ("attention", 3, "model.attention must be a string, got 3"),
+])
+def test_a_model_config_has_the_types_it_declares(field, value, message):
+    with pytest.raises(ValueError) as info:
+        GPTConfig(**{field: value})
+    assert str(info.value) == message

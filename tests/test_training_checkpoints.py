@@ -222,3 +222,22 @@ def test_a_save_that_fails_is_one_line_and_the_previous_checkpoint_stays_whole(t
     assert snapshot(out)["ckpt.pt"] == before["ckpt.pt"] and snapshot(out)["best.pt"] == before["best.pt"]
     assert check_after_a_crash(out) == 10
     assert temporary_files(out) == []
+
+
+def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path, capsys):
+    from conftest import train_small_run
+
+    run = train_small_run(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    assert load_checkpoint(run / "ckpt.pt")["data_fingerprint"]
+    text = corpus.read_text(encoding="utf-8")
+    corpus.write_text(text.replace("Citizen", "Citizan"), encoding="utf-8")  # same path, same characters
+    before = snapshot(run)
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
+    assert code == 2
+    assert err.strip() == (f"error: cannot resume: the text of data.path '{corpus}' is not the text this run was "
+                           f"trained on (it changed since {run / 'ckpt.pt'} was saved); resume with that text, or "
+                           f"start a new run in another out_dir")
+    assert snapshot(run) == before
+    corpus.write_text(text, encoding="utf-8")  # the same text again: the run goes on
+    assert call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)[0] == 0

@@ -4,6 +4,7 @@ is handled, not a crash."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 from pathlib import Path
 
@@ -94,3 +95,39 @@ def test_a_closed_output_asks_the_run_to_stop_and_silences_the_logger(tmp_path: 
     log.info("a line nobody reads")
     log.info("and another")
     assert closed == [True] and discarded == [True]  # once: the logger is quiet from then on
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    """TensorBoard writes from a thread of its own; when the disk fills, the run stops with one line (no traceback
+    from that thread or this one) and the checkpoint saved before is whole."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from model import load_checkpoint
+
+    real_write = RecordWriter.write
+    writes = {"n": 0, "saved": False}
+
+    def write(self, data):
+        if writes["saved"]:  # the first checkpoint is on disk: from now on the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    real_save = training.loop.save_checkpoint
+
+    def save(state, path):
+        real_save(state, path)
+        writes["saved"] = True
+
+    monkeypatch.setattr(RecordWriter, "write", write)
+    monkeypatch.setattr(training.loop, "save_checkpoint", save)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 40, encoding="utf-8")
+    out = tmp_path / "out"
+    overrides = tiny_overrides(corpus, out, **{"train.max_iters": 30, "train.eval_interval": 10})
+    code = train.main(["--config", TINY, *overrides], progress=False)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().startswith(f"error: cannot write TensorBoard logs into '{out}' (No space left on device); "
+                                  f"the last checkpoint there is intact"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 10

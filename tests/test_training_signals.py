@@ -193,3 +193,27 @@ def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_pa
     assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; nothing was saved"
     assert not out.exists()
     assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
+
+
+@pytest.mark.slow
+def test_a_signal_during_a_long_evaluation_stops_it_at_once_without_logging_it(tmp_path):
+    """An evaluation of 10**8 batches (or the GPU config's on a CPU) stops between two batches: a scheduler's
+    SIGTERM-then-SIGKILL grace period is enough, and the cut-short evaluation is not logged as a result."""
+    out = tmp_path / "out"
+    keys = {"train.max_iters": 10, "train.eval_interval": 3, "train.eval_iters": 10**8, "train.log_interval": 1}
+    proc = subprocess.Popen([sys.executable, "train.py", "--config", TINY, *tiny_overrides(write_corpus(tmp_path),
+                            out, **keys)], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3/10"):  # logged just before the evaluation of step 3 begins
+            break
+    time.sleep(1.0)
+    sent = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert time.perf_counter() - sent < 10
+    assert "step 3: train loss" not in "".join(lines) + rest  # no result for the evaluation that was cut short
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 3 and "stopped at step 3" in err

@@ -123,7 +123,8 @@ def check_after_a_crash(out: Path) -> int:
     if not out.exists():
         return 0
     for path in out.iterdir():
-        assert (path.name in ("ckpt.pt", "best.pt", "config.yaml") or path.name.startswith("events.out.tfevents.")
+        assert (path.name in ("ckpt.pt", "best.pt", "config.yaml", ".lock")
+                or path.name.startswith("events.out.tfevents.")
                 or TEMPORARY.match(path.name)), path.name
     for name in ("ckpt.pt", "best.pt"):
         if (out / name).exists():

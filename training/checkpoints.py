@@ -10,21 +10,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import yaml
 
 from configs import flatten, to_dict
+from configs.userinput import shown
 from data import CharTokenizer
-from model import GPT, CheckpointError, load_checkpoint, model_from_checkpoint
+from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
 from model.checkpoint import FORMAT, VERSION
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
 from .errors import UsageError
+from .lock import RunLock, in_use
+from .memory import check_fits, model_need
 
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
-# Temporary files that an atomic write killed midway leaves behind (see save_checkpoint and write_atomic).
-STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "train.max_iters", "train.lr_decay_iters", "train.min_lr", "train.eval_interval",
@@ -75,18 +75,6 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
         pass
 
 
-def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a finished run; clear an old one only when asked to."""
-    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt") if p.exists()]
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"out_dir '{out_dir}' exists and is not a folder; choose another out_dir")
-    if resume:
-        return
-    if existing and not overwrite:
-        raise UsageError(f"'{out_dir}' already holds a run ({existing[0].name}); continue it with --resume, "
-                         f"choose another out_dir=..., or start afresh with --overwrite")
-
-
 def rank_rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
     """This process's random state: dropout's (torch's, and its GPU's on CUDA) and its batch generator's."""
     state = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
@@ -123,7 +111,10 @@ def checkpoint_payload(model: GPT, optimizer: torch.optim.Optimizer, scaler: tor
 def check_training_state(payload: dict, path: Path) -> None:
     """Refuse, in one line, a checkpoint that cannot be continued: weights only, or damaged in a way that would
     otherwise surface as a traceback halfway through setting the run up."""
-    model_from_checkpoint(payload, path)  # vocabulary, model config and weights fit together
+    config, _ = checkpoint_config(payload, path)  # validated like a config file, vocabulary included
+    check_fits(model_need(config), torch.device("cpu"), what=f"loading checkpoint '{shown(str(path))}'",
+               advice="it describes a model too large for this machine")
+    model_from_checkpoint(payload, path)  # and its weights fit the config
     missing = [key for key in TRAINING_STATE if key not in payload]
     if "config" in missing or "optimizer" in missing:
         raise CheckpointError(f"{path} holds weights only (no training state); it cannot be resumed")
@@ -205,6 +196,8 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if not resume:
         return cfg, None, []
     ckpt = Path(cfg.out_dir) / "ckpt.pt"
+    if holder := RunLock(Path(cfg.out_dir)).busy():  # a live run is still writing it
+        raise in_use(Path(cfg.out_dir), holder)
     if not ckpt.exists():
         raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
     payload = load_checkpoint(ckpt)
@@ -212,21 +205,3 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if config is None:  # no config named: continue with the saved one
         cfg = load_config(None, overrides, base=payload["config"])
     return cfg, payload, check_resume_config(payload["config"], cfg)
-
-
-def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
-    """Make out_dir this run's (rank 0 alone, once every check has passed): clear what a killed writer left, the old
-    run's checkpoints and logs on --overwrite, and write the resolved config.yaml."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
-            for stale in out_dir.glob(pattern):
-                stale.unlink(missing_ok=True)
-        if overwrite and not resume:
-            for old in [out_dir / "ckpt.pt", out_dir / "best.pt", *out_dir.glob("events.out.tfevents.*")]:
-                old.unlink(missing_ok=True)
-        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
-        write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
-    except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-        raise UsageError(f"cannot write into out_dir '{out_dir}' ({reason}); choose another out_dir") from None

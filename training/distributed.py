@@ -187,6 +187,13 @@ def step_consensus(loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
     return both[0] / dist.get_world_size(), bool(both[1] > 0)
 
 
+def any_process(flag: bool, device: torch.device) -> bool:
+    """Collective: whether flag is true in any process."""
+    total = torch.tensor(float(flag), device=device)
+    dist.all_reduce(total)
+    return bool(total > 0)
+
+
 def mean(values: list[float], device: torch.device) -> list[float]:
     """Collective: the element-wise mean of values over the processes."""
     total = torch.tensor(values, dtype=torch.float64, device=device)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from configs import ConfigError
+from configs.userinput import shown
 from data import DataError
 from model import CheckpointError
 
@@ -37,6 +38,10 @@ class Diverged(RuntimeError):
 
 class SaveError(RuntimeError):
     """A checkpoint could not be written (disk full, folder not writable); the message is one line."""
+
+
+class LogError(SaveError):
+    """TensorBoard's logs could not be written (disk full, folder gone); the message is one line."""
 
 
 class SharedFailure(Exception):
@@ -99,10 +104,21 @@ def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
 INPUT_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError, UsageError, LaunchError)
 
 
+def path_error(e: Exception) -> bool:
+    """An OSError about a path a person gave (a name too long, a loop of links, no permission, not a folder):
+    their input, said in one line, wherever in the code the path was first touched."""
+    return isinstance(e, OSError) and e.filename is not None
+
+
+def path_message(e: OSError) -> str:
+    """The one line for a path_error."""
+    return f"cannot use '{shown(str(e.filename))}' ({e.strerror or type(e).__name__}); give another path"
+
+
 def exit_status(e: Exception) -> int:
     """2 for bad input, 128 + the signal for a stop (130 for Ctrl-C, 143 for SIGTERM, as shells report them), 1 for
     anything else."""
-    if isinstance(e, INPUT_ERRORS):
+    if isinstance(e, INPUT_ERRORS) or path_error(e):
         return 2
     if isinstance(e, (Stopped, Interrupted)):
         return 128 + e.signum
@@ -129,6 +145,8 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
         return e.line if e.rank == 0 else e.line.replace("error: ", f"error: rank {e.rank}: ", 1)
     if isinstance(e, (*INPUT_ERRORS, SaveError)):
         return f"error: {e}"
+    if path_error(e):
+        return f"error: {path_message(e)}"
     if isinstance(e, Diverged):  # not bad input: the run itself went wrong
         return f"error: {divergence_advice(e, cfg)}"
     if isinstance(e, Stopped):

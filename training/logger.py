@@ -3,21 +3,25 @@ images and hyperparameters, and the training throughput they report."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import yaml
 
 from configs import flatten, to_dict
+from configs.userinput import shown
 from data import CharTokenizer
 from lab.heatmap import attention_grid_tensor, attention_weights, render_attention_grid
 from model import GPT
 
 from .config import RunConfig
+from .errors import LogError
 
 
 class Throughput:
@@ -58,6 +62,18 @@ def say(line: str) -> None:
         discard_stdout()
 
 
+def _quiet_tensorboard_thread(hook: Callable) -> Callable:
+    """threading.excepthook that says nothing of an OSError in TensorBoard's writer thread (the Logger reports it)
+    and hands everything else to hook."""
+
+    def quiet(args: threading.ExceptHookArgs) -> None:
+        if issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard"):
+            return
+        hook(args)
+
+    return quiet
+
+
 def discard_stdout() -> None:
     """Point stdout at /dev/null, so that nothing written later, nor the flush at exit, fails on a closed pipe."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -73,6 +89,7 @@ class Logger:
                  quiet: bool = False, on_closed: Callable[[], None] | None = None) -> None:
         self.quiet = quiet
         self.on_closed = on_closed
+        self._excepthook: Callable | None = None  # threading's, while this logger quiets TensorBoard's thread
         tensorboard = tensorboard and not quiet
         self.progress = False if quiet else sys.stderr.isatty() if progress is None else progress
         self.bar = None
@@ -89,7 +106,25 @@ class Logger:
             # that checkpoint (see flush) and stay, unless this run logs `start` again (nothing left to train); a
             # fresh run owns every step, so a run that died before its first checkpoint leaves nothing behind.
             first = 0 if start == 0 else start + 1 if start < total else start
-            self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)
+            self.out_dir = out_dir
+            with self.writing():
+                self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)
+            # The writer's own thread reports a failed write (a full disk) with a traceback of its own before the
+            # next call here raises it again; that call says it in one line (writing), so the thread keeps quiet.
+            self._excepthook = threading.excepthook
+            threading.excepthook = _quiet_tensorboard_thread(self._excepthook)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A block of TensorBoard writes: a write that fails (disk full, folder gone) stops the run with one line,
+        and nothing more is written."""
+        try:
+            yield
+        except OSError as e:
+            self.writer = None  # closing it would only try the same write again
+            raise LogError(f"cannot write TensorBoard logs into '{shown(str(self.out_dir))}' ({e.strerror or e}); "
+                           f"the last checkpoint there is intact. Free some space, or set train.tensorboard=false "
+                           f"and --resume") from None
 
     def info(self, line: str) -> None:
         if self.quiet:
@@ -113,12 +148,14 @@ class Logger:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+            with self.writing():
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, step)
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, text, step)
+            with self.writing():
+                self.writer.add_text(tag, text, step)
 
     def attention(self, step: int, model: GPT, ids: list[int], tokenizer: CharTokenizer) -> None:
         """The attention maps of every layer and head for a fixed prompt, as one image per evaluation."""
@@ -127,7 +164,8 @@ class Logger:
 
         chars = [tokenizer.chars[i] for i in ids]
         image = render_attention_grid(attention_weights(model, ids), chars, title=f"step {step}")
-        self.writer.add_image("attention/layers_x_heads", attention_grid_tensor(image), step, dataformats="CHW")
+        with self.writing():
+            self.writer.add_image("attention/layers_x_heads", attention_grid_tensor(image), step, dataformats="CHW")
 
     def hparams(self, cfg: RunConfig, params: int) -> None:
         if self.writer is None:
@@ -136,14 +174,16 @@ class Logger:
 
         flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flatten(to_dict(cfg)).items()}
         flat["params"] = params
-        for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
-            self.writer.file_writer.add_summary(summary)
-        self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
+        with self.writing():
+            for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
 
     def flush(self) -> None:
         """Put every event logged so far into the file (not only the writer's queue)."""
         if self.writer is not None:
-            self.writer.flush()
+            with self.writing():
+                self.writer.flush()
 
     def close(self) -> None:
         """Close the bar and the TensorBoard files; info() still prints, as plain lines."""
@@ -151,8 +191,11 @@ class Logger:
             self.bar.close()
             self.bar = None
         if self.writer is not None:
-            self.writer.close()
+            with self.writing():
+                self.writer.close()
             self.writer = None
+        if self._excepthook is not None:
+            threading.excepthook, self._excepthook = self._excepthook, None
 
 
 def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, device: torch.device) -> str:

@@ -7,6 +7,7 @@ import gc
 import math
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,9 +37,13 @@ def estimate_loss(
     seed: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
-) -> dict[str, float]:
+    stop: Callable[[], bool] | None = None,
+) -> dict[str, float] | None:
     """Mean loss over eval_iters batches of each split, the same windows at every evaluation (a fixed seed),
-    so the curves compare like with like. Batches are stacked into larger forward passes for speed."""
+    so the curves compare like with like. Batches are stacked into larger forward passes for speed.
+
+    stop is asked before every forward pass; when it says so, the evaluation ends at once and returns None (a long
+    evaluation must not keep Ctrl-C, or a scheduler's SIGTERM before its SIGKILL, waiting)."""
     was_training = model.training
     model.eval()
     windows = eval_iters * batch_size
@@ -48,6 +53,9 @@ def estimate_loss(
         gen = torch.Generator().manual_seed(seed)
         total, count = 0.0, 0
         while count < windows:
+            if stop is not None and stop():
+                model.train(was_training)
+                return None
             n = min(per_pass, windows - count)
             x, y = get_batch(data, block_size, n, gen, device)
             with autocast_context(device, dtype):
@@ -83,6 +91,8 @@ class Trainer:
         self.step, self.best_val = step, best_val
         self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
         self.reseeded = False  # resumed with another number of processes: batches drawn afresh (see restore_rng)
+        self.after_first_save: Callable[[], None] | None = None  # rank 0: called once, after the first save
+        self.data_fingerprint: str | None = None  # the corpus's (Corpus.fingerprint), saved for resumes to check
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
         self.eval_seed = cfg.seed + 1 if self.launch.main else derived_seed(cfg.seed, EVALUATION, self.launch.rank)
         self.stop = StopSignals()
@@ -163,6 +173,13 @@ class Trainer:
         # the others, who would then wait for it in vain.
         return self.agreed_stop if self.launch.torchrun else self.stop.signal is not None
 
+    def stop_asked(self) -> bool:
+        """Whether to stop now, between two batches of an evaluation (collective under torchrun: every process asks
+        as often, after the same batches, so all of them stop at the same one)."""
+        if self.launch.torchrun:
+            self.agreed_stop = distributed.any_process(self.stop.signal is not None, self.device)
+        return self.stopping()
+
     def fit(self) -> dict[str, float]:
         """Train to train.max_iters, evaluating and saving every eval_interval steps; the final losses and timings.
         Raises Stopped after saving when a signal (or a closed output) asked the run to stop."""
@@ -183,7 +200,7 @@ class Trainer:
                     self.throughput.resume()
                 self.throughput.pause()
                 if self.stopping():
-                    if not self.last_losses or self.step % tc.eval_interval:  # not saved at this step yet
+                    if self.saved_step != self.step:
                         self.save(improved=False)
                     # a process that saw no signal itself stops because another did: as if sent SIGTERM
                     raise Stopped(self.stop.signal or signal.SIGTERM, self.step)
@@ -216,11 +233,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluating and saving
 
-    def evaluate(self) -> dict[str, float]:
-        """Train and validation loss, averaged over the processes under torchrun."""
+    def evaluate(self) -> dict[str, float] | None:
+        """Train and validation loss, averaged over the processes under torchrun; None if a stop cut it short."""
         tc = self.tc
         losses = estimate_loss(self.model, self.splits, self.cfg.model.block_size, tc.batch_size, tc.eval_iters,
-                               self.eval_seed, self.device, self.dtype)
+                               self.eval_seed, self.device, self.dtype, stop=self.stop_asked)
+        if losses is None:
+            return None
         if self.launch.torchrun:  # each process evaluated windows of its own; the run's loss is the mean over them
             losses = dict(zip(losses, distributed.mean(list(losses.values()), self.device), strict=True))
         return losses
@@ -228,6 +247,8 @@ class Trainer:
     def evaluate_and_save(self) -> None:
         t0 = time.perf_counter()
         losses = self.evaluate()
+        if losses is None:  # stopped midway: no result to log; the loop saves the state and stops
+            return
         improved = losses["val"] < self.best_val
         self.best_val = min(self.best_val, losses["val"])
         log, step = self.log, self.step
@@ -254,14 +275,18 @@ class Trainer:
                 return
             state = checkpoint_payload(self.model, self.optimizer, self.scaler, self.tokenizer, self.cfg, self.step,
                                        self.best_val, self.gen, ranks)
+            state["data_fingerprint"] = self.data_fingerprint
             # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
             # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
             self.log.flush()
             try:
                 save_checkpoint(state, self.out_dir / "ckpt.pt")
-                self.saved_step = self.step
                 if improved:
                     save_checkpoint(state, self.out_dir / "best.pt")
             except OSError as e:
                 raise SaveError(f"cannot write a checkpoint into '{self.out_dir}' ({e.strerror or e}); the previous "
                                 f"checkpoint there is intact. Free some space or choose another out_dir") from None
+        self.saved_step = self.step  # in every process: they agreed that rank 0 saved
+        if self.after_first_save is not None:
+            self.after_first_save()
+            self.after_first_save = None

@@ -21,7 +21,7 @@ ID = 8  # token ids are int64 once batched
 
 @dataclass(frozen=True)
 class MemoryNeed:
-    """Bytes a training run needs at its peak, by part."""
+    """Bytes a run (training, or sampling) needs at its peak, by part."""
 
     weights: int  # parameters, their gradients and AdamW's two moments
     masks: int  # the causal mask each layer keeps (block_size x block_size booleans)
@@ -34,7 +34,7 @@ class MemoryNeed:
     def largest(self) -> str:
         """What to change to need less, for the part that dominates."""
         parts = {
-            "weights": "a smaller model (model.n_layer, model.n_embd)",
+            "weights": "a smaller model (model.n_layer, model.n_embd)",  # or, for a checkpoint, another one
             "masks": "a smaller model.block_size",
             "activations": "a smaller train.batch_size (train.grad_accum_steps keeps the batch per step) or "
                            "model.block_size",
@@ -82,6 +82,17 @@ def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int) -> Memor
     )
 
 
+def model_need(cfg: GPTConfig, sequences: int = 1) -> MemoryNeed:
+    """The peak of building model cfg and sampling `sequences` streams from it (sample.py, or checking a checkpoint
+    before a resume): the weights, the masks, the KV cache and one window's forward pass."""
+    kv_cache = 2 * cfg.n_layer * sequences * cfg.block_size * cfg.n_embd * FLOAT
+    return MemoryNeed(
+        weights=parameter_count(cfg) * FLOAT,
+        masks=cfg.n_layer * cfg.block_size * cfg.block_size,
+        activations=kv_cache + activation_bytes(cfg, sequences, backward=False),
+    )
+
+
 def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -125,13 +136,15 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.0f} MB"
 
 
-def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1) -> None:
-    """UsageError, in one line, when `processes` runs of this need cannot fit in what device has free."""
+def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1, *, what: str = "this run",
+               advice: str | None = None) -> None:
+    """UsageError, in one line, when `processes` runs of this need cannot fit in what device has free. what names
+    the work ('this run', 'loading checkpoint x'); advice replaces the default advice (the part to make smaller)."""
     free = available_bytes(device)
     total = need.total * processes
     if free is None or total <= free:
         return
     who = f"{processes} processes x {_gb(need.total)}" if processes > 1 else _gb(total)
     where = "this machine has" if device.type == "cpu" else f"{device} has"
-    raise UsageError(f"this run needs about {who} of memory and {where} {_gb(free)} free; use "
-                     f"{need.largest()}")
+    raise UsageError(f"{what} needs about {who} of memory and {where} {_gb(free)} free; "
+                     f"{advice or 'use ' + need.largest()}")

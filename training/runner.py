@@ -12,19 +12,20 @@ from pathlib import Path
 
 import torch
 
+from configs.userinput import shown
 from data import Corpus, prepare_corpus, split_ids
 from model import GPT
 
 from . import distributed
-from .checkpoints import claim_out_dir, prepare_out_dir
 from .config import RunConfig
 from .devices import matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
-from .errors import agreeing
+from .errors import UsageError, agreeing
 from .logger import Logger
 from .loop import Trainer, eval_pass_sequences
 from .memory import check_fits, training_need
 from .optim import make_optimizer
+from .outdir import claim_out_dir, drop_aside, prepare_out_dir, restore_aside
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,38 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     """
     started = time.perf_counter()
     launch = launch or Launch()
+    out_dir = Path(cfg.out_dir)
     start = prepare(cfg, resume=resume, overwrite=overwrite, progress=progress, payload=payload, launch=launch)
     trainer = build_trainer(cfg, start, payload, launch)
-    # Everything is checked in every process: from here on rank 0 writes into out_dir.
+    # Everything is checked in every process: from here on rank 0 holds out_dir's lock and writes into it.
+    lock, replaced = None, None
     with agreeing(launch):
         if launch.main:
-            claim_out_dir(Path(cfg.out_dir), cfg, resume=resume, overwrite=overwrite)
+            lock, replaced = claim_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite)
+    if replaced is not None:
+        trainer.after_first_save = partial(drop_aside, out_dir)
+    try:
+        stats = train(trainer, start, payload, resume=resume, progress=progress, started=started, replaced=replaced)
+    finally:
+        try:
+            if trainer.log is not None:
+                trainer.log.close()
+        finally:
+            if replaced is not None and trainer.saved_step is None:  # ended before its first checkpoint
+                restore_aside(out_dir)
+            if lock is not None:
+                lock.release()
+    if launch.main:
+        trainer.log.info(f"done: step {trainer.step}, val loss {stats['val']:.4f} (best {trainer.best_val:.4f}) in "
+                         f"{stats['seconds']:.1f}s; sample with: python sample.py --out-dir {shlex.quote(cfg.out_dir)}")
+    return stats
+
+
+def train(trainer: Trainer, start: Start, payload: dict | None, *, resume: bool, progress: bool | None,
+          started: float, replaced: str | None) -> dict[str, float]:
+    """Compile and wrap the model as asked, give the trainer its logger and yardstick, say how the run starts, and
+    train."""
+    cfg, launch = trainer.cfg, trainer.launch
     if cfg.train.compile:
         trainer.fwd = torch.compile(trainer.model)
     if launch.torchrun:
@@ -62,12 +89,10 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     # MFU: the model's FLOPs per second over what this machine's matrix multiply does in the run's dtype (measured
     # here in a fraction of a second, as in bench.py), summed over the processes.
     trainer.ceiling = matmul_ceiling(start.device, start.dtype, seconds=0.2) * launch.world_size
+    if replaced is not None:
+        log.info(replaced)
     announce(trainer, start, payload, resume)
-    stats = trainer.fit()
-    if launch.main:
-        log.info(f"done: step {trainer.step}, val loss {stats['val']:.4f} (best {trainer.best_val:.4f}) in "
-                 f"{stats['seconds']:.1f}s; sample with: python sample.py --out-dir {shlex.quote(cfg.out_dir)}")
-    return stats
+    return trainer.fit()
 
 
 def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | None, payload: dict | None,
@@ -118,9 +143,22 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
             torch.manual_seed(derived_seed(cfg.seed, DROPOUT, launch.rank))
         trainer = Trainer(cfg, model, optimizer, {"train": train_ids, "val": val_ids}, device=device,
                           dtype=start.dtype, gen=gen, scaler=scaler, launch=launch)
+        trainer.data_fingerprint = start.corpus.fingerprint
         if payload is not None:
+            check_same_text(payload, start.corpus, cfg)
             trainer.restore(payload, Path(cfg.out_dir) / "ckpt.pt")
     return trainer
+
+
+def check_same_text(payload: dict, corpus: Corpus, cfg: RunConfig) -> None:
+    """A resume goes on with the text the run was trained on: the checkpoint's fingerprint of its token ids (and so
+    of the train/validation split) must be this corpus's. Checkpoints from before fingerprints pass unchecked."""
+    saved = payload.get("data_fingerprint")
+    if saved is not None and saved != corpus.fingerprint:
+        where = f"data.path '{shown(cfg.data.path)}'" if cfg.data.path else f"data.dataset={cfg.data.dataset}"
+        raise UsageError(f"cannot resume: the text of {where} is not the text this run was trained on (it changed "
+                         f"since {Path(cfg.out_dir) / 'ckpt.pt'} was saved); resume with that text, or start a new "
+                         f"run in another out_dir")
 
 
 def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool) -> None:

@@ -1,0 +1,85 @@
+"""What a person typed or named, made safe to quote and to read: short escaped quotes for one-line messages, and
+files that must be regular files of a bounded size. Every entry point and package opens a user's small file (a
+config, a prompt) and quotes a user's value through here."""
+
+from __future__ import annotations
+
+import os
+import reprlib
+import stat
+from pathlib import Path
+
+# Characters of a value quoted in a message: enough to recognise it, never enough to flood a terminal.
+QUOTE_LIMIT = 80
+
+_repr = reprlib.Repr()
+_repr.maxstring = QUOTE_LIMIT
+_repr.maxother = QUOTE_LIMIT
+_repr.maxlist = _repr.maxtuple = _repr.maxset = _repr.maxdict = 6
+_repr.maxlevel = 3
+
+
+def shown(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """value as a one-line message may quote it: text escaped (a newline or control character cannot split the
+    line) and cut to about limit characters with '...'; anything else through a bounded repr, so a small YAML file
+    whose aliases build a huge nested value cannot make a huge message."""
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "backslashreplace")
+        escaped = text if text.isprintable() else repr(text)[1:-1]
+        return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."
+    text = _repr.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def file_kind(mode: int) -> str | None:
+    """What a file of this st_mode is, in words, when it is not a regular file (None for a regular file)."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a pipe (a FIFO, or <(command) in a shell)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), None)
+
+
+def _kind_of(path: str | Path) -> str | None:
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return None
+
+
+def read_user_file(path: str | Path, what: str, max_bytes: int, error: type[Exception] = ValueError) -> bytes:
+    """The bytes of the regular file a person named as `what` (such as '--prompt-file'), at most max_bytes of them.
+
+    Anything else is refused with one line raised as `error`: a missing file, a folder, a pipe or device (which
+    could be read forever, like /dev/zero), a file over the limit, or one the system will not open (permissions, a
+    name too long). The size is checked on the open file, and the read stops past the limit whatever the size said.
+    """
+    name = shown(str(path))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO with no writer must not block
+    except FileNotFoundError:
+        raise error(f"{what}: no such file '{name}'") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
+        kind = _kind_of(path)  # a socket cannot be opened at all ("no such device or address")
+        if kind is not None:
+            raise error(f"{what}: '{name}' is {kind}, not a file; give the path of a regular file") from None
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise error(f"{what}: cannot open '{name}' ({reason})") from None
+    try:
+        st = os.fstat(fd)  # on the descriptor, before wrapping it: a folder cannot be wrapped in a file object
+        kind = file_kind(st.st_mode)
+        if kind is not None:
+            raise error(f"{what}: '{name}' is {kind}, not a file; give the path of a regular file")
+        if st.st_size > max_bytes:
+            raise error(f"{what}: '{name}' is {st.st_size:,} bytes; the limit is {max_bytes:,}")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # the file object closes it now
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{what}: cannot read '{name}' ({e.strerror or e})") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > max_bytes:  # it grew while being read
+        raise error(f"{what}: '{name}' is over the limit of {max_bytes:,} bytes")
+    return data

@@ -1,0 +1,106 @@
+"""Glob patterns in data.path, expanded so that no layout of links can make them run forever.
+
+glob.glob(recursive=True) follows links to folders under '**', so a link back up the tree (`ln -s . latest`, as
+release folders often have) makes it walk latest/latest/latest/... until a lookup passes the system's 40 links:
+with two such links, some 2**40 paths. Here '**' walks real folders only, as os.walk and the folder form of data.path do; '*' and the other
+wildcards still follow links, as glob does, but each real folder is visited at most once for each part of the
+pattern, so the work is bounded by the folders that exist, not by the paths that lead to them.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import glob
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .paths import os_failure, stat_path
+
+_GONE = (errno.ENOENT, errno.ENOTDIR)  # removed while listed, or a file where the pattern wants a folder
+
+
+def expand(pattern: Path, label: str) -> list[Path]:
+    """The paths matching pattern, sorted; names starting with '.' only where the pattern's part does too.
+
+    Where '**' ends the pattern it matches the folder it stands in, whose files the caller walks; elsewhere it
+    stands for that folder and every real (not linked) folder under it, hidden ones left out, as in glob.
+    """
+    parts = pattern.parts
+    first = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    base = Path(*parts[:first]) if first else Path()
+    st = stat_path(base, label)  # the fixed part of the pattern: any failure but absence is the person's to fix
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return []
+    found = set(_match(base, parts[first:], set(), label))
+    return sorted(found, key=str)
+
+
+def _match(folder: Path, parts: tuple[str, ...], seen: set[tuple[str, int]], label: str) -> Iterator[Path]:
+    """The paths under folder that match parts, visiting each (real folder, rest of the pattern) once."""
+    if not parts:
+        yield folder
+        return
+    visit = (os.path.realpath(folder), len(parts))
+    if visit in seen:  # reached again through a link: the same real folder gives the same matches
+        return
+    seen.add(visit)
+    head, rest = parts[0], parts[1:]
+    if head == "**":
+        if not rest:
+            yield folder
+            return
+        for sub in _real_folders(folder, label):
+            yield from _match(sub, rest, seen, label)
+    elif glob.has_magic(head):
+        for name in _names(folder, label):
+            if (name.startswith(".") and not head.startswith(".")) or not fnmatch.fnmatchcase(name, head):
+                continue
+            if not rest:
+                yield folder / name
+            elif _is_dir(folder / name, label):
+                yield from _match(folder / name, rest, seen, label)
+    elif not rest:
+        if _status(folder / head, label, os.lstat) is not None:
+            yield folder / head
+    elif _is_dir(folder / head, label):
+        yield from _match(folder / head, rest, seen, label)
+
+
+def _real_folders(top: Path, label: str) -> Iterator[Path]:
+    """top and every folder under it reached without passing through a link; hidden ones left out."""
+
+    def refuse(e: OSError) -> None:
+        if e.errno not in _GONE:
+            raise os_failure(label, e.filename, e, "cannot read the folder") from None
+
+    for root, dirs, _ in os.walk(top, onerror=refuse):  # followlinks=False: a link to a folder is not entered
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        yield Path(root)
+
+
+def _names(folder: Path, label: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError as e:
+        if e.errno in _GONE:
+            return []
+        raise os_failure(label, folder, e, "cannot read the folder") from None
+
+
+def _is_dir(path: Path, label: str) -> bool:
+    st = _status(path, label, os.stat)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def _status(path: Path, label: str, how: Callable[[Path], os.stat_result]) -> os.stat_result | None:
+    """how(path) (os.stat or os.lstat); None when nothing usable is there (absent, or a link that loops), DataError
+    for a failure a person must see (a name too long, no permission)."""
+    try:
+        return how(path)
+    except OSError as e:
+        if e.errno in _GONE or e.errno == errno.ELOOP:
+            return None
+        raise os_failure(label, path, e) from None

@@ -1,0 +1,118 @@
+"""The paths a person gives data/ (data.path, data.cache_dir), looked at before they are used: stat first, open only
+regular files, and every OSError turned into one line that names the setting, the path and what to do.
+
+Every failure a person can fix raises DataError with a one-line message saying what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from configs.userinput import QUOTE_LIMIT, file_kind, shown
+
+# Characters of a path in a log line (a note, not an error): all of any real path, still never a flood.
+LOG_PATH = 400
+_NAME_MAX = 255  # bytes in one file or folder name: ext4, XFS, btrfs, APFS, NTFS (in UTF-16 units)
+# What to do about the errors a user's path can give; the system's own words (e.strerror) say what happened.
+_WHAT_TO_DO = {
+    errno.ELOOP: "a symbolic link on the way leads back to itself; fix or remove the link",
+    errno.EACCES: "check its permissions and those of the folders above it",
+    errno.EPERM: "check its permissions and those of the folders above it",
+    errno.ENOTDIR: "a part of the path that should be a folder is a file; check the path",
+    errno.EIO: "the disk or network share holding it failed; check it and run again",
+}
+
+
+class DataError(ValueError):
+    """The training text cannot be had; the message is one line for a person: what is wrong, what to do."""
+
+
+def quoted(path: object, limit: int = QUOTE_LIMIT) -> str:
+    """path as a message quotes it: escaped onto one line, cut past limit characters, in single quotes."""
+    return f"'{shown(str(path), limit)}'"
+
+
+def os_failure(label: str, path: object, e: OSError, doing: str = "cannot read") -> DataError:
+    """The one-line DataError for an OSError on a path that the setting `label` gave."""
+    reason = e.strerror or type(e).__name__
+    if e.errno == errno.ENAMETOOLONG:
+        todo = _too_long(str(path))
+    else:
+        todo = _WHAT_TO_DO.get(e.errno or 0, "check the path, or give another one")
+    return DataError(f"{label}: {doing} {quoted(path)} ({reason}); {todo}")
+
+
+def _too_long(path: str) -> str:
+    """Which limit a path broke: one name's (255 bytes on most file systems) or the whole path's (4,096 on Linux)."""
+    longest = max((len(os.fsencode(part)) for part in Path(path).parts), default=0)
+    if longest > _NAME_MAX:
+        return f"a name in it is {longest:,} bytes, over the limit of {_NAME_MAX}; use a shorter name"
+    return f"the whole path is {len(os.fsencode(path)):,} bytes, over the system's limit; use a shorter path"
+
+
+def not_a_file(label: str, path: object, kind: str) -> DataError:
+    """The refusal of what is neither a regular file nor a folder: a pipe (a FIFO, <(command)), a socket, a device."""
+    if "device" in kind or kind == "a folder":  # /dev/zero, a disk: never a corpus, and may never end
+        return DataError(f"{label}: {quoted(path)} is {kind}, not a file; give the path of a UTF-8 text file")
+    return DataError(
+        f"{label}: {quoted(path)} is {kind}, not a file; tinychar reads a corpus twice (to count its characters, "
+        "then to encode them), so save it to a file first (zcat corpus.gz > corpus.txt)"
+    )
+
+
+def stat_path(path: Path, label: str) -> os.stat_result | None:
+    """path's status, following links; None when nothing is there; DataError for any other failure.
+
+    A link to nowhere is said plainly: 'no such file' would send the person looking for the link itself.
+    """
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        try:
+            target = os.readlink(path) if os.path.islink(path) else None
+        except OSError:  # replaced since: it is not there either way
+            target = None
+        if target is not None:
+            raise DataError(
+                f"{label}: {quoted(path)} is a symbolic link to {quoted(target)}, which does not exist; fix the link"
+            ) from None
+        return None
+    except OSError as e:
+        raise os_failure(label, path, e) from None
+    except ValueError:  # a NUL character, or a lone surrogate the file system encoding cannot write
+        raise DataError(
+            f"{label}: {quoted(path)} is not a usable path (it holds a character no file name can); check the path"
+        ) from None
+
+
+@contextmanager
+def open_regular(path: Path, label: str) -> Iterator[BinaryIO]:
+    """path opened for binary reading, if it is a regular file; else DataError, without ever blocking.
+
+    O_NONBLOCK because opening a FIFO that no one writes to waits forever; once the open file is known to be a
+    regular file (fstat, so that a file swapped for a pipe after a stat cannot slip through), reads go on as usual.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise os_failure(label, path, e) from None
+    try:
+        kind = file_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise not_a_file(label, path, kind)
+        if hasattr(os, "O_NONBLOCK"):  # (Windows has neither the flag nor FIFOs to need it)
+            os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        try:
+            yield f
+        except OSError as e:  # the bodies only read: EIO from a failing disk or share
+            raise os_failure(label, path, e) from None

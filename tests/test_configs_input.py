@@ -1,0 +1,220 @@
+"""Hostile or careless config input: a key given twice in a YAML file, a bad value blamed on where it really came
+from (command line or file), and input of any size or shape (devices, pipes, huge files, YAML aliases that expand
+to billions of values, keys with newlines) refused quickly in one short line."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from test_configs import TINY, refused, write_yaml
+
+from configs import MAX_CONFIG_BYTES, ConfigError, load_yaml, to_dict
+from training.config import load_config
+
+# A message quotes a value in at most ~80 characters; with its own words, one line stays well under this. The tests
+# of it name their files by short relative paths (see `here`), so that the temporary folder's length does not count.
+SHORT = 300
+
+
+@pytest.fixture
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# ---------------------------------------------------------------------------------------- duplicate keys
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        # a second section would silently replace the first, max_iters and all
+        ("train:\n  max_iters: 5\nmodel:\n  n_layer: 2\ntrain:\n  batch_size: 4\n", "'train' twice (lines 1 and 5)"),
+        ("train:\n  max_iters: 5\n  batch_size: 4\n  max_iters: 7\n", "'train.max_iters' twice (lines 2 and 4)"),
+        ("seed: 1\nout_dir: x\nseed: 2\n", "'seed' twice (lines 1 and 3)"),
+        ('seed: 1\n"seed": 2\n', "'seed' twice (lines 1 and 2)"),  # quoting does not make another key
+        ("model: {n_layer: 2, n_head: 2, n_layer: 3}\n", "'model.n_layer' twice (both on line 1)"),
+        # anywhere in the file, and before any other check
+        ("zzz:\n  - {a: 1}\n  - {b: 1, b: 2}\n", "'zzz[1].b' twice (both on line 3)"),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path, text, fragment):
+    path = write_yaml(tmp_path, text)
+    message = refused(path)
+    assert fragment in message and str(path) in message and "keep one" in message
+
+
+def test_keys_that_repeat_only_across_mappings_or_by_merging_are_not_duplicates(tmp_path):
+    # two mappings with an 'a' each, one mapping reached twice through an alias
+    text = "one: [{a: 1}, {a: 2}]\ntwo: &m {a: 3}\nthree: [*m, *m]\n"
+    assert load_yaml(write_yaml(tmp_path, text, "lists.yaml")) == {
+        "one": [{"a": 1}, {"a": 2}], "two": {"a": 3}, "three": [{"a": 3}, {"a": 3}]}
+    merged = "train: {<<: [{max_iters: 5}, {batch_size: 4}], max_iters: 6}\n"  # merge keys; the explicit one wins
+    assert load_config(str(write_yaml(tmp_path, merged, "merged.yaml")), []).train.max_iters == 6
+
+
+def test_a_file_whose_keys_are_all_distinct_loads_every_value(tmp_path):
+    text = "seed: 7\nout_dir: here\ndata:\n  val_fraction: 0.2\nmodel:\n  n_layer: 2\ntrain:\n  max_iters: 9\n"
+    cfg = load_config(str(write_yaml(tmp_path, text)), [])
+    assert (cfg.seed, cfg.out_dir, cfg.data.val_fraction, cfg.model.n_layer, cfg.train.max_iters) == (
+        7, "here", 0.2, 2, 9)
+
+
+# ------------------------------------------------------------------------------------- where a value came from
+
+
+def test_a_bad_override_is_blamed_on_the_command_line_not_the_file():
+    message = refused(TINY, ["model.n_layer=0"])
+    assert message == "model.n_layer must be >= 1, got 0 (command line: model.n_layer=0)"
+
+
+def test_an_override_of_the_wrong_type_is_quoted():
+    assert refused(TINY, ["seed=abc"]) == "seed must be an integer, got 'abc' (command line: seed=abc)"
+    assert refused(TINY, ["out_dir=  "]) == (
+        "out_dir is empty; give a folder name, or leave it unset for runs/<config file name> "
+        "(command line: 'out_dir=  ')")
+
+
+def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  n_layer: 0\n")
+    assert refused(path, ["seed=3"]) == f"model.n_layer must be >= 1, got 0 (in {path})"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "origin"),
+    [
+        (["model.n_embd=30"], "(command line: model.n_embd=30; model.n_head in {tiny})"),
+        (["model.n_head=5"], "(command line: model.n_head=5; model.n_embd in {tiny})"),
+        (["model.n_embd=30", "model.n_head=4"], "(command line: model.n_embd=30 model.n_head=4)"),
+    ],
+)
+def test_a_check_of_two_keys_names_where_each_came_from(overrides, origin):
+    message = refused(TINY, overrides)
+    assert message.startswith("model.n_embd must be divisible by model.n_head")
+    assert message.endswith(origin.format(tiny=TINY))
+
+
+def test_a_key_left_at_its_default_is_named_as_the_default(tmp_path):
+    message = refused(write_yaml(tmp_path, "seed: 1\n"), ["train.min_lr=0.5"])
+    assert message.endswith("(command line: train.min_lr=0.5; default train.learning_rate)")
+
+
+def test_a_refused_value_that_reads_like_a_key_names_no_key():
+    # 'seed' here is the value the message quotes, not the top-level key seed (which the file sets)
+    message = refused(TINY, ["train.device=seed"])
+    assert message.endswith("got 'seed' (command line: train.device=seed)")
+
+
+def test_a_saved_config_with_a_bad_override_names_both():
+    base = to_dict(load_config(str(TINY), []))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.n_embd=30"], base=base)
+    assert str(info.value).endswith("(command line: model.n_embd=30; model.n_head as configured)")
+
+
+# ------------------------------------------------------------------------------------- bounded reading
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_a_device_is_refused_without_reading_it():
+    started = time.monotonic()
+    assert "'/dev/zero' is a character device, not a file" in refused("/dev/zero")
+    assert time.monotonic() - started < 1
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_pipe_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    assert "is a pipe" in refused(fifo)
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs Unix sockets")
+def test_a_socket_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a socket's path must be short
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("s.yaml")
+        assert "'s.yaml' is a socket, not a file" in refused("s.yaml")
+
+
+def test_a_file_over_the_limit_is_refused_before_it_is_parsed(tmp_path):
+    path = write_yaml(tmp_path, "seed: 1\n" + "#" * MAX_CONFIG_BYTES + "\n")
+    assert f"the limit is {MAX_CONFIG_BYTES:,}" in refused(path)
+    write_yaml(tmp_path, "seed: 1\n" + "#" * (MAX_CONFIG_BYTES - 20) + "\n")  # just under: read as usual
+    assert load_config(str(path), []).seed == 1
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"seed: 1\nout_dir: caf\xe9\n")
+    assert "not UTF-8 text (byte 20 is 0xe9)" in refused(path)
+
+
+# ------------------------------------------------------------------------------------- bounded messages
+
+
+def laughs(levels: int = 9, width: int = 9) -> str:
+    """A list of nested YAML aliases, each level `width` copies of the one before: width**levels strings from a few
+    hundred bytes (the "billion laughs" shape)."""
+    names = [chr(ord("a") + i) for i in range(levels)]
+    rows = [f"&{names[0]} [{', '.join(['lol'] * width)}]"]
+    rows += [f"&{name} [{', '.join([f'*{prev}'] * width)}]" for prev, name in itertools.pairwise(names)]
+    return "[" + ", ".join(rows) + "]"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "seed: {laughs}\n",  # an integer field
+        "model:\n  attention: {laughs}\n",  # a string field
+        "data:\n  path: {laughs}\n",  # a string-or-null field
+        "train: {{max_iters: 5}}\nzzz: {laughs}\n",  # an unknown key whose value is huge
+    ],
+)
+def test_a_few_hundred_bytes_of_nested_aliases_give_a_short_line_at_once(here, text):
+    path = write_yaml(here, text.format(laughs=laughs()))
+    assert path.stat().st_size < 1000
+    started = time.monotonic()
+    message = refused(path.name)
+    assert time.monotonic() - started < 0.5
+    assert len(message) < SHORT
+
+
+def test_a_huge_value_quoted_by_a_configs_own_check_is_cut_short(here):
+    path = write_yaml(here, f"train:\n  device: {'x' * 10_000}\n")
+    message = refused(path.name)
+    assert message.startswith("train.device must be one of") and len(message) < SHORT
+    assert len(refused(TINY, [f"train.device={'y' * 10_000}"])) < SHORT
+
+
+@pytest.mark.parametrize("key", ["bad\nkey", "k" * 10_000, "\x1b[2Jclear"])
+def test_an_unknown_key_is_echoed_escaped_and_short(here, key):
+    path = write_yaml(here, f"? {key!r}\n: 1\n".replace("'", '"'))  # ? for a key over 1024 characters
+    assert load_yaml(path) == {key: 1}  # the premise: YAML reads the key as written
+    for message in (refused(path.name), refused(TINY, [f"{key}=1"]), refused(TINY, [key])):
+        assert len(message) < SHORT and "\x1b" not in message
+    assert "unknown config key 'bad\\nkey'" in refused(TINY, ["bad\nkey=1"])
+
+
+def test_a_huge_override_value_is_quoted_short():
+    message = refused(TINY, [f"seed={'9x' * 10_000}"])
+    assert message.startswith("seed must be an integer, got '9x9x") and len(message) < SHORT
+
+
+def test_a_config_path_with_a_newline_stays_on_one_line(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  n_layer: 0\n", name="two\nlines.yaml")
+    assert "two\\nlines.yaml" in refused(path)  # refused() checks it is one line
+
+
+def test_a_long_alias_name_in_a_yaml_error_is_cut_short(here):
+    message = refused(write_yaml(here, f"seed: *{'a' * 10_000}\n").name)
+    assert "not valid YAML" in message and len(message) < SHORT
+
+
+def test_deep_nesting_is_refused_in_one_line(tmp_path):
+    assert "nested too deeply" in refused(write_yaml(tmp_path, "seed: " + "[" * 5000 + "]" * 5000 + "\n"))

@@ -1,0 +1,213 @@
+"""data/sources.py, data/globs.py and data/paths.py: what data.path names is found without looping or blocking, and
+whatever it is, a person is told in one line. A recursive glob over links back up the tree returns at once; a pipe,
+a device or a socket is refused by what it is; every OSError on the path (a name over 255 bytes, a loop of links, a
+file where a folder should be) names the setting and the reason; a path with a newline or of any length stays on one
+line. Each call runs under a time limit, so that a regression fails here instead of hanging the suite."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from test_data_stream import prepare, text_of, write
+
+from data import DataError, read_text
+from data.sources import resolve_inputs
+
+T = TypeVar("T")
+LIMIT_S = 5.0  # each of these returns in milliseconds; a loop or a blocking open never does
+
+
+@pytest.fixture(autouse=True)
+def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Every test encodes into a folder of its own (never the session's or the user's cache)."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("TINYCHAR_CACHE_DIR", str(folder))
+    return folder
+
+
+def within(fn: Callable[..., T], *args: object, seconds: float = LIMIT_S) -> T:
+    """fn(*args), run in a thread: its result, or its exception raised here; a failure if it takes over seconds.
+
+    A thread rather than a subprocess so that the limit is not spent importing torch; a hung call is left behind in
+    a daemon thread, which ends with the test session.
+    """
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - raised again in the test's own thread, whatever it is
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)}{args!r} did not return within {seconds} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+def refusal(fn: Callable[..., object], *args: object) -> str:
+    """The one-line DataError message that fn(*args) raises within the time limit."""
+    with pytest.raises(DataError) as info:
+        within(fn, *args)
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message and len(message) < 400, message
+    return message
+
+
+def sources_of(spec: str | Path) -> list[str]:
+    return [str(s.path) for s in within(resolve_inputs, str(spec)).sources]
+
+
+# --- globs over links ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def release_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The issue's layout: b/a.txt, and two links back to b itself (as release folders have 'latest', 'current')."""
+    monkeypatch.chdir(tmp_path)
+    b = tmp_path / "b"
+    write(b / "a.txt", "".join(f"{i}\n" for i in range(1, 1001)))
+    (b / "latest").symlink_to(".")
+    (b / "current").symlink_to(".")
+    return b
+
+
+def test_a_recursive_glob_does_not_follow_links_back_up_the_tree(release_tree: Path) -> None:
+    assert sources_of("b/**/*.txt") == ["b/a.txt"]  # glob.glob(recursive=True) never returned here
+    assert sources_of("b/**") == ["b/a.txt"]
+    assert sources_of("b") == ["b/a.txt"]
+    corpus = within(prepare, "b/**/*.txt")
+    assert text_of(corpus) == "".join(f"{i}\n" for i in range(1, 1001))
+
+
+def test_wildcards_that_follow_links_visit_each_real_folder_once(release_tree: Path) -> None:
+    # '*' follows links, as in glob; 12 levels through two self-links are 2**12 paths, but one real folder
+    deep = "b/" + "*/" * 12 + "*.txt"
+    [only] = sources_of(deep)
+    assert Path(only).resolve() == (release_tree / "a.txt").resolve()
+
+
+def test_a_link_to_a_file_is_read_once_and_a_link_to_a_folder_only_where_named(tmp_path: Path) -> None:
+    write(tmp_path / "elsewhere" / "far.txt", "far")
+    write(tmp_path / "b" / "a.txt", "near")
+    (tmp_path / "b" / "far.txt").symlink_to(tmp_path / "elsewhere" / "far.txt")
+    (tmp_path / "b" / "again.txt").symlink_to(tmp_path / "b" / "a.txt")  # the same file under a second name
+    (tmp_path / "b" / "linked").symlink_to(tmp_path / "elsewhere")
+    assert text_of(within(prepare, tmp_path / "b" / "**" / "*.txt")) == "near\nfar"
+    # a wildcard part enters the linked folder, as glob's '*' does
+    assert sources_of(tmp_path / "b" / "*" / "*.txt") == [str(tmp_path / "b" / "linked" / "far.txt")]
+
+
+# --- what data.path names -----------------------------------------------------------------------------------------
+
+
+def test_a_fifo_is_refused_as_a_pipe_without_opening_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)  # no writer: opening it to read would wait forever
+    for fn in (prepare, read_text):
+        message = refusal(fn, fifo)
+        assert message.startswith(f"data.path: '{fifo}' is a pipe") and "so save it to a file first" in message
+
+
+def test_a_shell_process_substitution_is_refused_as_a_pipe() -> None:
+    read_end, write_end = os.pipe()  # what bash's <(zcat corpus.gz) hands over: /dev/fd/N, a pipe
+    try:
+        path = f"/dev/fd/{read_end}"
+        if not os.path.exists(path):
+            pytest.skip("no /dev/fd on this system")
+        assert refusal(prepare, path).startswith(f"data.path: '{path}' is a pipe (a FIFO, or <(command) in a shell)")
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_devices_are_refused_by_kind() -> None:
+    assert refusal(prepare, "/dev/zero").startswith("data.path: '/dev/zero' is a character device, not a file")
+    assert refusal(read_text, "/dev/zero").startswith("data.path: '/dev/zero' is a character device")
+    block = next((p for p in sorted(Path("/dev").iterdir()) if stat.S_ISBLK(os.lstat(p).st_mode)), None)
+    if block is not None:
+        assert refusal(prepare, block).startswith(f"data.path: '{block}' is a block device")
+
+
+def test_a_socket_is_refused_as_a_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a relative name: a socket's path is limited to ~100 bytes
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind("corpus.sock")
+        assert refusal(prepare, tmp_path / "corpus.sock").startswith(f"data.path: '{tmp_path}/corpus.sock' is a socket")
+
+
+def test_pipes_in_a_folder_or_matched_by_a_glob_are_left_out_unopened(tmp_path: Path) -> None:
+    write(tmp_path / "books" / "a.txt", "text")
+    os.mkfifo(tmp_path / "books" / "b.txt")
+    assert text_of(within(prepare, tmp_path / "books")) == "text"
+    assert text_of(within(prepare, tmp_path / "books" / "*.txt")) == "text"
+
+
+# --- errors from the system, in one line ----------------------------------------------------------------------------
+
+
+def test_a_name_over_255_bytes_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    long = tmp_path / ("x" * 300) / "corpus.txt"
+    message = refusal(prepare, long)
+    assert message.startswith("data.path: cannot read '") and "..." in message
+    assert message.endswith(
+        "(File name too long); a name in it is 300 bytes, over the limit of 255; use a shorter name"
+    )
+    assert "over the limit of 255" in refusal(read_text, long)
+
+
+def test_a_loop_of_links_a_file_used_as_a_folder_and_a_link_to_nowhere(tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to("loop")
+    assert "leads back to itself" in refusal(prepare, tmp_path / "loop")
+    assert "leads back to itself" in refusal(prepare, tmp_path / "loop" / "*.txt")
+    write(tmp_path / "a.txt", "text")
+    assert "should be a folder is a file" in refusal(prepare, tmp_path / "a.txt" / "b.txt")
+    (tmp_path / "gone.txt").symlink_to("nowhere.txt")
+    assert refusal(prepare, tmp_path / "gone.txt").endswith(
+        "is a symbolic link to 'nowhere.txt', which does not exist; fix the link"
+    )
+
+
+def test_paths_with_newlines_or_of_any_length_stay_on_one_line(tmp_path: Path) -> None:
+    odd = tmp_path / "two\nlines.txt"
+    assert "two\\nlines.txt' is a pipe" in (os.mkfifo(odd), refusal(prepare, odd))[1]
+    assert "no such file" in refusal(prepare, tmp_path / "no\rsuch\nfile.txt")
+    assert "no text file matches" in refusal(prepare, tmp_path / "no\nmatch*.txt")
+    assert "6,010 bytes, over the system's limit" in refusal(prepare, "a/" * 3000 + "corpus.txt")  # cut when shown
+    write(tmp_path / "new\nline" / "t.txt", "\0binary")
+    assert "new\\nline" in refusal(prepare, tmp_path / "new\nline" / "t.txt")
+
+
+def test_a_folder_that_cannot_be_read_is_refused_not_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path / "books" / "a.txt", "text")
+    locked = tmp_path / "books" / "locked"
+    write(locked / "b.txt", "more")
+
+    def denied(listing: Callable[..., T]) -> Callable[..., T]:
+        """listing, answering for locked as the system does for a folder without read permission (root, who runs
+        some test machines, reads any folder, so chmod alone would not show it)."""
+
+        def wrapped(path: object = ".") -> T:
+            if Path(os.fsdecode(path)) == locked:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+            return listing(path)
+
+        return wrapped
+
+    monkeypatch.setattr(os, "scandir", denied(os.scandir))  # what os.walk lists folders with
+    monkeypatch.setattr(os, "listdir", denied(os.listdir))  # what a wildcard lists a folder with
+    for spec in (tmp_path / "books", tmp_path / "books" / "**" / "*.txt", tmp_path / "books" / "*" / "*.txt"):
+        message = refusal(prepare, spec)
+        assert message.startswith(f"data.path: cannot read the folder '{locked}' (Permission denied); check its")

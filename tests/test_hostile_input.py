@@ -1,0 +1,109 @@
+"""Hostile input, tried as a user would: each row runs the real train.py or sample.py in a process of its own, under a
+memory limit it sets itself (so a regression fails the test instead of the machine), and must end with exit status 2,
+one short line on stderr, no traceback, and the finished run it points at byte for byte as it was."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from test_bad_input import Case
+from test_train import child_env, snapshot
+from training_runs import TINY, write_corpus
+
+from model import load_checkpoint
+from training.checkpoints import save_checkpoint
+
+MEMORY_LIMIT = 8 << 30  # bytes of heap a child may take: a run that slipped past the memory check dies here
+LONG = "x" * 300  # one path component over the 255 bytes file systems allow
+LINE_LIMIT = 400  # characters: an error line quotes short prefixes, never a whole value
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def _changed_checkpoint(c: Case, **model_config: object) -> Path:
+    """A copy of the run's checkpoint whose model_config says otherwise (vocabulary kept)."""
+    payload = load_checkpoint(c.run / "best.pt")
+    payload["model_config"] = {**payload["model_config"], **model_config}
+    path = c.tmp / "changed.pt"
+    save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")}, path)
+    return path
+
+
+def _resume_changed(c: Case, **model_config: object) -> list[str]:
+    shutil.copyfile(_changed_checkpoint(c, **model_config), c.run / "ckpt.pt")
+    return c.resume()
+
+
+def _fifo(c: Case) -> Path:
+    path = c.tmp / "pipe"
+    os.mkfifo(path)
+    return path
+
+
+def _shakespeare(c: Case, *overrides: str) -> list[str]:
+    """The built-in corpus (long enough for any window) into the finished run, with overrides."""
+    return ["--config", TINY, "--overwrite", f"out_dir={c.run}", *overrides]
+
+
+HOSTILE: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
+    # --- sizes checked against memory before anything is allocated
+    ("memory-batch", "train", lambda c: c.train(**{"train.batch_size": 10**12}), "needs about"),
+    ("memory-block", "train", lambda c: _shakespeare(c, "model.block_size=100000", "train.batch_size=1"),
+     "needs about"),
+    ("memory-width", "train", lambda c: c.train(**{"model.n_embd": 10**6, "model.n_head": 1}), "needs about"),
+    ("checkpoint-huge-block", "sample", lambda c: c.sample(checkpoint=_changed_checkpoint(c, block_size=10**6)),
+     "too large for this machine"),
+    ("checkpoint-fractional-layers", "sample", lambda c: c.sample(checkpoint=_changed_checkpoint(c, n_layer=2.5)),
+     "model.n_layer must be an integer, got 2.5"),
+    ("resume-fractional-layers", "train", lambda c: _resume_changed(c, n_layer=2.5),
+     "model.n_layer must be an integer, got 2.5"),
+    # --- what a user names is bounded and is what it claims to be
+    ("config-dev-zero", "train", lambda c: c.train(config="/dev/zero"), "character device"),
+    ("prompt-file-dev-zero", "sample", lambda c: c.sample("--prompt-file", "/dev/zero"), "character device"),
+    ("prompt-file-fifo", "sample", lambda c: c.sample("--prompt-file", str(_fifo(c))), "is a pipe"),
+    ("data-dev-zero", "train", lambda c: c.data(Path("/dev/zero")), "character device"),
+    ("data-fifo", "train", lambda c: c.data(_fifo(c)), "is a pipe"),
+    ("data-newline-in-path", "train", lambda c: c.data(c.tmp / "two\nlines.txt"), "no such file"),
+    # --- every OSError on a user's path is one line
+    ("out_dir-name-too-long", "train", lambda c: c.train(f"out_dir={c.tmp / LONG}"), "File name too long"),
+    ("config-name-too-long", "train", lambda c: c.train(config=c.tmp / f"{LONG}.yaml"), "File name too long"),
+    ("data-name-too-long", "train", lambda c: c.data(c.tmp / LONG), "File name too long"),
+    ("cache-dir-name-too-long", "train", lambda c: c.train(**{"data.cache_dir": c.tmp / LONG}), "File name too long"),
+    ("checkpoint-name-too-long", "sample", lambda c: c.sample(checkpoint=c.tmp / f"{LONG}.pt"), "File name too long"),
+    ("sample-out-dir-name-too-long", "sample", lambda c: ["--out-dir", str(c.tmp / LONG)], "File name too long"),
+    # --- nothing wrong in silence; blame where it is due
+    ("yaml-duplicate-section", "train", lambda c: c.yaml("train:\n  max_iters: 5\ntrain:\n  batch_size: 4\n"),
+     "sets 'train' twice (lines 1 and 3)"),
+    ("override-blamed-on-the-command-line", "train", lambda c: c.train(**{"model.n_layer": 0}), "command line"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("program", "make", "fragment"), [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_input_in_a_real_process_is_one_short_line_exit_2_and_the_run_is_untouched(
+    straight, tmp_path, program, make, fragment
+):
+    run = Path(shutil.copytree(straight[0], tmp_path / "run"))
+    case = Case(tmp=tmp_path, run=run, corpus=write_corpus(tmp_path))
+    args = make(case)
+    before = snapshot(run)
+    result = subprocess.run([sys.executable, f"{program}.py", *map(str, args)], check=False, cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=120, preexec_fn=_limit_memory)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    assert fragment in lines[0] and len(lines[0]) < LINE_LIMIT, lines[0]
+    assert snapshot(run) == before  # (a resume row changed its ckpt.pt before this snapshot, in make)
+    if program == "sample":
+        assert result.stdout == ""
+

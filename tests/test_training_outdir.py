@@ -1,0 +1,119 @@
+"""Tests for training/outdir.py: one live run per out_dir (an OS lock that dies with its process), and --overwrite,
+which keeps the old run until the new one has its first checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, tiny_overrides, train_small_run
+from test_train import child_env, snapshot
+from training_runs import TINY, call, train_main, write_corpus
+
+import training.loop
+from model import load_checkpoint
+from training.errors import UsageError
+from training.lock import LOCK, RunLock
+from training.outdir import ASIDE
+
+
+def start_live_run(tmp_path: Path, out: Path) -> subprocess.Popen:
+    """A real train.py that trains for a long time in out; returns once it holds out_dir (its first step line)."""
+    overrides = tiny_overrides(write_corpus(tmp_path), out, **{"train.max_iters": 10**6, "train.log_interval": 1,
+                                                                "train.eval_interval": 10**6})
+    proc = subprocess.Popen([sys.executable, "train.py", "--config", TINY, *overrides], cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 1/"):
+            return proc
+    raise AssertionError(proc.stderr.read())
+
+
+def test_the_lock_is_taken_once_and_released(tmp_path) -> None:
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    assert first.busy() is None
+    first.acquire()
+    assert f"process {os.getpid()}" in second.busy()
+    with pytest.raises(UsageError, match=rf"is in use by a run that is still going \(process {os.getpid()} on "):
+        second.acquire()
+    first.release()
+    assert second.busy() is None
+    second.acquire()  # a released lock is free again, though its file stays
+    second.release()
+    assert (tmp_path / LOCK).exists()
+
+
+@pytest.mark.slow
+def test_a_second_run_a_resume_or_an_overwrite_of_a_live_run_is_refused_naming_it(tmp_path, capsys) -> None:
+    out = tmp_path / "live"
+    proc = start_live_run(tmp_path, out)
+    try:
+        corpus = write_corpus(tmp_path)
+        attempts = [
+            ["--config", TINY, *tiny_overrides(corpus, out, **{"model.n_layer": 1})],
+            ["--resume", "--out-dir", str(out)],
+            ["--config", TINY, "--overwrite", *tiny_overrides(corpus, out)],
+        ]
+        for args in attempts:
+            before = snapshot(out)
+            code, _, err = call(train_main, args, capsys)
+            assert code == 2, err
+            assert err.strip() == (f"error: '{out}' is in use by a run that is still going (process {proc.pid} on "
+                                   f"{os.uname().nodename}); wait for it to end or stop it, or choose another out_dir")
+            # the live run's own TensorBoard file may grow meanwhile; nothing else may change
+            assert {k: v for k, v in snapshot(out).items() if not k.startswith("events.")} == {
+                k: v for k, v in before.items() if not k.startswith("events.")}
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    # kill -9 leaves no stale lock: the folder is free for a resume at once (the run saved nothing: start afresh)
+    assert RunLock(out).busy() is None
+
+
+def test_overwrite_says_what_it_replaces_and_drops_the_old_run_after_the_first_checkpoint(tmp_path, capsys) -> None:
+    run = train_small_run(tmp_path)
+    old = load_checkpoint(run / "ckpt.pt")["model"]
+    code, out, err = call(train_main, ["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run,
+                                                                                  seed=5)], capsys)
+    assert code == 0, err
+    assert f"overwrite: replacing the run in '{run}' (ckpt.pt, best.pt, config.yaml, 1 TensorBoard file(s))" in out
+    assert not (run / ASIDE).exists()
+    new = load_checkpoint(run / "ckpt.pt")["model"]
+    assert not torch.equal(old["lm_head.weight"], new["lm_head.weight"])
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1
+
+
+def test_an_overwrite_that_fails_before_its_first_checkpoint_gives_the_old_run_back(tmp_path, capsys,
+                                                                                   monkeypatch) -> None:
+    run = train_small_run(tmp_path)
+    before = {name: content for name, (content, _) in snapshot(run).items()}
+
+    def diverge(self):
+        raise FloatingPointError("the first step went wrong")
+
+    monkeypatch.setattr(training.loop.Trainer, "train_step", diverge)
+    with pytest.raises(FloatingPointError):
+        train_main(["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run)])
+    after = {name: content for name, (content, _) in snapshot(run).items()}
+    assert after == before  # every file of the old run back, byte for byte, and nothing of the new one
+
+
+def test_a_run_killed_in_the_middle_of_an_overwrite_leaves_the_old_run_to_be_put_back(tmp_path, capsys) -> None:
+    run = train_small_run(tmp_path)
+    before = load_checkpoint(run / "ckpt.pt")["step"]
+    aside = run / ASIDE
+    aside.mkdir()
+    for name in ("ckpt.pt", "best.pt", "config.yaml"):
+        os.replace(run / name, aside / name)  # as a kill -9 after the move aside, before the first save, leaves it
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run)], capsys)
+    assert code == 2 and "already holds a run (ckpt.pt)" in err  # still a run: not silently replaced
+    code, _, err = call(train_main, ["--config", TINY, "--overwrite", "--out-dir", str(run), "train.max_iters=0",
+                                     f"data.path={tmp_path / 'corpus.txt'}", "model.n_layer=2", "model.n_head=2",
+                                     "model.n_embd=16", "train.batch_size=8", "train.eval_iters=2"], capsys)
+    assert code == 0, err
+    assert not aside.exists() and load_checkpoint(run / "ckpt.pt")["step"] == 0 != before

@@ -1,0 +1,111 @@
+"""A run's out_dir: the checks before a run may use the folder, claiming it (under its lock), and --overwrite, which
+moves the old run aside and deletes it only once the new run has saved its first checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from configs import to_dict
+from configs.userinput import shown
+
+from .checkpoints import write_atomic
+from .config import RunConfig
+from .errors import UsageError
+from .lock import RunLock, in_use
+
+ASIDE = ".replaced"  # where --overwrite keeps the old run until the new one has a checkpoint
+# Temporary files that an atomic write killed midway leaves behind (see write_atomic).
+STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
+
+
+def _run_files(out_dir: Path) -> list[Path]:
+    """What --overwrite replaces: the checkpoints, the resolved config and the TensorBoard logs."""
+    named = [out_dir / name for name in ("ckpt.pt", "best.pt", "config.yaml")]
+    return [p for p in named if p.exists()] + sorted(out_dir.glob("events.out.tfevents.*"))
+
+
+def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a folder a live run holds, a finished run without --resume or --overwrite, and a file in the way."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"out_dir '{shown(str(out_dir))}' exists and is not a folder; choose another out_dir")
+    if holder := RunLock(out_dir).busy():
+        raise in_use(out_dir, holder)
+    if resume:
+        return
+    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", out_dir / ASIDE / "ckpt.pt") if p.exists()]
+    if existing and not overwrite:
+        raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({existing[0].name}); continue it with "
+                         f"--resume, choose another out_dir=..., or start afresh with --overwrite")
+
+
+def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: bool) -> tuple[RunLock, str | None]:
+    """Make out_dir this run's (rank 0 alone, once every check has passed): take the lock, put back a run that an
+    interrupted --overwrite left aside, clear what a killed writer left, move the old run aside on --overwrite, and
+    write the resolved config.yaml. Returns the lock (held until released) and a line saying what --overwrite
+    replaced, if anything."""
+    lock = RunLock(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        recover_aside(out_dir)
+        for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
+            for stale in out_dir.glob(pattern):
+                stale.unlink(missing_ok=True)
+        replaced = move_aside(out_dir) if overwrite and not resume else None
+        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
+        write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
+    except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
+        lock.release()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise UsageError(f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}); choose another out_dir") from None
+    except UsageError:
+        lock.release()
+        raise
+    return lock, replaced
+
+
+def move_aside(out_dir: Path) -> str | None:
+    """Move the old run's files into out_dir/.replaced; a line naming them, or None when there were none."""
+    files = _run_files(out_dir)
+    if not files:
+        return None
+    aside = out_dir / ASIDE
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    for path in files:
+        os.replace(path, aside / path.name)
+    events = sum(1 for p in files if p.name.startswith("events.out.tfevents."))
+    names = [p.name for p in files if not p.name.startswith("events.")] + ([f"{events} TensorBoard file(s)"] * bool(events))
+    return (f"overwrite: replacing the run in '{shown(str(out_dir))}' ({', '.join(names)}); it stays in {ASIDE}/ "
+            f"until this run's first checkpoint, and comes back if this run ends before one")
+
+
+def restore_aside(out_dir: Path) -> None:
+    """Put the run that --overwrite moved aside back in place (this run ended before its first checkpoint)."""
+    aside = out_dir / ASIDE
+    if not aside.is_dir():
+        return
+    for path in _run_files(out_dir):  # what this run wrote in their place
+        path.unlink()
+    for path in aside.iterdir():
+        os.replace(path, out_dir / path.name)
+    aside.rmdir()
+
+
+def drop_aside(out_dir: Path) -> None:
+    """The new run has a checkpoint: the old run it replaced goes."""
+    shutil.rmtree(out_dir / ASIDE, ignore_errors=True)
+
+
+def recover_aside(out_dir: Path) -> None:
+    """A run killed midway through an --overwrite left the old run aside: put it back if the new run saved nothing,
+    else finish the job and delete it."""
+    if (out_dir / ASIDE).is_dir():
+        if (out_dir / "ckpt.pt").exists():
+            drop_aside(out_dir)
+        else:
+            restore_aside(out_dir)
