@@ -117,3 +117,20 @@ def test_a_run_killed_in_the_middle_of_an_overwrite_leaves_the_old_run_to_be_put
                                      "model.n_embd=16", "train.batch_size=8", "train.eval_iters=2"], capsys)
     assert code == 0, err
     assert not aside.exists() and load_checkpoint(run / "ckpt.pt")["step"] == 0 != before
+
+
+def test_a_run_that_reaches_the_claim_second_is_refused_with_the_lock_s_own_line(tmp_path) -> None:
+    """Two runs may pass the early check together; the one that claims the folder second is refused by the lock
+    itself, in the same words, and leaves the first run's lock alone."""
+    from training.config import load_config
+    from training.outdir import claim_out_dir
+
+    cfg = load_config(TINY, [f"out_dir={tmp_path / 'out'}"])
+    lock, _ = claim_out_dir(tmp_path / "out", cfg, resume=False, overwrite=False)
+    try:
+        with pytest.raises(UsageError) as info:
+            claim_out_dir(tmp_path / "out", cfg, resume=False, overwrite=False)
+        assert str(info.value).startswith(f"'{tmp_path / 'out'}' is in use by a run that is still going (process ")
+        assert RunLock(tmp_path / "out").busy() is not None  # still held by the first
+    finally:
+        lock.release()

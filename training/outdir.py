@@ -58,13 +58,13 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
         replaced = move_aside(out_dir) if overwrite and not resume else None
         resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
         write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
+    except UsageError:  # before ValueError, which it is: the lock's refusal says all there is to say
+        lock.release()
+        raise
     except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
         lock.release()
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise UsageError(f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}); choose another out_dir") from None
-    except UsageError:
-        lock.release()
-        raise
     return lock, replaced
 
 
