@@ -58,7 +58,8 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     if replaced is not None:
         trainer.after_first_save = partial(drop_aside, out_dir)
     try:
-        stats = train(trainer, start, payload, resume=resume, progress=progress, started=started, replaced=replaced)
+        stats = train_prepared(trainer, start, payload, resume=resume, progress=progress, started=started,
+                               replaced=replaced)
     finally:
         try:
             if trainer.log is not None:
@@ -74,8 +75,8 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     return stats
 
 
-def train(trainer: Trainer, start: Start, payload: dict | None, *, resume: bool, progress: bool | None,
-          started: float, replaced: str | None) -> dict[str, float]:
+def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resume: bool, progress: bool | None,
+                   started: float, replaced: str | None) -> dict[str, float]:
     """Compile and wrap the model as asked, give the trainer its logger and yardstick, say how the run starts, and
     train."""
     cfg, launch = trainer.cfg, trainer.launch
