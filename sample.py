@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         check_fits(model_need(config, args.num_samples), device, what=f"sampling from '{shown(str(path))}'",
                    advice="it describes a model too large for this machine (or ask for fewer --num-samples)")
         model, vocab = model_from_checkpoint(payload, path)
+        if args.attention_map is not None and config.type != "gpt":
+            raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
         prompt = read_prompt(args, vocab)
         if prompt == "":
             raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from .baselines import build_model
 from .config import GPTConfig
-from .gpt import GPT
 
 FORMAT = "tinychar-checkpoint"  # the "format" entry of every checkpoint, checked on loading
 VERSION = 1
@@ -89,10 +90,11 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
     return config, vocab
 
 
-def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[GPT, list[str]]:
-    """Rebuild the GPT and its vocabulary from a loaded checkpoint, checking that they fit together."""
+def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[nn.Module, list[str]]:
+    """Rebuild the model (a GPT, or the model.type it names) and its vocabulary from a loaded checkpoint, checking
+    that they fit together."""
     config, vocab = checkpoint_config(payload, path)
-    model = GPT(config)
+    model = build_model(config)
     try:
         model.load_state_dict(payload["model"])
     except (RuntimeError, KeyError, TypeError) as e:

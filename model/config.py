@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+MODEL_TYPES = ("gpt", "bigram", "gru")
 ATTENTION_KINDS = ("manual", "fused")
 SCORE_KINDS = ("dot", "additive")
 
@@ -15,6 +16,8 @@ class GPTConfig:
     Each field's ``help`` metadata is its one-line meaning; ``train.py --help`` prints it.
     """
 
+    type: str = field(default="gpt", metadata={
+        "help": "gpt (the notes' transformer), bigram (a table of next-character logits) or gru (a recurrent model)"})
     vocab_size: int = field(default=0, metadata={"help": "number of distinct characters (set from the data)",
                                                   "derived": True})
     block_size: int = field(default=8, metadata={"help": "context length: how many characters a position can see"})
@@ -45,6 +48,12 @@ class GPTConfig:
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
         if self.score not in SCORE_KINDS:
             raise ValueError(f"model.score must be one of {', '.join(SCORE_KINDS)}, got {self.score!r}")
+        if self.type not in MODEL_TYPES:
+            raise ValueError(f"model.type must be one of {', '.join(MODEL_TYPES)}, got {self.type!r}")
+        if self.type != "gpt" and (self.attention != "manual" or self.score != "dot"):
+            option = "model.attention=fused" if self.attention != "manual" else f"model.score={self.score}"
+            raise ValueError(f"{option} means nothing for model.type={self.type}, which has no attention; leave "
+                             f"model.attention and model.score at their defaults")
         if self.score == "additive" and self.attention == "fused":
             raise ValueError(
                 "model.score=additive needs model.attention=manual (the fused kernel only does dot products)")

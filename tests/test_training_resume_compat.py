@@ -53,3 +53,12 @@ def test_a_checkpoint_from_before_the_move_resumes_as_that_code_would(tmp_path, 
     assert float(losses[30]) == pytest.approx(2.9156, abs=2e-3)
     resumed = load_checkpoint(tmp_path / "out" / "ckpt.pt")
     assert resumed["step"] == 30 and resumed["best_val_loss"] == pytest.approx(3.0789, abs=2e-3)
+
+
+def test_a_checkpoint_without_a_model_type_is_a_gpt() -> None:
+    from model import GPT, checkpoint_config
+
+    payload = load_checkpoint(FIXTURE)
+    assert "type" not in payload["model_config"]
+    config, _ = checkpoint_config(payload, FIXTURE)
+    assert config.type == "gpt" and isinstance(model_from_checkpoint(payload, FIXTURE)[0], GPT)

@@ -180,6 +180,9 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
 def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
     """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused."""
     old, new = flatten(saved), flatten(to_dict(cfg))
+    # A key the saved config lacks was added since (model.type): the saved run had its default.
+    defaults = flatten(to_dict(RunConfig()))
+    old.update({k: defaults[k] for k in set(new) - set(old) if k in defaults and k != "out_dir"})
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     refused = [k for k in changed if k not in RESUMABLE_CHANGES]
     if refused:

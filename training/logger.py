@@ -158,8 +158,9 @@ class Logger:
                 self.writer.add_text(tag, text, step)
 
     def attention(self, step: int, model: GPT, ids: list[int], tokenizer: CharTokenizer) -> None:
-        """The attention maps of every layer and head for a fixed prompt, as one image per evaluation."""
-        if self.writer is None:
+        """The attention maps of every layer and head for a fixed prompt, as one image per evaluation (a GPT's: the
+        other model types have no attention)."""
+        if self.writer is None or model.config.type != "gpt":
             return
 
         chars = [tokenizer.chars[i] for i in ids]

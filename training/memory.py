@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPTConfig
+from model import GPTConfig, build_model
 
 from .errors import UsageError
 
@@ -43,8 +43,12 @@ class MemoryNeed:
 
 
 def parameter_count(cfg: GPTConfig) -> int:
-    """Parameters of GPT(cfg), counted from the config (the head shares the token embedding)."""
+    """Parameters of the model cfg describes, counted without allocating them: from the config for a GPT (the head
+    shares the token embedding), on the meta device for the other types."""
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    if cfg.type != "gpt":
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(cfg).parameters())
     bias = 1 if cfg.bias else 0
     # q/k/v and projection, MLP in and out; their 9C biases and the two layer norms' 2C biases; the norms' weights
     per_layer = 12 * C * C + bias * 11 * C + 2 * C
@@ -76,7 +80,7 @@ def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int) -> Memor
     evaluation passes of eval_sequences."""
     return MemoryNeed(
         weights=4 * parameter_count(cfg) * FLOAT,
-        masks=cfg.n_layer * cfg.block_size * cfg.block_size,
+        masks=cfg.n_layer * cfg.block_size * cfg.block_size if cfg.type == "gpt" else 0,
         activations=max(activation_bytes(cfg, batch_size, backward=True),
                         activation_bytes(cfg, eval_sequences, backward=False)),
     )
@@ -88,7 +92,7 @@ def model_need(cfg: GPTConfig, sequences: int = 1) -> MemoryNeed:
     kv_cache = 2 * cfg.n_layer * sequences * cfg.block_size * cfg.n_embd * FLOAT
     return MemoryNeed(
         weights=parameter_count(cfg) * FLOAT,
-        masks=cfg.n_layer * cfg.block_size * cfg.block_size,
+        masks=cfg.n_layer * cfg.block_size * cfg.block_size if cfg.type == "gpt" else 0,
         activations=kv_cache + activation_bytes(cfg, sequences, backward=False),
     )
 

@@ -14,7 +14,7 @@ import torch
 
 from configs.userinput import shown
 from data import Corpus, prepare_corpus, split_ids
-from model import GPT
+from model import build_model
 
 from . import distributed
 from .config import RunConfig
@@ -135,7 +135,7 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
         check_fits(need, device, launch.local_world_size if device.type == "cpu" else 1)
 
         torch.manual_seed(cfg.seed)  # the same initial weights in every process (and DDP broadcasts rank 0's)
-        model = GPT(model_cfg).to(device)
+        model = build_model(model_cfg).to(device)
         optimizer = make_optimizer(model, tc, device)
         scaler = torch.amp.GradScaler(device.type) if start.dtype == torch.float16 else None
         # Each process draws its own batches and dropout masks; rank 0 uses the seed itself, as a lone process does.

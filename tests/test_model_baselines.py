@@ -1,0 +1,79 @@
+"""Tests for model/baselines.py: model.type=bigram and model.type=gru train, resume exactly, sample and save like the
+GPT, through the same train.py, sample.py and checkpoints; options that mean nothing for them are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
+from test_train import bitwise_equal, weights
+
+import sample
+import train
+from model import Bigram, GPTConfig, GRUModel, build_model, load_checkpoint
+from training.memory import parameter_count
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+TYPES = ["bigram", "gru"]
+
+
+def quiet_train(args: list[str]) -> int:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train.main(args, progress=False)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_each_type_is_causal_and_counts_its_parameters(kind) -> None:
+    cfg = GPTConfig(type=kind, vocab_size=20, n_layer=2, n_embd=16, n_head=2)
+    model = build_model(cfg).eval()
+    assert isinstance(model, {"bigram": Bigram, "gru": GRUModel}[kind])
+    assert parameter_count(cfg) == model.num_params() == sum(p.numel() for p in model.parameters())
+    idx = torch.randint(20, (2, 8), generator=torch.Generator().manual_seed(0))
+    later = idx.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % 20
+    a, _ = model(idx)
+    b, _ = model(later)
+    assert torch.equal(a[:, :5], b[:, :5])  # a position never sees what comes after it
+    assert not torch.equal(a[:, 5:], b[:, 5:])
+    with pytest.raises(ValueError, match="has no attention"):
+        model(idx, return_attention=True)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_each_type_trains_saves_samples_and_resumes_exactly(kind, tmp_path, capsys) -> None:
+    (tmp_path / "straight").mkdir()
+    run = train_small_run(tmp_path / "straight", **{"model.type": kind, "train.lr_decay_iters": 20})
+    payload = load_checkpoint(run / "ckpt.pt")
+    assert payload["model_config"]["type"] == kind and payload["step"] == 20
+    capsys.readouterr()
+    assert sample.main(["--out-dir", str(run), "--prompt", "First", "--max-new-tokens", "15"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("First") and len(out) == len("First") + 15 + 1
+
+    half = tmp_path / "half"
+    half.mkdir()
+    corpus = half / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    keys = {"model.type": kind, "train.lr_decay_iters": 20, "train.max_iters": 10}
+    assert quiet_train(["--config", TINY, *tiny_overrides(corpus, half / "out", **keys)]) == 0
+    assert quiet_train(["--resume", "--out-dir", str(half / "out"), "train.max_iters=20"]) == 0
+    assert bitwise_equal(weights(half / "out" / "ckpt.pt"), weights(run / "ckpt.pt"))
+
+
+def test_options_that_mean_nothing_for_a_type_are_refused_in_one_line(tmp_path, capsys) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    args = ["--config", TINY, *tiny_overrides(corpus, tmp_path / "out"), "model.type=gru", "model.score=additive"]
+    assert train.main(args, progress=False) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model.score=additive means nothing for model.type=gru, which has no attention")
+    assert len(err.splitlines()) == 1
+    (tmp_path / "bigram").mkdir()
+    run = train_small_run(tmp_path / "bigram", **{"model.type": "bigram"})
+    capsys.readouterr()
+    assert sample.main(["--out-dir", str(run), "--attention-map", str(tmp_path / "a.png")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --attention-map: a bigram model has no attention to draw "
+                                               "(model.type=gpt has)")
