@@ -15,10 +15,10 @@ from pathlib import Path
 try:  # Ctrl-C while torch loads (a second or more) ends the command with one line, not a traceback from an import
     import torch
 
-    from configs.userinput import read_user_file, shown
+    from configs.userinput import OneLineParser, read_user_file, shown
     from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
     from training.devices import DeviceError, resolve_device
-    from training.errors import OneLineParser, UsageError, path_error, path_message
+    from training.errors import UsageError, path_error, path_message
     from training.logger import discard_stdout
     from training.memory import check_fits, model_need
 except KeyboardInterrupt:

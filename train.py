@@ -25,10 +25,11 @@ try:  # Ctrl-C while torch loads (a second or more) ends the command with one li
     import torch
 
     from configs import describe
+    from configs.userinput import OneLineParser
     from training import distributed
     from training.checkpoints import load_run
     from training.config import DEFAULT_CONFIG, RunConfig
-    from training.errors import OneLineParser, agree, exit_status, failure_line
+    from training.errors import agree, exit_status, failure_line
     from training.logger import say
     from training.runner import run
     from training.signals import InterruptSignals

@@ -1,13 +1,15 @@
-"""What a person typed or named, made safe to quote and to read: short escaped quotes for one-line messages, and
-files that must be regular files of a bounded size. Every entry point and package opens a user's small file (a
-config, a prompt) and quotes a user's value through here."""
+"""What a person typed or named, made safe to quote and to read: short escaped quotes for one-line messages,
+files that must be regular files of a bounded size, and command lines whose errors are one line. Every entry
+point and package opens a user's small file (a config, a prompt) and quotes a user's value through here."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import reprlib
 import stat
 from pathlib import Path
+from typing import NoReturn
 
 # Characters of a value quoted in a message: enough to recognise it, never enough to flood a terminal.
 QUOTE_LIMIT = 80
@@ -83,3 +85,10 @@ def read_user_file(path: str | Path, what: str, max_bytes: int, error: type[Exce
     if len(data) > max_bytes:  # it grew while being read
         raise error(f"{what}: '{name}' is over the limit of {max_bytes:,} bytes")
     return data
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

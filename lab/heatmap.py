@@ -289,6 +289,15 @@ def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageF
     x0 = layout.origin[0] + layout.n_head * layout.cell_w
     y0 = layout.origin[1] + layout.top
     h = max(layout.T * layout.px, 100)
+    _colour_scale(draw, x0, y0, h, font)
+    _, top, _, bottom = font.getbbox("0.5")
+    sy = y0 + h + 12
+    draw.rectangle((x0, sy, x0 + CBAR_W - 1, sy + CBAR_W - 1), fill=EMPTY_COLOUR, outline=FRAME)
+    draw.text((x0 + CBAR_W + 6, sy + CBAR_W / 2 - (top + bottom) / 2), "future (masked)", font=font, fill=INK)
+
+
+def _colour_scale(draw: ImageDraw.ImageDraw, x0: int, y0: int, h: int, font: ImageFont.ImageFont) -> None:
+    """The colour bar itself, h pixels tall with its top-left corner at (x0, y0): 1 at the top, 0 at the bottom."""
     for dy in range(h):
         draw.line([(x0, y0 + dy), (x0 + CBAR_W - 1, y0 + dy)], fill=colour_at(1.0 - dy / (h - 1)))
     draw.rectangle((x0 - 1, y0 - 1, x0 + CBAR_W, y0 + h), outline=FRAME)
@@ -297,9 +306,55 @@ def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageF
         y = y0 + round((1.0 - value) * (h - 1))
         draw.line([(x0 + CBAR_W, y), (x0 + CBAR_W + 3, y)], fill=INK)
         draw.text((x0 + CBAR_W + 6, y - (top + bottom) / 2), text, font=font, fill=INK)
-    sy = y0 + h + 12
-    draw.rectangle((x0, sy, x0 + CBAR_W - 1, sy + CBAR_W - 1), fill=EMPTY_COLOUR, outline=FRAME)
-    draw.text((x0 + CBAR_W + 6, sy + CBAR_W / 2 - (top + bottom) / 2), "future (masked)", font=font, fill=INK)
+
+
+def render_attention_map(
+    weights: torch.Tensor,
+    row_labels: list[str],
+    column_labels: list[str],
+    title: str | None = None,
+    rows: str = "query",
+    columns: str = "key",
+) -> Image.Image:
+    """One labelled (Tq, Tk) map of attention weights with no mask, such as a decoder's attention over its encoder.
+
+    Row i is query i (labelled row_labels[i], down the left), its colours the weights over the keys (column_labels,
+    along the top); rows and columns name the two axes in a caption under the title. Same colours, fonts and
+    colour bar as ``render_attention_grid``; every cell is a weight, so there is no grey.
+    """
+    if weights.dim() != 2 or tuple(weights.shape) != (len(row_labels), len(column_labels)) or weights.numel() == 0:
+        raise ValueError(f"weights must be (rows, columns) = ({len(row_labels)}, {len(column_labels)}) and non-empty, "
+                         f"got {tuple(weights.shape)}")
+    Tq, Tk = weights.shape
+    axis_font, label_font, title_font = _fonts(cell_pixels(max(Tq, Tk)))
+    row_labels = [_legible(axis_font, display_char(s)) if len(s) == 1 else s for s in row_labels]
+    column_labels = [_legible(axis_font, display_char(s)) if len(s) == 1 else s for s in column_labels]
+    # Every column is labelled, so a cell is at least as wide as its widest label.
+    px = max(cell_pixels(max(Tq, Tk)), max(_label_width(axis_font, s) for s in column_labels) + 4)
+    char_h = _text_size(axis_font, "Hg")[1]
+    caption = f"rows: {rows}, columns: {columns}"
+    title_h = _text_size(title_font, title)[1] + 10 if title else 0
+    caption_h = _text_size(label_font, caption)[1] + 8
+    left = max(_label_width(axis_font, s) for s in row_labels) + 10
+    x0, y0 = MARGIN + left, MARGIN + title_h + caption_h + char_h + 8
+    cbar_h = max(Tq * px, 100)
+    width = max(x0 + Tk * px + GAP + CBAR_W + 40, _text_size(label_font, caption)[0] + 2 * MARGIN)
+    width = max(width, _text_size(title_font, title)[0] + 2 * MARGIN) if title else width
+    image = Image.new("RGB", (width + MARGIN, y0 + max(Tq * px, cbar_h) + MARGIN), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    if title:
+        draw.text((MARGIN, MARGIN), title, font=title_font, fill=INK)
+    draw.text((MARGIN, MARGIN + title_h), caption, font=label_font, fill=INK)
+    rgb = colourise(weights)  # (Tq, Tk, 3)
+    heat = Image.frombytes("RGB", (Tk, Tq), bytes(rgb.flatten().tolist()))
+    image.paste(heat.resize((Tk * px, Tq * px), Image.Resampling.NEAREST), (x0, y0))
+    draw.rectangle((x0 - 1, y0 - 1, x0 + Tk * px, y0 + Tq * px), outline=FRAME)
+    for j, label in enumerate(column_labels):
+        _draw_label(draw, label, x0 + j * px + px / 2, y0 - 6 - char_h / 2, axis_font)
+    for i, label in enumerate(row_labels):
+        _draw_label(draw, label, x0 - 6 - _label_width(axis_font, label) / 2, y0 + i * px + px / 2, axis_font)
+    _colour_scale(draw, x0 + Tk * px + GAP, y0, cbar_h, label_font)
+    return image
 
 
 def save_attention_map(

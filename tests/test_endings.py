@@ -81,13 +81,18 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_status_130(tmp_path, script):
 
 @pytest.mark.slow
 def test_a_real_ctrl_c_soon_after_launch_is_one_line_and_status_130(small_corpus, tmp_path):
-    """Wherever the signal lands (the imports, the arguments, reading the data), one line and 130."""
+    """Wherever the signal lands (the imports, the arguments, reading the data), one line and 130. On a loaded
+    machine it can land before the interpreter has set up its own Ctrl-C handling: then the process ends as any
+    program does on SIGINT (a shell shows 130 too), with nothing printed."""
     proc = start("train.py", "--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out"))
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err, err
+    if proc.returncode == -signal.SIGINT:  # killed before Python's own handler existed
+        assert err == ""
+    else:
+        assert proc.returncode == 130 and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow

@@ -3,13 +3,11 @@ torchrun launch agree on one so that none is left waiting."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import shlex
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 from configs import ConfigError
 from configs.userinput import shown
@@ -159,10 +157,3 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
         return (f"error: lost contact with another process of the run ({reason}); what ended it is in its own "
                 f"output or torchrun's report")
     return None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -1,0 +1,27 @@
+"""``python -m lab <command>``: the lab's runnable exercises. ``sort``: sorting digits with attention."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {"sort": "sorting digits with a GRU or transformer encoder-decoder, with or without attention"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m lab <command> [options]\n")
+        for name, what in COMMANDS.items():
+            print(f"  {name:<6} {what}")
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        given = f"unknown command '{argv[0]}'" if argv else "no command given"
+        print(f"error: {given}; the commands are: {', '.join(COMMANDS)} (see python -m lab --help)", file=sys.stderr)
+        return 2
+    from lab import sort  # imported only when run: torch and the models are slow to load for --help
+
+    return sort.main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

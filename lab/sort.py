@@ -1,0 +1,276 @@
+"""Sorting digits with attention: the notes' encoder-decoder exercise, trained and measured in seconds on a CPU.
+
+``python -m lab sort`` trains a GRU encoder-decoder with Bahdanau attention (``--score additive|dot``), or the
+same task with the bottleneck (``--no-attention``: the decoder sees only the final encoder state), or a tiny
+transformer encoder-decoder (``--model transformer``). It prints the exact-sequence accuracy of greedy decoding
+on held-out sequences and saves the decoder-over-encoder attention as a heatmap. ``--bottleneck`` prints accuracy
+by length with and without attention instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from configs.userinput import OneLineParser
+from lab.heatmap import attention_grid_tensor, render_attention_map
+from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
+
+MODELS = ("gru", "transformer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SortConfig:
+    """One sorting run: the task, the model and its training."""
+
+    model: str = "gru"
+    """'gru' (encoder, attention layer, decoder) or 'transformer' (encoder-decoder with cross-attention)."""
+    length: int = 8
+    """Digits per sequence, input and output alike."""
+    digits: int = 10
+    """Alphabet size: sequences are drawn uniformly from 0..digits-1, with repeats."""
+    score: str = "additive"
+    """GRU attention score: 'additive' (Bahdanau) or 'dot' (scaled dot product)."""
+    attention: bool = True
+    """GRU only: False is the bottleneck, the decoder's context is the final encoder state alone."""
+    n_embd: int = 64
+    """Width of the model."""
+    steps: int = 400
+    """Optimiser steps, each on a fresh batch."""
+    batch_size: int = 128
+    """Sequences per step."""
+    learning_rate: float = 3e-3
+    """Adam's peak learning rate; it decays to a tenth along a cosine."""
+    eval_size: int = 2000
+    """Held-out sequences the accuracy is measured on."""
+    seed: int = 0
+    """Seeds the weights, the training batches and (seed + 1) the held-out sequences."""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.model == "transformer" and not self.attention:
+            raise ValueError("--no-attention is for the GRU; a transformer without attention has nothing left")
+        for name in ("length", "steps", "batch_size", "eval_size", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.digits < 2:
+            raise ValueError(f"digits must be at least 2, got {self.digits}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+
+    def seq2seq(self) -> Seq2SeqConfig:
+        return Seq2SeqConfig(digits=self.digits, length=self.length, n_embd=self.n_embd, score=self.score,
+                             attention=self.attention)
+
+
+class Batch(NamedTuple):
+    src: torch.Tensor  # (B, T) digits as drawn
+    tgt_in: torch.Tensor  # (B, T) the start token, then the sorted digits but the last: what teacher forcing feeds
+    tgt: torch.Tensor  # (B, T) the sorted digits
+
+
+def sorting_batch(n: int, length: int, digits: int, generator: torch.Generator) -> Batch:
+    """n random sequences and their sorted versions; the start token is ``digits``."""
+    src = torch.randint(0, digits, (n, length), generator=generator)
+    tgt = src.sort(dim=-1).values
+    start = torch.full((n, 1), digits, dtype=torch.long)
+    return Batch(src, torch.cat([start, tgt[:, :-1]], dim=1), tgt)
+
+
+def lr_at(step: int, cfg: SortConfig) -> float:
+    """Cosine from the peak at step 0 to a tenth of it at the last step: the last steps polish, not jump."""
+    progress = step / max(cfg.steps - 1, 1)
+    return cfg.learning_rate * (0.1 + 0.9 * 0.5 * (1.0 + torch.cos(torch.tensor(progress * torch.pi)).item()))
+
+
+def new_model(cfg: SortConfig) -> GRUSeq2Seq | TransformerSeq2Seq:
+    """The untrained model, its weights drawn from cfg.seed without touching the global random state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return build(cfg.seq2seq(), cfg.model)
+
+
+def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: object | None = None) -> list[float]:
+    """Teacher-forced cross-entropy on fresh batches; returns the loss of every step."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    optimiser = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
+    model.train()
+    losses = []
+    for step in range(cfg.steps):
+        for group in optimiser.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = sorting_batch(cfg.batch_size, cfg.length, cfg.digits, generator)
+        logits, _ = model(batch.src, batch.tgt_in)  # (B, T, digits)
+        loss = F.cross_entropy(logits.reshape(-1, cfg.digits), batch.tgt.reshape(-1))
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        # A GRU unrolled through its decoder loop can take one huge step that undoes the rest; clipping keeps it.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimiser.step()
+        losses.append(loss.item())
+        if writer is not None and step % 10 == 0:
+            writer.add_scalar("loss/train", losses[-1], step)
+    return losses
+
+
+def held_out(cfg: SortConfig) -> Batch:
+    """The evaluation sequences: their own generator, so they are the same whatever the training did."""
+    return sorting_batch(cfg.eval_size, cfg.length, cfg.digits, torch.Generator().manual_seed(cfg.seed + 1))
+
+
+def evaluate(model: GRUSeq2Seq | TransformerSeq2Seq, batch: Batch) -> tuple[float, torch.Tensor | None]:
+    """Exact-sequence accuracy of greedy decoding (every digit right), and its attention (B, T_out, T_in)."""
+    model.eval()
+    out, weights = model.greedy(batch.src)
+    return (out == batch.tgt).all(dim=-1).float().mean().item(), weights
+
+
+class SortResult(NamedTuple):
+    model: GRUSeq2Seq | TransformerSeq2Seq
+    accuracy: float
+    seconds: float  # training time
+    example: torch.Tensor  # (T,) the first held-out sequence
+    weights: torch.Tensor | None  # (T_out, T_in) attention while decoding it; None without attention
+
+
+def run(cfg: SortConfig, writer: object | None = None) -> SortResult:
+    """Train a model as cfg says and measure it on the held-out sequences."""
+    model = new_model(cfg)
+    start = time.perf_counter()
+    train(model, cfg, writer)
+    seconds = time.perf_counter() - start
+    batch = held_out(cfg)
+    accuracy, weights = evaluate(model, batch)
+    return SortResult(model, accuracy, seconds, batch.src[0], None if weights is None else weights[0])
+
+
+def describe(cfg: SortConfig) -> str:
+    """The model in a few words: 'GRU, additive attention', 'GRU, no attention', 'transformer'."""
+    if cfg.model == "transformer":
+        s = cfg.seq2seq()
+        return f"transformer ({s.n_embd} wide, {s.n_layer} block(s) each side, {s.n_head} heads)"
+    return f"GRU, {cfg.score} attention" if cfg.attention else "GRU, no attention (final encoder state only)"
+
+
+def heatmap_of(result: SortResult, cfg: SortConfig) -> object:
+    """The picture of one decoding: output digits down the side, input digits along the top."""
+    inputs = [str(d) for d in result.example.tolist()]
+    outputs = [str(d) for d in result.example.sort().values.tolist()]
+    heads = cfg.seq2seq().n_head
+    title = f"transformer: cross-attention (mean of {heads} heads)" if cfg.model == "transformer" else describe(cfg)
+    return render_attention_map(result.weights, outputs, inputs, title=title, rows="sorted output", columns="input")
+
+
+def save_heatmap(image: object, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG")
+    return path
+
+
+def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, float, float]]:
+    """(length, accuracy with attention, accuracy without) for each length, same budget for both."""
+    rows = []
+    for length in lengths:
+        cfg = replace(base, model="gru", length=length)
+        rows.append((length, run(replace(cfg, attention=True)).accuracy, run(replace(cfg, attention=False)).accuracy))
+    return rows
+
+
+def tensorboard_writer(logdir: str | None) -> object | None:
+    if logdir is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # imported only when asked for: it is slow to load
+
+    return SummaryWriter(logdir)
+
+
+def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:
+    writer.add_scalar("accuracy/held_out", result.accuracy, cfg.steps)
+    if image is not None:
+        writer.add_image("attention/decoder_over_encoder", attention_grid_tensor(image), cfg.steps, dataformats="CHW")
+    writer.close()
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m lab sort", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gru", help="gru (default) or transformer")
+    p.add_argument("--score", default="additive", help="GRU attention score: additive (default) or dot")
+    p.add_argument("--no-attention", action="store_true", help="GRU without attention: the bottleneck")
+    p.add_argument("--length", type=int, default=8, help="digits per sequence (default 8)")
+    p.add_argument("--digits", type=int, default=10, help="alphabet size (default 10: digits 0-9)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 400 GRU, 600 transformer)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heatmap", default=None, help="PNG to write (default sort_<model>_<attention>.png)")
+    p.add_argument("--logdir", default=None, help="also log loss, accuracy and the heatmap to TensorBoard here")
+    p.add_argument("--bottleneck", action="store_true",
+                   help="print accuracy by length with and without attention (GRU) instead of one run")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8, 16], help="lengths for --bottleneck")
+    return p
+
+
+def config_from(args: object) -> SortConfig:
+    transformer = args.model == "transformer"
+    return SortConfig(
+        model=args.model, length=args.length, digits=args.digits, score=args.score,
+        attention=not args.no_attention, batch_size=args.batch_size, seed=args.seed,
+        steps=args.steps if args.steps is not None else (600 if transformer else 400),
+        learning_rate=args.lr if args.lr is not None else (1e-3 if transformer else 3e-3),
+    )
+
+
+def default_heatmap(cfg: SortConfig) -> str:
+    if cfg.model == "transformer":
+        return "sort_transformer_cross_attention.png"
+    return f"sort_gru_{cfg.score}_attention.png"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        cfg = config_from(args)
+        if args.bottleneck and min(args.lengths) < 1:
+            raise ValueError(f"--lengths must be at least 1, got {min(args.lengths)}")
+    except ValueError as e:
+        p.error(str(e))
+    if args.bottleneck:
+        print(f"exact-sequence accuracy on {cfg.eval_size} held-out sequences of digits 0-{cfg.digits - 1}, "
+              f"GRU, {cfg.steps} steps of {cfg.batch_size}, {cfg.score} attention vs the final state alone")
+        print("length  attention  no attention")
+        for length, with_attn, without in bottleneck_table(cfg, args.lengths):
+            print(f"{length:>6}  {with_attn:>9.1%}  {without:>12.1%}", flush=True)
+        return 0
+    writer = tensorboard_writer(args.logdir)
+    result = run(cfg, writer)
+    print(f"{describe(cfg)}, length {cfg.length}, digits 0-{cfg.digits - 1}: {cfg.steps} steps in "
+          f"{result.seconds:.1f} s; exact-sequence accuracy {result.accuracy:.2%} on {cfg.eval_size} "
+          f"held-out sequences")
+    image = heatmap_of(result, cfg) if result.weights is not None else None
+    if image is not None:
+        try:
+            path = save_heatmap(image, args.heatmap or default_heatmap(cfg))
+        except OSError as e:
+            print(f"error: cannot write the heatmap '{e.filename}' ({e.strerror}); give another --heatmap path",
+                  file=sys.stderr)
+            return 2
+        print(f"heatmap: {path}")
+    if writer is not None:
+        log_result(writer, result, image, cfg)
+        print(f"TensorBoard: {args.logdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

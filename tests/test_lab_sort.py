@@ -1,0 +1,117 @@
+"""Sorting digits with attention: the GRU sorter learns, looks where the digits are, and the bottleneck shows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from lab.__main__ import main as lab_main
+from lab.sort import SortConfig, evaluate, held_out, main, new_model, run, sorting_batch, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Measured on 2026-11-23 (2-core AMD EPYC, one thread): 400 steps of 128 train in 9.5 s to 99.7% exact-sequence
+# accuracy, and the strongest cell of 97.8% of the heatmap's rows holds the digit that row outputs.
+GRU_LENGTH_8 = SortConfig(steps=400, eval_size=1000)
+
+
+@pytest.fixture(scope="module")
+def trained_gru():
+    return run(GRU_LENGTH_8)
+
+
+def test_batches_are_sorted_copies_and_reproducible():
+    a = sorting_batch(4, 6, 10, torch.Generator().manual_seed(3))
+    b = sorting_batch(4, 6, 10, torch.Generator().manual_seed(3))
+    assert torch.equal(a.src, b.src)
+    assert torch.equal(a.tgt, a.src.sort(-1).values)
+    assert torch.all(a.tgt_in[:, 0] == 10) and torch.equal(a.tgt_in[:, 1:], a.tgt[:, :-1])  # start, then shifted
+
+
+def test_training_is_deterministic():
+    cfg = SortConfig(steps=3, batch_size=8, n_embd=8)
+    assert train(new_model(cfg), cfg) == train(new_model(cfg), cfg)
+
+
+@pytest.mark.slow
+def test_gru_with_attention_sorts_length_8(trained_gru):
+    assert trained_gru.accuracy >= 0.99
+
+
+@pytest.mark.slow
+def test_each_output_looks_at_where_its_digit_sits(trained_gru):
+    batch = held_out(GRU_LENGTH_8)
+    _, weights = evaluate(trained_gru.model, batch)  # (B, T_out, T_in)
+    looked_at = torch.gather(batch.src, 1, weights.argmax(dim=-1))  # the input digit under each row's strongest cell
+    assert (looked_at == batch.tgt).float().mean().item() >= 0.95
+
+
+@pytest.mark.slow
+def test_without_attention_length_16_is_measurably_worse():
+    # With 50 symbols the final encoder state must hold 16 of 50 values; with attention the decoder looks them up.
+    # Measured on 2026-11-23 (2-core AMD EPYC, one thread): 27% exact with attention (12 s), 0% without (4.5 s).
+    cfg = SortConfig(length=16, digits=50, steps=200, eval_size=300)
+    with_attention = run(cfg).accuracy
+    without = run(SortConfig(length=16, digits=50, steps=200, eval_size=300, attention=False)).accuracy
+    assert with_attention >= 0.10 and without <= with_attention - 0.10
+
+
+def test_heatmap_png_is_written(tmp_path, capsys):
+    path = tmp_path / "maps" / "gru.png"
+    assert main(["--steps", "2", "--batch-size", "8", "--heatmap", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "exact-sequence accuracy" in out and str(path) in out
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 100 and image.height > 100
+
+
+def test_no_attention_has_no_heatmap(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--no-attention", "--steps", "2", "--batch-size", "8"]) == 0
+    assert "heatmap" not in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "lstm"],
+        ["--score", "cosine"],
+        ["--length", "0"],
+        ["--digits", "1"],
+        ["--steps", "many"],
+        ["--model", "transformer", "--no-attention"],
+        ["--bottleneck", "--lengths", "8", "0"],
+        ["--frobnicate"],
+    ],
+)
+def test_bad_options_are_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_unknown_command_is_one_line_and_exit_2(capsys):
+    assert lab_main(["shuffle"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'shuffle'" in err and err.count("\n") == 1
+
+
+def test_unwritable_heatmap_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / "file" / "map.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the heatmap") and err.count("\n") == 1
+
+
+def test_the_real_command_refuses_bad_options_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "lab", "sort", "--score", "cosine"], check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "score must be one of additive, dot" in done.stderr
