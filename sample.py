@@ -7,12 +7,13 @@ stdout carries only the samples (the prompt, then the generated characters); eve
 
 from __future__ import annotations
 
-import argparse
-import signal
+import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
-from pathlib import Path
 
-try:  # Ctrl-C while torch loads (a second or more) ends the command with one line, not a traceback from an import
+try:  # Ctrl-C while the modules load (torch takes a second or more) is one line, not a traceback from an import
+    import argparse
+    from pathlib import Path
+
     import torch
 
     from configs.userinput import OneLineParser, read_user_file, shown

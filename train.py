@@ -15,13 +15,14 @@ the training package's.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
-import signal
+import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
 
-try:  # Ctrl-C while torch loads (a second or more) ends the command with one line, not a traceback from an import
+try:  # Ctrl-C while the modules load (torch takes a second or more) is one line, not a traceback from an import
+    import argparse
+    import contextlib
+    import io
+
     import torch
 
     from configs import describe
