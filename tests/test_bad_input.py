@@ -123,7 +123,7 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- command-line overrides
     ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
     ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
-    ("override-wrong-type", "train", lambda c: c.train(**{"train.compile": "maybe"}), "must be true/false"),
+    ("override-wrong-type", "train", lambda c: c.train(**{"train.compile": "maybe"}), "must be one of auto, true, false"),
     ("override-negative-rate", "train", lambda c: c.train(**{"train.learning_rate": -0.1}), "finite number >= 0"),
     ("override-dropout-1", "train", lambda c: c.train(**{"model.dropout": 1.0}), "model.dropout must be in [0, 1)"),
     ("override-seed-too-big", "train", lambda c: c.train(seed=2**64), "seed must fit"),

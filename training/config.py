@@ -18,6 +18,7 @@ DEFAULT_CONFIG = "configs/tiny.yaml"
 _PROJECT = Path(__file__).resolve().parents[1]
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE = ("auto", "true", "false")
 # More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
 MAX_THREADS = 4096
 
@@ -48,7 +49,9 @@ class TrainConfig:
     device: str = field(default="auto", metadata={"help": "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"})
     dtype: str = field(default="auto", metadata={
         "help": "auto, float32, bfloat16 or float16 (autocast); auto = bfloat16 on CUDA if supported, else float32"})
-    compile: bool = field(default=False, metadata={"help": "torch.compile the model (slow start, faster steps)"})
+    compile: bool | str = field(default="auto", metadata={
+        "help": "torch.compile the training step: auto (where the run is long enough to win the compile time "
+                "back), true or false"})
     threads: int = field(default=0, metadata={
         "help": "CPU threads for torch (0 = torch's default; under torchrun, the cores shared out among processes)"})
     backend: str = field(default="auto", metadata={
@@ -80,6 +83,10 @@ class TrainConfig:
             raise ValueError(f"train.device must be one of auto, cpu, cuda, cuda:N, mps; got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if isinstance(self.compile, bool):  # YAML's true/false, and configs saved before auto existed
+            object.__setattr__(self, "compile", str(self.compile).lower())
+        if self.compile not in COMPILE:
+            raise ValueError(f"train.compile must be one of {', '.join(COMPILE)}; got {self.compile!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"train.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
 

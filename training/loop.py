@@ -88,6 +88,11 @@ class Trainer:
         self.optimizer, self.scaler = optimizer, scaler
         self.splits, self.device, self.dtype, self.gen = splits, device, dtype, gen
         self.launch = launch or Launch()
+        # Set by the runner when the whole step runs compiled (training.engine.CompiledStep); engine names the path
+        # taken, which a checkpoint records so that a resumed `auto` run takes the same one.
+        self.compiled_step: Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
+        self.compiled_step = None
+        self.engine = "eager"
         self.step, self.best_val = step, best_val
         self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
         self.reseeded = False  # resumed with another number of processes: batches drawn afresh (see restore_rng)
@@ -135,6 +140,8 @@ class Trainer:
         lr = lr_at(self.step, tc)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.compiled_step is not None:
+            return self.compiled_train_step(lr)
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(tc.grad_accum_steps):
             x, y = get_batch(self.splits["train"], block_size, tc.batch_size, self.gen, self.device)
@@ -163,6 +170,23 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum, grad_norm, lr
+
+    def micro_batches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's micro-batches stacked, (grad_accum_steps, batch_size, T) each: drawn one by one, as the eager
+        step draws them, so both engines train on the same batches."""
+        pairs = [get_batch(self.splits["train"], self.cfg.model.block_size, self.tc.batch_size, self.gen, self.device)
+                 for _ in range(self.tc.grad_accum_steps)]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+    def compiled_train_step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """train_step through the compiled engine: forward, backward, clipping and AdamW in one call, which updates
+        nothing when the loss or gradient norm is not finite."""
+        xs, ys = self.micro_batches()
+        loss_sum, grad_norm = self.compiled_step(xs, ys, lr)
+        if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step)
         self.step += 1
         return loss_sum, grad_norm, lr
 
@@ -276,6 +300,7 @@ class Trainer:
             state = checkpoint_payload(self.model, self.optimizer, self.scaler, self.tokenizer, self.cfg, self.step,
                                        self.best_val, self.gen, ranks)
             state["data_fingerprint"] = self.data_fingerprint
+            state["engine"] = self.engine
             # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
             # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
             self.log.flush()

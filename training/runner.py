@@ -20,6 +20,7 @@ from . import distributed
 from .config import RunConfig
 from .devices import matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
+from .engine import choose_engine, compile_blocks, start_engine
 from .errors import UsageError, agreeing
 from .logger import Logger
 from .loop import Trainer, eval_pass_sequences
@@ -80,8 +81,9 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
     """Compile and wrap the model as asked, give the trainer its logger and yardstick, say how the run starts, and
     train."""
     cfg, launch = trainer.cfg, trainer.launch
-    if cfg.train.compile:
-        trainer.fwd = torch.compile(trainer.model)
+    engine = choose_engine(trainer, payload, start.device)
+    if engine.kind == "blocks":  # compiled lazily, at the first steps; DDP then wraps the compiled blocks
+        compile_blocks(trainer.model)
     if launch.torchrun:
         trainer.fwd = distributed.data_parallel(trainer.fwd, start.device)
     log = Logger(Path(cfg.out_dir), trainer.step, cfg.train.max_iters, cfg.train.tensorboard, progress,
@@ -93,6 +95,7 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
     if replaced is not None:
         log.info(replaced)
     announce(trainer, start, payload, resume)
+    start_engine(trainer, engine, log.info)
     return trainer.fit()
 
 
@@ -170,8 +173,7 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     log.info(f"data: {start.corpus.description}")
     for note in start.corpus.notes:
         log.info(note)
-    log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}"
-             + (", compiled" if tc.compile else ""))
+    log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}")
     log.info(f"matrix-multiply ceiling {trainer.ceiling / 1e9:,.0f} GFLOP/s ({dtype}), "
              f"{trainer.flops_per_token / 1e3:,.0f} kFLOP per trained token")
     log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "

@@ -1,0 +1,134 @@
+"""The compiled engine (training.engine): when train.compile=auto compiles, the compiled whole step against the eager
+one, exact resume under it, its guard against a non-finite step, and the one-line fallback where compiling is not
+possible. One model shape throughout, so the session compiles once (~30-40 s) and later runs load the compiled code
+from the session's compile cache in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from test_train import bitwise_equal, logged_losses
+from training_runs import call, train_main, write_corpus
+
+from model import load_checkpoint
+from training import engine
+from training.engine import (
+    COLD_MIN_STEPS,
+    OVERHEAD_BOUND_FLOPS,
+    WARM_MIN_STEPS,
+    CompiledStep,
+    auto_compiles,
+    cannot_compile,
+)
+
+CPU = torch.device("cpu")
+# The schedule does not depend on max_iters (lr_decay_iters), so a run of 10 steps resumed to 20 is the run of 20.
+ENGINE_KEYS = {"train.lr_decay_iters": 20, "train.log_interval": 1, "train.grad_accum_steps": 2,
+               "train.sample_chars": 0, "train.tensorboard": "false"}
+# Compiled and eager steps add and fuse in another order: float32 rounding, then AdamW's normalised updates, let
+# the two runs drift apart slowly. Measured after 20 steps of this model (lr 1.2e-2): the logged losses equal to
+# their 4 decimals, the weights within 2.5e-5. The bounds leave room for a last digit rounded the other way.
+LOSS_TOLERANCE = 5e-4
+WEIGHT_TOLERANCE = 2e-4
+
+
+def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
+    small = OVERHEAD_BOUND_FLOPS / 10
+    assert auto_compiles(small, COLD_MIN_STEPS, CPU, warm=False)[0]
+    assert not auto_compiles(small, COLD_MIN_STEPS - 1, CPU, warm=False)[0]
+    assert auto_compiles(small, WARM_MIN_STEPS, CPU, warm=True)[0]
+    wanted, reason = auto_compiles(small, WARM_MIN_STEPS - 1, CPU, warm=True)
+    assert not wanted and "too few" in reason and "train.compile=true" in reason
+    # a step bound by its matrix multiplies gains nothing from compiling on a CPU, however long the run
+    wanted, reason = auto_compiles(OVERHEAD_BOUND_FLOPS * 2, 10**9, CPU, warm=True)
+    assert not wanted and "matrix multiplies" in reason
+    assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, 10**9, torch.device("cuda"), warm=True)[0]
+
+
+def test_cannot_compile_names_what_is_missing(monkeypatch):
+    assert "mps" in cannot_compile(torch.device("mps"))
+    monkeypatch.setattr(engine.shutil, "which", lambda name: None)
+    assert "C++ compiler" in cannot_compile(CPU)
+
+
+def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine, "_USER_CACHE", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert engine.compile_cache_dir() == tmp_path / "tinychar" / "compiled"
+    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path / "mine"))
+    assert engine.compile_cache_dir() == tmp_path / "mine"
+
+
+def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(engine.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.compile": "true",
+                                                                            "train.max_iters": 2})
+    code, out, err = call(train_main, overrides, capsys)
+    assert code == 0, err
+    assert "engine: eager (train.compile=true, but no C++ compiler found" in out
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["engine"] == "eager"
+
+
+def run_losses(corpus: Path, out: Path, capsys, *extra: str, **keys: object) -> tuple[str, dict[int, str]]:
+    code, stdout, err = call(train_main, [*tiny_overrides(corpus, out, **{**ENGINE_KEYS, **keys}), *extra], capsys)
+    assert code == 0, err
+    return stdout, logged_losses(stdout)
+
+
+@pytest.mark.slow
+def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys):
+    corpus = write_corpus(tmp_path)
+    _, eager = run_losses(corpus, tmp_path / "eager", capsys, **{"train.compile": "false"})
+    out, compiled = run_losses(corpus, tmp_path / "compiled", capsys, **{"train.compile": "true"})
+    assert "engine: compiled in" in out
+    assert eager.keys() == compiled.keys() == set(range(1, 21))
+    assert max(abs(float(eager[s]) - float(compiled[s])) for s in eager) < LOSS_TOLERANCE
+    eager_w = load_checkpoint(tmp_path / "eager" / "ckpt.pt")["model"]
+    compiled_ckpt = load_checkpoint(tmp_path / "compiled" / "ckpt.pt")
+    assert compiled_ckpt["engine"] == "compiled"
+    assert max((eager_w[k] - compiled_ckpt["model"][k]).abs().max().item() for k in eager_w) < WEIGHT_TOLERANCE
+
+    # Stopped at step 10 and resumed with train.compile=auto: the checkpoint says it was compiled, so the resumed
+    # run compiles too (20 steps alone would not make auto compile) and ends bit for bit where the straight run did.
+    run_losses(corpus, tmp_path / "resumed", capsys, **{"train.compile": "true", "train.max_iters": 10})
+    out, resumed = run_losses(corpus, tmp_path / "resumed", capsys, "--resume", **{"train.compile": "auto"})
+    assert "auto: as the checkpoint was trained (compiled)" in out
+    assert {s: resumed[s] for s in range(11, 21)} == {s: compiled[s] for s in range(11, 21)}
+    final = load_checkpoint(tmp_path / "resumed" / "ckpt.pt")
+    assert bitwise_equal(final["model"], compiled_ckpt["model"])
+    assert bitwise_equal(final["optimizer"]["state"][0], compiled_ckpt["optimizer"]["state"][0])
+
+
+@pytest.mark.slow
+def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, capsys):
+    from dataclasses import replace
+
+    from conftest import SMALL_TEXT
+    from data import CharTokenizer
+    from model import GPT
+    from training import load_config
+    from training.optim import make_optimizer
+
+    cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **ENGINE_KEYS))
+    vocab = CharTokenizer.from_text(SMALL_TEXT).vocab_size  # the shapes of the runs above: their compiled code
+    torch.manual_seed(0)
+    model = GPT(replace(cfg.model, vocab_size=vocab))
+    optimizer = make_optimizer(model, cfg.train, CPU)
+    step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)
+    xs = torch.randint(0, vocab, (2, cfg.train.batch_size, 8))
+    loss, norm = step(xs, xs, 1e-3)
+    assert torch.isfinite(loss) and torch.isfinite(norm)
+    with torch.no_grad():
+        model.transformer.wte.weight[3] = float("inf")  # any batch holding character 3 now has a NaN loss
+    xs[0, 0, 0] = 3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    loss, norm = step(xs, xs, 1e-3)
+    assert not torch.isfinite(loss)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(state_before[k], v) for k, v in optimizer.state_dict()["state"][0].items())
