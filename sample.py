@@ -12,12 +12,18 @@ import sys
 
 try:  # Ctrl-C while the modules load (torch takes a second or more) is one line, not a traceback from an import
     import argparse
+    import time
+    from collections.abc import Iterator
+    from contextlib import contextmanager
     from pathlib import Path
 
     import torch
 
     from configs.userinput import OneLineParser, read_user_file, shown
     from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
+    from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
+    from training import engine
+    from training.config import COMPILE
     from training.devices import DeviceError, resolve_device
     from training.errors import UsageError, path_error, path_message
     from training.logger import discard_stdout
@@ -51,7 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
     p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same text")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole context per character (slower)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="the plain path: a forward pass over the whole context per character, no fixed-shape window")
+    p.add_argument("--compile", choices=COMPILE, default="auto",
+                   help="torch.compile the sampling step: auto (when the text is long enough to win the compile time "
+                        "back), true or false (default auto)")
     p.add_argument("--stream", action="store_true", help="print characters as they are generated")
     p.add_argument("--attention-map", default=None, metavar="FILE.png",
                    help="also draw the attention of every layer and head over the prompt (its last block_size "
@@ -145,23 +155,70 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace) -> None:
-    """Each sample to stdout: the prompt, then the characters (as they come, with --stream), then a newline."""
-    gen = torch.Generator(device=ids.device).manual_seed(args.seed)
+    """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
+    batch; with --stream the first one is printed as it comes and the others when they are complete."""
     out = sys.stdout
-    for n in range(args.num_samples):
+    rows: list[list[str]] = [[] for _ in range(args.num_samples)]
+    with sampling_threads(model, args.num_samples, ids.device):
+        for step_ids in character_steps(model, ids.expand(args.num_samples, -1), args):
+            chars = [vocab[i] for i in step_ids[:, 0].tolist()]
+            if args.stream:
+                if not rows[0]:
+                    out.write(prompt)
+                out.write(chars[0])
+                out.flush()
+            for row, c in zip(rows, chars, strict=True):
+                row.append(c)
+    for n, row in enumerate(rows):
         if n:
             out.write(SEPARATOR)
-        out.write(prompt)
-        steps = model.generate_iter(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
-                                    use_cache=not args.no_cache)
-        if args.stream:
-            for next_id in steps:
-                out.write(vocab[next_id.item()])
-                out.flush()
-        else:
-            out.write("".join(vocab[t.item()] for t in steps))
+        if not (args.stream and n == 0 and row):
+            out.write(prompt + "".join(row))
         out.write("\n")
-        out.flush()
+    out.flush()
+
+
+@contextmanager
+def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[None]:
+    """One torch thread while sampling a window too small to share out among threads (the count is put back)."""
+    threads = torch.get_num_threads()
+    cfg = model.config
+    if device.type == "cpu" and batch * cfg.block_size * cfg.n_embd <= engine.SAMPLE_ONE_THREAD_MAX:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -> Iterator[torch.Tensor]:
+    """The (num_samples, 1) ids of each next character. A GPT samples from a fixed-shape window (model.sampler), on
+    one thread where its operators are too small to share out, compiled where that pays; --no-cache, the other
+    model types and vanishing temperatures take the plain path. Both give the same characters for a seed."""
+    gen = torch.Generator(device=batch.device).manual_seed(args.seed)
+    fast = (isinstance(model, GPT) and not args.no_cache
+            and (args.temperature == 0 or args.temperature >= MIN_FAST_TEMPERATURE))
+    if not fast:
+        return model.generate_iter(batch, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
+                                   use_cache=not args.no_cache)
+    cfg, device = model.config, batch.device
+    key = engine.sampling_key(cfg, len(batch), args.temperature, args.top_k, args.top_p, device)
+    compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device)
+    if why_not:
+        print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
+    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled)
+    if compiled:
+        engine.use_compile_cache()
+        start = time.perf_counter()
+        try:
+            sampler.warm_up(len(batch), device)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: sample eagerly, say why
+            print(f"{engine.compile_failed(e)}; sampling without compiling", file=sys.stderr)
+            sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
+        else:
+            engine.remember_compile(key, time.perf_counter() - start)
+            print(f"sampling step compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return sampler.generate_iter(batch, args.max_new_tokens, gen)
 
 
 if __name__ == "__main__":

@@ -255,3 +255,13 @@ def test_a_real_sample_process_prints_only_the_samples(run, run_dir):
     # byte for byte what the in-process call prints: nothing else reaches stdout
     assert result.stdout == ok(run(*args))
     assert len(result.stdout) == 2 * (len(PROMPT) + 25 + 1) + len(sample.SEPARATOR)
+
+
+def test_sampling_a_small_window_on_one_thread_gives_the_threads_back(run):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ok(run("--max-new-tokens", "5"))  # the module's model is far below SAMPLE_ONE_THREAD_MAX
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -5,16 +5,18 @@ from the session's compile cache in seconds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import SMALL_TEXT, tiny_overrides
 from test_train import bitwise_equal, logged_losses
 from training_runs import call, train_main, write_corpus
 
-from model import load_checkpoint
-from training import engine
+from data import CharTokenizer
+from model import GPT, load_checkpoint
+from training import engine, load_config
 from training.engine import (
     COLD_MIN_STEPS,
     OVERHEAD_BOUND_FLOPS,
@@ -23,6 +25,7 @@ from training.engine import (
     auto_compiles,
     cannot_compile,
 )
+from training.optim import make_optimizer
 
 CPU = torch.device("cpu")
 # The schedule does not depend on max_iters (lr_decay_iters), so a run of 10 steps resumed to 20 is the run of 20.
@@ -105,14 +108,6 @@ def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, capsys):
-    from dataclasses import replace
-
-    from conftest import SMALL_TEXT
-    from data import CharTokenizer
-    from model import GPT
-    from training import load_config
-    from training.optim import make_optimizer
-
     cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **ENGINE_KEYS))
     vocab = CharTokenizer.from_text(SMALL_TEXT).vocab_size  # the shapes of the runs above: their compiled code
     torch.manual_seed(0)
