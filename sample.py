@@ -7,7 +7,8 @@ stdout carries only the samples (the prompt, then the generated characters); eve
 
 from __future__ import annotations
 
-import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
+import os  # os, signal and sys are built into the interpreter: there is no moment to interrupt in importing them
+import signal
 import sys
 
 try:  # Ctrl-C while the modules load (torch takes a second or more) is one line, not a traceback from an import
@@ -222,4 +223,14 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 128 + signal.SIGINT:
+        # Interrupted: leave now. Ending the interpreter normally would first wait on what torch.compile may have
+        # started (its pool of compiler processes), which once kept a Ctrl-C'd run alive for minutes.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+        os._exit(status)
+    sys.exit(status)

@@ -106,6 +106,9 @@ def tiny_overrides(corpus: Path, out_dir: Path, **extra: object) -> list[str]:
         "train.eval_iters": 2,
         "train.log_interval": 5,
         "train.sample_chars": 20,
+        # Runs that tests keep alive with a large max_iters would otherwise compile under `auto` (tens of seconds);
+        # tests/test_training_engine.py turns compiling on where it is the subject.
+        "train.compile": "false",
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]

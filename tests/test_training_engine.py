@@ -19,6 +19,7 @@ from model import GPT, load_checkpoint
 from training import engine, load_config
 from training.engine import (
     COLD_MIN_STEPS,
+    CUDA_MIN_STEPS,
     OVERHEAD_BOUND_FLOPS,
     WARM_MIN_STEPS,
     CompiledStep,
@@ -48,7 +49,9 @@ def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
     # a step bound by its matrix multiplies gains nothing from compiling on a CPU, however long the run
     wanted, reason = auto_compiles(OVERHEAD_BOUND_FLOPS * 2, 10**9, CPU, warm=True)
     assert not wanted and "matrix multiplies" in reason
-    assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, 10**9, torch.device("cuda"), warm=True)[0]
+    # on CUDA compiling pays at any size, from CUDA_MIN_STEPS
+    assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_MIN_STEPS, torch.device("cuda"), warm=False)[0]
+    assert not auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_MIN_STEPS - 1, torch.device("cuda"), warm=True)[0]
 
 
 def test_cannot_compile_names_what_is_missing(monkeypatch):
