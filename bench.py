@@ -1,245 +1,504 @@
-"""Measure tinychar's speed on this machine, next to a nanoGPT-style reference loop run in the same process.
+"""Measure tinychar next to nanoGPT on this machine's CPU, each program run as its users run it.
 
-    python bench.py                       # ~2 minutes: matmul ceilings, training steps, sampling, eval share
-    python bench.py --time-to-quality     # also train the CPU configs to their target losses (a few minutes)
-    python bench.py --json bench.json
+    python bench.py --nanogpt ../nanoGPT                  # every row, ~15 minutes on 2 cores
+    python bench.py --nanogpt ../nanoGPT --skip-quality   # training steps and sampling only
+    python bench.py --nanogpt ../nanoGPT --quick          # a smoke test of every row, tiny step counts
 
-The reference loop does a training step the way nanoGPT does on a CPU: a Python loop that slices one window per
-batch row, PyTorch's fused attention kernel, the default (for-each) AdamW, float32. The tinychar loop is what
-``train.py`` runs with the config's defaults. Both train the same model on the same data with the same batch,
-and rounds of the two alternate, so machine noise falls on both alike; the ratio is the number to read.
+Get nanoGPT with: git clone https://github.com/karpathy/nanoGPT
+
+Both programs run their own train.py and sample.py as subprocesses of this Python (same torch), on tiny Shakespeare,
+with the same thread count, model shape and batch. Speeds come from whole-process wall times taken at two lengths
+(steps, or characters) and differenced, so start-up, data loading and compilation cancel; rounds alternate the two
+programs so machine noise falls on both. The table goes to stdout (markdown), progress to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
-from data import CharTokenizer, DataConfig, load_corpus, split_ids
-from model import GPT, GPTConfig
-from training import RunConfig, TrainConfig, load_config, run
-from training.devices import matmul_ceiling, resolve_dtype
-from training.loop import Trainer
-from training.optim import make_optimizer
+from configs.userinput import OneLineParser
 
-# nanoGPT's figures measured on the 2-core machine this project is developed on (torch 2.13 CPU, 2 threads)
-NANOGPT_REFERENCE = {
-    "block8": {"ms_per_step": 3.92, "tokens_per_s": 65_400},
-    "block64": {"ms_per_step": 31.5, "tokens_per_s": 24_400, "seconds_to_1.886": 68.0},
-    "sampling_chars_per_s": 723,
-}
-
-ROWS = {
-    "block8": {"block_size": 8, "batch_size": 32, "n_layer": 3, "n_head": 4, "n_embd": 32},
-    "block64": {"block_size": 64, "batch_size": 12, "n_layer": 4, "n_head": 4, "n_embd": 128},
-}
-
-
-def time_it(fn: Callable[[], object], repeat: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
+ROOT = Path(__file__).resolve().parent
+CORPUS = ROOT / "data" / "tinyshakespeare.txt"
+CLONE_HINT = "get a checkout with: git clone https://github.com/karpathy/nanoGPT"
+# What bench.py runs of a nanoGPT checkout; its absence means the folder is not one.
+NANOGPT_FILES = ("train.py", "sample.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
+                 "data/shakespeare_char/prepare.py")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+EVAL_LINE = re.compile(r"^step (\d+): train loss [-+.\deE]+, val loss ([-+.\deE]+|nan)")
+# nanoGPT's README command for CPUs; bench.py adds only out_dir and float32 (dtype picks nothing on a CPU there, but its
+# default, float16, makes nanoGPT build a CUDA GradScaler that warns on every CPU-only machine).
+NANOGPT_CPU_RUN = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                   "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                   "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--dtype=float32"]
+# Stand-ins put on PYTHONPATH for nanoGPT's processes only: nanoGPT imports these at the top of a file but, as bench.py
+# runs it, never calls them. input.txt is in place, so prepare.py downloads nothing with requests; meta.pkl is there, so
+# sample.py decodes characters without tiktoken, which is not a tinychar requirement.
+STUB_NAMES = ("tiktoken", "requests")
+STUB = '''"""Stand-in for {name} from tinychar's bench.py: nanoGPT imports it, but as bench.py runs nanoGPT, never uses it."""
 
 
-def matmul_ceilings(seconds: float = 1.5) -> dict[str, float]:
-    """GFLOP/s of a 1024x1024 matrix multiply, best of many: float32 as PyTorch runs it by default, and bfloat16."""
-    cpu = torch.device("cpu")
-    return {name: matmul_ceiling(cpu, dtype, seconds) / 1e9
-            for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+def __getattr__(attr):
+    raise RuntimeError(f"bench.py's stand-in {name} has no {{attr}}")
+'''
 
 
-class Loop:
-    """One training setup: model, optimizer, batches, and a step function. The tinychar loop is train.py's own
-    Trainer.train_step; the nanoGPT-style one is written out here, as nanoGPT's train.py does it."""
-
-    def __init__(self, name: str, row: dict, train_ids: torch.Tensor, vocab: int, nanogpt_style: bool,
-                 dtype: torch.dtype = torch.float32) -> None:
-        torch.manual_seed(0)
-        self.name, self.row = name, row
-        self.cfg = GPTConfig(vocab_size=vocab, block_size=row["block_size"], n_layer=row["n_layer"],
-                             n_head=row["n_head"], n_embd=row["n_embd"], bias=False,
-                             attention="fused" if nanogpt_style else "manual")
-        self.model = GPT(self.cfg)
-        self.data, self.dtype = train_ids, dtype
-        self.gen = torch.Generator().manual_seed(0)
-        cpu = torch.device("cpu")
-        if nanogpt_style:
-            groups = [{"params": [p for p in self.model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                      {"params": [p for p in self.model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-            self.optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99))
-            self.step = self._nanogpt_step
-        else:
-            run_cfg = RunConfig(model=self.cfg, train=TrainConfig(batch_size=row["batch_size"], warmup_iters=0))
-            self.optimizer = make_optimizer(self.model, run_cfg.train, cpu)
-            trainer = Trainer(run_cfg, self.model, self.optimizer, {"train": train_ids}, device=cpu, dtype=dtype,
-                              gen=self.gen)
-            self.step = trainer.train_step
-
-    def _loop_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        T, B = self.row["block_size"], self.row["batch_size"]
-        starts = torch.randint(len(self.data) - T, (B,), generator=self.gen)
-        x = torch.stack([self.data[i : i + T] for i in starts.tolist()])
-        y = torch.stack([self.data[i + 1 : i + 1 + T] for i in starts.tolist()])
-        return x, y
-
-    def _nanogpt_step(self) -> None:
-        x, y = self._loop_batch()
-        _, loss = self.model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+class BenchError(Exception):
+    """A program failed or the machine refused something: one line for the user."""
 
 
-def bench_training(train_ids: torch.Tensor, vocab: int, rounds: int, steps: int,
-                   ceilings: dict[str, float]) -> list[dict]:
-    results = []
-    for row_name, row in ROWS.items():
-        tiny_dtype = resolve_dtype("auto", torch.device("cpu"), row["n_embd"])
-        loops = [Loop("nanoGPT-style", row, train_ids, vocab, nanogpt_style=True),
-                 Loop("tinychar", row, train_ids, vocab, nanogpt_style=False, dtype=tiny_dtype)]
-        for loop in loops:
-            for _ in range(10):
-                loop.step()
-        times: dict[str, list[float]] = {loop.name: [] for loop in loops}
-        n = max(3, steps if row["block_size"] <= 8 else steps // 8)
-        for _ in range(rounds):
-            for loop in loops:
-                times[loop.name].append(time_it(loop.step, n))
-        for loop in loops:
-            sec = statistics.median(times[loop.name])
-            tokens = row["batch_size"] * row["block_size"]
-            ceiling = ceilings["bfloat16" if loop.dtype == torch.bfloat16 else "float32"]
-            results.append({
-                "row": row_name, "loop": loop.name, "ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec,
-                "mfu": loop.model.flops_per_token() * tokens / sec / (ceiling * 1e9),
-                "dtype": str(loop.dtype).replace("torch.", ""),
-            })
-    return results
+@dataclass(frozen=True)
+class Shape:
+    """A model and batch, as both programs are told them; config is the tinychar file whose other settings apply."""
+
+    config: str
+    block_size: int
+    batch_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    bias: bool
+
+    def label(self) -> str:
+        return f"block {self.block_size}, batch {self.batch_size}, {self.n_layer}L/{self.n_head}H/{self.n_embd}"
+
+    def nanogpt(self, iters: int) -> list[str]:
+        """nanoGPT flags for iters steps, evaluating (eval_iters=1) and logging only at step 0, which it always does."""
+        shape = {k: getattr(self, k) for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd", "bias")}
+        return ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32",
+                "--dropout=0.0", *[f"--{k}={v!r}" for k, v in shape.items()], f"--max_iters={iters}",
+                f"--lr_decay_iters={iters}", f"--eval_interval={iters + 1}", f"--log_interval={iters + 1}",
+                "--eval_iters=1", "--wandb_log=False"]
+
+    def tinychar(self, iters: int) -> list[str]:
+        """tinychar overrides for iters steps, evaluating once (eval_iters=1) at the end, as it always does."""
+        shape = {f"model.{k}": getattr(self, k) for k in ("block_size", "n_layer", "n_head", "n_embd")}
+        return ["--config", self.config, *[f"{k}={v}" for k, v in shape.items()], f"model.bias={str(self.bias).lower()}",
+                f"train.batch_size={self.batch_size}", f"train.max_iters={iters}", f"train.eval_interval={iters}",
+                f"train.log_interval={iters}", "train.eval_iters=1", "train.sample_chars=0", "train.tensorboard=false",
+                "train.device=cpu"]
 
 
-def bench_sampling(vocab: int, n_chars: int) -> dict[str, float]:
-    """Characters per second from the block-64 model (one sample): full recompute per character, the KV cache
-    with the window sliding by one character (then every character past block_size recomputes the window), and
-    the KV cache with the window jumping back to its last half when full."""
-    row = ROWS["block64"]
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=row["block_size"], n_layer=row["n_layer"],
-                          n_head=row["n_head"], n_embd=row["n_embd"], bias=False)).eval()
-    prompt = torch.zeros(1, 1, dtype=torch.long)
-    out = {}
-    half = row["block_size"] // 2
-    ways = (("no_cache", False, None), ("kv_cache", True, None), ("kv_cache_keep_half", True, half))
-    for name, use_cache, keep in ways:
-        gen = torch.Generator().manual_seed(0)
-        model.generate(prompt, 20, generator=gen, use_cache=use_cache, keep=keep)
+STEP_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 32, False),
+               "block64": Shape("configs/shakespeare_char_cpu.yaml", 64, 12, 4, 4, 128, False)}
+SAMPLE_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 64, True), "block64": STEP_SHAPES["block64"]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Lengths of the measured runs: (short, long) steps per training-step row, characters for sampling."""
+
+    steps: dict[str, tuple[int, int]]
+    chars: tuple[int, int]
+    quality_iters: int | None  # None: each config's own run; a number shortens both programs' runs to it (--quick)
+    ceiling_seconds: float
+    rounds: int
+    warm_up: bool  # one run of each program before the measured rounds (page cache, tinychar's compile cache)
+
+
+FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, (200, 2000), None, 1.0, 3, True)
+QUICK = Plan({"block8": (5, 25), "block64": (2, 8)}, (20, 120), 20, 0.2, 1, False)
+
+
+@dataclass
+class Run:
+    """One finished process: its wall time from launch to exit, and (seconds since launch, step, val loss) of each
+    evaluation line it printed."""
+
+    seconds: float
+    evals: list[tuple[float, int, float]]
+
+
+def note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_eval(line: str) -> tuple[int, float] | None:
+    """(step, val loss) of an evaluation line, which both programs print alike: `step N: train loss X, val loss Y`."""
+    match = EVAL_LINE.match(line)
+    return (int(match[1]), float(match[2])) if match else None
+
+
+def per_unit(t_short: float, t_long: float, n_short: int, n_long: int) -> float:
+    """Seconds per step (or character) from two whole runs; NaN when noise swamped the difference."""
+    return (t_long - t_short) / (n_long - n_short) if t_long > t_short else math.nan
+
+
+def cpu_info(cpuinfo: str) -> tuple[str, list[str]]:
+    """The CPU's model name and which of CPU_FLAGS it has, from the text of /proc/cpuinfo."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name", platform.processor() or platform.machine()), [f for f in CPU_FLAGS if f in flags]
+
+
+def median(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def compare(label: str, unit: str, nano: list[float], tiny: list[float]) -> dict:
+    """A table row from per-round figures. The ratio is nanoGPT's time over tinychar's, so for a rate (chars/s) it is
+    tinychar's figure over nanoGPT's; spread is the lowest and highest of the per-round ratios."""
+
+    def ratio(n: float, t: float) -> float:
+        a, b = (t, n) if unit.endswith("/s") else (n, t)
+        return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+
+    rounds = [r for r in (ratio(n, t) for n, t in zip(nano, tiny, strict=True)) if math.isfinite(r)]
+    return {"label": label, "unit": unit, "nanogpt": median(nano), "tinychar": median(tiny),
+            "ratio": ratio(median(nano), median(tiny)), "spread": [min(rounds), max(rounds)] if len(rounds) > 1 else None,
+            "rounds": {"nanogpt": nano, "tinychar": tiny}}
+
+
+class Programs:
+    """How each program is started: command lines, working folders, environments, fresh output folders."""
+
+    def __init__(self, nanogpt: Path, scratch: Path, threads: int) -> None:
+        self.scratch, self.threads, self.count = scratch, threads, 0
+        self.work = scratch / "nanogpt"
+        self.cache = self.fresh("cache")  # tinychar's caches for the speed rows, warmed by their warm-up runs
+        self.base = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        for name in ("TINYCHAR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # so that XDG_CACHE_HOME decides
+            self.base.pop(name, None)
+        stubs = self.fresh("stubs")
+        stubs.mkdir()
+        for name in STUB_NAMES:
+            (stubs / f"{name}.py").write_text(STUB.format(name=name), encoding="utf-8")
+        path = [str(stubs), *filter(None, [os.environ.get("PYTHONPATH")])]
+        self.nano_env = {**self.base, "PYTHONPATH": os.pathsep.join(path)}
+        self.prepare_nanogpt(nanogpt)
+
+    def fresh(self, name: str) -> Path:
+        self.count += 1
+        return self.scratch / f"{name}{self.count}"
+
+    def prepare_nanogpt(self, checkout: Path) -> None:
+        """The files nanoGPT runs, copied into a work folder, with our corpus as its input.txt, prepared."""
+        for name in NANOGPT_FILES:
+            (self.work / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(checkout / name, self.work / name)
+        shutil.copyfile(CORPUS, self.work / "data/shakespeare_char/input.txt")
+        self.nanogpt("data/shakespeare_char/prepare.py", [])
+
+    def nanogpt(self, script: str, args: list[str], out_dir: Path | None = None) -> Run:
+        if script == "train.py":
+            args = [*args, f"--out_dir={out_dir or self.fresh('nanogpt')}"]
+        return launch([sys.executable, "-u", script, *args], self.work, self.nano_env)
+
+    def tinychar(self, script: str, args: list[str], cache: Path | None = None, stop_at: float | None = None,
+                 out_dir: Path | None = None) -> Run:
+        env = {**self.base, "XDG_CACHE_HOME": str(cache or self.cache)}
+        if script == "train.py":
+            args = [*args, f"train.threads={self.threads}", f"out_dir={out_dir or self.fresh('tinychar')}"]
+        return launch([sys.executable, "-u", str(ROOT / script), *args], ROOT, env, stop_at)
+
+
+def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None = None) -> Run:
+    """Run cmd to its end, timestamping each evaluation line as it arrives. With stop_at, the run is stopped (SIGTERM)
+    at its first val loss at or below it: the time to get there is all that is wanted of it."""
+    evals: list[tuple[float, int, float]] = []
+    stopped = False
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
         start = time.perf_counter()
-        model.generate(prompt, n_chars, generator=gen, use_cache=use_cache, keep=keep)
-        out[name] = n_chars / (time.perf_counter() - start)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                encoding="utf-8", errors="replace")
+        for line in proc.stdout:
+            found = parse_eval(line)
+            if found is not None and not stopped:
+                evals.append((time.perf_counter() - start, *found))
+                if stop_at is not None and found[1] <= stop_at:
+                    proc.terminate()
+                    stopped = True
+        code = proc.wait()
+        seconds = time.perf_counter() - start
+        if code != 0 and not stopped:
+            err.seek(0)
+            last = next((s for s in reversed(err.read().splitlines()) if s.strip()), "no message")
+            raise BenchError(f"{Path(cmd[2]).name} {' '.join(cmd[3:6])} ... (in {cwd}) exited with status {code}: "
+                             f"{last.strip()}")
+    return Run(seconds, evals)
+
+
+def step_rows(p: Programs, name: str, plan: Plan, rounds: int, bf16: bool) -> list[dict]:
+    """ms per training step of one shape, float32 for both; with bf16, tinychar's train.dtype=auto as well."""
+    shape, (n1, n2) = STEP_SHAPES[name], plan.steps[name]
+    tiny = {"eager": ["train.dtype=float32", "train.compile=false"],
+            "compiled": ["train.dtype=float32", "train.compile=true"]}
+    if bf16:
+        tiny["auto"] = ["train.dtype=auto", "train.compile=true"]
+    contenders = {"nanoGPT": lambda n: p.nanogpt("train.py", shape.nanogpt(n))}
+    for who, extra in tiny.items():
+        contenders[who] = lambda n, extra=extra: p.tinychar("train.py", [*shape.tinychar(n), *extra])
+    for who, go in contenders.items() if plan.warm_up else ():
+        note(f"  warm-up: {who}")
+        go(n1)
+    ms: dict[str, list[float]] = {who: [] for who in contenders}
+    for r in range(rounds):
+        note(f"  round {r + 1}/{rounds}")
+        seconds = {(who, n): go(n).seconds for n in (n1, n2) for who, go in contenders.items()}
+        for who in contenders:
+            ms[who].append(1e3 * per_unit(seconds[who, n1], seconds[who, n2], n1, n2))
+    label = f"train step, {shape.label()}"
+    if name == "block64":
+        label += " (nanoGPT's CPU config)"
+    rows = [compare(f"{label}, float32, tinychar eager (train.compile=false)", "ms/step", ms["nanoGPT"], ms["eager"]),
+            compare(f"{label}, float32, tinychar compiled (train.compile=true)", "ms/step", ms["nanoGPT"],
+                    ms["compiled"])]
+    if bf16:
+        rows.append(compare(f"{label}, tinychar compiled with train.dtype=auto (bfloat16 from n_embd 128)", "ms/step",
+                            ms["nanoGPT"], ms["auto"]))
+    return rows
+
+
+def sample_rows(p: Programs, name: str, plan: Plan, rounds: int) -> list[dict]:
+    """Characters per second of one sample stream with each program's sample.py, from a checkpoint of the shape."""
+    shape, (m1, m2) = SAMPLE_SHAPES[name], plan.chars
+    nano_out, tiny_out = p.fresh("nanogpt-out"), p.fresh("tinychar-out")
+    # Two steps make a checkpoint of the shape (its weights do not change the speed); nanoGPT saves only at an
+    # evaluation after step 0, and only an improved one unless always_save_checkpoint.
+    p.nanogpt("train.py", [*shape.nanogpt(2), "--eval_interval=2", "--always_save_checkpoint=True"], out_dir=nano_out)
+    p.tinychar("train.py", shape.tinychar(2), out_dir=tiny_out)
+    # One sample at temperature 0.8, each program's default top-k (nanoGPT 200, tinychar none) and context handling.
+    contenders = {
+        "nanoGPT": lambda m: p.nanogpt("sample.py", [
+            f"--out_dir={nano_out}", "--device=cpu", "--dtype=float32", "--compile=False", "--num_samples=1",
+            f"--max_new_tokens={m}", "--temperature=0.8", "--seed=1337"]),
+    }
+    for who, compile_ in (("tinychar", "auto"), ("compiled", "true")):
+        contenders[who] = lambda m, compile_=compile_: p.tinychar("sample.py", [
+            "--out-dir", str(tiny_out), "--device", "cpu", "--num-samples", "1", "--max-new-tokens", str(m),
+            "--temperature", "0.8", "--seed", "1337", "--compile", compile_])
+    for go in contenders.values() if plan.warm_up else ():
+        go(m1)
+    rate: dict[str, list[float]] = {who: [] for who in contenders}
+    for r in range(rounds):
+        note(f"  round {r + 1}/{rounds}")
+        seconds = {(who, m): go(m).seconds for m in (m1, m2) for who, go in contenders.items()}
+        for who in contenders:
+            rate[who].append(1 / per_unit(seconds[who, m1], seconds[who, m2], m1, m2))
+    label = f"sampling, one stream, exact context, block {shape.block_size}, {shape.n_layer}L/{shape.n_head}H/{shape.n_embd}"
+    return [compare(f"{label}, tinychar's default (--compile auto)", "chars/s", rate["nanoGPT"], rate["tinychar"]),
+            compare(f"{label}, tinychar --compile true", "chars/s", rate["nanoGPT"], rate["compiled"])]
+
+
+def nanogpt_flags(cfg: dict) -> list[str]:
+    """nanoGPT flags for the model, batch, schedule and evaluation a tinychar YAML config describes. nanoGPT takes
+    a value only of the type of its default, hence the conversions; keys the file leaves out keep nanoGPT's own."""
+    values = {**cfg.get("model", {}), **cfg.get("train", {})}
+    if values.get("lr_decay_iters") is None:  # tinychar's null: decay over the whole run
+        values["lr_decay_iters"] = values["max_iters"]
+    kinds = {int: ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "max_iters", "lr_decay_iters",
+                   "warmup_iters", "eval_interval", "eval_iters", "log_interval"),
+             float: ("dropout", "learning_rate", "min_lr", "weight_decay", "beta2", "grad_clip"), bool: ("bias",)}
+    return [f"--{key}={kind(values[key])!r}" for kind, keys in kinds.items() for key in keys if key in values]
+
+
+def quality_rows(p: Programs, iters: int | None) -> list[dict]:
+    """Time from launch to nanoGPT's best val on tiny.yaml's run, and to its final val on its README's CPU run: nanoGPT
+    sets each target, then tinychar runs the matching config with its defaults, from empty caches and again."""
+    tiny = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text(encoding="utf-8"))
+    common = ["--device=cpu", "--compile=False", "--dtype=float32", "--always_save_checkpoint=False",
+              "--wandb_log=False"]
+    note("time to quality: nanoGPT on tiny.yaml's model and schedule ...")
+    run = p.nanogpt("train.py", ["config/train_shakespeare_char.py", *common, *nanogpt_flags(tiny),
+                                 *shortened(iters, "--{}={}")])
+    rows = tinychar_to(p, "configs/tiny.yaml", min(evaluations(run), key=lambda e: e[2]),
+                       "nanoGPT's best (step {step}) training tiny.yaml's model, block 8", iters)
+    note("time to quality: nanoGPT's CPU config ...")
+    run = p.nanogpt("train.py", [*NANOGPT_CPU_RUN, *shortened(iters, "--{}={}")])
+    return rows + tinychar_to(p, "configs/shakespeare_char_cpu.yaml", evaluations(run)[-1],
+                              "nanoGPT's final (step {step}) on its CPU config, block 64", iters)
+
+
+def shortened(iters: int | None, form: str) -> list[str]:
+    """--quick's short quality runs: max_iters, lr_decay_iters and eval_interval, each written as form says."""
+    if iters is None:
+        return []
+    return [form.format(k, v) for k, v in (("max_iters", iters), ("lr_decay_iters", iters),
+                                           ("eval_interval", max(1, iters // 2)))]
+
+
+def evaluations(run: Run) -> list[tuple[float, int, float]]:
+    if not run.evals:
+        raise BenchError("nanoGPT's train.py printed no evaluation line")
+    return run.evals
+
+
+def tinychar_to(p: Programs, config: str, reference: tuple[float, int, float], what: str,
+                iters: int | None) -> list[dict]:
+    """Rows for tinychar's config reaching nanoGPT's (seconds, step, val): from empty caches, then repeated. what
+    describes the target, with {step} for nanoGPT's step."""
+    seconds, step, target = reference
+    cache, rows = p.fresh("cache"), []
+    for when in ("empty caches", "repeated run"):
+        note(f"time to quality: tinychar {config}, {when} ...")
+        run = p.tinychar("train.py", ["--config", config, "train.device=cpu", *shortened(iters, "train.{}={}")], cache=cache, stop_at=target)
+        reached = next((t for t, _, val in run.evals if val <= target), math.nan)
+        rows.append({"label": f"launch to val <= {target:.4f}, {what.format(step=step)}; tinychar {when}", "unit": "s",
+                     "nanogpt": seconds, "tinychar": reached, "ratio": seconds / reached, "spread": None,
+                     "target": target, "tinychar_best": min((e[2] for e in run.evals), default=math.nan)})
+    return rows
+
+
+def matmul_gflops(threads: int, seconds: float, n: int = 1024) -> dict[str, float]:
+    """Best GFLOP/s of an n x n matrix multiply in float32 and bfloat16: what the hardware offers these models."""
+    torch.set_num_threads(threads)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        best, deadline = math.inf, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        out[str(dtype).removeprefix("torch.")] = 2 * n**3 / best / 1e9
     return out
 
 
-def bench_eval_share() -> dict[str, float]:
-    """Share of a default tiny.yaml run's wall time spent evaluating, logging samples and saving (~30 s)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config("configs/tiny.yaml", [f"out_dir={tmp}"])
-        stats = run(cfg, progress=False)
-    return {"eval_seconds": stats["eval_seconds"], "total_seconds": stats["seconds"],
-            "eval_share": stats["eval_seconds"] / stats["seconds"]}
+def cell(value: float, unit: str) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return {"ms/step": f"{value:.2f}", "chars/s": f"{value:,.0f}"}.get(unit, f"{value:.1f}")
 
 
-def time_to_quality() -> list[dict]:
-    """Train the CPU configs and record the wall time when validation first reaches the target."""
-    out = []
-    for config, target in (("configs/tiny.yaml", 1.93), ("configs/shakespeare_char_cpu.yaml", 1.886)):
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(config, [f"out_dir={tmp}", "train.tensorboard=false"])
-            stats = run(cfg, progress=False)
-        reached = next((t for t, v in stats["val_history"] if v <= target), None)
-        out.append({"config": config, "target": target, "final_val": stats["val"], "seconds": stats["seconds"],
-                     "seconds_to_target": reached})
-    return out
+NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio of "
+         "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
+         "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each). "
+         "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
+         "what the row names. Time to quality: from launch to the evaluation line, as the line arrives; tinychar's "
+         "empty-cache run starts with a fresh cache folder, the repeated run reuses it; nanoGPT's data is prepared "
+         "beforehand.")
 
 
 def markdown(report: dict) -> str:
-    title = (f"tinychar benchmark, {report['date']}, {report['machine']}, torch {report['torch']}, "
-             f"{report['threads']} threads")
-    lines = [title, ""]
-    c = report["matmul_gflops"]
-    lines += ["| matmul ceiling (1024x1024) | GFLOP/s |", "|---|---|",
-              f"| float32 | {c['float32']:.0f} |", f"| bfloat16 | {c['bfloat16']:.0f} |", ""]
-    lines += [("| training step | loop | dtype | ms/step | tokens/s | MFU | vs nanoGPT-style loop "
-               "| vs nanoGPT's figure |"),
-              "|---|---|---|---|---|---|---|---|"]
-    base = {r["row"]: r for r in report["training"] if r["loop"] == "nanoGPT-style"}
-    for r in report["training"]:
-        ratio = r["tokens_per_s"] / base[r["row"]]["tokens_per_s"]
-        figure = r["tokens_per_s"] / NANOGPT_REFERENCE[r["row"]]["tokens_per_s"]
-        lines.append(f"| {r['row']} | {r['loop']} | {r['dtype']} | {r['ms_per_step']:.2f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {ratio:.2f}x | {figure:.2f}x |")
-    s = report["sampling_chars_per_s"]
-    lines += ["", "| sampling, block-64 model | characters/s |", "|---|---|",
-              f"| full recompute per character | {s['no_cache']:,.0f} |",
-              f"| KV cache, window slides by one (exact last-block_size context) | {s['kv_cache']:,.0f} |",
-              ("| KV cache, window jumps keeping the last half (`keep=block_size/2`) | "
-               f"{s['kv_cache_keep_half']:,.0f} |"),
-              f"| nanoGPT (reference figure) | {NANOGPT_REFERENCE['sampling_chars_per_s']:,} |"]
-    if "eval" in report:
-        e = report["eval"]
-        share = (f"Evaluation: {e['eval_seconds']:.2f} s of a {e['total_seconds']:.1f} s tiny.yaml run = "
-                 f"{e['eval_share']:.1%}.")
-        lines += ["", share]
-    for q in report.get("time_to_quality", []):
-        reached = f"{q['seconds_to_target']:.1f} s" if q["seconds_to_target"] is not None else "not reached"
-        lines.append(f"Time to quality: {q['config']} reached val <= {q['target']} at {reached} "
-                     f"(run {q['seconds']:.1f} s, final val {q['final_val']:.4f}).")
-    return "\n".join(lines)
+    """The report as the README shows it: a header line, the matmul ceiling, the table, and how it was measured."""
+    flags = ", ".join(report["cpu_flags"]) or "none of " + ", ".join(CPU_FLAGS)
+    lines = [f"tinychar vs nanoGPT, {report['date']}: {report['cpu']} ({flags}), {report['cores']} cores, "
+             f"torch {report['torch']}, {report['threads']} threads, rounds: {report['rounds']}"
+             + (" (--quick: smoke-test lengths, not figures to quote)" if report.get("quick") else ""), ""]
+    if "matmul_gflops" in report:
+        c = report["matmul_gflops"]
+        ceiling = f"float32 {c['float32']:.0f} GFLOP/s, bfloat16 {c['bfloat16']:.0f} GFLOP/s"
+        lines += [f"Matmul ceiling (1024x1024): {ceiling}.", ""]
+    lines += ["| measure | unit | nanoGPT | tinychar | ratio | spread |", "|---|---|---:|---:|---:|---:|"]
+    for row in report["rows"]:
+        tiny = cell(row["tinychar"], row["unit"])
+        if "target" in row and not math.isfinite(row["tinychar"]):
+            tiny = f"not reached (best {row['tinychar_best']:.4f})"
+        ratio = f"{row['ratio']:.2f}x" if math.isfinite(row["ratio"]) else "n/a"
+        spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}x" if row["spread"] else "-"
+        lines.append(f"| {row['label']} | {row['unit']} | {cell(row['nanogpt'], row['unit'])} | {tiny} | {ratio} | "
+                     f"{spread} |")
+    return "\n".join([*lines, "", NOTES])
+
+
+def plain(value: object) -> object:
+    """value with NaN as None, which JSON can hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
+    """Every row, in the table's order, with the machine they were measured on; scratch holds all the runs' files."""
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu, flags = cpu_info(cpuinfo.read_text(encoding="utf-8", errors="replace") if cpuinfo.exists() else "")
+    rounds = args.rounds or plan.rounds
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
+              "torch": torch.__version__, "threads": args.threads, "rounds": rounds, "quick": args.quick,
+              "lengths": {"steps": plan.steps, "chars": plan.chars, "quality_iters": plan.quality_iters}}
+    note("matmul ceilings ...")
+    report["matmul_gflops"] = matmul_gflops(args.threads, plan.ceiling_seconds)
+    note("nanoGPT: copying and preparing its data ...")
+    p = Programs(Path(args.nanogpt).resolve(), scratch, args.threads)
+    bf16 = "avx512_bf16" in flags or "amx_bf16" in flags  # where tinychar's dtype=auto may choose bfloat16
+    rows, auto_rows = [], []
+    for name in plan.steps:
+        note(f"training steps, {name} ...")
+        float32, *auto = step_rows(p, name, plan, rounds, bf16)
+        rows.append(float32)
+        auto_rows += auto
+    rows += auto_rows
+    if not args.skip_quality:
+        rows += quality_rows(p, plan.quality_iters)
+    for name in SAMPLE_SHAPES:
+        note(f"sampling, {name} ...")
+        rows.extend(sample_rows(p, name, plan, rounds))
+    report["rows"] = rows
+    return report
+
+
+def checkout_problem(folder: Path) -> str | None:
+    """Why folder cannot be used as a nanoGPT checkout, or None."""
+    if not folder.is_dir():
+        return f"--nanogpt: no such folder '{folder}'; {CLONE_HINT}"
+    missing = [name for name in NANOGPT_FILES if not (folder / name).is_file()]
+    if missing:
+        return f"--nanogpt: '{folder}' is not a nanoGPT checkout (it has no {missing[0]}); {CLONE_HINT}"
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    p = OneLineParser(prog="bench.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nanogpt", metavar="DIR", help=f"a nanoGPT checkout to measure against ({CLONE_HINT})")
+    p.add_argument("--threads", type=int, default=threads, help=f"threads for both programs (default all: {threads})")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per speed row (default 3; --quick 1)")
+    p.add_argument("--skip-quality", action="store_true", help="skip the time-to-quality rows (minutes)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the results to this JSON file")
+    p.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test, not figures to quote")
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        p.error(f"--json: no folder '{Path(args.json).parent}' to write '{args.json}' into")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating measurement rounds per row")
-    parser.add_argument("--steps", type=int, default=100, help="training steps per round at block 8")
-    parser.add_argument("--sample-chars", type=int, default=500, help="characters per sampling measurement")
-    parser.add_argument("--time-to-quality", action="store_true", help="also train the CPU configs to target")
-    parser.add_argument("--no-eval-share", action="store_true", help="skip the eval-share run (~30 s)")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-
-    text, _ = load_corpus(DataConfig(dataset="shakespeare_char"))
-    tok = CharTokenizer.from_text(text)
-    train_ids, _ = split_ids(tok.encode_tensor(text), 0.1, 64)
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores", "torch": torch.__version__, "threads": args.threads,
-              "nanogpt_reference": NANOGPT_REFERENCE}
-    print("matmul ceilings ...", file=sys.stderr)
-    report["matmul_gflops"] = matmul_ceilings()
-    print("training steps ...", file=sys.stderr)
-    report["training"] = bench_training(train_ids, tok.vocab_size, args.rounds, args.steps, report["matmul_gflops"])
-    print("sampling ...", file=sys.stderr)
-    report["sampling_chars_per_s"] = bench_sampling(tok.vocab_size, args.sample_chars)
-    if not args.no_eval_share:
-        print("eval share ...", file=sys.stderr)
-        report["eval"] = bench_eval_share()
-    if args.time_to_quality:
-        print("time to quality ...", file=sys.stderr)
-        report["time_to_quality"] = time_to_quality()
+    args = parse_args(argv)
+    problem = checkout_problem(Path(args.nanogpt)) if args.nanogpt else f"--nanogpt DIR is required; {CLONE_HINT}"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="tinychar-bench-") as scratch:
+            report = measure(args, QUICK if args.quick else FULL, Path(scratch))
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; nothing measured is printed", file=sys.stderr)
+        return 130
     print(markdown(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        Path(args.json).write_text(json.dumps(plain(report), indent=2) + "\n", encoding="utf-8")
     return 0
 
 

@@ -1,0 +1,111 @@
+"""bench.py's own reading, arithmetic and output: the parts that need neither nanoGPT nor a measurement."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import bench
+from training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_evaluation_lines_of_both_programs_are_read_and_nothing_else():
+    assert bench.parse_eval("step 325: train loss 1.9012, val loss 1.9321 (best)\n") == (325, 1.9321)  # tinychar
+    assert bench.parse_eval("step 2000: train loss 1.7601, val loss 1.8823\n") == (2000, 1.8823)  # nanoGPT
+    for other in ("step 20/1300: loss 3.5373, lr 2.38e-03, 4,801 tokens/s, MFU 1.7%",  # tinychar's log line
+                  "iter 5: loss 4.1828, time 76.72ms, mfu -100.00%",  # nanoGPT's
+                  "done: step 1300, val loss 1.9300 (best 1.9300) in 30.1s; sample with: ...",
+                  "saving checkpoint to out"):
+        assert bench.parse_eval(other) is None
+
+
+def test_differencing_cancels_what_both_runs_share():
+    # 2 s of start-up in each, then 100 and 1100 steps of 4 ms
+    assert bench.per_unit(2.0 + 0.4, 2.0 + 4.4, 100, 1100) == pytest.approx(0.004)
+    assert math.isnan(bench.per_unit(5.0, 4.9, 100, 1100))  # noise larger than the difference: no figure
+
+
+def test_ratio_is_nanogpt_time_over_tinychar_time_with_per_round_spread():
+    steps = bench.compare("step", "ms/step", [4.0, 5.0, 6.0], [2.0, 2.0, 3.0])
+    assert (steps["nanogpt"], steps["tinychar"], steps["ratio"]) == (5.0, 2.0, 2.5)
+    assert steps["spread"] == [2.0, 2.5]
+    rate = bench.compare("sampling", "chars/s", [500.0, 600.0], [1000.0, 1800.0])  # a rate: tinychar's over nanoGPT's
+    assert rate["ratio"] == pytest.approx(1400 / 550)
+    assert rate["spread"] == [2.0, 3.0]
+    lost = bench.compare("step", "ms/step", [math.nan], [2.0])
+    assert math.isnan(lost["ratio"]) and lost["spread"] is None
+    assert bench.compare("step", "ms/step", [4.0, math.nan], [2.0, 1.0])["spread"] is None  # one usable round
+
+
+def test_cpu_model_and_relevant_flags_from_proc_cpuinfo():
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512vl\n\n"
+            "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu\n")
+    assert bench.cpu_info(text) == ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_bf16"])
+    name, flags = bench.cpu_info("")  # no /proc/cpuinfo (macOS): the platform's name, no flags
+    assert name and flags == []
+
+
+def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
+    speed = bench.compare("train step, block 8", "ms/step", [4.0, 4.2], [2.0, 2.0])
+    missed = {"label": "launch to val <= 1.9300", "unit": "s", "nanogpt": 41.25, "tinychar": math.nan,
+              "ratio": math.nan, "spread": None, "target": 1.93, "tinychar_best": 1.95}
+    report = {"date": "2025-01-02", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2, "torch": "2.13.0",
+              "threads": 2, "rounds": 2, "matmul_gflops": {"float32": 75.4, "bfloat16": 239.0}, "rows": [speed, missed]}
+    lines = bench.markdown(report).splitlines()
+    assert lines[0] == "tinychar vs nanoGPT, 2025-01-02: AMD EPYC (avx2), 2 cores, torch 2.13.0, 2 threads, rounds: 2"
+    assert "float32 75 GFLOP/s, bfloat16 239 GFLOP/s" in lines[2]
+    assert "| train step, block 8 | ms/step | 4.10 | 2.00 | 2.05x | 2.00-2.10x |" in lines
+    assert "| launch to val <= 1.9300 | s | 41.2 | not reached (best 1.9500) | n/a | - |" in lines
+
+
+def test_nanogpt_is_told_tiny_yaml_in_the_types_its_configurator_demands():
+    cfg = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text(encoding="utf-8"))
+    flags = dict(flag.removeprefix("--").split("=") for flag in bench.nanogpt_flags(cfg))
+    model, train = cfg["model"], cfg["train"]
+    assert flags["block_size"] == str(model["block_size"]) and flags["n_embd"] == str(model["n_embd"])
+    assert flags["bias"] == str(bool(model["bias"]))  # True/False, which nanoGPT's literal_eval reads as a bool
+    assert float(flags["learning_rate"]) == float(train["learning_rate"]) and "." in flags["learning_rate"]
+    assert flags["lr_decay_iters"] == str(train.get("lr_decay_iters") or train["max_iters"])
+
+
+def test_quick_quality_runs_are_shortened_alike_for_both_programs():
+    assert bench.shortened(None, "--{}={}") == []
+    assert bench.shortened(20, "--{}={}") == ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=10"]
+    assert bench.shortened(1, "train.{}={}") == ["train.max_iters=1", "train.lr_decay_iters=1", "train.eval_interval=1"]
+
+
+@pytest.mark.parametrize("shape", [*bench.STEP_SHAPES.values(), *bench.SAMPLE_SHAPES.values()])
+def test_overrides_given_to_tinychar_are_keys_it_knows(shape: bench.Shape):
+    args = shape.tinychar(10)
+    assert args[:2] == ["--config", shape.config]
+    cfg = load_config(str(ROOT / shape.config), [*args[2:], "train.threads=2", "out_dir=unused"])
+    assert (cfg.model.block_size, cfg.model.n_embd, cfg.train.batch_size) == (shape.block_size, shape.n_embd,
+                                                                               shape.batch_size)
+    assert (cfg.train.max_iters, cfg.train.eval_interval, cfg.train.eval_iters) == (10, 10, 1)
+
+
+def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert bench.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "git clone https://github.com/karpathy/nanoGPT" in err
+    assert bench.main(["--nanogpt", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert bench.main(["--nanogpt", str(tmp_path)]) == 2
+    assert "is not a nanoGPT checkout" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--nanogpt", str(tmp_path), "--threads", "0"])
+    assert exited.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py")], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("error: --nanogpt DIR is required") and "Traceback" not in done.stderr
