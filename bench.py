@@ -83,7 +83,9 @@ class Shape:
         shape = {k: getattr(self, k) for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd", "bias")}
         return ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32",
                 "--dropout=0.0", *[f"--{k}={v!r}" for k, v in shape.items()], f"--max_iters={iters}",
-                f"--lr_decay_iters={iters}", f"--eval_interval={iters + 1}", f"--log_interval={iters + 1}",
+                # no warmup: with warmup_iters = lr_decay_iters nanoGPT would divide by zero at the last step
+                f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters + 1}",
+                f"--log_interval={iters + 1}",
                 "--eval_iters=1", "--wandb_log=False"]
 
     def tinychar(self, iters: int) -> list[str]:

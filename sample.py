@@ -207,7 +207,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device)
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
-    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled)
+    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
+                            options=engine.COMPILE_OPTIONS)
     if compiled:
         engine.use_compile_cache()
         start = time.perf_counter()

@@ -211,15 +211,19 @@ def sample_next(
         # A temperature so close to 0 that the division overflows float32 (1e-40): to the precision of the logits
         # that is greedy decoding, and the softmax of infinities would be NaN.
         return logits.argmax(dim=-1, keepdim=True)
-    logits = scaled
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(filtered_probs(scaled, top_k, top_p), num_samples=1, generator=generator)
+
+
+def filtered_probs(scaled: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Softmax of temperature-scaled logits (B, vocab), keeping the top_k likeliest characters and then the
+    smallest set whose probability reaches top_p."""
+    if top_k is not None and top_k < scaled.size(-1):
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = F.softmax(scaled, dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # keep a character while the mass before it is below top_p (so the first one is always kept)
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs

@@ -13,44 +13,29 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from .gpt import GPT
+from .gpt import GPT, filtered_probs
 
 # Below this temperature logits / temperature may overflow, which sample_next meets by decoding greedily without a
 # draw; such runs take GPT.generate so that the generator moves as it always did.
 MIN_FAST_TEMPERATURE = 1e-4
 
 
-def filtered_probs(scaled: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Softmax of temperature-scaled logits (B, vocab), keeping the top_k likeliest characters and then the
-    smallest set whose probability reaches top_p (the first is always kept)."""
-    if top_k is not None and top_k < scaled.size(-1):
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = F.softmax(scaled, dim=-1)
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    return probs
-
-
 class WindowSampler:
     """Draws the next character of every row of a batch from a fixed-shape window; see the module's docstring.
 
-    ``compile=True`` runs the step through torch.compile (the caller decides where that pays: it costs seconds
-    once, then each character is one call of fused code).
+    ``compile=True`` runs the step through torch.compile, with inductor's ``options`` (the caller decides where
+    that pays: it costs seconds once, then each character is one call of fused code).
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, options: dict | None = None) -> None:
         if 0.0 < temperature < MIN_FAST_TEMPERATURE:
             raise ValueError(f"temperature {temperature} is below {MIN_FAST_TEMPERATURE}: use GPT.generate")
         self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
         self.step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = self._step
         if compile:
-            self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
+            self.step = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
 
     def _step(self, window: torch.Tensor, last: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """window (B, block_size) ids, last (1,) the position to read, noise (B, vocab) Exp(1) or None (greedy)

@@ -9,6 +9,7 @@ import torch
 
 from model import GPT, GPTConfig
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
+from training.engine import COMPILE_OPTIONS
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
     # character could differ only where two candidates tie to ~1e-7. Measured on 2,000 characters of a block-8
     # model and 400 of a block-64 one: identical. Here: 300 characters, a batch of 2, prompt past the window.
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
-    sampler = WindowSampler(model, 0.9, 6, None, compile=True)
+    sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS)  # as sample.py compiles
     sampler.warm_up(2, torch.device("cpu"))
     got, _ = windowed(sampler, prompt, 300, seed=3)
     assert torch.equal(got, plain(model, prompt, 300, 0.9, 6, None, seed=3)[0])

@@ -118,14 +118,14 @@ def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(t
     optimizer = make_optimizer(model, cfg.train, CPU)
     step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)
     xs = torch.randint(0, vocab, (2, cfg.train.batch_size, 8))
-    loss, norm = step(xs, xs, 1e-3)
+    loss, norm = step(xs, xs.clone(), 1e-3)
     assert torch.isfinite(loss) and torch.isfinite(norm)
     with torch.no_grad():
         model.transformer.wte.weight[3] = float("inf")  # any batch holding character 3 now has a NaN loss
     xs[0, 0, 0] = 3
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state_before = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
-    loss, norm = step(xs, xs, 1e-3)
+    loss, norm = step(xs, xs.clone(), 1e-3)
     assert not torch.isfinite(loss)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
