@@ -67,6 +67,7 @@ def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
 
 def test_nanogpt_is_told_tiny_yaml_in_the_types_its_configurator_demands():
     cfg = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text(encoding="utf-8"))
+    assert bench.NANOGPT_BLOCK8_RUN["model"] == {k: cfg["model"][k] for k in bench.NANOGPT_BLOCK8_RUN["model"]}
     flags = dict(flag.removeprefix("--").split("=") for flag in bench.nanogpt_flags(cfg))
     model, train = cfg["model"], cfg["train"]
     assert flags["block_size"] == str(model["block_size"]) and flags["n_embd"] == str(model["n_embd"])
