@@ -1,7 +1,7 @@
 """The compiled engine (training.engine): when train.compile=auto compiles, the compiled whole step against the eager
 one, exact resume under it, its guard against a non-finite step, and the one-line fallback where compiling is not
-possible. One model shape throughout, so the session compiles once (~30-40 s) and later runs load the compiled code
-from the session's compile cache in seconds."""
+possible. One model shape throughout (one layer: the compile is the slow part), so the session compiles once
+(~30-40 s) and the later runs reuse the compiled code."""
 
 from __future__ import annotations
 
@@ -30,13 +30,14 @@ from training.optim import make_optimizer
 
 CPU = torch.device("cpu")
 # The schedule does not depend on max_iters (lr_decay_iters), so a run of 10 steps resumed to 20 is the run of 20.
-ENGINE_KEYS = {"train.lr_decay_iters": 20, "train.log_interval": 1, "train.grad_accum_steps": 2,
+ENGINE_KEYS = {"model.n_layer": 1, "train.lr_decay_iters": 20, "train.log_interval": 1, "train.grad_accum_steps": 2,
                "train.sample_chars": 0, "train.tensorboard": "false"}
 # Compiled and eager steps add and fuse in another order: float32 rounding, then AdamW's normalised updates, let
-# the two runs drift apart slowly. Measured after 20 steps of this model (lr 1.2e-2): the logged losses equal to
-# their 4 decimals, the weights within 2.5e-5. The bounds leave room for a last digit rounded the other way.
+# the two runs drift apart slowly. Measured after 20 steps of this model (lr 1e-2; each step moves a weight by up
+# to ~1e-2): the logged losses equal to their 4 decimals, the weights within 9e-5. The bounds leave room for a last
+# digit rounded the other way; a wrong update (a missing bias correction or weight decay) is off by far more.
 LOSS_TOLERANCE = 5e-4
-WEIGHT_TOLERANCE = 2e-4
+WEIGHT_TOLERANCE = 5e-4
 
 
 def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
