@@ -302,6 +302,7 @@ def compile_blocks(model: nn.Module) -> None:
     blocks = getattr(getattr(model, "transformer", None), "h", None)
     if blocks is None:
         raise RuntimeError(f"{type(model).__name__} has no transformer blocks to compile")
+    use_compile_cache()
     for block in blocks:
         block.compile()
 
