@@ -130,3 +130,20 @@ class CausalSelfAttention(nn.Module):
             y, weights = masked_attention(scores, v, visible, self.attn_dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y)), weights
+
+    def forward_at(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """The attention output (B, 1, C) of position row (a (1,) index) alone: keys and values of every position of
+        x (B, T, C), the query of that one, which sees positions 0..row. For sampling, where only the last position
+        of the last layer matters (inference: no dropout, no weights kept)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.index_select(1, row).view(B, 1, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, 1, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        visible = self.tril.index_select(0, row)[:, :T]  # (1, T): the row of the triangular mask
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        else:
+            scores = self.additive(q, k) if self.additive is not None else dot_scores(q, k)  # (B, nh, 1, T)
+            y, _ = masked_attention(scores, v, visible)
+        return self.c_proj(y.transpose(1, 2).reshape(B, 1, C))

@@ -45,6 +45,11 @@ class Block(nn.Module):
         x = x + self.mlp(self.ln_2(x))
         return x, weights
 
+    def forward_at(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """The block's output (B, 1, C) at position row (a (1,) index) alone; see CausalSelfAttention.forward_at."""
+        x = x.index_select(1, row) + self.attn.forward_at(self.ln_1(x), row)
+        return x + self.mlp(self.ln_2(x))
+
 
 class GPT(nn.Module):
     """Decoder-only character-level transformer.
@@ -115,6 +120,19 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += T
         return self.transformer.ln_f(x), all_weights
+
+    def hidden_at(self, idx: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """The final-layer-norm state (B, C) of position row (a (1,) index) of idx (B, T), as hidden() gives it, with
+        less work: the last layer runs its attention query, projection and MLP for that one position only."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        *blocks, last = self.transformer.h
+        for block in blocks:
+            x, _ = block(x)
+        return self.transformer.ln_f(last.forward_at(x, row)).squeeze(1)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, return_attention: bool = False
