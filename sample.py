@@ -208,7 +208,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
-                            options=engine.COMPILE_OPTIONS)
+                            options=engine.COMPILE_OPTIONS, chunk=engine.SAMPLE_CHUNK if compiled else 1)
     if compiled:
         engine.use_compile_cache()
         start = time.perf_counter()

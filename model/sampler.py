@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+from torch._higher_order_ops import while_loop
 
 from .gpt import GPT, filtered_probs
 
@@ -22,37 +23,70 @@ MIN_FAST_TEMPERATURE = 1e-4
 
 
 class WindowSampler:
-    """Draws the next character of every row of a batch from a fixed-shape window; see the module's docstring.
+    """Draws the next characters of every row of a batch from a fixed-shape window; see the module's docstring.
 
+    Each call of ``step`` makes ``chunk`` characters, one forward pass each, so that what a call costs besides its
+    arithmetic (Python, torch.compile's guards, copying the window) is paid once per ``chunk`` characters.
     ``compile=True`` runs the step through torch.compile, with inductor's ``options`` (the caller decides where
-    that pays: it costs seconds once, then each character is one call of fused code).
+    that pays: it costs seconds once, then each call is one run of fused code).
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
-                 compile: bool = False, options: dict | None = None) -> None:
+                 compile: bool = False, options: dict | None = None, chunk: int = 1) -> None:
         if 0.0 < temperature < MIN_FAST_TEMPERATURE:
             raise ValueError(f"temperature {temperature} is below {MIN_FAST_TEMPERATURE}: use GPT.generate")
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
-        self.step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = self._step
+        self.chunk = chunk
+        self.step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._steps
         if compile:
-            self.step = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
+            self.step = torch.compile(self._steps, fullgraph=True, dynamic=False, options=options)
 
-    def _step(self, window: torch.Tensor, last: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """window (B, block_size) ids, last (1,) the position to read, noise (B, vocab) Exp(1) or None (greedy)
-        -> the next ids (B, 1)."""
-        x, _ = self.model.hidden(window)
-        logits = self.model.lm_head(x.index_select(1, last)).squeeze(1).float()  # (B, vocab)
+    def _steps(self, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor, noise: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """window (B, block_size) ids holding n (a (1,) count, >= 1) characters; wanted (a (1,) count, 1..chunk)
+        characters to draw, with noise (chunk, B, vocab) Exp(1), or None (greedy) -> (the next ids (B, chunk), of
+        which the first `wanted` are drawn, the window after them, their count)."""
+        drawn = torch.zeros(window.size(0), self.chunk, dtype=window.dtype, device=window.device)
+        k = torch.zeros(1, dtype=torch.long, device=window.device)
+        if not torch.compiler.is_compiling():
+            for _ in range(int(wanted)):
+                k, window, n, drawn = self._draw(k, window, n, drawn, noise)
+            return drawn, window, n
+        # Compiled: a loop in the graph, so its body (the forward pass) is compiled once, whatever the chunk.
+        _, window, n, drawn = while_loop(lambda k, *_: k[0] < wanted[0],
+                                         lambda *state: self._draw(*state, noise), (k, window, n, drawn))
+        return drawn, window, n
+
+    def _draw(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
+              noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk)."""
+        block_size = window.size(1)
+        x = self.model.hidden_at(window, n - 1)  # (B, C)
+        logits = self.model.lm_head(x).float()  # (B, vocab)
         if noise is None:
-            return logits.argmax(dim=-1, keepdim=True)
-        probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p)
-        return (probs / noise).argmax(dim=-1, keepdim=True)
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p)
+            next_id = (probs / noise.index_select(0, k).squeeze(0)).argmax(dim=-1, keepdim=True)  # (B, 1)
+        full = n == block_size
+        # not full: write the character after the last one; full: slide by one and put it at the end
+        placed = window.index_copy(1, n.clamp(max=block_size - 1), next_id)
+        window = torch.where(full, torch.cat([window[:, 1:], next_id], dim=1), placed)
+        return k + 1, window, n + (~full).long(), drawn.index_copy(1, k, next_id)
 
     @torch.inference_mode()
     def warm_up(self, batch: int, device: torch.device) -> None:
         """Run the step once on a blank window (compiling it, when compiled), without touching any generator."""
         window = torch.zeros(batch, self.model.config.block_size, dtype=torch.long, device=device)
-        noise = torch.ones(batch, self.model.config.vocab_size, device=device) if self.temperature > 0 else None
-        self.step(window, torch.zeros(1, dtype=torch.long, device=device), noise)
+        count, wanted = (torch.ones(1, dtype=torch.long, device=device) for _ in range(2))  # two: not aliases
+        self.step(window, count, wanted, self._noise_buffer(batch, device))
+
+    def _noise_buffer(self, batch: int, device: torch.device) -> torch.Tensor | None:
+        if self.temperature == 0:
+            return None
+        return torch.ones(self.chunk, batch, self.model.config.vocab_size, device=device)
 
     @torch.inference_mode()
     def generate_iter(self, idx: torch.Tensor, max_new_tokens: int,
@@ -64,16 +98,15 @@ class WindowSampler:
         n = min(T, block_size)
         window = torch.zeros(B, block_size, dtype=idx.dtype, device=idx.device)
         window[:, :n] = idx[:, T - n :]
-        positions = torch.arange(block_size, device=idx.device)
-        vocab = self.model.config.vocab_size
-        noise = torch.empty(B, vocab, device=idx.device) if self.temperature > 0 else None
-        for _ in range(max_new_tokens):
+        count = torch.tensor([n], device=idx.device)
+        noise = self._noise_buffer(B, idx.device)
+        for done in range(0, max_new_tokens, self.chunk):
+            wanted = min(self.chunk, max_new_tokens - done)
             if noise is not None:
-                noise.exponential_(1, generator=generator)
-            next_id = self.step(window, positions[n - 1 : n], noise)
-            yield next_id
-            if n < block_size:
-                window[:, n : n + 1] = next_id
-                n += 1
-            else:  # full: slide by one
-                window = torch.cat([window[:, 1:], next_id], dim=1)
+                # One draw per character, each of the shape torch.multinomial draws, in the order it would draw
+                # them: the generator moves as in GPT.generate.
+                for k in range(wanted):
+                    noise[k].exponential_(1, generator=generator)
+            ids, window, count = self.step(window, count, torch.tensor([wanted], device=idx.device), noise)
+            for k in range(wanted):
+                yield ids[:, k : k + 1]

@@ -9,7 +9,7 @@ import torch
 
 from model import GPT, GPTConfig
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
-from training.engine import COMPILE_OPTIONS
+from training.engine import COMPILE_OPTIONS, SAMPLE_CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +39,31 @@ SETTINGS = [(0.0, None, None), (0.8, None, None), (1.0, 5, None), (1.3, None, 0.
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
-@pytest.mark.parametrize("prompt_length", [1, 5, 13])
-def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, top_p, prompt_length):
+@pytest.mark.parametrize(("prompt_length", "chunk"), [(1, 1), (5, 1), (13, 1), (1, 3), (13, 3)])
+def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, top_p, prompt_length, chunk):
+    # chunk 3: 40 characters are 13 calls of 3 and a last one of 1
     prompt = torch.randint(0, 23, (3, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
     expected, expected_state = plain(model, prompt, 40, temperature, top_k, top_p, seed=7)
-    got, state = windowed(WindowSampler(model, temperature, top_k, top_p), prompt, 40, seed=7)
+    got, state = windowed(WindowSampler(model, temperature, top_k, top_p, chunk=chunk), prompt, 40, seed=7)
     assert torch.equal(got, expected)
     # and it leaves the generator where the plain path does: what is drawn next is the same too
     assert torch.equal(state, expected_state)
     if temperature >= 0.5:  # the draws matter: another seed gives other text
         assert not torch.equal(windowed(WindowSampler(model, temperature, top_k, top_p), prompt, 40, seed=8)[0], got)
+
+
+@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
+@pytest.mark.parametrize("row", [0, 4, 7])
+def test_hidden_at_is_hiddens_row(kind, row):
+    # the last layer computed for one position only gives that position's state of the full forward pass
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, **kind)).eval()
+    idx = torch.randint(0, 11, (3, 8))
+    with torch.no_grad():
+        full, _ = m.hidden(idx)
+        at = m.hidden_at(idx, torch.tensor([row]))
+    assert at.shape == (3, 16)
+    torch.testing.assert_close(at, full[:, row], rtol=0, atol=1e-6)
 
 
 def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
@@ -60,9 +75,15 @@ def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
 def test_the_compiled_window_gives_the_plain_paths_characters(model):
     # Compiled code fuses and reorders float32 sums, so its logits may differ from eager ones in the last bits; a
     # character could differ only where two candidates tie to ~1e-7. Measured on 2,000 characters of a block-8
-    # model and 400 of a block-64 one: identical. Here: 300 characters, a batch of 2, prompt past the window.
+    # model and 400 of a block-64 one: identical. Here: 300 characters (9 calls of the loop over 32 and one of 12),
+    # a batch of 2, prompt past the window.
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
-    sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS)  # as sample.py compiles
-    sampler.warm_up(2, torch.device("cpu"))
-    got, _ = windowed(sampler, prompt, 300, seed=3)
-    assert torch.equal(got, plain(model, prompt, 300, 0.9, 6, None, seed=3)[0])
+    sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK)
+    sampler.warm_up(2, torch.device("cpu"))  # as sample.py compiles
+    got, state = windowed(sampler, prompt, 300, seed=3)
+    expected, expected_state = plain(model, prompt, 300, 0.9, 6, None, seed=3)
+    assert torch.equal(got, expected)
+    assert torch.equal(state, expected_state)
+    # a short prompt: the window fills inside the compiled loop
+    got, _ = windowed(sampler, prompt[:, :2], 50, seed=4)
+    assert torch.equal(got, plain(model, prompt[:, :2], 50, 0.9, 6, None, seed=4)[0])

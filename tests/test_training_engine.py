@@ -15,16 +15,19 @@ from test_train import bitwise_equal, logged_losses
 from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
-from model import GPT, load_checkpoint
+from model import GPT, GPTConfig, load_checkpoint
 from training import engine, load_config
 from training.engine import (
     COLD_MIN_STEPS,
     CUDA_MIN_STEPS,
     OVERHEAD_BOUND_FLOPS,
+    SAMPLE_COLD_MIN_STEPS,
+    SAMPLE_WARM_MIN_STEPS,
     WARM_MIN_STEPS,
     CompiledStep,
     auto_compiles,
     cannot_compile,
+    sampling_compiles,
 )
 from training.optim import make_optimizer
 
@@ -53,6 +56,20 @@ def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
     # on CUDA compiling pays at any size, from CUDA_MIN_STEPS
     assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_MIN_STEPS, torch.device("cuda"), warm=False)[0]
     assert not auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_MIN_STEPS - 1, torch.device("cuda"), warm=True)[0]
+
+
+def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path))
+    key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
+    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS, key, CPU) == (True, "")
+    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS - 1, key, CPU) == (False, "")
+    engine.remember_compile(key, 6.5)  # compiled once: the cache is warm
+    assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS, key, CPU) == (True, "")
+    assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS - 1, key, CPU) == (False, "")
+    # another model, or other sampling settings, compiles other code: cold again
+    other = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, 3, None, CPU)
+    assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS, other, CPU) == (False, "")
+    assert sampling_compiles("true", 1, key, CPU) == (True, "") and sampling_compiles("false", 10**9, key, CPU)[0] is False
 
 
 def test_cannot_compile_names_what_is_missing(monkeypatch):

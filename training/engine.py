@@ -119,7 +119,7 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
     compiled code)."""
     parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
              "threads": torch.get_num_threads(), "model": asdict(model_cfg), "batch": batch,
-             "sampling": [temperature, top_k, top_p]}
+             "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK}
     return _key("sample", parts)
 
 
@@ -146,10 +146,16 @@ def remember_compile(key: str, seconds: float) -> None:
         pass  # a read-only cache only costs the next run its estimate
 
 
-# sample.py --compile auto: the same trade for the sampling step. Compiling it takes ~8 s cold, ~3 s warm; it saves
-# ~0.4 ms per character at block 8 and ~0.5 ms at block 64 (2-core EPYC, measured).
-SAMPLE_COLD_MIN_STEPS = 20_000
-SAMPLE_WARM_MIN_STEPS = 6_000
+# sample.py --compile auto: the same trade for the sampling step. Compiling it took 19 s cold and 6.5 s warm (its
+# loop keeps inductor from caching the graph; the C++ is cached); it saves 0.63 ms per character at block 8 (1,400 ->
+# 10,600 characters/s) and 1.8 ms at block 64 (370 -> 1,075): 2-core EPYC, measured. Thresholds from block 8's saving.
+SAMPLE_COLD_MIN_STEPS = 30_000
+SAMPLE_WARM_MIN_STEPS = 10_000
+# The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
+# torch.compile's guards cost ~100 us per call, once per 32 characters instead of once per character (measured,
+# block 8, one thread: 4,400 -> 10,600 characters/s; 64 is no faster). The loop body compiles once, so the compile
+# time does not grow with it (unrolled, 4 characters per call took 33 s to compile and 16 took 342 s).
+SAMPLE_CHUNK = 32
 # A sampling window of at most this many batch x block_size x n_embd values runs faster on one thread: its operators
 # are too small to share out (measured: block 8 x 64 wide, 1 thread 1.4x faster; block 64 x 128, 2 threads 1.5x).
 SAMPLE_ONE_THREAD_MAX = 4096
