@@ -44,16 +44,21 @@ CPU_BF16_MIN_WIDTH = 128
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX, read from /proc/cpuinfo) and torch
+    may use it: ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA set below AVX-512 (as bench.py --isa avx2 does) rule it
+    out."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    break
+            else:
+                return False
     except OSError:
-        pass
-    return False
+        return False
+    return (bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_dtype(name: str, device: torch.device, width: int | None = None) -> torch.dtype:

@@ -1,0 +1,40 @@
+"""training.devices: when dtype=auto may take bfloat16 on a CPU."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from training import devices
+
+BF16_CPU = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch: pytest.MonkeyPatch):
+    """Make /proc/cpuinfo read as the given text."""
+    def use(text: str) -> None:
+        monkeypatch.setattr(devices, "open", lambda *a, **k: io.StringIO(text), raising=False)
+    return use
+
+
+def test_bfloat16_needs_the_hardware_and_torch_allowed_to_use_it(cpuinfo, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    cpuinfo(BF16_CPU)
+    assert devices.cpu_has_native_bf16()
+    assert devices.resolve_dtype("auto", torch.device("cpu"), width=128) == torch.bfloat16
+    cpuinfo("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")  # AVX-512 without BF16
+    assert not devices.cpu_has_native_bf16()
+    assert devices.resolve_dtype("auto", torch.device("cpu"), width=128) == torch.float32
+
+
+@pytest.mark.parametrize("limit", ["aten", "onednn"])
+def test_bfloat16_is_not_chosen_where_avx512_is_turned_off(cpuinfo, monkeypatch, limit):
+    # ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2 (bench.py --isa avx2) on a bf16 CPU: float32
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2" if limit == "aten" else "AVX512")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: limit != "onednn")
+    cpuinfo(BF16_CPU)
+    assert not devices.cpu_has_native_bf16()
