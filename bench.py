@@ -103,18 +103,20 @@ SAMPLE_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 64, True), "b
 
 @dataclass(frozen=True)
 class Plan:
-    """Lengths of the measured runs: (short, long) steps per training-step row, characters for sampling."""
+    """Lengths of the measured runs: (short, long) steps per training-step row, characters for sampling (and for
+    tinychar's compiled sampler: runs long enough that its sampling, not the noise in its compile time, is measured)."""
 
     steps: dict[str, tuple[int, int]]
     chars: tuple[int, int]
+    compiled_chars: tuple[int, int]
     quality_iters: int | None  # None: each config's own run; a number shortens both programs' runs to it (--quick)
     ceiling_seconds: float
     rounds: int
     warm_up: bool  # one run of each program before the measured rounds (page cache, tinychar's compile cache)
 
 
-FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, (200, 2000), None, 1.0, 3, True)
-QUICK = Plan({"block8": (5, 25), "block64": (2, 8)}, (20, 120), 20, 0.2, 1, False)
+FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, (500, 5000), (1000, 40000), None, 1.0, 3, True)
+QUICK = Plan({"block8": (5, 25), "block64": (2, 8)}, (20, 120), (20, 120), 20, 0.2, 1, False)
 
 
 @dataclass
@@ -149,6 +151,17 @@ def cpu_info(cpuinfo: str) -> tuple[str, list[str]]:
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
     return fields.get("model name", platform.processor() or platform.machine()), [f for f in CPU_FLAGS if f in flags]
+
+
+# --isa avx2: every library of both programs kept to AVX2, as on a CPU without AVX-512 (and so without bfloat16):
+# PyTorch's own kernels, inductor's generated code, MKL's and oneDNN's matrix multiplies. An emulation, not the
+# real thing: such a CPU also has its own caches and clocks.
+ISA_LIMITS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def usable_flags(flags: list[str], isa: str) -> list[str]:
+    """The CPU's flags that the programs may use under --isa."""
+    return [f for f in flags if not f.startswith(("avx512", "amx"))] if isa in ISA_LIMITS else flags
 
 
 def median(values: list[float]) -> float:
@@ -288,14 +301,15 @@ def sample_rows(p: Programs, name: str, plan: Plan, rounds: int) -> list[dict]:
         contenders[who] = lambda m, compile_=compile_: p.tinychar("sample.py", [
             "--out-dir", str(tiny_out), "--device", "cpu", "--num-samples", "1", "--max-new-tokens", str(m),
             "--temperature", "0.8", "--seed", "1337", "--compile", compile_])
+    lengths = {who: plan.compiled_chars if who == "compiled" else (m1, m2) for who in contenders}
     for go in contenders.values() if plan.warm_up else ():
         go(m1)
     rate: dict[str, list[float]] = {who: [] for who in contenders}
     for r in range(rounds):
         note(f"  round {r + 1}/{rounds}")
-        seconds = {(who, m): go(m).seconds for m in (m1, m2) for who, go in contenders.items()}
+        seconds = {(who, i): go(lengths[who][i]).seconds for i in (0, 1) for who, go in contenders.items()}
         for who in contenders:
-            rate[who].append(1 / per_unit(seconds[who, m1], seconds[who, m2], m1, m2))
+            rate[who].append(1 / per_unit(seconds[who, 0], seconds[who, 1], *lengths[who]))
     label = f"sampling, one stream, exact context, block {shape.block_size}, {shape.n_layer}L/{shape.n_head}H/{shape.n_embd}"
     return [compare(f"{label}, tinychar's default (--compile auto)", "chars/s", rate["nanoGPT"], rate["tinychar"]),
             compare(f"{label}, tinychar --compile true", "chars/s", rate["nanoGPT"], rate["compiled"])]
@@ -408,6 +422,8 @@ def markdown(report: dict) -> str:
     flags = ", ".join(report["cpu_flags"]) or "none of " + ", ".join(CPU_FLAGS)
     lines = [f"tinychar vs nanoGPT, {report['date']}: {report['cpu']} ({flags}), {report['cores']} cores, "
              f"torch {report['torch']}, {report['threads']} threads, rounds: {report['rounds']}"
+             + (f"; limited to {report['isa'].upper()} (" + ", ".join(f"{k}={v}" for k, v in ISA_LIMITS[report["isa"]].items())
+                + ")" if report.get("isa") in ISA_LIMITS else "")
              + (" (--quick: smoke-test lengths, not figures to quote)" if report.get("quick") else ""), ""]
     if "matmul_gflops" in report:
         c = report["matmul_gflops"]
@@ -440,10 +456,13 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
     """Every row, in the table's order, with the machine they were measured on; scratch holds all the runs' files."""
     cpuinfo = Path("/proc/cpuinfo")
     cpu, flags = cpu_info(cpuinfo.read_text(encoding="utf-8", errors="replace") if cpuinfo.exists() else "")
+    flags = usable_flags(flags, args.isa)
     rounds = args.rounds or plan.rounds
-    report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_flags": flags, "isa": args.isa,
+              "cores": os.cpu_count(),
               "torch": torch.__version__, "threads": args.threads, "rounds": rounds, "quick": args.quick,
-              "lengths": {"steps": plan.steps, "chars": plan.chars, "quality_iters": plan.quality_iters}}
+              "lengths": {"steps": plan.steps, "chars": plan.chars, "compiled_chars": plan.compiled_chars,
+                          "quality_iters": plan.quality_iters}}
     note("matmul ceilings ...")
     report["matmul_gflops"] = matmul_gflops(args.threads, plan.ceiling_seconds)
     note("nanoGPT: copying and preparing its data ...")
@@ -484,6 +503,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-quality", action="store_true", help="skip the time-to-quality rows (minutes)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results to this JSON file")
     p.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test, not figures to quote")
+    p.add_argument("--isa", choices=["native", *ISA_LIMITS], default="native",
+                   help="avx2: keep both programs' libraries to AVX2, to measure as on a CPU without AVX-512 "
+                        "(default native: all the CPU offers)")
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
@@ -500,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    limits = ISA_LIMITS.get(args.isa, {})
+    if any(os.environ.get(k) != v for k, v in limits.items()):
+        # torch reads these when it loads, and it is loaded: start again with them set (children inherit them)
+        script = [str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
+        os.execve(sys.executable, [sys.executable, *script], {**os.environ, **limits})
     try:
         with tempfile.TemporaryDirectory(prefix="tinychar-bench-") as scratch:
             report = measure(args, QUICK if args.quick else FULL, Path(scratch))

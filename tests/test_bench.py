@@ -65,6 +65,16 @@ def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
     assert "| launch to val <= 1.9300 | s | 41.2 | not reached (best 1.9500) | n/a | - |" in lines
 
 
+def test_isa_avx2_hides_avx512_from_the_flags_and_says_so_in_the_header():
+    flags = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    assert bench.usable_flags(flags, "native") == flags
+    assert bench.usable_flags(flags, "avx2") == ["avx2"]  # so no bfloat16 rows either
+    report = {"date": "2025-01-02", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "isa": "avx2", "cores": 2,
+              "torch": "2.13.0", "threads": 2, "rounds": 2, "rows": []}
+    assert bench.markdown(report).splitlines()[0].endswith(
+        "rounds: 2; limited to AVX2 (ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2)")
+
+
 def test_nanogpt_is_told_tiny_yaml_in_the_types_its_configurator_demands():
     cfg = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text(encoding="utf-8"))
     assert bench.NANOGPT_BLOCK8_RUN["model"] == {k: cfg["model"][k] for k in bench.NANOGPT_BLOCK8_RUN["model"]}
