@@ -110,10 +110,7 @@ class CausalSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
         offset = cache.length if cache is not None else 0
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = (self.heads(t) for t in self.c_attn(x).split(C, dim=2))  # (B, nh, T, hs) each
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, offset + T, hs)
         visible = self.tril[offset : offset + T, : offset + T]  # (T, offset + T)
@@ -131,15 +128,18 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y)), weights
 
+    def heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, nh, T, hs): each head's slice of the channels."""
+        B, T, C = t.shape
+        return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+
     def forward_at(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """The attention output (B, 1, C) of position row (a (1,) index) alone: keys and values of every position of
         x (B, T, C), the query of that one, which sees positions 0..row. For sampling, where only the last position
         of the last layer matters (inference: no dropout, no weights kept)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.index_select(1, row).view(B, 1, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, 1, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = self.heads(q.index_select(1, row)), self.heads(k), self.heads(v)  # (B, nh, 1 | T, hs)
         visible = self.tril.index_select(0, row)[:, :T]  # (1, T): the row of the triangular mask
         if self.fused:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)

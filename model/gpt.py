@@ -102,6 +102,11 @@ class GPT(nn.Module):
         matrix_weights = L * 12 * C * C + self.config.vocab_size * C  # q/k/v, projection, MLP in and out; the head
         return 6 * matrix_weights + 12 * L * T * C
 
+    def embed(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Token plus learned position embeddings (B, T, C) of idx (B, T), its first position at offset."""
+        pos = torch.arange(offset, offset + idx.size(1), device=idx.device)  # (T,)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
     def hidden(
         self, idx: torch.Tensor, cache: KVCache | None = None, need_weights: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -110,8 +115,7 @@ class GPT(nn.Module):
         offset = cache.length if cache is not None else 0
         if offset + T > self.config.block_size:
             raise ValueError(f"sequence of {offset + T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(offset, offset + T, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.embed(idx, offset)
         all_weights = []
         for layer, block in enumerate(self.transformer.h):
             x, weights = block(x, cache, layer, need_weights)
@@ -127,8 +131,7 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.embed(idx)
         *blocks, last = self.transformer.h
         for block in blocks:
             x, _ = block(x)
