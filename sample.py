@@ -11,10 +11,17 @@ import os  # os, signal and sys are built into the interpreter: there is no mome
 import signal
 import sys
 
-try:  # Ctrl-C while the modules load (torch takes a second or more) is one line, not a traceback from an import
+# Ctrl-C while the modules load (torch takes a second or more) waits until they have loaded, then ends the run in
+# one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
+# AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
+HELD_SIGINT: list[int] = []
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, _frame: HELD_SIGINT.append(signum))
+
+try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
     import time
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from contextlib import contextmanager
     from pathlib import Path
 
@@ -32,8 +39,13 @@ try:  # Ctrl-C while the modules load (torch takes a second or more) is one line
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
-    print("interrupted (SIGINT) while starting; nothing was sampled", file=sys.stderr)
-    sys.exit(128 + signal.SIGINT)
+    HELD_SIGINT.append(signal.SIGINT)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if HELD_SIGINT:
+        print("interrupted (SIGINT) while starting; nothing was sampled", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
@@ -146,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"attention map: {saved}", file=sys.stderr)
     try:
-        write_samples(model, ids, prompt, vocab, args)
+        with ctrl_c_between_characters() as asked:
+            write_samples(model, ids, prompt, vocab, args, asked)
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
         discard_stdout()  # so the exit-time flush cannot fail too
     except KeyboardInterrupt:  # Ctrl-C while the text streams out: what was printed stays, nothing else to do
@@ -155,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace) -> None:
+def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,
+                  interrupted: Callable[[], bool] = lambda: False) -> None:
     """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
-    batch; with --stream the first one is printed as it comes and the others when they are complete."""
+    batch; with --stream the first one is printed as it comes and the others when they are complete. KeyboardInterrupt
+    after the first character for which interrupted() is true."""
     out = sys.stdout
     rows: list[list[str]] = [[] for _ in range(args.num_samples)]
     with sampling_threads(model, args.num_samples, ids.device):
@@ -170,6 +185,8 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 out.flush()
             for row, c in zip(rows, chars, strict=True):
                 row.append(c)
+            if interrupted():
+                raise KeyboardInterrupt
     for n, row in enumerate(rows):
         if n:
             out.write(SEPARATOR)
@@ -177,6 +194,31 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
             out.write(prompt + "".join(row))
         out.write("\n")
     out.flush()
+
+
+@contextmanager
+def ctrl_c_between_characters() -> Iterator[Callable[[], bool]]:
+    """Inside: a Ctrl-C (SIGINT) is noted, and the caller asks between characters, where nothing can lose it (once, with
+    compiled sampling streaming, a KeyboardInterrupt raised where the signal landed vanished and sampling went on);
+    a second one raises
+    KeyboardInterrupt at once, wherever it lands. Outside the main thread, where signals cannot be handled, Python's
+    own handling stays."""
+    asked: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signum)
+
+    try:
+        previous = signal.signal(signal.SIGINT, note)
+    except ValueError:  # not the main thread
+        yield lambda: False
+        return
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager

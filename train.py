@@ -18,7 +18,14 @@ from __future__ import annotations
 import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
 
-try:  # Ctrl-C while the modules load (torch takes a second or more) is one line, not a traceback from an import
+# Ctrl-C while the modules load (torch takes a second or more) waits until they have loaded, then ends the run in
+# one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
+# AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
+HELD_SIGINT: list[int] = []
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, _frame: HELD_SIGINT.append(signum))
+
+try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
     import contextlib
     import io
@@ -37,8 +44,13 @@ try:  # Ctrl-C while the modules load (torch takes a second or more) is one line
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
-    print("interrupted (SIGINT) while starting; nothing was saved", file=sys.stderr)
-    sys.exit(128 + signal.SIGINT)
+    HELD_SIGINT.append(signal.SIGINT)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if HELD_SIGINT:
+        print("interrupted (SIGINT) while starting; nothing was saved", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 def help_epilog() -> str:
