@@ -114,7 +114,7 @@ def test_kill_9_at_random_moments_never_breaks_a_checkpoint_and_the_run_ends_as_
     rng = random.Random(20260501)
     out = tmp_path / "killed"
     steps, left_midway = [0], 0
-    for attempt in range(7):
+    for attempt in range(5):
         resume = ["--resume"] if (out / "ckpt.pt").exists() else []
         log = tmp_path / f"log{attempt}.txt"
         proc = launch([*resume, *args], log)
@@ -128,7 +128,7 @@ def test_kill_9_at_random_moments_never_breaks_a_checkpoint_and_the_run_ends_as_
         steps.append(check_after_a_crash(out))
         assert steps[-1] >= steps[-2], steps  # never further back than the last checkpoint
         left_midway += bool(temporary_files(out)) if out.exists() else 0
-    assert sum(b > a for a, b in itertools.pairwise(steps)) >= 4, steps  # most kills came while it trained
+    assert sum(b > a for a, b in itertools.pairwise(steps)) >= 3, steps  # most kills came while it trained
 
     proc = launch(["--resume", *args], tmp_path / "final.txt")
     assert proc.wait(timeout=120) == 0, (tmp_path / "final.txt").read_text(encoding="utf-8")
@@ -136,7 +136,7 @@ def test_kill_9_at_random_moments_never_breaks_a_checkpoint_and_the_run_ends_as_
     killed = load_checkpoint(out / "ckpt.pt")
     assert killed["step"] == 120
 
-    # The same steps in one go: seven kills and resumes changed nothing.
+    # The same steps in one go: five kills and resumes changed nothing.
     with contextlib.redirect_stdout(io.StringIO()):
         assert train_main(["--config", TINY, *tiny_overrides(corpus, tmp_path / "straight", **KILL_KEYS)]) == 0
     assert bitwise_equal(killed["model"], load_checkpoint(tmp_path / "straight" / "ckpt.pt")["model"])
