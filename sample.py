@@ -200,9 +200,8 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
 def ctrl_c_between_characters() -> Iterator[Callable[[], bool]]:
     """Inside: a Ctrl-C (SIGINT) is noted, and the caller asks between characters, where nothing can lose it (once, with
     compiled sampling streaming, a KeyboardInterrupt raised where the signal landed vanished and sampling went on);
-    a second one raises
-    KeyboardInterrupt at once, wherever it lands. Outside the main thread, where signals cannot be handled, Python's
-    own handling stays."""
+    a second one raises KeyboardInterrupt at once, wherever it lands. Outside the main thread, where signals cannot
+    be handled, Python's own handling stays."""
     asked: list[int] = []
 
     def note(signum: int, _frame: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,14 @@ def test_sampling_a_small_window_on_one_thread_gives_the_threads_back(run):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_not():
+    before = signal.getsignal(signal.SIGINT)
+    with sample.ctrl_c_between_characters() as asked:
+        assert not asked()
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: only noted
+        assert asked()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # Python's own handling is back
