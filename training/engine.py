@@ -252,13 +252,11 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
 _COMPILED_STEP: Callable | None = None
 
 
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One new contiguous buffer holding the tensors' values end to end, each tensor then made a view of its slice:
-    the same values, now one block of memory that one compiled kernel updates."""
+def _concat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One new contiguous buffer holding the tensors' values end to end, and its slices shaped as each tensor: the
+    same values, now one block of memory that one compiled kernel updates."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-        t.data = part.view_as(t)
-    return flat
+    return flat, [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True)]
 
 
 class CompiledStep:
@@ -292,9 +290,10 @@ class CompiledStep:
             raise RuntimeError("the compiled step needs every parameter in one dtype on one device")
         self.layout = Layout(tuple(named[id(p)] for p in params), tuple(p.numel() for p in params),
                              tuple(tuple(p.shape) for p in params))
-        self.flat = _flatten(params)
-        self.exp_avg = self._flat_state(states, "exp_avg")
-        self.exp_avg_sq = self._flat_state(states, "exp_avg_sq")
+        self.flat, views = _concat(params)
+        for p, view in zip(params, views, strict=True):
+            p.data = view
+        self.exp_avg, self.exp_avg_sq = (self._flat_state(states, key) for key in ("exp_avg", "exp_avg_sq"))
         self.steps = torch.stack([s["step"].float() for s in states])  # (parameters,)
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
@@ -307,9 +306,9 @@ class CompiledStep:
 
     @staticmethod
     def _flat_state(states: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
-        flat = torch.cat([s[key].detach().reshape(-1) for s in states])
-        for s, part in zip(states, flat.split([s[key].numel() for s in states]), strict=True):
-            s[key] = part.view_as(s[key])
+        flat, views = _concat([s[key] for s in states])
+        for s, view in zip(states, views, strict=True):
+            s[key] = view
         return flat
 
     @property
