@@ -251,7 +251,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
                             options=engine.COMPILE_OPTIONS, chunk=engine.SAMPLE_CHUNK if compiled else 1)
     if compiled:
-        engine.use_compile_cache()
+        engine.prepare_compile()
         start = time.perf_counter()
         try:
             sampler.warm_up(len(batch), device)

@@ -86,6 +86,25 @@ def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
     assert engine.compile_cache_dir() == tmp_path / "mine"
 
 
+def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set_probes(monkeypatch, tmp_path):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(engine, "_USER_CACHE", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    folder = engine.prepare_compile()
+    assert folder == tmp_path / "tinychar" / "compiled" and folder.is_dir()
+    assert engine.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    assert inductor_config.cpp.vec_isa_ok is True
+    # the user's own setting wins
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
+    engine.prepare_compile()
+    assert inductor_config.cpp.vec_isa_ok is False
+
+
 def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(engine.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)

@@ -5,7 +5,7 @@ Why the whole step: at block 8 a CPU step is operator overhead (MFU under 10%). 
 leaves the autograd engine, gradient accumulation into .grad, the clipping norms and the optimizer as separate
 operators; one graph removes them (measured on a 2-core AVX-512 EPYC, block 8, batch 32, 3 layers of 32: eager
 4.0 ms/step, compiled model plus compiled optimizer 2.4 ms, the whole step 1.75 ms). Where the step is
-matrix-multiply bound (block 64, n_embd 128) compiling buys little, and it costs ~30 s the first time (~5 s once
+matrix-multiply bound (block 64, n_embd 128) compiling buys little, and it costs 15-20 s the first time (~2 s once
 its compile cache is warm), so ``train.compile: auto`` compiles only where the run is long enough to win it back.
 
 The step works on the optimizer's own state tensors (step, exp_avg, exp_avg_sq), in place, so checkpoints, resume
@@ -40,17 +40,19 @@ from .devices import autocast_context
 if TYPE_CHECKING:
     from .loop import Trainer
 
-# Steps a run must have left before `auto` compiles on a CPU, with the compile cache cold (~30 s to compile,
-# measured) or warm (~5 s): what an overhead-bound step saves (~2 ms at block 8) times these steps is about twice
-# that cost.
-COLD_MIN_STEPS = 30_000
-WARM_MIN_STEPS = 5_000
+# Steps a run must have left before `auto` compiles on a CPU, with the compile cache cold or warm. Measured on a 2-core
+# AVX-512 EPYC, float32, 600-step runs of train.py side by side (compile 14-16 s cold, 2.2 s warm): tiny.yaml's
+# step (batch 128) saves 2.6 ms, so compiling wins from about 5,900 steps cold and 1,000 warm; batch 32 of a 3 x 32
+# model saves 1.4 ms and wins from 10,700 and 1,900. These thresholds are about the slowest of those crossovers.
+COLD_MIN_STEPS = 20_000
+WARM_MIN_STEPS = 2_000
 # On CUDA, where compiling fuses the elementwise work that dominates a GPU step at any size, auto compiles runs of at
 # least this many steps. Not measured here (no GPU): nanoGPT reports compiling about halves its GPU step time.
 CUDA_MIN_STEPS = 1_000
 # Above this many training FLOPs per step a CPU step is bound by its matrix multiplies, which compiling does not
-# speed up (measured: 0.06 GFLOP/step 2.3x faster compiled, 1.9 GFLOP/step 1.16x, 4 GFLOP/step 1.0x).
-OVERHEAD_BOUND_FLOPS = 0.5e9
+# speed up (measured as above: 0.06 GFLOP/step 2.2x faster compiled, 0.95 GFLOP 1.3x, 1.9 GFLOP 1.1x, 4.0 GFLOP
+# (nanoGPT's CPU config, float32) 1.0x).
+OVERHEAD_BOUND_FLOPS = 2.5e9
 
 
 # A folder the user chose for torch's compile cache, read before torch itself may fill the variable with its default.
@@ -76,8 +78,15 @@ def compile_cache_dir() -> Path:
     return base / "tinychar" / "compiled"
 
 
-def use_compile_cache() -> Path:
-    """Point torch.compile's caches at compile_cache_dir (or a temp folder if that cannot be made) and return it."""
+def prepare_compile() -> Path:
+    """Ready torch.compile for this process: its caches in compile_cache_dir (or a temp folder if that cannot be made),
+    and no test compiles of the CPU's vector instruction sets. Returns the cache folder.
+
+    Inductor otherwise builds and loads a small program for each instruction set the CPU reports before it trusts
+    it: measured, 4-5 s of a 20 s first compile of tiny.yaml's step, and a process start per set on every later
+    compile. The sets come from the CPU's own flags; the two a C++ compiler may lack (avx512_bf16, amx_fp16) inductor
+    still tests, and a compiler that fails anyway makes the run fall back to eager. TORCHINDUCTOR_VEC_ISA_OK, when
+    set, decides instead."""
     folder = compile_cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -88,6 +97,10 @@ def use_compile_cache() -> Path:
         folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled"
         folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.vec_isa_ok = True
     return folder
 
 
@@ -146,9 +159,10 @@ def remember_compile(key: str, seconds: float) -> None:
         pass  # a read-only cache only costs the next run its estimate
 
 
-# sample.py --compile auto: the same trade for the sampling step. Compiling it took 19 s cold and 6.5 s warm (its
-# loop keeps inductor from caching the graph; the C++ is cached); it saves 0.63 ms per character at block 8 (1,400 ->
-# 10,600 characters/s) and 1.8 ms at block 64 (370 -> 1,075): 2-core EPYC, measured. Thresholds from block 8's saving.
+# sample.py --compile auto: the same trade for the sampling step. Compiling it takes about 10 s cold and 4 s warm (its
+# loop keeps inductor from caching the graph; the C++ is cached). What it saves per character depends on the machine:
+# at block 8, 0.63 ms on one 2-core EPYC (1,400 -> 10,600 characters/s) and 0.3 ms on a faster one (2,650 -> 12,800),
+# so compiling wins from 8,000-17,000 characters warm and 17,000-36,000 cold; at block 64, 1.8 ms (370 -> 1,075).
 SAMPLE_COLD_MIN_STEPS = 30_000
 SAMPLE_WARM_MIN_STEPS = 10_000
 # The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
@@ -354,7 +368,7 @@ def compile_blocks(model: nn.Module) -> None:
     blocks = getattr(getattr(model, "transformer", None), "h", None)
     if blocks is None:
         raise RuntimeError(f"{type(model).__name__} has no transformer blocks to compile")
-    use_compile_cache()
+    prepare_compile()
     for block in blocks:
         block.compile()
 
@@ -406,10 +420,10 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
         trainer.engine = "compiled"
         say(f"engine: model compiled block by block ({choice.reason}); the first steps compile")
         return
-    folder = use_compile_cache()
+    folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)
     before = cached_compile_seconds(key)
-    expect = f"cached: about {before:.0f} s" if before is not None else "first time for this model: about 30 s"
+    expect = f"cached: about {before:.0f} s" if before is not None else "first time for this model: about 15-20 s"
     say(f"engine: compiling the training step ({choice.reason}; {expect})")
     step = CompiledStep(trainer.model, trainer.optimizer, trainer.tc, trainer.device, trainer.dtype)
     dummy = torch.Generator().manual_seed(0)
