@@ -1,7 +1,7 @@
 """The compiled engine (training.engine): when train.compile=auto compiles, the compiled whole step against the eager
 one, exact resume under it, its guard against a non-finite step, and the one-line fallback where compiling is not
 possible. One model shape throughout (one layer: the compile is the slow part), so the session compiles once
-(~30-40 s) and the later runs reuse the compiled code."""
+(~15 s) and the later runs reuse the compiled code."""
 
 from __future__ import annotations
 

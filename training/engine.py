@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 # Steps a run must have left before `auto` compiles on a CPU, with the compile cache cold or warm. Measured on a 2-core
 # AVX-512 EPYC, float32, 600-step runs of train.py side by side (compile 14-16 s cold, 2.2 s warm): tiny.yaml's
 # step (batch 128) saves 2.6 ms, so compiling wins from about 5,900 steps cold and 1,000 warm; batch 32 of a 3 x 32
-# model saves 1.4 ms and wins from 10,700 and 1,900. These thresholds are about the slowest of those crossovers.
+# model saves 1.4 ms and wins from 10,700 and 1,900. Cold: about twice the slowest crossover; warm: about it.
 COLD_MIN_STEPS = 20_000
 WARM_MIN_STEPS = 2_000
 # On CUDA, where compiling fuses the elementwise work that dominates a GPU step at any size, auto compiles runs of at
