@@ -20,6 +20,7 @@ from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
 import train
 import training.checkpoints
 from configs import describe, to_dict, valid_keys
+from data.batches import split_ids
 from model import load_checkpoint, model_from_checkpoint
 from training.config import RunConfig, load_config
 from training.optim import lr_at
@@ -379,3 +380,23 @@ def test_the_run_uses_the_schedule_it_was_given(finished_run):
     assert raw["config"] == to_dict(cfg)
     for group in raw["optimizer"]["param_groups"]:
         assert group["lr"] == lr_at(cfg.train.max_iters - 1, cfg.train)
+
+
+def test_the_logged_attention_picture_shows_at_most_64_characters(small_corpus, tmp_path):
+    """A long context is logged through its first ATTENTION_LOG_CHARS validation characters: the picture grows as
+    the square of its length (256 characters of a 6x6 model: 9,571 x 9,573 pixels, seconds per evaluation)."""
+    from lab.heatmap import grid_layout
+    from training.loop import ATTENTION_LOG_CHARS
+
+    out = tmp_path / "run"
+    block_size = ATTENTION_LOG_CHARS + 16
+    overrides = tiny_overrides(small_corpus, out, **{"model.block_size": block_size, "train.max_iters": 10})
+    assert train.main(overrides, progress=False) == 0
+    (picture,) = read_events(out).Images("attention/layers_x_heads")
+    text = small_corpus.read_text(encoding="utf-8")
+    _, val = split_ids(torch.arange(len(text)), 0.1, block_size)  # positions in the text, not ids
+    shown = [text[i] for i in val[:ATTENTION_LOG_CHARS].tolist()]
+    layout = grid_layout(2, 2, shown, title="step 10")
+    assert (picture.width, picture.height) == (layout.width, layout.height)
+    longer = grid_layout(2, 2, [text[i] for i in val[:block_size].tolist()], title="step 10")
+    assert longer.width > layout.width  # the cap is what kept it small

@@ -72,6 +72,12 @@ def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int) -> in
     return max(batch_size, min(eval_iters * batch_size, 32768 // block_size))
 
 
+# The attention picture logged at each evaluation shows this many characters at most. A 6-layer, 6-head model's picture
+# of 256 characters is 9,571 x 9,573 pixels and took 10 s per evaluation to draw and encode (2-core EPYC; 8 s on an
+# H100 machine's CPU), 21 times in configs/shakespeare_char.yaml; of 64 characters, 3,043 x 3,045 pixels, 0.4-1.1 s.
+ATTENTION_LOG_CHARS = 64
+
+
 class Trainer:
     """One process's part of a training run, from its current step to train.max_iters.
 
@@ -122,8 +128,9 @@ class Trainer:
     def attach(self, log: Logger, tokenizer: CharTokenizer, started: float) -> None:
         """Give the run its logger and vocabulary (what evaluating and saving need) and the moment it began."""
         self.log, self.tokenizer, self.started = log, tokenizer, started
-        # A fixed stretch of validation text whose attention maps TensorBoard shows at every evaluation.
-        self.attention_prompt = self.splits["val"][: self.cfg.model.block_size].tolist()
+        # A fixed stretch of validation text whose attention maps TensorBoard shows at every evaluation: at most
+        # ATTENTION_LOG_CHARS characters, since the picture grows as the square of its length.
+        self.attention_prompt = self.splits["val"][: min(self.cfg.model.block_size, ATTENTION_LOG_CHARS)].tolist()
 
     def restore(self, payload: dict, path: Path) -> None:
         """Continue the run a checkpoint holds: weights, optimizer and scaler, step, best loss, and this process's
