@@ -249,7 +249,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
-                            options=engine.COMPILE_OPTIONS, chunk=engine.SAMPLE_CHUNK if compiled else 1)
+                            options=engine.compile_options(device), chunk=engine.SAMPLE_CHUNK if compiled else 1)
     if compiled:
         engine.prepare_compile()
         start = time.perf_counter()

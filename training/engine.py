@@ -46,9 +46,11 @@ if TYPE_CHECKING:
 # model saves 1.4 ms and wins from 10,700 and 1,900. Cold: about twice the slowest crossover; warm: about it.
 COLD_MIN_STEPS = 20_000
 WARM_MIN_STEPS = 2_000
-# On CUDA, where compiling fuses the elementwise work that dominates a GPU step at any size, auto compiles runs of at
-# least this many steps. Not measured here (no GPU): nanoGPT reports compiling about halves its GPU step time.
-CUDA_MIN_STEPS = 1_000
+# On CUDA compiling fuses the elementwise work that dominates a GPU step at any size. Measured on an H100 (torch
+# 2.11, configs/shakespeare_char.yaml, bfloat16): 14.6-16.9 ms/step eager, 7.2-8.4 ms compiled, compile 29-36 s
+# cold and 9.5 s warm, so compiling wins from about 4,500 steps cold and 1,200 warm.
+CUDA_MIN_STEPS = 5_000
+CUDA_WARM_MIN_STEPS = 1_500
 # Above this many training FLOPs per step a CPU step is bound by its matrix multiplies, which compiling does not
 # speed up (measured as above: 0.06 GFLOP/step 2.2x faster compiled, 0.95 GFLOP 1.3x, 1.9 GFLOP 1.1x, 4.0 GFLOP
 # (nanoGPT's CPU config, float32) 1.0x).
@@ -60,9 +62,16 @@ _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 # Inductor's C++ wrapper calls the step's kernels and matrix multiplies from compiled code instead of from Python:
-# the same kernels, the same numbers, less overhead per call (measured, block 8: a step 1.83 -> 1.58 ms, sampling
-# 4,000 -> 5,000 characters/s), for a few more seconds of compiling the first time.
+# the same kernels, the same numbers, less overhead per call (measured on a CPU, block 8: a step 1.83 -> 1.58 ms,
+# sampling 4,000 -> 5,000 characters/s), for a few more seconds of compiling the first time. Not on CUDA, where it
+# builds a C++ file against CUDA's headers: measured on an H100 (torch 2.11, configs/shakespeare_char.yaml), cold
+# compile 102.7 s with it, 29.3 s without, and the step no faster with it (2.0M vs 2.2-2.4M tokens/s).
 COMPILE_OPTIONS = {"cpp_wrapper": True}
+
+
+def compile_options(device: torch.device) -> dict:
+    """Inductor's options for the compiled step and sampler on this device (see COMPILE_OPTIONS)."""
+    return dict(COMPILE_OPTIONS) if device.type == "cpu" else {}
 
 
 def compile_cache_dir() -> Path:
@@ -184,6 +193,10 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
         return False, why_not if setting == "true" else ""
     if setting == "true":
         return True, ""
+    if device.type != "cpu":
+        # Measured on an H100 (torch 2.11, the 6-layer block-256 model, 2,000 characters, one stream): sample.py
+        # took 12.7 s eager and 33.7 s compiled, 14.8 s of it compiling; the characters were the same.
+        return False, ""
     need = SAMPLE_WARM_MIN_STEPS if cached_compile_seconds(key) is not None else SAMPLE_COLD_MIN_STEPS
     return steps >= need, ""
 
@@ -195,7 +208,7 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
                        f"does not speed up on a CPU")
     need = WARM_MIN_STEPS if warm else COLD_MIN_STEPS
     if device.type == "cuda":
-        need = CUDA_MIN_STEPS
+        need = CUDA_WARM_MIN_STEPS if warm else CUDA_MIN_STEPS
     state = "warm" if warm else "cold"
     if remaining_steps < need:
         return False, (f"{remaining_steps:,} steps are too few to win back compiling with a {state} cache "
@@ -331,7 +344,8 @@ class CompiledStep:
         # second run in one process) reuses its compiled code instead of compiling again.
         global _COMPILED_STEP
         if _COMPILED_STEP is None:
-            _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+            _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False,
+                                           options=compile_options(self.device))
         return _COMPILED_STEP
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -423,7 +437,8 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)
     before = cached_compile_seconds(key)
-    expect = f"cached: about {before:.0f} s" if before is not None else "first time for this model: about 15-20 s"
+    first = "about 15-20 s" if trainer.device.type == "cpu" else "about 30 s on an H100"
+    expect = f"cached: about {before:.0f} s" if before is not None else f"first time for this model: {first}"
     say(f"engine: compiling the training step ({choice.reason}; {expect})")
     step = CompiledStep(trainer.model, trainer.optimizer, trainer.tc, trainer.device, trainer.dtype)
     dummy = torch.Generator().manual_seed(0)
