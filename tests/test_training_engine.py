@@ -5,6 +5,9 @@ possible. One model shape throughout (one layer: the compile is the slow part), 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -100,9 +103,42 @@ def test_cannot_compile_names_what_is_missing(monkeypatch):
 def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(engine, "_USER_CACHE", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert engine.compile_cache_dir() == tmp_path / "tinychar" / "compiled"
+    here = engine.machine_tag(torch.backends.cpu.get_cpu_capability(), engine.cpu_vector_flags())
+    assert engine.compile_cache_dir() == tmp_path / "tinychar" / "compiled" / here
     monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path / "mine"))
     assert engine.compile_cache_dir() == tmp_path / "mine"
+
+
+CPUINFO = """processor\t: 0
+flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 fma avx avx2 avx512f avx512_bf16 amx_tile aes rdrand
+bugs\t\t: spectre_v1
+"""
+
+
+def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
+    """Inductor's cache mixes them up (a crash, or NaN from step 1, when the vector capability changed between two
+    runs on one cache), so each capability and set of vector flags has a folder of its own."""
+    flags = engine.cpu_vector_flags(CPUINFO)
+    assert flags == {"sse", "sse2", "ssse3", "sse4_1", "sse4_2", "fma", "avx", "avx2", "avx512f", "avx512_bf16",
+                     "amx_tile"}
+    assert engine.cpu_vector_flags("processor\t: 0\n") == set()
+    tags = {engine.machine_tag("AVX512", flags), engine.machine_tag("AVX2", flags),
+            engine.machine_tag("AVX512", flags - {"avx512_bf16"}), engine.machine_tag("AVX512", set(flags))}
+    assert len(tags) == 3  # the same machine and capability give the same folder; any difference, another
+    assert all("/" not in tag and " " not in tag for tag in tags)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU has no vector unit torch uses")
+def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
+    """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder."""
+    code = "from training import engine; print(engine.compile_cache_dir())"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    folders = [subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=extra,
+                              capture_output=True, text=True, check=True).stdout.strip()
+               for extra in (env, {**env, "ATEN_CPU_CAPABILITY": "default"})]
+    assert folders[0] != folders[1]
+    assert folders[1].endswith(engine.machine_tag("default", engine.cpu_vector_flags()))
 
 
 def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set_probes(monkeypatch, tmp_path):
@@ -114,7 +150,7 @@ def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set
     monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
     folder = engine.prepare_compile()
-    assert folder == tmp_path / "tinychar" / "compiled" and folder.is_dir()
+    assert folder.parent == tmp_path / "tinychar" / "compiled" and folder.is_dir()
     assert engine.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
     assert inductor_config.cpp.vec_isa_ok is True
     # the user's own setting wins

@@ -75,8 +75,9 @@ def compile_options(device: torch.device) -> dict:
 
 
 def compile_cache_dir() -> Path:
-    """Where torch.compile keeps its compiled code: $TORCHINDUCTOR_CACHE_DIR if the user set it, else tinychar's
-    cache folder ($XDG_CACHE_HOME/tinychar/compiled, else ~/.cache/tinychar/compiled), else the temp folder."""
+    """Where torch.compile keeps its compiled code: $TORCHINDUCTOR_CACHE_DIR if the user set it, else a folder per
+    instruction set (machine_tag) in tinychar's cache folder ($XDG_CACHE_HOME/tinychar/compiled, else
+    ~/.cache/tinychar/compiled), else the temp folder."""
     explicit = _USER_CACHE
     if explicit:
         return Path(explicit)
@@ -84,7 +85,35 @@ def compile_cache_dir() -> Path:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     except (RuntimeError, KeyError):  # no home at all
         base = Path(tempfile.gettempdir())
-    return base / "tinychar" / "compiled"
+    return base / "tinychar" / "compiled" / machine_tag(torch.backends.cpu.get_cpu_capability(), cpu_vector_flags())
+
+
+# Inductor's cache does not tell code built for one vector instruction set from code built for another: measured
+# (torch 2.13, a 2-core AVX-512 EPYC), tiny.yaml's step compiled under ATEN_CPU_CAPABILITY=avx2 and then loaded from
+# the same cache without it crashed the process (heap corruption, or a segfault), and the reverse trained NaN from
+# step 1. A home folder shared by machines of different CPUs does the same. So each instruction set gets a folder.
+VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse")
+
+
+def machine_tag(capability: str, flags: set[str]) -> str:
+    """The name of the compile cache's folder for code built here: the processor's architecture, the vector
+    capability PyTorch runs with (ATEN_CPU_CAPABILITY can lower it) and a digest of the CPU's vector flags."""
+    digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
+    return f"{platform.machine().lower() or 'cpu'}-{capability.lower()}-{digest}"
+
+
+def cpu_vector_flags(cpuinfo: str | None = None) -> set[str]:
+    """The vector instruction sets the CPU reports in /proc/cpuinfo (empty where there is none to read)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return {f for f in value.split() if f.startswith(VECTOR_FLAG_PREFIXES)}
+    return set()
 
 
 def prepare_compile() -> Path:
