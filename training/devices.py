@@ -87,15 +87,17 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
     """Measured FLOP/s of a large square matrix multiply in dtype on device: the best of a few short timings,
     the yardstick for model FLOPs utilisation (MFU).
 
-    n defaults to 1024 on a CPU and 8192 on a GPU, where 1024 is far too small to fill the chip (measured on an
-    H100, bfloat16: 104 TFLOP/s at 1024, 437 at 2048, 731 at 4096, 781 at 8192), so MFU read over 100%."""
+    n defaults to 8192 on CUDA, where 1024 is far too small to fill the chip (measured on an H100, bfloat16: 104
+    TFLOP/s at 1024, 437 at 2048, 731 at 4096, 781 at 8192, so MFU read over 100%), and 1024 elsewhere."""
+    cuda = device.type == "cuda"
     if n is None:
-        n = 1024 if device.type == "cpu" else 8192
-    # Its own generator, on the device: drawing from torch's global ones would shift a run's dropout masks and
-    # break exact resume.
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, generator=gen, device=device).to(dtype)
-    b = torch.randn(n, n, generator=gen, device=device).to(dtype)
+        n = 8192 if cuda else 1024
+    # Its own generator (on the GPU there, where drawing 8192 x 8192 values is quick): drawing from torch's global
+    # ones would shift a run's dropout masks and break exact resume.
+    where = device if cuda else torch.device("cpu")
+    gen = torch.Generator(device=where).manual_seed(0)
+    a = torch.randn(n, n, generator=gen, device=where).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen, device=where).to(device=device, dtype=dtype)
     best = math.inf
     deadline = time.perf_counter() + seconds
     while True:

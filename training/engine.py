@@ -92,7 +92,8 @@ def compile_cache_dir() -> Path:
 # Inductor's cache does not tell code built for one vector instruction set from code built for another: measured
 # (torch 2.13, a 2-core AVX-512 EPYC), tiny.yaml's step compiled under ATEN_CPU_CAPABILITY=avx2 and then loaded from
 # the same cache without it crashed the process (heap corruption, or a segfault), and the reverse trained NaN from
-# step 1. A home folder shared by machines of different CPUs does the same. So each instruction set gets a folder.
+# step 1. A home folder shared by machines of different CPUs would mix them the same way. So each instruction set
+# gets a folder.
 VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse")
 
 
