@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .linear import Linear
 
 
 def dot_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,8 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout_p = config.dropout
         self.fused = config.attention == "fused"
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.additive = AdditiveScore(config.head_size) if config.score == "additive" else None

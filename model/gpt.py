@@ -11,6 +11,7 @@ from torch import nn
 
 from .attention import CausalSelfAttention, KVCache
 from .config import GPTConfig
+from .linear import Linear
 
 
 class MLP(nn.Module):
@@ -18,9 +19,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class GPT(nn.Module):
             "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
             "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
         })
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: the head reads characters out with the same vectors that embed them.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)

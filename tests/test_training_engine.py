@@ -178,7 +178,10 @@ def run_losses(corpus: Path, out: Path, capsys, *extra: str, **keys: object) -> 
 
 
 @pytest.mark.slow
-def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys):
+def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys, monkeypatch):
+    # Every product of the model through oneDNN (model/linear.py), as a large model's are on an AVX-512 CPU: its
+    # gradients inside the compiled step's torch.func transform, and its operator called from compiled code.
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")
     corpus = write_corpus(tmp_path)
     _, eager = run_losses(corpus, tmp_path / "eager", capsys, **{"train.compile": "false"})
     out, compiled = run_losses(corpus, tmp_path / "compiled", capsys, **{"train.compile": "true"})
@@ -202,7 +205,8 @@ def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, capsys):
+def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as above
     cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **ENGINE_KEYS))
     vocab = CharTokenizer.from_text(SMALL_TEXT).vocab_size  # the shapes of the runs above: their compiled code
     torch.manual_seed(0)

@@ -275,10 +275,11 @@ class Layout(NamedTuple):
 
 
 def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                steps: torch.Tensor, decay: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor, lr: torch.Tensor,
-                layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+                steps: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor,
+                lr: torch.Tensor, layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of every micro-batch, clipping, and AdamW in place on the flat buffers: what
-    CompiledStep compiles."""
+    CompiledStep compiles. steps and decay hold a value per parameter; owner (values,) the parameter each value of
+    the flat buffers belongs to."""
 
     def loss_of(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast_context(torch.device(setup.device_type), setup.dtype):
@@ -298,12 +299,15 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
     beta1, beta2 = setup.betas
     g = grad * scale
     new_steps = steps + ok.float()
-    step = new_steps.repeat_interleave(torch.tensor(layout.sizes, device=flat.device),
-                                       output_size=flat.numel())  # each parameter's own count, as AdamW keeps it
+    # Each parameter's own step count, as AdamW keeps it: its bias corrections are worked out once per parameter and
+    # read by each of its values through owner (spreading the counts over the values instead, with repeat_interleave,
+    # cost a 2-3 ms search per step at nanoGPT's CPU config, and two powers per value).
+    step_size = (lr / (1 - beta1**new_steps))[owner]
+    root_bias2 = torch.sqrt(1 - beta2**new_steps)[owner]
     new_avg = exp_avg.lerp(g, 1 - beta1)
     new_avg_sq = exp_avg_sq * beta2 + g * g * (1 - beta2)
-    denom = new_avg_sq.sqrt() / torch.sqrt(1 - beta2**step) + setup.eps
-    new = flat * (1 - lr * decay) - (lr / (1 - beta1**step)) * new_avg / denom
+    denom = new_avg_sq.sqrt() / root_bias2 + setup.eps
+    new = flat * (1 - lr * decay[owner]) - step_size * new_avg / denom
     # A step that is not finite changes nothing: the run stops and reports it with its weights intact.
     flat.copy_(torch.where(ok, new, flat))
     exp_avg.copy_(torch.where(ok, new_avg, exp_avg))
@@ -361,7 +365,8 @@ class CompiledStep:
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
         sizes = torch.tensor(self.layout.sizes, device=device)
-        self.decay = torch.tensor(decay, dtype=self.flat.dtype, device=device).repeat_interleave(sizes)
+        self.decay = torch.tensor(decay, dtype=self.flat.dtype, device=device)  # (parameters,)
+        self.owner = torch.arange(len(params), dtype=torch.int32, device=device).repeat_interleave(sizes)  # (values,)
         self.betas: tuple[float, float] = optimizer.defaults["betas"]
         self.eps: float = optimizer.defaults["eps"]
         # What the compiled code takes as constants (dynamo guards on their values).
@@ -390,7 +395,7 @@ class CompiledStep:
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
         with torch.no_grad():  # the gradients are taken inside; the updates are in place on the flat buffers
-            return self.compiled(self.model, *self.buffers(), self.decay, xs, ys, lr_t, self.layout, self.setup)
+            return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout, self.setup)
 
     def warm_up(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
         """Compile now, on copies of the weights and state, so that a failure leaves the run untouched and the first
@@ -400,7 +405,7 @@ class CompiledStep:
         copies = [t.clone() for t in self.buffers()]
         lr_t = torch.tensor(0.0, dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            self.compiled(self.model, *copies, self.decay, xs, ys, lr_t, self.layout, self.setup)
+            self.compiled(self.model, *copies, self.decay, self.owner, xs, ys, lr_t, self.layout, self.setup)
         torch.set_rng_state(rng)  # dropout inside the warm-up must not shift the run's random stream
         return time.perf_counter() - start
 

@@ -1,0 +1,105 @@
+"""The model's linear layers, and which library multiplies their matrices on a CPU.
+
+PyTorch runs a float32 ``F.linear`` on a CPU through MKL, whose single-precision GEMM on AMD processors takes its
+AVX2 code even where the CPU has AVX-512: measured on a 2-core AMD EPYC (Zen 5, family 26, torch 2.13), MKL reached
+about 200 GFLOP/s on the shapes of nanoGPT's CPU config (768 x 128 x 512) and oneDNN, which ships inside PyTorch
+as well, about 440, with the same float32 arithmetic (only the order of the additions differs). So on such CPUs a
+``Linear`` large enough for oneDNN's fixed cost (about 10 us a call) to pay multiplies through it, forward and
+backward; elsewhere, and for small products, it is ``nn.Linear`` exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Products of at least this many multiply-adds (rows x in x out) go to oneDNN, per PyTorch's CPU capability. Measured
+# on the Zen 5 EPYC above, 2 threads, float32, MKL against oneDNN: with AVX-512, 64 x 128 x 384 (3.1M) 38 -> 28 us,
+# 1024 x 64 x 256 (16.8M) 170 -> 86 us, but 256 x 32 x 128 (1.0M) 14 -> 17 us; kept to AVX2 (ATEN_CPU_CAPABILITY,
+# MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA at AVX2), oneDNN gains 8-13% from 12.6M (1024 x 64 x 192) up and
+# loses 3-10% on 64-row products (3-4M). Other capabilities (ARM, no vector unit) keep their BLAS: not measured.
+ONEDNN_MIN_MACS = {"AVX512": 2**21, "AVX2": 2**23}
+ONEDNN_SETTINGS = ("auto", "0", "1")
+
+
+def onednn_min_macs() -> int | None:
+    """The smallest float32 CPU product (multiply-adds) that a Linear sends to oneDNN here, or None for none.
+
+    TINYCHAR_ONEDNN=0 keeps every product on PyTorch's default BLAS, 1 sends every one to oneDNN, auto (or unset)
+    applies ONEDNN_MIN_MACS."""
+    setting = os.environ.get("TINYCHAR_ONEDNN", "auto").strip().lower() or "auto"
+    if setting not in ONEDNN_SETTINGS:
+        raise ValueError(f"TINYCHAR_ONEDNN must be one of {', '.join(ONEDNN_SETTINGS)}, got {setting!r}")
+    if setting == "0" or not torch.backends.mkldnn.is_available():
+        return None
+    if setting == "1":
+        return 0
+    return ONEDNN_MIN_MACS.get(torch.backends.cpu.get_cpu_capability())
+
+
+@torch.library.custom_op("tinychar::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) @ weight (out, in)^T + bias through oneDNN: (M, out). Either operand may be a transposed view.
+
+    A custom operator, so that torch.compile calls it as it is (inductor lowers oneDNN's own linear only for weights
+    frozen into constants, never for a weight that trains)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.size(0), weight.size(0))
+
+
+class _OneDNNLinearFunction(torch.autograd.Function):
+    """onednn_linear with its gradients through oneDNN too: dx = dy W, dW = dy^T x, db = the sum of dy's rows."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return onednn_linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        dx = onednn_linear(dy, weight.t(), None)  # (M, out) @ (out, in)
+        # oneDNN copies a transposed first operand into rows, so the narrower of x and dy goes first (measured, 768 x
+        # 128 -> 512, nanoGPT's CPU config's c_fc: 382 us with dy first, 286 us with x first; 562 us through MKL).
+        if weight.size(0) > weight.size(1):
+            dw = onednn_linear(x.t(), dy.t(), None).t()  # ((in, M) @ (M, out))^T
+        else:
+            dw = onednn_linear(dy.t(), x.t(), None)  # (out, M) @ (M, in)
+        return dx, dw, dy.sum(0) if ctx.has_bias else None
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters, state-dict names and initialisation) whose float32 CPU products of at
+    least ``onednn_min_macs()`` multiply-adds run through oneDNN; see the module's docstring."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        min_macs = onednn_min_macs()
+        # The fewest rows a product needs to go to oneDNN (None: never): fixed when the layer is built, so that
+        # torch.compile sees a constant.
+        self.onednn_min_rows = None if min_macs is None else -(-min_macs // (in_features * out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if (self.onednn_min_rows is None or rows < self.onednn_min_rows or x.device.type != "cpu"
+                or x.dtype != torch.float32 or self.weight.dtype != torch.float32
+                or torch.is_autocast_enabled("cpu")):
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, self.in_features)  # (rows, in)
+        if torch.is_grad_enabled():
+            y = _OneDNNLinearFunction.apply(x2, self.weight, self.bias)
+        else:
+            y = onednn_linear(x2, self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
