@@ -58,6 +58,10 @@ def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
     # a step bound by its matrix multiplies gains nothing from compiling on a CPU, however long the run
     wanted, reason = auto_compiles(OVERHEAD_BOUND_FLOPS * 2, 10**9, CPU, warm=True)
     assert not wanted and "matrix multiplies" in reason
+    # ... unless they run through oneDNN, which halves them, and compiling removes most of what is left
+    assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, COLD_MIN_STEPS, CPU, warm=False, onednn=True)[0]
+    assert not auto_compiles(OVERHEAD_BOUND_FLOPS * 2, COLD_MIN_STEPS - 1, CPU, warm=False, onednn=True)[0]
+    assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, WARM_MIN_STEPS, CPU, warm=True, onednn=True)[0]
     # on CUDA compiling pays at any size, from CUDA_MIN_STEPS cold and CUDA_WARM_MIN_STEPS warm
     cuda = torch.device("cuda")
     assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_MIN_STEPS, cuda, warm=False)[0]
@@ -65,6 +69,18 @@ def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
     assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_WARM_MIN_STEPS, cuda, warm=True)[0]
     assert not auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_WARM_MIN_STEPS - 1, cuda, warm=True)[0]
     assert CUDA_WARM_MIN_STEPS < CUDA_MIN_STEPS
+
+
+def test_a_step_multiplies_through_onednn_when_a_linear_layer_takes_its_rows_there(monkeypatch):
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "0")
+    assert not engine.multiplies_through_onednn(GPT(GPTConfig(vocab_size=5, n_layer=1)), 10**6)
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "auto")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    model = GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=128, n_head=4, block_size=64))
+    # c_fc, 128 -> 512, is the widest: 2**21 multiply-adds from 32 rows
+    assert not engine.multiplies_through_onednn(model, 31)
+    assert engine.multiplies_through_onednn(model, 32)
 
 
 def test_inductor_options_keep_the_cpp_wrapper_to_cpus():

@@ -34,6 +34,7 @@ from torch import nn
 
 from data import get_batch
 from model import GPTConfig
+from model.linear import Linear, onednn_min_macs
 
 from .config import TrainConfig
 from .devices import autocast_context
@@ -52,9 +53,12 @@ WARM_MIN_STEPS = 2_000
 # cold and 9.5 s warm, so compiling wins from about 4,500 steps cold and 1,200 warm.
 CUDA_MIN_STEPS = 5_000
 CUDA_WARM_MIN_STEPS = 1_500
-# Above this many training FLOPs per step a CPU step is bound by its matrix multiplies, which compiling does not
-# speed up (measured as above: 0.06 GFLOP/step 2.2x faster compiled, 0.95 GFLOP 1.3x, 1.9 GFLOP 1.1x, 4.0 GFLOP
-# (nanoGPT's CPU config, float32) 1.0x).
+# Above this many training FLOPs per step a CPU step whose matrix multiplies run through PyTorch's default BLAS is
+# bound by them, and compiling does not speed it up (measured as above: 0.06 GFLOP/step 2.2x faster compiled, 0.95
+# GFLOP 1.3x, 1.9 GFLOP 1.1x, 4.0 GFLOP (nanoGPT's CPU config, float32) 1.0x). Through oneDNN (model/linear.py)
+# the multiplies take half the time and compiling removes most of the rest, whatever the size: on a 2-core Zen 5
+# EPYC, float32, nanoGPT's CPU config 29 ms/step eager, 20.8 ms compiled (cold compile about 20 s, warm 3-6 s: it
+# wins from about 2,400 steps cold and 700 warm); tiny.yaml 12.8 -> 8.75 ms (15.5 s cold: about 3,900 steps).
 OVERHEAD_BOUND_FLOPS = 2.5e9
 
 
@@ -142,6 +146,12 @@ def prepare_compile() -> Path:
         folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled"
         folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    # The step's graph holds model/linear.py's autograd.Function, which AOTAutograd's cache declines by default (its
+    # code could change unseen); the graph the cache keys on includes the function's traced forward and backward, so
+    # a changed function is a new key. Measured, tiny.yaml's step from a warm cache: 5.8 s without it, 2.9 s with.
+    import torch._functorch.config as functorch_config
+
+    functorch_config.autograd_cache_allow_custom_autograd_functions = True
     if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
         import torch._inductor.config as inductor_config
 
@@ -165,7 +175,8 @@ def cannot_compile(device: torch.device) -> str | None:
 def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
     """What the compiled step depends on: the same key means its compiled code is in the cache already."""
     parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
-             "dtype": str(dtype), "threads": torch.get_num_threads(), "model": asdict(model_cfg),
+             "dtype": str(dtype), "threads": torch.get_num_threads(), "onednn": onednn_min_macs(),
+             "model": asdict(model_cfg),
              "batch": [tc.grad_accum_steps, tc.batch_size], "clip": tc.grad_clip > 0,
              "adamw": [tc.weight_decay, tc.beta1, tc.beta2]}
     return _key("step", parts)
@@ -176,7 +187,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
     """compile_key's counterpart for model.sampler.WindowSampler's step (its sampling settings are constants in the
     compiled code)."""
     parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
-             "threads": torch.get_num_threads(), "model": asdict(model_cfg), "batch": batch,
+             "threads": torch.get_num_threads(), "onednn": onednn_min_macs(), "model": asdict(model_cfg),
+             "batch": batch,
              "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK}
     return _key("sample", parts)
 
@@ -237,9 +249,11 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
     return steps >= need, ""
 
 
-def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.device, warm: bool) -> tuple[bool, str]:
-    """train.compile=auto: (compile?, the reason, for the log)."""
-    if device.type == "cpu" and flops_per_step > OVERHEAD_BOUND_FLOPS:
+def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.device, warm: bool,
+                  onednn: bool = False) -> tuple[bool, str]:
+    """train.compile=auto: (compile?, the reason, for the log). onednn: the step's matrix multiplies run through
+    oneDNN (see OVERHEAD_BOUND_FLOPS)."""
+    if device.type == "cpu" and flops_per_step > OVERHEAD_BOUND_FLOPS and not onednn:
         return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is bound by matrix multiplies, which compiling "
                        f"does not speed up on a CPU")
     need = WARM_MIN_STEPS if warm else COLD_MIN_STEPS
@@ -457,12 +471,21 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
     else:
         key = compile_key(trainer.model.config, tc, device, trainer.dtype)
         flops_per_step = trainer.flops_per_token * trainer.tokens_per_step / trainer.launch.world_size
+        onednn = device.type == "cpu" and trainer.dtype == torch.float32 and multiplies_through_onednn(
+            trainer.model, tc.batch_size * trainer.cfg.model.block_size)
         wanted, reason = auto_compiles(flops_per_step, tc.max_iters - trainer.step, device,
-                                       warm=cached_compile_seconds(key) is not None)
+                                       warm=cached_compile_seconds(key) is not None, onednn=onednn)
         reason = f"auto: {reason}"
     if wanted and why_not is not None:
         return EngineChoice("eager", f"auto: {why_not}")
     return EngineChoice(kind if wanted else "eager", reason)
+
+
+def multiplies_through_onednn(model: nn.Module, rows: int) -> bool:
+    """Whether a float32 CPU pass of rows (batch x block_size) positions multiplies through oneDNN: any of the model's
+    Linear layers takes that many rows there."""
+    return any(isinstance(m, Linear) and m.onednn_min_rows is not None and rows >= m.onednn_min_rows
+               for m in model.modules())
 
 
 def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], None]) -> None:
@@ -478,7 +501,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)
     before = cached_compile_seconds(key)
-    first = "about 15-20 s" if trainer.device.type == "cpu" else "about 30 s on an H100"
+    first = "about 15-25 s" if trainer.device.type == "cpu" else "about 30 s on an H100"
     expect = f"cached: about {before:.0f} s" if before is not None else f"first time for this model: {first}"
     say(f"engine: compiling the training step ({choice.reason}; {expect})")
     step = CompiledStep(trainer.model, trainer.optimizer, trainer.tc, trainer.device, trainer.dtype)
