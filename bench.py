@@ -339,10 +339,10 @@ NANOGPT_BLOCK8_RUN = {
 }
 
 
-def quality_rows(p: Programs, iters: int | None) -> list[dict]:
+def quality_rows(p: Programs, iters: int | None, bf16: bool = False) -> list[dict]:
     """Time from launch to nanoGPT's best val on the block-8 reference run, and to its final val on its README's CPU
     run: nanoGPT sets each target, then tinychar runs the matching config with its defaults, from empty caches and
-    again."""
+    again. With bf16 (where the CPU config's dtype=auto trains in bfloat16), the CPU config in float32 as well."""
     tiny = NANOGPT_BLOCK8_RUN
     common = ["--device=cpu", "--compile=False", "--dtype=float32", "--always_save_checkpoint=False",
               "--wandb_log=False"]
@@ -353,8 +353,12 @@ def quality_rows(p: Programs, iters: int | None) -> list[dict]:
                        "nanoGPT's best (step {step}) training tiny.yaml's model, block 8", iters)
     note("time to quality: nanoGPT's CPU config ...")
     run = p.nanogpt("train.py", [*NANOGPT_CPU_RUN, *shortened(iters, "--{}={}")])
-    return rows + tinychar_to(p, "configs/shakespeare_char_cpu.yaml", evaluations(run)[-1],
-                              "nanoGPT's final (step {step}) on its CPU config, block 64", iters)
+    what = "nanoGPT's final (step {step}) on its CPU config, block 64"
+    rows += tinychar_to(p, "configs/shakespeare_char_cpu.yaml", evaluations(run)[-1], what, iters)
+    if bf16:
+        rows += tinychar_to(p, "configs/shakespeare_char_cpu.yaml", evaluations(run)[-1],
+                            what + ", tinychar in float32 (train.dtype=float32)", iters, ["train.dtype=float32"])
+    return rows
 
 
 def shortened(iters: int | None, form: str) -> list[str]:
@@ -372,14 +376,15 @@ def evaluations(run: Run) -> list[tuple[float, int, float]]:
 
 
 def tinychar_to(p: Programs, config: str, reference: tuple[float, int, float], what: str,
-                iters: int | None) -> list[dict]:
-    """Rows for tinychar's config reaching nanoGPT's (seconds, step, val): from empty caches, then repeated. what
-    describes the target, with {step} for nanoGPT's step."""
+                iters: int | None, extra: list[str] | None = None) -> list[dict]:
+    """Rows for tinychar's config (with the overrides in extra) reaching nanoGPT's (seconds, step, val): from empty
+    caches, then repeated. what describes the target, with {step} for nanoGPT's step."""
     seconds, step, target = reference
     cache, rows = p.fresh("cache"), []
     for when in ("empty caches", "repeated run"):
         note(f"time to quality: tinychar {config}, {when} ...")
-        run = p.tinychar("train.py", ["--config", config, "train.device=cpu", *shortened(iters, "train.{}={}")], cache=cache, stop_at=target)
+        run = p.tinychar("train.py", ["--config", config, "train.device=cpu", *shortened(iters, "train.{}={}"),
+                                      *(extra or [])], cache=cache, stop_at=target)
         reached = next((t for t, _, val in run.evals if val <= target), math.nan)
         rows.append({"label": f"launch to val <= {target:.4f}, {what.format(step=step)}; tinychar {when}", "unit": "s",
                      "nanogpt": seconds, "tinychar": reached, "ratio": seconds / reached, "spread": None,
@@ -477,7 +482,7 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
         auto_rows += auto
     rows += auto_rows
     if not args.skip_quality:
-        rows += quality_rows(p, plan.quality_iters)
+        rows += quality_rows(p, plan.quality_iters, bf16)
     for name in SAMPLE_SHAPES:
         note(f"sampling, {name} ...")
         rows.extend(sample_rows(p, name, plan, rounds))
