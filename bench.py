@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from configs.userinput import OneLineParser
+from model.linear import onednn_linear, onednn_min_macs
 
 ROOT = Path(__file__).resolve().parent
 CORPUS = ROOT / "data" / "tinyshakespeare.txt"
@@ -393,18 +394,23 @@ def tinychar_to(p: Programs, config: str, reference: tuple[float, int, float], w
 
 
 def matmul_gflops(threads: int, seconds: float, n: int = 1024) -> dict[str, float]:
-    """Best GFLOP/s of an n x n matrix multiply in float32 and bfloat16: what the hardware offers these models."""
+    """Best GFLOP/s of an n x n matrix multiply in float32 and bfloat16 (PyTorch's default path, which nanoGPT
+    takes), and in float32 through oneDNN where tinychar's linear layers may take that (model/linear.py)."""
     torch.set_num_threads(threads)
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    kinds = [("float32", torch.float32, torch.matmul), ("bfloat16", torch.bfloat16, torch.matmul)]
+    if onednn_min_macs() is not None:
+        kinds.append(("float32_onednn", torch.float32, lambda a, b: onednn_linear(a, b, None)))
+    for name, dtype, multiply in kinds:
         gen = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        multiply(a, b)  # oneDNN builds its kernel on the first call
         best, deadline = math.inf, time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             start = time.perf_counter()
-            a @ b
+            multiply(a, b)
             best = min(best, time.perf_counter() - start)
-        out[str(dtype).removeprefix("torch.")] = 2 * n**3 / best / 1e9
+        out[name] = 2 * n**3 / best / 1e9
     return out
 
 
@@ -434,6 +440,8 @@ def markdown(report: dict) -> str:
     if "matmul_gflops" in report:
         c = report["matmul_gflops"]
         ceiling = f"float32 {c['float32']:.0f} GFLOP/s, bfloat16 {c['bfloat16']:.0f} GFLOP/s"
+        if "float32_onednn" in c:
+            ceiling += f"; float32 through oneDNN {c['float32_onednn']:.0f} GFLOP/s"
         lines += [f"Matmul ceiling (1024x1024): {ceiling}.", ""]
     lines += ["| measure | unit | nanoGPT | tinychar | ratio | spread |", "|---|---|---:|---:|---:|---:|"]
     for row in report["rows"]:

@@ -18,10 +18,12 @@ from torch import nn
 
 # Products of at least this many multiply-adds (rows x in x out) go to oneDNN, per PyTorch's CPU capability. Measured
 # on the Zen 5 EPYC above, 2 threads, float32, MKL against oneDNN: with AVX-512, 64 x 128 x 384 (3.1M) 38 -> 28 us,
-# 1024 x 64 x 256 (16.8M) 170 -> 86 us, but 256 x 32 x 128 (1.0M) 14 -> 17 us; kept to AVX2 (ATEN_CPU_CAPABILITY,
-# MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA at AVX2), oneDNN gains 8-13% from 12.6M (1024 x 64 x 192) up and
-# loses 3-10% on 64-row products (3-4M). Other capabilities (ARM, no vector unit) keep their BLAS: not measured.
-ONEDNN_MIN_MACS = {"AVX512": 2**21, "AVX2": 2**23}
+# 1024 x 64 x 256 (16.8M) 170 -> 86 us, but 256 x 32 x 128 (1.0M) 14 -> 17 us. Kept to AVX2 (ATEN_CPU_CAPABILITY,
+# MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA at AVX2), oneDNN alone gained 8-13% on 1024-row products, but whole
+# steps lost: nanoGPT's CPU config 36 -> 41 ms/step eager (the transposed products of the backward pass, the autograd
+# function), and bench.py's block-64 and tiny.yaml rows fell by 15-20%; so AVX2 keeps MKL. Other capabilities (ARM,
+# no vector unit) keep their BLAS: not measured.
+ONEDNN_MIN_MACS = {"AVX512": 2**21}
 ONEDNN_SETTINGS = ("auto", "0", "1")
 
 

@@ -63,6 +63,10 @@ def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
     assert "float32 75 GFLOP/s, bfloat16 239 GFLOP/s" in lines[2]
     assert "| train step, block 8 | ms/step | 4.10 | 2.00 | 2.05x | 2.00-2.10x |" in lines
     assert "| launch to val <= 1.9300 | s | 41.2 | not reached (best 1.9500) | n/a | - |" in lines
+    # where tinychar's linear layers may multiply through oneDNN, its ceiling is in the header too
+    report["matmul_gflops"]["float32_onednn"] = 440.4
+    assert bench.markdown(report).splitlines()[2] == ("Matmul ceiling (1024x1024): float32 75 GFLOP/s, bfloat16 239 "
+                                                      "GFLOP/s; float32 through oneDNN 440 GFLOP/s.")
 
 
 def test_isa_avx2_hides_avx512_from_the_flags_and_says_so_in_the_header():
