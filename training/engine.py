@@ -4,9 +4,10 @@ the AdamW update) as one compiled graph, and the rule that decides when compilin
 Why the whole step: at block 8 a CPU step is operator overhead (MFU under 10%). Compiling the model alone still
 leaves the autograd engine, gradient accumulation into .grad, the clipping norms and the optimizer as separate
 operators; one graph removes them (measured on a 2-core AVX-512 EPYC, block 8, batch 32, 3 layers of 32: eager
-4.0 ms/step, compiled model plus compiled optimizer 2.4 ms, the whole step 1.75 ms). Where the step is
-matrix-multiply bound (block 64, n_embd 128) compiling buys little, and it costs 15-20 s the first time (~2 s once
-its compile cache is warm), so ``train.compile: auto`` compiles only where the run is long enough to win it back.
+4.0 ms/step, compiled model plus compiled optimizer 2.4 ms, the whole step 1.75 ms). Where the step is bound by
+MKL's matrix multiplies (block 64, n_embd 128) compiling buys little; where they run through oneDNN
+(model/linear.py) it does (29 -> 20.8 ms). It costs 15-25 s the first time (~3 s once its compile cache is warm),
+so ``train.compile: auto`` compiles only where the run is long enough to win it back.
 
 The step works on the optimizer's own state tensors (step, exp_avg, exp_avg_sq), in place, so checkpoints, resume
 and the eager path see one optimizer. Under torchrun (DDP) and with float16's gradient scaler the model is compiled
