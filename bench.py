@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from configs.userinput import OneLineParser
-from model.linear import onednn_linear, onednn_min_macs
+from model.linear import onednn_min_macs
+from training.devices import onednn_linear_nobias
 
 ROOT = Path(__file__).resolve().parent
 CORPUS = ROOT / "data" / "tinyshakespeare.txt"
@@ -400,7 +401,7 @@ def matmul_gflops(threads: int, seconds: float, n: int = 1024) -> dict[str, floa
     out = {}
     kinds = [("float32", torch.float32, torch.matmul), ("bfloat16", torch.bfloat16, torch.matmul)]
     if onednn_min_macs() is not None:
-        kinds.append(("float32_onednn", torch.float32, lambda a, b: onednn_linear(a, b, None)))
+        kinds.append(("float32_onednn", torch.float32, onednn_linear_nobias))
     for name, dtype, multiply in kinds:
         gen = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
