@@ -108,8 +108,8 @@ def test_a_bad_setting_is_one_line_for_a_person(monkeypatch):
 def test_small_products_other_dtypes_and_autocast_keep_nn_linear(monkeypatch):
     forced(monkeypatch)
     calls = []
-    real = linear_module.onednn_linear
-    monkeypatch.setattr(linear_module, "onednn_linear", lambda *a: calls.append(1) or real(*a))
+    real = linear_module._linear_pointwise
+    monkeypatch.setattr(linear_module, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
     layer = Linear(8, 4)
     layer(torch.randn(5, 8))
     assert calls == [1]
@@ -122,3 +122,22 @@ def test_small_products_other_dtypes_and_autocast_keep_nn_linear(monkeypatch):
     assert layer.to(torch.bfloat16)(torch.randn(5, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
     assert calls == [1]
     assert isinstance(layer, nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
+
+
+@needs_onednn
+def test_torch_func_transforms_take_the_same_gradients_as_eager_autograd(monkeypatch):
+    """Eager training uses autograd's older, cheaper form of the function, which torch.func cannot run; under
+    torch.func.grad (what the compiled step traces) the layer takes the other form: the same gradients."""
+    forced(monkeypatch)
+    torch.manual_seed(0)
+    layer = Linear(12, 20)
+    x = torch.randn(7, 12)
+    params = dict(layer.named_parameters())
+
+    def loss_of(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(layer, p, (x,)).square().sum()
+
+    grads = torch.func.grad(loss_of)(params)
+    loss_of(params).backward()
+    for name, p in params.items():
+        assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-6), name
