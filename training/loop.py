@@ -91,6 +91,9 @@ class Trainer:
                  best_val: float = math.inf, saved_step: int | None = None) -> None:
         self.cfg, self.tc = cfg, cfg.train
         self.model, self.fwd = model, fwd if fwd is not None else model
+        # Listed once: walking the module tree for the gradient clipping of every step costs about 0.2 ms (tiny.yaml's
+        # 41 parameters), 2% of its step. The Parameter objects stay the same for the whole run.
+        self.parameters = list(model.parameters())
         self.optimizer, self.scaler = optimizer, scaler
         self.splits, self.device, self.dtype, self.gen = splits, device, dtype, gen
         self.launch = launch or Launch()
@@ -164,7 +167,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         # Under DDP the gradients are already averaged over the processes: the same norm in every one.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
         if self.launch.torchrun:  # the mean loss (so all judge divergence alike) and whether to stop after this step
             loss_sum, self.agreed_stop = distributed.step_consensus(loss_sum, self.stop.signal is not None)
         # Checked before the update, so a non-finite step never reaches the weights. (With float16 the gradient
