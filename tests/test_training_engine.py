@@ -242,3 +242,45 @@ def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(t
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(state_before[k], v) for k, v in optimizer.state_dict()["state"][0].items())
+
+
+def test_the_update_reads_the_step_count_once_when_every_parameter_shares_it(tmp_path):
+    """The compiled step's AdamW takes its bias corrections as two numbers when every parameter has taken as many
+    steps, and per parameter otherwise (a checkpoint whose parameters disagree): run here without compiling, the
+    two forms give the same weights and moments to the bit, and the per-parameter form follows each count."""
+    cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **ENGINE_KEYS))
+    vocab = CharTokenizer.from_text(SMALL_TEXT).vocab_size
+    xs = torch.randint(0, vocab, (2, cfg.train.batch_size, 8), generator=torch.Generator().manual_seed(0))
+
+    def one_step(counts: list[float] | None, same: bool | None = None) -> CompiledStep:
+        torch.manual_seed(0)
+        model = GPT(replace(cfg.model, vocab_size=vocab))
+        optimizer = make_optimizer(model, cfg.train, CPU)
+        step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)
+        if counts is not None:
+            step.steps.copy_(torch.tensor(counts))
+            step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)  # as a resume would build it
+        if same is not None:
+            step.setup = step.setup._replace(same_steps=same)
+        lr = torch.tensor(1e-2, dtype=torch.float64)
+        with torch.no_grad():  # what CompiledStep.__call__ compiles, run as plain PyTorch
+            engine._whole_step(model, *step.buffers(), step.decay, step.owner, xs, xs.roll(1, -1), lr, step.layout,
+                               step.setup)
+        return step
+
+    shared = one_step(None)
+    assert shared.setup.same_steps
+    gathered = one_step(None, same=False)
+    assert all(torch.equal(a, b) for a, b in zip(shared.buffers(), gathered.buffers(), strict=True))
+    assert torch.equal(shared.steps, torch.ones_like(shared.steps))
+
+    counts = [float(i % 3) for i in range(len(shared.steps))]  # 0, 1, 2, 0, ...: bias corrections of steps 1, 2, 3
+    uneven = one_step(counts)
+    assert not uneven.setup.same_steps
+    assert uneven.steps.tolist() == [c + 1 for c in counts]
+    # From the same weights and empty moments: a parameter at its first step moves exactly as in the shared run; one
+    # at its second or third takes that step's bias corrections (about 0.74 and 0.62 of the first step's size).
+    parts = [(a - b).abs() for a, b in zip(uneven.flat.split(uneven.layout.sizes),
+                                           shared.flat.split(shared.layout.sizes), strict=True)]
+    assert all(parts[i].max() == 0 for i, c in enumerate(counts) if c == 0)
+    assert all(parts[i].max() > 1e-4 for i, c in enumerate(counts) if c > 0)
