@@ -64,6 +64,8 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 # Tiny models gain nothing from a second thread, and on a busy machine OpenMP's waits between threads cost many
 # times the work: the tests and the training runs they start use one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No helper compiling into the cache after a test's run (training.warm): tests/test_training_warm.py turns it on.
+os.environ["TINYCHAR_WARM_CACHE"] = "0"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -37,8 +37,10 @@ from data import get_batch
 from model import GPTConfig
 from model.linear import Linear, onednn_min_macs
 
+from . import warm
 from .config import TrainConfig
 from .devices import autocast_context
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -454,10 +456,12 @@ def compile_blocks(model: nn.Module) -> None:
 @dataclass(frozen=True)
 class EngineChoice:
     """How a run takes its steps: 'step' (the whole step compiled), 'blocks' (the model compiled block by block,
-    under DDP or float16's gradient scaler) or 'eager'; reason says why, for the log."""
+    under DDP or float16's gradient scaler) or 'eager'; reason says why, for the log. warm_key: an eager run that
+    `auto` would have compiled from a warm cache leaves a helper to warm it for the next run (training.warm)."""
 
     kind: str
     reason: str
+    warm_key: str | None = None
 
 
 def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) -> EngineChoice:
@@ -482,12 +486,37 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
         flops_per_step = trainer.flops_per_token * trainer.tokens_per_step / trainer.launch.world_size
         onednn = device.type == "cpu" and trainer.dtype == torch.float32 and multiplies_through_onednn(
             trainer.model, tc.batch_size * trainer.cfg.model.block_size)
-        wanted, reason = auto_compiles(flops_per_step, tc.max_iters - trainer.step, device,
-                                       warm=cached_compile_seconds(key) is not None, onednn=onednn)
+        warm_now = cached_compile_seconds(key) is not None
+        wanted, reason = auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=warm_now,
+                                       onednn=onednn)
         reason = f"auto: {reason}"
+        if (not wanted and not warm_now and why_not is None and device.type == "cpu" and kind == "step"
+                and trainer.launch.main and warm_enabled()
+                and auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=True, onednn=onednn)[0]):
+            return EngineChoice("eager", reason, warm_key=key)
     if wanted and why_not is not None:
         return EngineChoice("eager", f"auto: {why_not}")
     return EngineChoice(kind if wanted else "eager", reason)
+
+
+def warm_enabled() -> bool:
+    """TINYCHAR_WARM_CACHE (see training.warm), with a bad value a one-line UsageError."""
+    try:
+        return warm.enabled()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def warm_in_background(trainer: Trainer, key: str) -> str:
+    """Start the helper that warms the compile cache once this run has ended; what to tell the person."""
+    dtype = str(trainer.dtype).removeprefix("torch.")
+    spec = {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": dtype,
+            "threads": torch.get_num_threads()}
+    why_not = warm.start(compile_cache_dir(), key, spec)
+    if why_not is not None:
+        return f"engine: the compile cache stays cold: {why_not}"
+    return ("engine: once this run ends, a helper compiles its step into the cache at the lowest priority (about "
+            "20 s), so that the next run of this model compiles in seconds (TINYCHAR_WARM_CACHE=0: never)")
 
 
 def multiplies_through_onednn(model: nn.Module, rows: int) -> bool:
@@ -502,6 +531,8 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     back to eager with one line should compiling fail. 'blocks' was applied before DDP wrapped the model."""
     if choice.kind == "eager":
         say(f"engine: eager ({choice.reason})")
+        if choice.warm_key is not None:
+            say(warm_in_background(trainer, choice.warm_key))
         return
     if choice.kind == "blocks":
         trainer.engine = "compiled"

@@ -1,0 +1,116 @@
+"""training.warm: a run that `auto` trains eagerly because the compile cache is cold leaves a helper that compiles the
+step into the cache once the run has ended, so that the next run of the model compiles in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import SMALL_TEXT, tiny_overrides
+from test_training_engine import ENGINE_KEYS
+from training_runs import write_corpus
+
+from data import CharTokenizer
+from model import GPT
+from training import engine, load_config, warm
+from training.distributed import Launch
+from training.engine import WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
+from training.errors import UsageError
+
+CPU = torch.device("cpu")
+
+
+def trainer_for(tmp_path: Path, max_iters: int) -> SimpleNamespace:
+    """What choose_engine and start_engine read of a Trainer, for the tests' small model."""
+    cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{
+        **ENGINE_KEYS, "train.compile": "auto", "train.max_iters": max_iters}))
+    model = GPT(replace(cfg.model, vocab_size=CharTokenizer.from_text(SMALL_TEXT).vocab_size))
+    return SimpleNamespace(cfg=cfg, tc=cfg.train, model=model, dtype=torch.float32, step=0, scaler=None,
+                           launch=Launch(), flops_per_token=model.flops_per_token(),
+                           tokens_per_step=cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum_steps)
+
+
+def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
+    trainer = trainer_for(tmp_path, WARM_MIN_STEPS)
+    key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
+    choice = choose_engine(trainer, None, CPU)
+    assert (choice.kind, choice.warm_key) == ("eager", key) and "cold cache" in choice.reason
+
+    started = []
+    monkeypatch.setattr(warm, "start", lambda *args: started.append(args) or None)
+    said: list[str] = []
+    start_engine(trainer, choice, said.append)
+    assert said[0].startswith("engine: eager (auto:") and "helper compiles its step" in said[1]
+    folder, started_key, spec = started[0]
+    assert (folder, started_key) == (engine.compile_cache_dir(), key)
+    assert spec == {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": "float32",
+                    "threads": torch.get_num_threads()}
+
+    assert choose_engine(trainer_for(tmp_path, WARM_MIN_STEPS - 1), None, CPU).warm_key is None  # too short anyway
+    assert choose_engine(trainer, None, torch.device("cuda")).warm_key is None  # CPUs only
+    monkeypatch.setenv("TINYCHAR_WARM_CACHE", "0")
+    assert choose_engine(trainer, None, CPU) == EngineChoice("eager", choice.reason)
+    monkeypatch.setenv("TINYCHAR_WARM_CACHE", "yes")
+    with pytest.raises(UsageError, match="TINYCHAR_WARM_CACHE must be 1 or 0, got 'yes'"):
+        choose_engine(trainer, None, CPU)
+    monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
+    engine.compile_cache_dir().mkdir(parents=True, exist_ok=True)
+    engine.remember_compile(key, 3.0)  # warm: auto compiles, nothing is left to warm
+    choice = choose_engine(trainer, None, CPU)
+    assert (choice.kind, choice.warm_key) == ("step", None), choice.reason
+
+
+def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
+    spawned = []  # what would have been started (nothing is)
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(pid=-1))
+    spec = {"threads": 1}
+    assert warm.start(tmp_path, "k", spec) is None
+    job = warm.job_file(tmp_path, "k")
+    assert json.loads(job.read_text()) == {"threads": 1, "key": "k", "helper": -1}
+    assert spawned[0][1:] == [str(Path(warm.__file__).resolve()), str(job), str(os.getpid())]
+
+    job.write_text(json.dumps({"helper": os.getpid()}))  # a live helper is on it
+    assert warm.start(tmp_path, "k", spec) == "another process is warming it"
+    job.write_text(json.dumps({"helper": 2**22 + 1}))  # above Linux's largest pid: a helper that was killed
+    assert warm.start(tmp_path, "k", spec) is None and len(spawned) == 2
+
+    warm.failed_file(tmp_path, "j").write_text("RuntimeError: no\n")
+    assert "an earlier attempt failed" in warm.start(tmp_path, "j", spec)
+    assert len(spawned) == 2
+
+
+@pytest.mark.slow
+def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_path, monkeypatch):
+    """The real helper, on the shapes tests/test_training_engine.py compiles (so mostly from their cache)."""
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as they do
+    trainer = trainer_for(tmp_path, WARM_MIN_STEPS)
+    key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
+    folder = engine.compile_cache_dir()
+    engine._marker(key).unlink(missing_ok=True)
+    spec = {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": "float32",
+            "threads": torch.get_num_threads()}
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])  # the run that leaves it
+    try:
+        assert warm.start(folder, key, spec, parent=run.pid) is None
+        assert warm.start(folder, key, spec) == "another process is warming it"
+        time.sleep(1.5)
+        assert warm.job_file(folder, key).exists() and engine.cached_compile_seconds(key) is None  # still waiting
+    finally:
+        run.wait()
+    deadline = time.monotonic() + 240
+    while warm.job_file(folder, key).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = Path(f"{warm.job_file(folder, key)}.log").read_text(encoding="utf-8")
+    assert log.count("compiled in") == 2, log  # into the cold cache, then from it
+    assert not warm.job_file(folder, key).exists() and not warm.failed_file(folder, key).exists()
+    assert engine.cached_compile_seconds(key) is not None

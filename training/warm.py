@@ -1,0 +1,145 @@
+"""Warming the compile cache in the background, so that a repeated run of a model compiles in seconds.
+
+``train.compile: auto`` trains a run of a few thousand steps eagerly while the compile cache is cold: compiling would
+cost more (15-25 s on a CPU) than the run wins back. From a warm cache it costs about 3 s, and auto compiles then
+(engine.WARM_MIN_STEPS). Left alone, though, the cache never warms: every later run of the same model is eager too.
+So such a run starts a helper process, which sleeps until the run has ended, then compiles the run's step into the
+cache at the lowest priority (nice 19) and writes the marker that tells the next run its cache is warm. It never
+competes with the run that started it; TINYCHAR_WARM_CACHE=0 turns it off.
+
+The helper is this file run as a script. Until the run ends it imports nothing but the standard library (a few MB);
+its state lives in the cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it),
+tinychar-<key>.warming.log (its output) and tinychar-<key>.failed (why it could not, so no later run tries again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ("1", "0")
+
+
+def enabled() -> bool:
+    """TINYCHAR_WARM_CACHE: 1 (or unset) warms the cache after a run that auto trained eagerly, 0 never."""
+    setting = os.environ.get("TINYCHAR_WARM_CACHE", "1").strip() or "1"
+    if setting not in SETTINGS:
+        raise ValueError(f"TINYCHAR_WARM_CACHE must be 1 or 0, got {setting!r}")
+    return setting == "1"
+
+
+def job_file(folder: Path, key: str) -> Path:
+    return folder / f"tinychar-{key}.warming"
+
+
+def failed_file(folder: Path, key: str) -> Path:
+    return folder / f"tinychar-{key}.failed"
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid is running (an ended one that its parent has not yet reaped is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): signal 0 is the answer
+        return True
+
+
+def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str | None:
+    """Start a helper that compiles the step spec describes (see warm_step) into folder once process parent (this one
+    by default) has ended. Returns why it did not start (another helper is on it, an earlier one failed, the folder
+    is read-only), or None."""
+    job, failed = job_file(folder, key), failed_file(folder, key)
+    if failed.exists():
+        return f"an earlier attempt failed (see {failed})"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                helper = json.loads(job.read_text(encoding="utf-8")).get("helper")
+            except (OSError, ValueError):
+                helper = None
+            starting = helper is None and time.time() - job.stat().st_mtime < 60  # another start() mid-way
+            if starting or (isinstance(helper, int) and alive(helper)):
+                return "another process is warming it"
+            job.unlink(missing_ok=True)  # left by a helper that was killed
+            fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({**spec, "key": key, "helper": None}, f)
+        with open(f"{job}.log", "w", encoding="utf-8") as log:
+            helper = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(job), str(parent or os.getpid())],
+                                      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder)})
+        # Read by the helper only once this process has ended, and by another run's start() meanwhile.
+        job.write_text(json.dumps({**spec, "key": key, "helper": helper.pid}), encoding="utf-8")
+    except OSError as e:
+        job.unlink(missing_ok=True)
+        return f"cannot write to {folder} ({e.strerror or e})"
+    return None
+
+
+def compile_step(job: Path, remember: bool) -> float:
+    """Compile the step the job file describes (into the cache that TORCHINDUCTOR_CACHE_DIR names); with remember,
+    write the marker that tells the next run its cache is warm, with the seconds this took."""
+    import torch
+
+    from model import GPT, GPTConfig
+    from training import engine
+    from training.config import TrainConfig
+    from training.optim import make_optimizer
+
+    spec = json.loads(job.read_text(encoding="utf-8"))
+    torch.set_num_threads(spec["threads"])
+    model_cfg, tc = GPTConfig(**spec["model"]), TrainConfig(**spec["train"])
+    dtype, device = getattr(torch, spec["dtype"]), torch.device("cpu")
+    key = engine.compile_key(model_cfg, tc, device, dtype)
+    if key != spec["key"]:
+        raise RuntimeError(f"this process would compile another step ({key}, not {spec['key']})")
+    engine.prepare_compile()
+    model = GPT(model_cfg)
+    step = engine.CompiledStep(model, make_optimizer(model, tc, device), tc, device, dtype)
+    xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
+    seconds = step.warm_up(xs, xs.roll(1, -1))
+    if remember:
+        engine.remember_compile(key, seconds)
+    return seconds
+
+
+def main(job: Path, parent: int) -> int:
+    """The helper: wait for the run (process parent) to end, lower its priority, compile the step in a process of
+    its own (filling the cache), then again in another, as the next run will (timing it from the warm cache), and
+    leave the folder tidy."""
+    try:
+        while alive(parent):
+            time.sleep(1.0)
+        os.nice(19)
+        for remember in (False, True):
+            subprocess.run([sys.executable, __file__, "--compile", str(job), *(["--remember"] if remember else [])],
+                           cwd=ROOT, stdin=subprocess.DEVNULL, check=True)
+        return 0
+    except Exception as e:  # whatever went wrong: said once, where later runs look
+        failed_file(job.parent, job.name.removeprefix("tinychar-").removesuffix(".warming")).write_text(
+            f"{type(e).__name__}: {e} (its output: {job}.log)\n", encoding="utf-8")
+        raise
+    finally:
+        job.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--compile":
+        sys.path.insert(0, str(ROOT))
+        print(f"compiled in {compile_step(Path(sys.argv[2]), '--remember' in sys.argv):.1f} s", flush=True)
+    else:
+        sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
