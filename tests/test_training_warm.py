@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import SMALL_TEXT, tiny_overrides
 from test_training_engine import ENGINE_KEYS
-from training_runs import write_corpus
+from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
 from model import GPT
@@ -61,8 +61,9 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "0")
     assert choose_engine(trainer, None, CPU) == EngineChoice("eager", choice.reason)
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "yes")
-    with pytest.raises(UsageError, match="TINYCHAR_WARM_CACHE must be 1 or 0, got 'yes'"):
-        choose_engine(trainer, None, CPU)
+    for compile in ("auto", "false"):  # said whatever the run would do
+        with pytest.raises(UsageError, match="TINYCHAR_WARM_CACHE must be 1 or 0, got 'yes'"):
+            choose_engine(SimpleNamespace(**{**vars(trainer), "tc": replace(trainer.tc, compile=compile)}), None, CPU)
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
     engine.compile_cache_dir().mkdir(parents=True, exist_ok=True)
     engine.remember_compile(key, 3.0)  # warm: auto compiles, nothing is left to warm
@@ -114,3 +115,12 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
     assert log.count("compiled in") == 2, log  # into the cold cache, then from it
     assert not warm.job_file(folder, key).exists() and not warm.failed_file(folder, key).exists()
     assert engine.cached_compile_seconds(key) is not None
+
+
+def test_a_bad_setting_stops_train_py_in_one_line_before_out_dir_is_touched(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TINYCHAR_WARM_CACHE", "later")
+    out = tmp_path / "out"
+    code, _, err = call(train_main, tiny_overrides(write_corpus(tmp_path), out), capsys)
+    assert code == 2
+    assert err.strip().splitlines() == ["error: TINYCHAR_WARM_CACHE must be 1 or 0, got 'later'"]
+    assert not out.exists()

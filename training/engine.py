@@ -468,6 +468,7 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
     """Resolve train.compile for this run. A resumed `auto` run takes the path its checkpoint was trained on, so
     that it goes on exactly as the uninterrupted run would have."""
     tc = trainer.tc
+    warm_later = warm_enabled()  # read first: a bad value is one line, whatever the run
     if tc.compile == "false":
         return EngineChoice("eager", "train.compile=false")
     kind = "step" if not trainer.launch.torchrun and trainer.scaler is None else "blocks"
@@ -491,7 +492,7 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
                                        onednn=onednn)
         reason = f"auto: {reason}"
         if (not wanted and not warm_now and why_not is None and device.type == "cpu" and kind == "step"
-                and trainer.launch.main and warm_enabled()
+                and trainer.launch.main and warm_later
                 and auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=True, onednn=onednn)[0]):
             return EngineChoice("eager", reason, warm_key=key)
     if wanted and why_not is not None:

@@ -20,7 +20,7 @@ from . import distributed
 from .config import RunConfig
 from .devices import matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
-from .engine import choose_engine, compile_blocks, start_engine
+from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
 from .logger import Logger
 from .loop import Trainer, eval_pass_sequences
@@ -115,6 +115,7 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
         prepare_out_dir(Path(cfg.out_dir), resume, overwrite)  # every process checks; rank 0 alone writes, later
         device = distributed.rank_device(tc.device, launch)
         dtype = resolve_dtype(tc.dtype, device, cfg.model.n_embd)
+        warm_enabled()  # a bad TINYCHAR_WARM_CACHE is one line before out_dir is touched
         if tc.threads:
             torch.set_num_threads(tc.threads)
         elif launch.torchrun:  # torchrun gives each process one thread unless OMP_NUM_THREADS says otherwise

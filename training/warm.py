@@ -56,7 +56,7 @@ def alive(pid: int) -> bool:
 
 
 def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str | None:
-    """Start a helper that compiles the step spec describes (see warm_step) into folder once process parent (this one
+    """Start a helper that compiles the step spec describes (see compile_step) into folder once process parent (this one
     by default) has ended. Returns why it did not start (another helper is on it, an earlier one failed, the folder
     is read-only), or None."""
     job, failed = job_file(folder, key), failed_file(folder, key)
