@@ -6,10 +6,16 @@ about 200 GFLOP/s on the shapes of nanoGPT's CPU config (768 x 128 x 512) and on
 as well, about 440, with the same float32 arithmetic (only the order of the additions differs). So on such CPUs a
 ``Linear`` large enough for oneDNN's fixed cost (about 10 us a call) to pay multiplies through it, forward and
 backward; elsewhere, and for small products, it is ``nn.Linear`` exactly.
+
+Not on every AVX-512 CPU: AMD's Zen 4 (family 25) runs AVX-512 through 256-bit units, and there the two libraries
+measured level (2-core EPYC, family 25 model 17, 2 threads: 768 x 128 x 512 in 521 us through MKL, 515 through
+oneDNN; 64 x 128 x 384 58 against 71 us), so the autograd function's overhead made tiny.yaml's eager step about 10%
+slower through oneDNN and the block-64 step no faster. Intel's CPUs get MKL's own AVX-512 code.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,13 +31,42 @@ from torch import nn
 # no vector unit) keep their BLAS: not measured.
 ONEDNN_MIN_MACS = {"AVX512": 2**21}
 ONEDNN_SETTINGS = ("auto", "0", "1")
+# AMD's first family whose AVX-512 multiplies 512 bits at once (Zen 5); Zen 4 (25) splits them into two halves.
+AMD_FULL_WIDTH_AVX512_FAMILY = 26
+
+
+@functools.cache
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def onednn_outruns_blas(cpuinfo: str | None = None) -> bool:
+    """Whether oneDNN multiplies float32 faster than PyTorch's BLAS here: on AMD processors of full-width AVX-512
+    (family AMD_FULL_WIDTH_AVX512_FAMILY on), where MKL takes its AVX2 code. cpuinfo is /proc/cpuinfo's text."""
+    fields: dict[str, str] = {}
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        name, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # the first processor's block is enough
+            continue
+        fields.setdefault(name.strip(), value.strip())
+    try:
+        family = int(fields.get("cpu family", ""))
+    except ValueError:
+        return False
+    return fields.get("vendor_id") == "AuthenticAMD" and family >= AMD_FULL_WIDTH_AVX512_FAMILY
 
 
 def onednn_min_macs() -> int | None:
     """The smallest float32 CPU product (multiply-adds) that a Linear sends to oneDNN here, or None for none.
 
     TINYCHAR_ONEDNN=0 keeps every product on PyTorch's default BLAS, 1 sends every one to oneDNN, auto (or unset)
-    applies ONEDNN_MIN_MACS."""
+    applies ONEDNN_MIN_MACS where oneDNN outruns the BLAS (onednn_outruns_blas)."""
     setting = os.environ.get("TINYCHAR_ONEDNN", "auto").strip().lower() or "auto"
     if setting not in ONEDNN_SETTINGS:
         raise ValueError(f"TINYCHAR_ONEDNN must be one of {', '.join(ONEDNN_SETTINGS)}, got {setting!r}")
@@ -39,6 +74,8 @@ def onednn_min_macs() -> int | None:
         return None
     if setting == "1":
         return 0
+    if not onednn_outruns_blas():
+        return None
     return ONEDNN_MIN_MACS.get(torch.backends.cpu.get_cpu_capability())
 
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, linear
 from model import linear as linear_module
-from model.linear import ONEDNN_MIN_MACS, Linear, onednn_min_macs
+from model.linear import ONEDNN_MIN_MACS, Linear, onednn_min_macs, onednn_outruns_blas
 from training.devices import DeviceError, resolve_device
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -76,9 +76,27 @@ def test_a_gpt_trained_through_onednn_follows_the_one_trained_through_the_defaul
     assert losses["1"][-1] < losses["1"][0] - 0.1  # it learns
 
 
+def cpuinfo_text(vendor: str, family: int) -> str:
+    block = f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\nflags\t\t: avx2 avx512f\n"
+    return "\n".join(block.format(n) for n in range(2))
+
+
+def test_onednn_outruns_the_blas_on_amds_full_width_avx512_only():
+    assert onednn_outruns_blas(cpuinfo_text("AuthenticAMD", 26))  # Zen 5: measured 2x MKL
+    assert onednn_outruns_blas(cpuinfo_text("AuthenticAMD", 27))
+    assert not onednn_outruns_blas(cpuinfo_text("AuthenticAMD", 25))  # Zen 4: measured level, steps slower
+    assert not onednn_outruns_blas(cpuinfo_text("GenuineIntel", 6))  # MKL's own AVX-512 code
+    assert not onednn_outruns_blas("")  # no /proc/cpuinfo (macOS, Windows)
+    assert not onednn_outruns_blas("vendor_id\t: AuthenticAMD\ncpu family\t: ?\n")
+
+
 def test_which_products_go_to_onednn(monkeypatch):
     monkeypatch.delenv("TINYCHAR_ONEDNN", raising=False)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(linear, "_cpuinfo", lambda: cpuinfo_text("AuthenticAMD", 25))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert onednn_min_macs() is None  # Zen 4: AVX-512, but oneDNN no faster
+    monkeypatch.setattr(linear, "_cpuinfo", lambda: cpuinfo_text("AuthenticAMD", 26))
     for capability, expected in (("AVX512", ONEDNN_MIN_MACS["AVX512"]), ("AVX2", None), ("DEFAULT", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert onednn_min_macs() == expected

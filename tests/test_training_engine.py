@@ -18,7 +18,7 @@ from test_train import bitwise_equal, logged_losses
 from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
-from model import GPT, GPTConfig, load_checkpoint
+from model import GPT, GPTConfig, linear, load_checkpoint
 from training import engine, load_config
 from training.engine import (
     COLD_MIN_STEPS,
@@ -77,6 +77,7 @@ def test_a_step_multiplies_through_onednn_when_a_linear_layer_takes_its_rows_the
     monkeypatch.setenv("TINYCHAR_ONEDNN", "auto")
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(linear, "onednn_outruns_blas", lambda: True)
     model = GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=128, n_head=4, block_size=64))
     # c_fc, 128 -> 512, is the widest: 2**21 multiply-adds from 32 rows
     assert not engine.multiplies_through_onednn(model, 31)
