@@ -147,13 +147,17 @@ def per_unit(t_short: float, t_long: float, n_short: int, n_long: int) -> float:
 
 
 def cpu_info(cpuinfo: str) -> tuple[str, list[str]]:
-    """The CPU's model name and which of CPU_FLAGS it has, from the text of /proc/cpuinfo."""
+    """The CPU's model name (with its family and model numbers, which tell apart CPUs of one name: an "AMD EPYC" of
+    family 25 is a Zen 3 or Zen 4, of 26 a Zen 5) and which of CPU_FLAGS it has, from the text of /proc/cpuinfo."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
-    return fields.get("model name", platform.processor() or platform.machine()), [f for f in CPU_FLAGS if f in flags]
+    name = fields.get("model name", platform.processor() or platform.machine())
+    if "cpu family" in fields and "model" in fields:
+        name += f", family {fields['cpu family']} model {fields['model']}"
+    return name, [f for f in CPU_FLAGS if f in flags]
 
 
 # --isa avx2: every library of both programs kept to AVX2, as on a CPU without AVX-512 (and so without bfloat16):

@@ -48,6 +48,9 @@ def test_cpu_model_and_relevant_flags_from_proc_cpuinfo():
     text = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512vl\n\n"
             "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu\n")
     assert bench.cpu_info(text) == ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_bf16"])
+    # family and model tell apart CPUs of one name (a Zen 4 and a Zen 5 EPYC both read "AMD EPYC")
+    text = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n"
+    assert bench.cpu_info(text) == ("AMD EPYC, family 25 model 17", ["avx2"])
     name, flags = bench.cpu_info("")  # no /proc/cpuinfo (macOS): the platform's name, no flags
     assert name and flags == []
 
