@@ -36,7 +36,8 @@ AMD_FULL_WIDTH_AVX512_FAMILY = 26
 
 
 @functools.cache
-def _cpuinfo() -> str:
+def read_cpuinfo() -> str:
+    """The text of /proc/cpuinfo, read once per process ("" where there is none: macOS, Windows)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             return f.read()
@@ -48,7 +49,7 @@ def onednn_outruns_blas(cpuinfo: str | None = None) -> bool:
     """Whether oneDNN multiplies float32 faster than PyTorch's BLAS here: on AMD processors of full-width AVX-512
     (family AMD_FULL_WIDTH_AVX512_FAMILY on), where MKL takes its AVX2 code. cpuinfo is /proc/cpuinfo's text."""
     fields: dict[str, str] = {}
-    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+    for line in (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         name, sep, value = line.partition(":")
         if not sep:
             if fields:

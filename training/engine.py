@@ -16,7 +16,6 @@ instead, one block at a time: dynamo compiles the block's code once and reuses i
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -35,7 +34,7 @@ from torch import nn
 
 from data import get_batch
 from model import GPTConfig
-from model.linear import Linear, onednn_min_macs
+from model.linear import Linear, onednn_min_macs, read_cpuinfo
 
 from . import warm
 from .config import TrainConfig
@@ -104,14 +103,6 @@ def compile_cache_dir() -> Path:
 VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse")
 
 
-@functools.cache
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
 def machine_tag(capability: str, flags: set[str]) -> str:
     """The name of the compile cache's folder for code built here: the processor's architecture, the vector
     capability PyTorch runs with (ATEN_CPU_CAPABILITY can lower it) and a digest of the CPU's vector flags."""
@@ -122,7 +113,7 @@ def machine_tag(capability: str, flags: set[str]) -> str:
 def cpu_vector_flags(cpuinfo: str | None = None) -> set[str]:
     """The vector instruction sets the CPU reports in /proc/cpuinfo (empty where there is none to read)."""
     if cpuinfo is None:
-        cpuinfo = _cpuinfo()
+        cpuinfo = read_cpuinfo()
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
         if name.strip() == "flags":
