@@ -138,3 +138,28 @@ def test_the_helper_takes_the_lowest_priority_for_its_whole_scheduling_group(tmp
     assert out[0] == "19"
     if Path("/proc/self/autogroup").exists():
         assert out[1] == "19"
+
+
+def test_the_helper_asks_again_when_the_kernel_says_try_later(monkeypatch):
+    """A user may change an autogroup's nice once per 100 ms system-wide (EAGAIN otherwise): the helper asks again."""
+    answers, written = [BlockingIOError(11, "try again"), None], []
+
+    class Group:  # the text file open() gives: the kernel's answer comes when the write is flushed, on closing
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            self.text = text
+
+        def __exit__(self, *exc):
+            answer = answers.pop(0)
+            if answer is not None:
+                raise answer
+            written.append(self.text)
+            return False
+
+    monkeypatch.setattr(os, "nice", lambda increment: 19)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    monkeypatch.setattr("builtins.open", lambda path, *args, **kwargs: Group())
+    warm.lowest_priority()
+    assert written == ["19"] and answers == []
