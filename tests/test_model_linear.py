@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import GPT, GPTConfig, linear
+from model import GPT, GPTConfig
 from model import linear as linear_module
 from model.linear import ONEDNN_MIN_MACS, Linear, onednn_min_macs, onednn_outruns_blas
 from training.devices import DeviceError, resolve_device
@@ -93,10 +93,10 @@ def test_onednn_outruns_the_blas_on_amds_full_width_avx512_only():
 def test_which_products_go_to_onednn(monkeypatch):
     monkeypatch.delenv("TINYCHAR_ONEDNN", raising=False)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
-    monkeypatch.setattr(linear, "read_cpuinfo", lambda: cpuinfo_text("AuthenticAMD", 25))
+    monkeypatch.setattr(linear_module, "read_cpuinfo", lambda: cpuinfo_text("AuthenticAMD", 25))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert onednn_min_macs() is None  # Zen 4: AVX-512, but oneDNN no faster
-    monkeypatch.setattr(linear, "read_cpuinfo", lambda: cpuinfo_text("AuthenticAMD", 26))
+    monkeypatch.setattr(linear_module, "read_cpuinfo", lambda: cpuinfo_text("AuthenticAMD", 26))
     for capability, expected in (("AVX512", ONEDNN_MIN_MACS["AVX512"]), ("AVX2", None), ("DEFAULT", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert onednn_min_macs() == expected
