@@ -45,6 +45,16 @@ def read_cpuinfo() -> str:
         return ""
 
 
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The feature flags of the first processor in cpuinfo (/proc/cpuinfo's text; read here when None), empty where
+    there are none to read."""
+    for line in (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
 def onednn_outruns_blas(cpuinfo: str | None = None) -> bool:
     """Whether oneDNN multiplies float32 faster than PyTorch's BLAS here: on AMD processors of full-width AVX-512
     (family AMD_FULL_WIDTH_AVX512_FAMILY on), where MKL takes its AVX2 code. cpuinfo is /proc/cpuinfo's text."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
+from model import linear as linear_module
 from training import devices
 
 BF16_CPU = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
@@ -16,7 +15,7 @@ BF16_CPU = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
 def cpuinfo(monkeypatch: pytest.MonkeyPatch):
     """Make /proc/cpuinfo read as the given text."""
     def use(text: str) -> None:
-        monkeypatch.setattr(devices, "open", lambda *a, **k: io.StringIO(text), raising=False)
+        monkeypatch.setattr(linear_module, "read_cpuinfo", lambda: text)
     return use
 
 
@@ -38,3 +37,11 @@ def test_bfloat16_is_not_chosen_where_avx512_is_turned_off(cpuinfo, monkeypatch,
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: limit != "onednn")
     cpuinfo(BF16_CPU)
     assert not devices.cpu_has_native_bf16()
+
+
+def test_cpu_flags_come_from_the_first_processor_and_are_empty_without_any():
+    text = BF16_CPU + "\nprocessor\t: 1\nflags\t\t: fpu sse2\n"
+    assert linear_module.cpu_flags(text) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert linear_module.cpu_flags("") == set()
+    assert linear_module.cpu_flags("processor\t: 0\nvendor_id\t: AuthenticAMD\n") == set()
+    assert not devices.cpu_has_native_bf16("")  # no /proc/cpuinfo (macOS, Windows): no bfloat16 by default

@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from model.linear import onednn_linear, onednn_min_macs
+from model.linear import cpu_flags, onednn_linear, onednn_min_macs
 
 
 class DeviceError(ValueError):
@@ -51,21 +51,12 @@ def resolve_device(name: str) -> torch.device:
 CPU_BF16_MIN_WIDTH = 128
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX, read from /proc/cpuinfo) and torch
-    may use it: ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA set below AVX-512 (as bench.py --isa avx2 does) rule it
-    out."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-            else:
-                return False
-    except OSError:
-        return False
-    return (bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX, from cpuinfo, /proc/cpuinfo's text,
+    read when None) and torch may use it: ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA set below AVX-512 (as bench.py
+    --isa avx2 does) rule it out."""
+    return (bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from data import get_batch
 from model import GPTConfig
-from model.linear import Linear, onednn_min_macs, read_cpuinfo
+from model.linear import Linear, cpu_flags, onednn_min_macs
 
 from . import warm
 from .config import TrainConfig
@@ -112,13 +112,7 @@ def machine_tag(capability: str, flags: set[str]) -> str:
 
 def cpu_vector_flags(cpuinfo: str | None = None) -> set[str]:
     """The vector instruction sets the CPU reports in /proc/cpuinfo (empty where there is none to read)."""
-    if cpuinfo is None:
-        cpuinfo = read_cpuinfo()
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return {f for f in value.split() if f.startswith(VECTOR_FLAG_PREFIXES)}
-    return set()
+    return {f for f in cpu_flags(cpuinfo) if f.startswith(VECTOR_FLAG_PREFIXES)}
 
 
 def prepare_compile() -> Path:
