@@ -431,6 +431,38 @@ def matmul_gflops(threads: int, seconds: float, n: int = 1024) -> dict[str, floa
     return out
 
 
+VOCAB = 65  # tiny Shakespeare's characters, which both programs train on
+
+
+def step_products(shape: Shape) -> list[tuple[int, int, int]]:
+    """The matrix products (rows, inner, columns) of one training step of shape, as both programs run them: for each
+    linear layer (per block: the q/k/v projection, the attention's output projection, the MLP's two; then the tied
+    head) its forward x W^T, its input gradient dy W and its weight gradient dy^T x. Attention's own products (the
+    scores and the weighted sums) are left out."""
+    rows, c = shape.batch_size * shape.block_size, shape.n_embd
+    layers = [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)] * shape.n_layer + [(c, VOCAB)]
+    return [p for k, n in layers for p in ((rows, k, n), (rows, n, k), (n, rows, k))]
+
+
+def products_ms(shape: Shape, threads: int, seconds: float) -> float:
+    """Milliseconds that one float32 step's step_products take through PyTorch's default BLAS (nanoGPT's path),
+    each timed on its own, best of what `seconds` allows per product: what no float32 step on that BLAS can undercut.
+    """
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    total = 0.0
+    for m, k, n in sorted(set(step_products(shape))):
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        torch.mm(a, b)
+        best, deadline = math.inf, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        total += best * step_products(shape).count((m, k, n))
+    return total * 1e3
+
+
 def cell(value: float, unit: str) -> str:
     if not math.isfinite(value):
         return "n/a"
@@ -461,6 +493,11 @@ def markdown(report: dict) -> str:
         if "float32_onednn" in c:
             ceiling += f"; float32 through oneDNN {c['float32_onednn']:.0f} GFLOP/s"
         lines += [f"Matmul ceiling (1024x1024): {ceiling}.", ""]
+    if report.get("products"):
+        parts = [f"{p['label']} {p['ms']:.2f} ms ({p['bound']:.2f}x)" for p in report["products"].values()]
+        lines += ["Float32 linear products of one training step, each timed alone through PyTorch's default BLAS, and "
+                  "nanoGPT's float32 step over them, the most a step on that BLAS can gain on it: "
+                  + "; ".join(parts) + ".", ""]
     lines += ["| measure | unit | nanoGPT | tinychar | ratio | spread |", "|---|---|---:|---:|---:|---:|"]
     for row in report["rows"]:
         tiny = cell(row["tinychar"], row["unit"])
@@ -501,11 +538,14 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
     p = Programs(Path(args.nanogpt).resolve(), scratch, args.threads)
     bf16 = "avx512_bf16" in flags or "amx_bf16" in flags  # where tinychar's dtype=auto may choose bfloat16
     rows, auto_rows = [], []
+    report["products"] = {}
     for name in plan.steps:
         note(f"training steps, {name} ...")
         float32, *auto = step_rows(p, name, plan, rounds, bf16)
         rows.append(float32)
         auto_rows += auto
+        ms = products_ms(STEP_SHAPES[name], args.threads, plan.ceiling_seconds / 4)
+        report["products"][name] = {"label": STEP_SHAPES[name].label(), "ms": ms, "bound": float32["nanogpt"] / ms}
     rows += auto_rows
     if not args.skip_quality:
         rows += quality_rows(p, plan.quality_iters, bf16)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import bench
+from model import GPT, GPTConfig
 from training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,10 +67,32 @@ def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
     assert "float32 75 GFLOP/s, bfloat16 239 GFLOP/s" in lines[2]
     assert "| train step, block 8 | ms/step | 4.10 | 2.00 | 2.05x | 2.00-2.10x |" in lines
     assert "| launch to val <= 1.9300 | s | 41.2 | not reached (best 1.9500) | n/a | - |" in lines
+    assert not any("linear products" in line for line in lines)  # a report without them (older JSON) has no line
+    report["products"] = {"block8": {"label": "block 8, batch 32, 3L/4H/32", "ms": 0.512, "bound": 3.4567}}
+    assert bench.markdown(report).splitlines()[4] == (
+        "Float32 linear products of one training step, each timed alone through PyTorch's default BLAS, and nanoGPT's "
+        "float32 step over them, the most a step on that BLAS can gain on it: block 8, batch 32, 3L/4H/32 0.51 ms "
+        "(3.46x).")
+    del report["products"]
     # where tinychar's linear layers may multiply through oneDNN, its ceiling is in the header too
     report["matmul_gflops"]["float32_onednn"] = 440.4
     assert bench.markdown(report).splitlines()[2] == ("Matmul ceiling (1024x1024): float32 75 GFLOP/s, bfloat16 239 "
                                                       "GFLOP/s; float32 through oneDNN 440 GFLOP/s.")
+
+
+@pytest.mark.parametrize("name", sorted(bench.STEP_SHAPES))
+def test_a_steps_products_are_its_linear_layers_three_times_over(name):
+    """Forward, input gradient and weight gradient of every linear layer: 6 FLOPs per weight per position, the
+    model's own count less attention's scores and sums."""
+    shape = bench.STEP_SHAPES[name]
+    cfg = GPTConfig(block_size=shape.block_size, vocab_size=bench.VOCAB, n_layer=shape.n_layer, n_head=shape.n_head,
+                    n_embd=shape.n_embd, bias=shape.bias)
+    rows = shape.batch_size * shape.block_size
+    attention = 12 * shape.n_layer * shape.block_size * shape.n_embd
+    assert sum(2 * m * k * n for m, k, n in bench.step_products(shape)) == (GPT(cfg).flops_per_token() - attention) * rows
+    assert len(bench.step_products(shape)) == 3 * (4 * shape.n_layer + 1)
+    small = bench.Shape(shape.config, 4, 2, 1, 1, 8, False)
+    assert 0 < bench.products_ms(small, threads=1, seconds=0.001) < 1e3
 
 
 def test_isa_avx2_hides_avx512_from_the_flags_and_says_so_in_the_header():
