@@ -46,9 +46,11 @@ class Block(nn.Module):
         x = x + self.mlp(self.ln_2(x))
         return x, weights
 
-    def forward_at(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """The block's output (B, 1, C) at position row (a (1,) index) alone; see CausalSelfAttention.forward_at."""
-        x = x.index_select(1, row) + self.attn.forward_at(self.ln_1(x), row)
+    def forward_at(self, x: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output (B, 1, C) at position row (a (1,) index; None: the last) alone; see
+        CausalSelfAttention.forward_at."""
+        here = x[:, -1:] if row is None else x.index_select(1, row)
+        x = here + self.attn.forward_at(self.ln_1(x), row)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -126,9 +128,10 @@ class GPT(nn.Module):
             cache.length += T
         return self.transformer.ln_f(x), all_weights
 
-    def hidden_at(self, idx: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """The final-layer-norm state (B, C) of position row (a (1,) index) of idx (B, T), as hidden() gives it, with
-        less work: the last layer runs its attention query, projection and MLP for that one position only."""
+    def hidden_at(self, idx: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-layer-norm state (B, C) of position row (a (1,) index; None: the last) of idx (B, T), as hidden()
+        gives it, with less work: the last layer runs its attention query, projection and MLP for that one position
+        only."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} exceeds block_size {self.config.block_size}")

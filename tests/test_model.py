@@ -52,6 +52,34 @@ def test_manual_and_fused_attention_agree():
     torch.testing.assert_close(manual(idx)[0], fused(idx)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("score", ["dot", "additive"])
+def test_manual_attention_takes_the_fused_kernel_only_for_eager_inference_without_weights(score):
+    model = tiny(score=score)
+    attn = model.transformer.h[0].attn
+    assert not attn.takes_fused_kernel()  # gradients on: training runs the notes' steps
+    with torch.no_grad():
+        assert attn.takes_fused_kernel() is (score == "dot")  # the fused kernel only does dot products
+        assert not attn.takes_fused_kernel(need_weights=True)  # attention maps show the steps' own weights
+        model.train()
+        assert not attn.takes_fused_kernel()  # train mode: dropout draws as the steps draw
+
+
+def test_inference_through_the_fused_kernel_gives_the_explicit_steps_logits(monkeypatch):
+    model = tiny()
+    idx = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(3))
+    explicit = model(idx)[0].detach()
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        fused = model(idx)[0]
+        assert len(calls) == 2  # once per layer
+        _, _, weights = model(idx, return_attention=True)
+        assert len(calls) == 2 and len(weights) == 2
+    torch.testing.assert_close(fused, explicit, atol=1e-6, rtol=0)
+
+
 def test_initial_loss_is_near_uniform():
     model = tiny(vocab_size=65, n_embd=32)
     idx, targets = torch.randint(0, 65, (16, 8)), torch.randint(0, 65, (16, 8))

@@ -53,17 +53,18 @@ def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, 
 
 
 @pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
-@pytest.mark.parametrize("row", [0, 4, 7])
-def test_hidden_at_is_hiddens_row(kind, row):
-    # the last layer computed for one position only gives that position's state of the full forward pass
+@pytest.mark.parametrize(("row", "length"), [(0, 8), (4, 8), (7, 8), (None, 8), (None, 5)])
+def test_hidden_at_is_hiddens_row(kind, row, length):
+    # the last layer computed for one position only gives that position's state of the full forward pass (row None:
+    # the last position)
     torch.manual_seed(0)
     m = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, **kind)).eval()
-    idx = torch.randint(0, 11, (3, 8))
+    idx = torch.randint(0, 11, (3, length))
     with torch.no_grad():
         full, _ = m.hidden(idx)
-        at = m.hidden_at(idx, torch.tensor([row]))
+        at = m.hidden_at(idx, None if row is None else torch.tensor([row]))
     assert at.shape == (3, 16)
-    torch.testing.assert_close(at, full[:, row], rtol=0, atol=1e-6)
+    torch.testing.assert_close(at, full[:, -1 if row is None else row], rtol=0, atol=1e-6)
 
 
 def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
