@@ -229,6 +229,8 @@ def test_resume_continues_the_run_exactly(straight_run, tmp_path, capsys):
     resumed = load_checkpoint(out / "ckpt.pt")
     assert resumed["step"] == 20
     assert bitwise_equal(resumed["model"], weights(straight / "ckpt.pt"))
+    # tiny.yaml keeps the weights' moving average in "model" (train.ema_decay): the trained weights resume exactly too
+    assert bitwise_equal(resumed["training_weights"], load_checkpoint(straight / "ckpt.pt")["training_weights"])
     assert torch.equal(resumed["rng"]["batches"], load_checkpoint(straight / "ckpt.pt")["rng"]["batches"])
 
 

@@ -135,9 +135,10 @@ def damaged(path: Path, e: Exception) -> CheckpointError:
 
 
 def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: Path) -> tuple[int, float]:
-    """Load weights, optimizer and scaler from a checkpoint into a freshly built run; (step, best_val)."""
+    """Load weights, optimizer and scaler from a checkpoint into a freshly built run; (step, best_val). The weights are
+    the trained ones: "training_weights" where the run kept an average of them in "model" (train.ema_decay)."""
     try:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(payload.get("training_weights", payload["model"]))
         optimizer.load_state_dict(payload["optimizer"])
         if scaler is not None and payload.get("scaler"):
             scaler.load_state_dict(payload["scaler"])

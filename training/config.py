@@ -40,6 +40,9 @@ class TrainConfig:
     beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = no clipping)"})
     grad_accum_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    ema_decay: float = field(default=0.0, metadata={
+        "help": "keep an exponential moving average of the weights with this decay, which evaluations, best.pt and "
+                "sampling use (0 = none)"})
     eval_interval: int = field(default=250, metadata={"help": "evaluate and save a checkpoint every N steps"})
     eval_iters: int = field(default=20, metadata={"help": "batches per split averaged at each evaluation"})
     log_interval: int = field(default=50, metadata={"help": "log training loss, lr, grad norm, tokens/s every N steps"})
@@ -75,7 +78,7 @@ class TrainConfig:
             raise ValueError(f"train.min_lr ({self.min_lr}) must not exceed train.learning_rate ({self.learning_rate})")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
             raise ValueError(f"train.lr_decay_iters must be >= 1 or null, got {self.lr_decay_iters}")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "ema_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         base = self.device.split(":")[0]

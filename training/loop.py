@@ -8,6 +8,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -17,7 +18,16 @@ from data import CharTokenizer, get_batch
 from model import GPT
 
 from . import distributed
-from .checkpoints import checkpoint_payload, rank_rng_state, restore_rng, restore_training_state, save_checkpoint
+from .average import WeightAverage
+from .checkpoints import (
+    DAMAGED,
+    checkpoint_payload,
+    damaged,
+    rank_rng_state,
+    restore_rng,
+    restore_training_state,
+    save_checkpoint,
+)
 from .config import RunConfig
 from .devices import autocast_context
 from .distributed import EVALUATION, Launch, derived_seed
@@ -95,6 +105,8 @@ class Trainer:
         # 41 parameters), 2% of its step. The Parameter objects stay the same for the whole run.
         self.parameters = list(model.parameters())
         self.optimizer, self.scaler = optimizer, scaler
+        # train.ema_decay: the weights' moving average, which evaluations, best.pt and sampling use
+        self.average = WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.splits, self.device, self.dtype, self.gen = splits, device, dtype, gen
         self.launch = launch or Launch()
         # Set by the runner when the whole step runs compiled (training.engine.CompiledStep); engine names the path
@@ -139,6 +151,11 @@ class Trainer:
         """Continue the run a checkpoint holds: weights, optimizer and scaler, step, best loss, and this process's
         random state (or fresh streams, when it was saved by another number of processes)."""
         self.step, self.best_val = restore_training_state(payload, self.model, self.optimizer, self.scaler, path)
+        if self.average is not None:  # the saved average is the checkpoint's "model" (its trained weights are apart)
+            try:
+                self.average.load_state_dict(payload["model"])
+            except DAMAGED as e:
+                raise damaged(path, e) from None
         self.saved_step = self.step
         self.reseeded = not restore_rng(payload, self.gen, self.launch, self.device, self.cfg.seed, path)
 
@@ -181,7 +198,12 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.fold_into_average()
         return loss_sum, grad_norm, lr
+
+    def fold_into_average(self) -> None:
+        if self.average is not None:
+            self.average.update(self.step)
 
     def micro_batches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's micro-batches stacked, (grad_accum_steps, batch_size, T) each: drawn one by one, as the eager
@@ -198,6 +220,7 @@ class Trainer:
         if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
             raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step)
         self.step += 1
+        self.fold_into_average()
         return loss_sum, grad_norm, lr
 
     # ------------------------------------------------------------------------------------ the whole run
@@ -279,22 +302,24 @@ class Trainer:
         return losses
 
     def evaluate_and_save(self) -> None:
+        """Evaluate (the weights' average, with train.ema_decay), log the losses, a sample and the attention, save."""
         t0 = time.perf_counter()
-        losses = self.evaluate()
-        if losses is None:  # stopped midway: no result to log; the loop saves the state and stops
-            return
-        improved = losses["val"] < self.best_val
-        self.best_val = min(self.best_val, losses["val"])
-        log, step = self.log, self.step
-        log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"],
-                           "hparam/best_val_loss": self.best_val})
-        log.info(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                 + (" (best)" if improved else ""))
-        if log.writer is not None:  # rank 0 alone, on the model itself: nothing here may wait for the others
-            if self.tc.sample_chars:
-                sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed, self.device)
-                log.text(step, "sample", "```\n" + sample + "\n```")
-            log.attention(step, self.model, self.attention_prompt, self.tokenizer)
+        with self.average.in_model() if self.average is not None else nullcontext():
+            losses = self.evaluate()
+            if losses is None:  # stopped midway: no result to log; the loop saves the state and stops
+                return
+            improved = losses["val"] < self.best_val
+            self.best_val = min(self.best_val, losses["val"])
+            log, step = self.log, self.step
+            log.scalars(step, {"loss/train": losses["train"], "loss/val": losses["val"],
+                               "hparam/best_val_loss": self.best_val})
+            log.info(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                     + (" (best)" if improved else ""))
+            if log.writer is not None:  # rank 0 alone, on the model itself: nothing here may wait for the others
+                if self.tc.sample_chars:
+                    sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed, self.device)
+                    log.text(step, "sample", "```\n" + sample + "\n```")
+                log.attention(step, self.model, self.attention_prompt, self.tokenizer)
         self.save(improved)
         self.last_losses.update(losses)
         self.val_history.append((time.perf_counter() - self.started, losses["val"]))
@@ -309,6 +334,8 @@ class Trainer:
                 return
             state = checkpoint_payload(self.model, self.optimizer, self.scaler, self.tokenizer, self.cfg, self.step,
                                        self.best_val, self.gen, ranks)
+            if self.average is not None:  # "model" is what is evaluated and sampled; the trained weights go apart
+                state["training_weights"], state["model"] = state["model"], self.average.state_dict()
             state["data_fingerprint"] = self.data_fingerprint
             state["engine"] = self.engine
             # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
