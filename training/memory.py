@@ -75,11 +75,12 @@ def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:
     return sequences * T * per_token
 
 
-def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int) -> MemoryNeed:
+def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int, averaged: bool = False) -> MemoryNeed:
     """The peak of a training run of model cfg (vocab_size set) with micro-batches of batch_size sequences and
-    evaluation passes of eval_sequences."""
+    evaluation passes of eval_sequences; averaged: it keeps the weights' moving average too (train.ema_decay), and
+    while it evaluates that, a copy of the weights."""
     return MemoryNeed(
-        weights=4 * parameter_count(cfg) * FLOAT,
+        weights=(6 if averaged else 4) * parameter_count(cfg) * FLOAT,
         masks=cfg.n_layer * cfg.block_size * cfg.block_size if cfg.type == "gpt" else 0,
         activations=max(activation_bytes(cfg, batch_size, backward=True),
                         activation_bytes(cfg, eval_sequences, backward=False)),
