@@ -35,7 +35,7 @@ class WeightAverage:
         the average of t steps weighs step s by (1 - decay) decay^(t - s) / (1 - decay^t), as if it had begun from
         zeros and been divided by the weight it gathered; so step 1 replaces whatever the average held."""
         weight = (1.0 - self.decay) / (1.0 - self.decay**step)
-        torch._foreach_lerp_(self.average, [p.detach() for p in self.params], weight)
+        torch._foreach_lerp_(self.average, self.params, weight)
 
     @contextmanager
     def in_model(self) -> Iterator[None]:
