@@ -127,6 +127,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("override-negative-rate", "train", lambda c: c.train(**{"train.learning_rate": -0.1}), "finite number >= 0"),
     ("override-dropout-1", "train", lambda c: c.train(**{"model.dropout": 1.0}), "model.dropout must be in [0, 1)"),
     ("override-ema-decay-1", "train", lambda c: c.train(**{"train.ema_decay": 1.0}), "train.ema_decay must be in [0, 1)"),
+    ("override-unknown-optimizer", "train", lambda c: c.train(**{"train.optimizer": "sgd"}),
+     "train.optimizer must be one of adamw, muon; got 'sgd'"),
     ("override-seed-too-big", "train", lambda c: c.train(seed=2**64), "seed must fit"),
     ("override-threads-absurd", "train", lambda c: c.train(**{"train.threads": 10**6}), "must be at most 4096"),
     ("n_embd-not-divisible-by-n_head", "train", lambda c: c.train(**{"model.n_embd": 30, "model.n_head": 4}),

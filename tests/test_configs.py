@@ -145,6 +145,7 @@ def test_a_wrong_type_in_the_file_is_refused_in_one_line(tmp_path, text, fragmen
         (["train.ema_decay=1"], "train.ema_decay must be in [0, 1)"),
         (["train.ema_decay=-0.5"], "train.ema_decay must be in [0, 1)"),
         (["train.ema_decay=nan"], "train.ema_decay must be in [0, 1)"),
+        (["train.optimizer=Muon"], "train.optimizer must be one of adamw, muon; got 'Muon'"),
         (["model.attention=flash"], "model.attention must be one of"),
         (["train.device=tpu"], "train.device must be one of"),
         (["out_dir="], "out_dir is empty"),

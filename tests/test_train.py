@@ -258,7 +258,8 @@ def test_a_resume_that_forgot_an_rng_state_would_differ(straight_run, tmp_path, 
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("model.n_embd=32", "model.n_embd"), ("train.learning_rate=0.02", "train.learning_rate"), ("seed=7", "seed")],
+    [("model.n_embd=32", "model.n_embd"), ("train.learning_rate=0.02", "train.learning_rate"), ("seed=7", "seed"),
+     ("train.optimizer=adamw", "train.optimizer")],
 )
 def test_resume_with_a_changed_key_that_defines_the_run_is_refused(finished_run, tmp_path, capsys, override, key):
     out = copy_run(finished_run, tmp_path)

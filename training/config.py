@@ -19,6 +19,7 @@ _PROJECT = Path(__file__).resolve().parents[1]
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "true", "false")
+OPTIMIZERS = ("adamw", "muon")
 # More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
 MAX_THREADS = 4096
 
@@ -35,7 +36,10 @@ class TrainConfig:
     lr_decay_iters: int | None = field(default=None, metadata={
         "help": "step where the cosine decay reaches min_lr (null = max_iters)"})
     decay_lr: bool = field(default=True, metadata={"help": "cosine-decay the learning rate (false = constant)"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay, applied to matrices only"})
+    optimizer: str = field(default="adamw", metadata={
+        "help": "adamw, or muon: Muon for the blocks' weight matrices and AdamW for the rest (embeddings, biases, "
+                "norms), with one learning_rate and weight_decay (training/optim.py)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "weight decay, applied to matrices only"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.99, metadata={"help": "AdamW beta2"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = no clipping)"})
@@ -90,6 +94,8 @@ class TrainConfig:
             object.__setattr__(self, "compile", str(self.compile).lower())
         if self.compile not in COMPILE:
             raise ValueError(f"train.compile must be one of {', '.join(COMPILE)}; got {self.compile!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"train.backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
 

@@ -40,6 +40,7 @@ from . import warm
 from .config import TrainConfig
 from .devices import autocast_context
 from .errors import UsageError
+from .optim import muon_lr_scale, orthogonal_dtype, orthogonalize_each
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -167,6 +168,8 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "model": asdict(model_cfg),
              "batch": [tc.grad_accum_steps, tc.batch_size], "clip": tc.grad_clip > 0,
              "adamw": [tc.weight_decay, tc.beta1, tc.beta2]}
+    if tc.optimizer != "adamw":  # (AdamW's key as it was before there was a choice: its caches stay warm)
+        parts["optimizer"] = tc.optimizer
     return _key("step", parts)
 
 
@@ -264,25 +267,30 @@ class Setup(NamedTuple):
     betas: tuple[float, float]
     eps: float
     same_steps: bool  # every parameter has taken as many steps (always so, unless a checkpoint says otherwise)
+    momentum: float = 0.0  # Muon's, for the matrices at the end of the layout (train.optimizer=muon)
+    matrix_decay: float = 0.0  # their weight decay
 
 
 class Layout(NamedTuple):
-    """Where each parameter lies in the flat buffers: its name, number of values and shape, in optimizer order."""
+    """Where each parameter lies in the flat buffers: its name, number of values and shape, in optimizer order; the
+    last `matrices` of them are Muon's (train.optimizer=muon), the others AdamW's."""
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
+    matrices: int = 0
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {n: t.view(s) for n, t, s in zip(self.names, flat.split(self.sizes), self.shapes, strict=True)}
 
 
 def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                steps: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor,
-                lr: torch.Tensor, layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of every micro-batch, clipping, and AdamW in place on the flat buffers: what
-    CompiledStep compiles. steps holds a value per parameter, decay one per value of the flat buffers, and owner
-    (values,) the parameter each value belongs to."""
+                steps: torch.Tensor, momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, xs: torch.Tensor,
+                ys: torch.Tensor, lr: torch.Tensor, layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of every micro-batch, clipping, and the optimizer's update in place on the flat buffers:
+    what CompiledStep compiles. AdamW updates the first exp_avg.numel() values of flat: steps holds a value per
+    AdamW parameter, decay one per such value, and owner the parameter each belongs to. Muon updates the rest (the
+    layout's last `matrices` parameters), whose momentum buffers lie end to end in momentum."""
 
     def loss_of(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast_context(torch.device(setup.device_type), setup.dtype):
@@ -313,10 +321,23 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
     else:
         step_size = (lr / (1 - beta1**new_steps))[owner]
         root_bias2 = torch.sqrt(1 - beta2**new_steps)[owner]
-    new_avg = exp_avg.lerp(g, 1 - beta1)
-    new_avg_sq = exp_avg_sq * beta2 + g * g * (1 - beta2)
+    n = exp_avg.numel()
+    g_adamw, weights = (g, flat) if layout.matrices == 0 else (g[:n], flat[:n])
+    new_avg = exp_avg.lerp(g_adamw, 1 - beta1)
+    new_avg_sq = exp_avg_sq * beta2 + g_adamw * g_adamw * (1 - beta2)
     denom = new_avg_sq.sqrt() / root_bias2 + setup.eps
-    new = flat * (1 - lr * decay) - step_size * new_avg / denom
+    new = weights * (1 - lr * decay) - step_size * new_avg / denom
+    if layout.matrices:  # Muon, as training.optim.Muon steps each matrix
+        mu = setup.momentum
+        new_momentum = momentum.lerp(g[n:], 1 - mu)
+        ahead = g[n:].lerp(new_momentum, mu)
+        sizes, shapes = layout.sizes[-layout.matrices:], layout.shapes[-layout.matrices:]
+        updates = orthogonalize_each([d.view(shape) for d, shape in zip(ahead.split(sizes), shapes, strict=True)],
+                                     orthogonal_dtype(setup.dtype))
+        moved = [w * (1 - lr * setup.matrix_decay) - (lr * muon_lr_scale(shape)) * u.flatten()
+                 for w, u, shape in zip(flat[n:].split(sizes), updates, shapes, strict=True)]
+        new = torch.cat([new, *moved])
+        momentum.copy_(torch.where(ok, new_momentum, momentum))
     # A step that is not finite changes nothing: the run stops and reports it with its weights intact.
     flat.copy_(torch.where(ok, new, flat))
     exp_avg.copy_(torch.where(ok, new_avg, exp_avg))
@@ -352,9 +373,19 @@ class CompiledStep:
         params: list[torch.Tensor] = []
         states: list[dict[str, torch.Tensor]] = []
         decay: list[float] = []
+        matrices: list[torch.Tensor] = []  # Muon's (training.optim.Muon), laid out after AdamW's
+        matrix_states: list[dict[str, torch.Tensor]] = []
+        matrix_decay = 0.0
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state[p]
+                if group.get("muon"):
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    matrices.append(p)
+                    matrix_states.append(state)
+                    matrix_decay = group["weight_decay"]
+                    continue
                 if not state:  # the layout torch's fused AdamW uses, so that either can continue the other
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -362,25 +393,29 @@ class CompiledStep:
                 params.append(p)
                 states.append(state)
                 decay.append(group["weight_decay"])
-        if len({(p.dtype, p.device) for p in params}) > 1:
+        if len({(p.dtype, p.device) for p in params + matrices}) > 1:
             raise RuntimeError("the compiled step needs every parameter in one dtype on one device")
-        self.layout = Layout(tuple(named[id(p)] for p in params), tuple(p.numel() for p in params),
-                             tuple(tuple(p.shape) for p in params))
-        self.flat, views = _concat(params)
-        for p, view in zip(params, views, strict=True):
+        every = params + matrices
+        self.layout = Layout(tuple(named[id(p)] for p in every), tuple(p.numel() for p in every),
+                             tuple(tuple(p.shape) for p in every), len(matrices))
+        self.flat, views = _concat(every)
+        for p, view in zip(every, views, strict=True):
             p.data = view
         self.exp_avg, self.exp_avg_sq = (self._flat_state(states, key) for key in ("exp_avg", "exp_avg_sq"))
+        self.momentum = (self._flat_state(matrix_states, "momentum_buffer") if matrices
+                         else torch.zeros(0, dtype=self.flat.dtype, device=device))
         self.steps = torch.stack([s["step"].float() for s in states])  # (parameters,)
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
-        sizes = torch.tensor(self.layout.sizes, device=device)
+        sizes = torch.tensor([p.numel() for p in params], device=device)
         self.owner = torch.arange(len(params), dtype=torch.int32, device=device).repeat_interleave(sizes)  # (values,)
         self.decay = torch.tensor(decay, dtype=self.flat.dtype, device=device)[self.owner]  # (values,)
         self.betas: tuple[float, float] = optimizer.defaults["betas"]
         self.eps: float = optimizer.defaults["eps"]
         # What the compiled code takes as constants (dynamo guards on their values).
         same_steps = bool((self.steps == self.steps[0]).all())
-        self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps)
+        self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps,
+                           optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay)
 
     @staticmethod
     def _flat_state(states: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
@@ -399,8 +434,8 @@ class CompiledStep:
                                            options=compile_options(self.device))
         return _COMPILED_STEP
 
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.flat, self.exp_avg, self.exp_avg_sq, self.steps
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.flat, self.exp_avg, self.exp_avg_sq, self.steps, self.momentum
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)

@@ -141,7 +141,7 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
 
         torch.manual_seed(cfg.seed)  # the same initial weights in every process (and DDP broadcasts rank 0's)
         model = build_model(model_cfg).to(device)
-        optimizer = make_optimizer(model, tc, device)
+        optimizer = make_optimizer(model, tc, device, start.dtype)
         scaler = torch.amp.GradScaler(device.type) if start.dtype == torch.float16 else None
         # Each process draws its own batches and dropout masks; rank 0 uses the seed itself, as a lone process does.
         gen = torch.Generator().manual_seed(cfg.seed if launch.main else derived_seed(cfg.seed, BATCHES, launch.rank))

@@ -110,7 +110,7 @@ def compile_step(job: Path, remember: bool) -> float:
         raise RuntimeError(f"this process would compile another step ({key}, not {spec['key']})")
     engine.prepare_compile()
     model = GPT(model_cfg)
-    step = engine.CompiledStep(model, make_optimizer(model, tc, device), tc, device, dtype)
+    step = engine.CompiledStep(model, make_optimizer(model, tc, device, dtype), tc, device, dtype)
     xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
     seconds = step.warm_up(xs, xs.roll(1, -1))
     if remember:
