@@ -91,12 +91,14 @@ class Shape:
                 "--eval_iters=1", "--wandb_log=False"]
 
     def tinychar(self, iters: int) -> list[str]:
-        """tinychar overrides for iters steps, evaluating once (eval_iters=1) at the end, as it always does."""
+        """tinychar overrides for iters steps, evaluating once (eval_iters=1) at the end, as it always does; with
+        nanoGPT's optimizer, AdamW, so that a step does the same work in both (the time-to-quality rows run the
+        configs as they are, Muon included)."""
         shape = {f"model.{k}": getattr(self, k) for k in ("block_size", "n_layer", "n_head", "n_embd")}
         return ["--config", self.config, *[f"{k}={v}" for k, v in shape.items()], f"model.bias={str(self.bias).lower()}",
                 f"train.batch_size={self.batch_size}", f"train.max_iters={iters}", f"train.eval_interval={iters}",
                 f"train.log_interval={iters}", "train.eval_iters=1", "train.sample_chars=0", "train.tensorboard=false",
-                "train.device=cpu"]
+                "train.device=cpu", "train.optimizer=adamw"]
 
 
 STEP_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 32, False),

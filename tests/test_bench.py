@@ -130,6 +130,7 @@ def test_overrides_given_to_tinychar_are_keys_it_knows(shape: bench.Shape):
     assert (cfg.model.block_size, cfg.model.n_embd, cfg.train.batch_size) == (shape.block_size, shape.n_embd,
                                                                                shape.batch_size)
     assert (cfg.train.max_iters, cfg.train.eval_interval, cfg.train.eval_iters) == (10, 10, 1)
+    assert cfg.train.optimizer == "adamw"  # nanoGPT's: a step does the same work in both programs
 
 
 def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
