@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,25 +348,48 @@ NANOGPT_BLOCK8_RUN = {
 }
 
 
-def quality_rows(p: Programs, iters: int | None, bf16: bool = False) -> list[dict]:
+def quality_rows(p: Programs, iters: int | None, bf16: bool = False, rounds: int = 1) -> list[dict]:
     """Time from launch to nanoGPT's best val on the block-8 reference run, and to its final val on its README's CPU
-    run: nanoGPT sets each target, then tinychar runs the matching config with its defaults, from empty caches and
-    again. With bf16 (where the CPU config's dtype=auto trains in bfloat16), the CPU config in float32 as well."""
-    tiny = NANOGPT_BLOCK8_RUN
+    run: nanoGPT's first run sets each target, then tinychar runs the matching config with its defaults, from empty
+    caches and again; with rounds, the two programs alternate, each round timing nanoGPT to the same target. With
+    bf16 (where the CPU config's dtype=auto trains in bfloat16), the CPU config in float32 as well."""
     common = ["--device=cpu", "--compile=False", "--dtype=float32", "--always_save_checkpoint=False",
               "--wandb_log=False"]
-    note("time to quality: nanoGPT on tiny.yaml's model, the reference recipe ...")
-    run = p.nanogpt("train.py", ["config/train_shakespeare_char.py", *common, *nanogpt_flags(tiny),
-                                 *shortened(iters, "--{}={}")])
-    rows = tinychar_to(p, "configs/tiny.yaml", min(evaluations(run), key=lambda e: e[2]),
-                       "nanoGPT's best (step {step}) training tiny.yaml's model, block 8", iters)
-    note("time to quality: nanoGPT's CPU config ...")
-    run = p.nanogpt("train.py", [*NANOGPT_CPU_RUN, *shortened(iters, "--{}={}")])
-    what = "nanoGPT's final (step {step}) on its CPU config, block 64"
-    rows += tinychar_to(p, "configs/shakespeare_char_cpu.yaml", evaluations(run)[-1], what, iters)
-    if bf16:
-        rows += tinychar_to(p, "configs/shakespeare_char_cpu.yaml", evaluations(run)[-1],
-                            what + ", tinychar in float32 (train.dtype=float32)", iters, ["train.dtype=float32"])
+    block8 = ["config/train_shakespeare_char.py", *common, *nanogpt_flags(NANOGPT_BLOCK8_RUN)]
+    what = "nanoGPT's best (step {step}) training tiny.yaml's model, block 8"
+    rows = race(p, "nanoGPT on tiny.yaml's model, the reference recipe", [*block8, *shortened(iters, "--{}={}")],
+                lambda evals: min(evals, key=lambda e: e[2]), what, [("configs/tiny.yaml", [], "")], iters, rounds)
+    in_float32 = ", tinychar in float32 (train.dtype=float32)"
+    float32 = [("configs/shakespeare_char_cpu.yaml", ["train.dtype=float32"], in_float32)] if bf16 else []
+    rows += race(p, "nanoGPT's CPU config", [*NANOGPT_CPU_RUN, *shortened(iters, "--{}={}")], lambda evals: evals[-1],
+                 "nanoGPT's final (step {step}) on its CPU config, block 64",
+                 [("configs/shakespeare_char_cpu.yaml", [], ""), *float32], iters, rounds)
+    return rows
+
+
+def race(p: Programs, name: str, nano_args: list[str], pick: Callable[[list[tuple[float, int, float]]], tuple],
+         what: str, contenders: list[tuple[str, list[str], str]], iters: int | None, rounds: int) -> list[dict]:
+    """Rows for each tinychar (config, overrides, label suffix) in contenders reaching the val that pick chooses from
+    nanoGPT's first run (seconds, step, val), from empty caches and repeated, over rounds that alternate the two
+    programs: nanoGPT's time in each round is when that round's run first reached the target."""
+    nano: list[float] = []
+    tiny: dict[tuple[int, str], list[float]] = {}
+    best: dict[tuple[int, str], float] = {}
+    target, step = math.nan, 0
+    for r in range(rounds):
+        note(f"time to quality: {name}, round {r + 1}/{rounds} ...")
+        evals = evaluations(p.nanogpt("train.py", nano_args))
+        if r == 0:
+            _, step, target = pick(evals)
+        nano.append(next((t for t, _, val in evals if val <= target), math.nan))
+        for i, (config, extra, _) in enumerate(contenders):
+            for when, seconds, low in tinychar_to(p, config, target, iters, extra):
+                tiny.setdefault((i, when), []).append(seconds)
+                best[i, when] = min(best.get((i, when), math.inf), low)
+    rows = []
+    for (i, when), seconds in tiny.items():
+        label = f"launch to val <= {target:.4f}, {what.format(step=step)}{contenders[i][2]}; tinychar {when}"
+        rows.append({**compare(label, "s", nano, seconds), "target": target, "tinychar_best": best[i, when]})
     return rows
 
 
@@ -393,23 +417,20 @@ def evaluations(run: Run) -> list[tuple[float, int, float]]:
     return run.evals
 
 
-def tinychar_to(p: Programs, config: str, reference: tuple[float, int, float], what: str,
-                iters: int | None, extra: list[str] | None = None) -> list[dict]:
-    """Rows for tinychar's config (with the overrides in extra) reaching nanoGPT's (seconds, step, val): from empty
-    caches, then repeated. what describes the target, with {step} for nanoGPT's step."""
-    seconds, step, target = reference
-    cache, rows = p.fresh("cache"), []
+def tinychar_to(p: Programs, config: str, target: float, iters: int | None,
+                extra: list[str]) -> list[tuple[str, float, float]]:
+    """tinychar's config (with the overrides in extra) run to val <= target from empty caches, then repeated: (when,
+    seconds from launch, lowest val seen) for each, seconds NaN where it never got there."""
+    cache, out = p.fresh("cache"), []
     for when in ("empty caches", "repeated run"):
         if when == "repeated run":
             wait_for_helpers(cache)
         note(f"time to quality: tinychar {config}, {when} ...")
         run = p.tinychar("train.py", ["--config", config, "train.device=cpu", *shortened(iters, "train.{}={}"),
-                                      *(extra or [])], cache=cache, stop_at=target)
+                                      *extra], cache=cache, stop_at=target)
         reached = next((t for t, _, val in run.evals if val <= target), math.nan)
-        rows.append({"label": f"launch to val <= {target:.4f}, {what.format(step=step)}; tinychar {when}", "unit": "s",
-                     "nanogpt": seconds, "tinychar": reached, "ratio": seconds / reached, "spread": None,
-                     "target": target, "tinychar_best": min((e[2] for e in run.evals), default=math.nan)})
-    return rows
+        out.append((when, reached, min((e[2] for e in run.evals), default=math.nan)))
+    return out
 
 
 def matmul_gflops(threads: int, seconds: float, n: int = 1024) -> dict[str, float]:
@@ -475,7 +496,8 @@ NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); s
          "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
          "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each). "
          "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
-         "what the row names. Time to quality: from launch to the evaluation line, as the line arrives; tinychar's "
+         "what the row names. Time to quality: from launch to the evaluation line, as the line arrives, the programs "
+         "alternating over the rounds, nanoGPT's first run setting the target that every round times it to; tinychar's "
          "empty-cache run starts with a fresh cache folder, the repeated run reuses it once the helper that the first run "
          "may leave has warmed it (training.warm; it starts when the run has ended); nanoGPT's data is prepared "
          "beforehand.")
@@ -550,7 +572,7 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
         report["products"][name] = {"label": STEP_SHAPES[name].label(), "ms": ms, "bound": float32["nanogpt"] / ms}
     rows += auto_rows
     if not args.skip_quality:
-        rows += quality_rows(p, plan.quality_iters, bf16)
+        rows += quality_rows(p, plan.quality_iters, bf16, rounds)
     for name in SAMPLE_SHAPES:
         note(f"sampling, {name} ...")
         rows.extend(sample_rows(p, name, plan, rounds))
@@ -573,7 +595,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--nanogpt", metavar="DIR", help=f"a nanoGPT checkout to measure against ({CLONE_HINT})")
     p.add_argument("--threads", type=int, default=threads, help=f"threads for both programs (default all: {threads})")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per speed row (default 3; --quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per row (default 3; --quick 1)")
     p.add_argument("--skip-quality", action="store_true", help="skip the time-to-quality rows (minutes)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results to this JSON file")
     p.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test, not figures to quote")

@@ -151,3 +151,43 @@ def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
                           timeout=60, check=False)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("error: --nanogpt DIR is required") and "Traceback" not in done.stderr
+
+
+class FakePrograms:
+    """Programs that replay recorded runs: nanoGPT's evaluations, slower each round by `drift`, and tinychar reaching
+    val `reach` at `seconds`."""
+
+    def __init__(self, drift: float) -> None:
+        self.drift, self.nano_runs, self.tiny_runs, self.count = drift, 0, [], 0
+
+    def fresh(self, name: str) -> Path:
+        self.count += 1
+        return Path(f"/nonexistent/{name}{self.count}")
+
+    def nanogpt(self, script: str, args: list[str]) -> bench.Run:
+        slow = 1 + self.drift * self.nano_runs
+        self.nano_runs += 1
+        return bench.Run(50 * slow, [(10 * slow, 0, 4.2), (30 * slow, 650, 2.0), (50 * slow, 1300, 1.95)])
+
+    def tinychar(self, script: str, args: list[str], cache: Path, stop_at: float) -> bench.Run:
+        self.tiny_runs.append((args, stop_at))
+        return bench.Run(20.0, [(10.0, 400, 2.1), (20.0, 800, stop_at - 0.01)])
+
+
+def test_time_to_quality_alternates_the_programs_and_times_nanogpt_to_its_first_target_every_round():
+    fake = FakePrograms(drift=0.5)
+    rows = bench.race(fake, "test", ["--x"], lambda evals: min(evals, key=lambda e: e[2]), "best (step {step})",
+                      [("configs/tiny.yaml", [], ""), ("configs/tiny.yaml", ["train.dtype=float32"], ", float32")],
+                      None, rounds=3)
+    assert fake.nano_runs == 3 and len(fake.tiny_runs) == 3 * 2 * 2  # each round: nanoGPT, then two runs of each
+    assert all(stop == 1.95 for _, stop in fake.tiny_runs)  # the first round's target, every round
+    assert [r["label"] for r in rows] == [
+        "launch to val <= 1.9500, best (step 1300); tinychar empty caches",
+        "launch to val <= 1.9500, best (step 1300); tinychar repeated run",
+        "launch to val <= 1.9500, best (step 1300), float32; tinychar empty caches",
+        "launch to val <= 1.9500, best (step 1300), float32; tinychar repeated run"]
+    row = rows[0]
+    assert row["rounds"]["nanogpt"] == [50.0, 75.0, 100.0]  # each round's own time to the target
+    assert row["nanogpt"] == 75.0 and row["tinychar"] == 20.0 and row["ratio"] == 3.75
+    assert row["spread"] == [2.5, 5.0]
+    assert row["target"] == 1.95 and row["tinychar_best"] == pytest.approx(1.94)
