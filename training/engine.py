@@ -168,7 +168,7 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "model": asdict(model_cfg),
              "batch": [tc.grad_accum_steps, tc.batch_size], "clip": tc.grad_clip > 0,
              "adamw": [tc.weight_decay, tc.beta1, tc.beta2]}
-    if tc.optimizer != "adamw":  # (AdamW's key as it was before there was a choice: its caches stay warm)
+    if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
     return _key("step", parts)
 
