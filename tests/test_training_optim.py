@@ -131,8 +131,8 @@ def test_muon_takes_the_blocks_matrices_and_leaves_embeddings_head_biases_and_no
 
 def test_muon_steps_a_matrix_as_torchs_muon_and_the_rest_exactly_as_adamw():
     """Against torch.optim.Muon with the same rule for the learning rate (match_rms_adamw: 0.2 sqrt(max(A, B))),
-    which orthogonalises in bfloat16 where ours is float32: the same steps to within 3% of their size (1% measured). The AdamW
-    half is torch's own update, to the bit."""
+    which orthogonalises in bfloat16 where ours is float32: the same steps to within 3% of their size (1% measured).
+    The AdamW half is torch's own update, to the bit."""
     gen = torch.Generator().manual_seed(2)
     start = torch.randn(48, 16, generator=gen) * 0.02
     ours, theirs = nn.Parameter(start.clone()), nn.Parameter(start.clone())

@@ -76,8 +76,9 @@ class Muon(torch.optim.Optimizer):
     """Muon (momentum orthogonalised) for the param groups marked ``muon``, AdamW for the others, in one optimizer.
 
     A Muon matrix keeps a momentum buffer B <- mu B + (1 - mu) g and steps along orthogonalize((1 - mu) g + mu B)
-    (Nesterov's form; torch.optim.Muon's buffer), scaled by muon_lr_scale, after decoupled weight decay: each step moves every direction of the matrix by about
-    as much, instead of mostly along the few directions that dominate its gradient. AdamW's groups step exactly as
+    (Nesterov's form; torch.optim.Muon's buffer), scaled by muon_lr_scale, after decoupled weight decay: each step
+    moves every direction of the matrix by about as much, instead of mostly along the few directions that dominate
+    its gradient. AdamW's groups step exactly as
     torch.optim.AdamW would (its fused kernel where the device has one), with its state in the same layout.
     """
 
