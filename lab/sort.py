@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from configs.userinput import OneLineParser
-from lab.heatmap import attention_grid_tensor, render_attention_map
+from lab.heatmap import log_image, render_attention_map
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 
 MODELS = ("gru", "transformer")
@@ -197,7 +197,7 @@ def tensorboard_writer(logdir: str | None) -> object | None:
 def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:
     writer.add_scalar("accuracy/held_out", result.accuracy, cfg.steps)
     if image is not None:
-        writer.add_image("attention/decoder_over_encoder", attention_grid_tensor(image), cfg.steps, dataformats="CHW")
+        log_image(writer, "attention/decoder_over_encoder", image, cfg.steps)
     writer.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,11 @@ from PIL import Image
 
 from lab.heatmap import (
     EMPTY_COLOUR,
-    attention_grid_tensor,
     attention_weights,
     colour_at,
     display_char,
     grid_layout,
+    log_image,
     render_attention_grid,
     save_attention_map,
 )
@@ -190,10 +191,19 @@ def test_save_writes_a_png_of_the_last_window(tmp_path: Path):
         assert image.tobytes() == expected.tobytes()
 
 
-def test_tensor_form_is_channels_first():
-    image = render_attention_grid(causal_weights(2, 3, 8), list("abcdefgh"))
-    t = attention_grid_tensor(image)
-    assert t.shape == (3, image.height, image.width)
-    assert t.dtype == torch.uint8
-    x, y = 5, 7
-    assert tuple(t[:, y, x].tolist()) == image.getpixel((x, y))
+def test_logged_image_is_the_picture_itself(tmp_path):
+    """log_image writes the picture to TensorBoard as a PNG that decodes to the same pixels, at the given step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    image = render_attention_grid(causal_weights(2, 3, 8), list("abcdefgh"), title="step 7")
+    writer = SummaryWriter(str(tmp_path))
+    log_image(writer, "attention/grid", image, 7)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    (logged,) = events.Images("attention/grid")
+    assert (logged.step, logged.width, logged.height) == (7, image.width, image.height)
+    with Image.open(io.BytesIO(logged.encoded_image_string)) as png:
+        assert png.format == "PNG" and png.mode == "RGB"
+        assert png.tobytes() == image.tobytes()

@@ -115,3 +115,21 @@ def test_the_real_command_refuses_bad_options_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "score must be one of additive, dot" in done.stderr
+
+
+def test_tensorboard_gets_the_held_out_accuracy_and_the_heatmap(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lab.heatmap import render_attention_map
+    from lab.sort import SortResult, log_result, tensorboard_writer
+
+    cfg = SortConfig(steps=3)
+    weights = torch.softmax(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
+    image = render_attention_map(weights, list("31415926"), list("11234569"))
+    result = SortResult(model=new_model(cfg), accuracy=0.75, seconds=1.0, example=torch.arange(8), weights=weights)
+    log_result(tensorboard_writer(str(tmp_path)), result, image, cfg)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("accuracy/held_out")] == [(3, 0.75)]
+    (logged,) = events.Images("attention/decoder_over_encoder")
+    assert (logged.step, logged.width, logged.height) == (3, image.width, image.height)

@@ -17,7 +17,7 @@ import yaml
 from configs import flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
-from lab.heatmap import attention_grid_tensor, attention_weights, render_attention_grid
+from lab.heatmap import attention_weights, log_image, render_attention_grid
 from model import GPT
 
 from .config import RunConfig
@@ -166,7 +166,7 @@ class Logger:
         chars = [tokenizer.chars[i] for i in ids]
         image = render_attention_grid(attention_weights(model, ids), chars, title=f"step {step}")
         with self.writing():
-            self.writer.add_image("attention/layers_x_heads", attention_grid_tensor(image), step, dataformats="CHW")
+            log_image(self.writer, "attention/layers_x_heads", image, step)
 
     def hparams(self, cfg: RunConfig, params: int) -> None:
         if self.writer is None:
