@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -88,22 +90,50 @@ HOSTILE: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
 ]
 
 
+TEST_NAME = "test_hostile_input_in_a_real_process_is_one_short_line_exit_2_and_the_run_is_untouched"
+
+
+@dataclass
+class Outcome:
+    result: subprocess.CompletedProcess
+    before: dict  # the finished run's files as they were before the process started, and after it ended
+    after: dict
+
+
+@pytest.fixture(scope="module")
+def outcomes(straight, tmp_path_factory, request) -> dict[str, Outcome]:
+    """The process of every row this session runs, two at a time: each is mostly torch's import, and the machine has
+    two cores (one at a time, the rows took about 35 s)."""
+    wanted = {item.callspec.params["name"] for item in request.session.items
+              if item.originalname == TEST_NAME and hasattr(item, "callspec")}
+    rows = [(name, program, make, tmp_path_factory.mktemp(name)) for name, program, make, _ in HOSTILE if name in wanted]
+
+    def run(row: tuple[str, str, Callable[[Case], list[str]], Path]) -> tuple[str, Outcome]:
+        name, program, make, tmp = row
+        case = Case(tmp=tmp, run=Path(shutil.copytree(straight[0], tmp / "run")), corpus=write_corpus(tmp))
+        args = make(case)
+        before = snapshot(case.run)  # (a resume row changed its ckpt.pt before this snapshot, in make)
+        result = subprocess.run([sys.executable, f"{program}.py", *map(str, args)], check=False, cwd=ROOT,
+                                env=child_env(), capture_output=True, text=True, timeout=120,
+                                preexec_fn=_limit_memory)
+        return name, Outcome(result, before, snapshot(case.run))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, rows))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("program", "make", "fragment"), [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+@pytest.mark.parametrize(("name", "program", "fragment"), [(c[0], c[1], c[3]) for c in HOSTILE],
+                         ids=[c[0] for c in HOSTILE])
 def test_hostile_input_in_a_real_process_is_one_short_line_exit_2_and_the_run_is_untouched(
-    straight, tmp_path, program, make, fragment
+    outcomes, name, program, fragment
 ):
-    run = Path(shutil.copytree(straight[0], tmp_path / "run"))
-    case = Case(tmp=tmp_path, run=run, corpus=write_corpus(tmp_path))
-    args = make(case)
-    before = snapshot(run)
-    result = subprocess.run([sys.executable, f"{program}.py", *map(str, args)], check=False, cwd=ROOT,
-                            env=child_env(), capture_output=True, text=True, timeout=120, preexec_fn=_limit_memory)
+    outcome = outcomes[name]
+    result = outcome.result
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
     assert fragment in lines[0] and len(lines[0]) < LINE_LIMIT, lines[0]
-    assert snapshot(run) == before  # (a resume row changed its ckpt.pt before this snapshot, in make)
+    assert outcome.after == outcome.before
     if program == "sample":
         assert result.stdout == ""
-
