@@ -80,7 +80,7 @@ def estimate_loss(
 # Tokens per forward pass of an evaluation. Measured (2-core Zen 4 EPYC, 2 threads, float32, median of 5 interleaved
 # rounds, both splits): tiny.yaml's 4,096 windows of 8 in 335 ms by passes of 8,192 tokens against 491 ms in one pass
 # of 32,768 (4,096 tokens: 318 ms); the CPU config's 240 windows of 64 in 536 ms against 575 in one pass of 15,360.
-# Past a few thousand rows, the activations fall out of the caches and the passes save no more overhead.
+# Larger passes were slower, likely because their activations no longer fit the CPU's caches.
 EVAL_PASS_TOKENS = 8192
 
 
