@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from test_train import bitwise_equal, snapshot
 from training_runs import TINY, call, one_line, train_main, write_corpus
 
-from model import GPT, load_checkpoint
+from model import GPT, GPTConfig, load_checkpoint
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -69,3 +69,27 @@ def test_a_non_finite_step_stops_the_run_before_the_update_and_keeps_the_last_ch
     else:
         assert "no checkpoint had been written yet" in line
         assert not (out / "ckpt.pt").exists()
+
+
+def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
+    """estimate_loss's passes (EVAL_PASS_TOKENS tokens at most, the last one shorter) see the windows one pass would
+    and weigh each window alike: the loss is the same up to the order of the additions."""
+    import training.loop
+    from data import get_batch
+    from training.loop import estimate_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    ids = torch.randint(0, 11, (500,), generator=torch.Generator().manual_seed(1))
+    splits = {"train": ids[:400], "val": ids[400:]}
+    losses = {}
+    for tokens in (10**6, 7 * 8):  # one pass of 5 x 6 = 30 windows; passes of 7, 7, 7, 7 and 2
+        monkeypatch.setattr(training.loop, "EVAL_PASS_TOKENS", tokens)
+        losses[tokens] = estimate_loss(model, splits, 8, 5, 6, 3, torch.device("cpu"))
+    assert losses[10**6].keys() == {"train", "val"}
+    for split in ("train", "val"):
+        assert losses[56][split] == pytest.approx(losses[10**6][split], rel=1e-6, abs=0)
+    # the mean over the 30 windows that the seed draws, in one forward pass here
+    x, y = get_batch(splits["val"], 8, 30, torch.Generator().manual_seed(3), torch.device("cpu"))
+    with torch.no_grad():
+        assert losses[56]["val"] == pytest.approx(model(x, y)[1].item(), rel=1e-6, abs=0)
