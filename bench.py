@@ -109,10 +109,14 @@ SAMPLE_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 64, True), "b
 
 @dataclass(frozen=True)
 class Plan:
-    """Lengths of the measured runs: (short, long) steps per training-step row, characters for sampling (and for
-    tinychar's compiled sampler: runs long enough that its sampling, not the noise in its compile time, is measured)."""
+    """Lengths of the measured runs: (short, long) steps per training-step row (and for tinychar's compiled steps),
+    characters for sampling (and for tinychar's compiled sampler). The compiled runs are longer: a compile from the
+    cache takes a few seconds, give or take one or two, which must not swamp the difference of the two runs (measured
+    on a 2-core Zen 4 EPYC: 1,000 more compiled block-8 steps, about 1.8 s, once took 9 ms longer than the short run,
+    a ratio of 820x for that round)."""
 
     steps: dict[str, tuple[int, int]]
+    compiled_steps: dict[str, tuple[int, int]]
     chars: tuple[int, int]
     compiled_chars: tuple[int, int]
     quality_iters: int | None  # None: each config's own run; a number shortens both programs' runs to it (--quick)
@@ -121,8 +125,10 @@ class Plan:
     warm_up: bool  # one run of each program before the measured rounds (page cache, tinychar's compile cache)
 
 
-FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, (500, 5000), (1000, 40000), None, 1.0, 3, True)
-QUICK = Plan({"block8": (5, 25), "block64": (2, 8)}, (20, 120), (20, 120), 20, 0.2, 1, False)
+FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, {"block8": (100, 5100), "block64": (20, 620)},
+            (500, 5000), (1000, 40000), None, 1.0, 3, True)
+QUICK = Plan({"block8": (5, 25), "block64": (2, 8)}, {"block8": (5, 25), "block64": (2, 8)}, (20, 120), (20, 120), 20,
+             0.2, 1, False)
 
 
 @dataclass
@@ -264,7 +270,7 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
 
 def step_rows(p: Programs, name: str, plan: Plan, rounds: int, bf16: bool) -> list[dict]:
     """ms per training step of one shape, float32 for both; with bf16, tinychar's train.dtype=auto as well."""
-    shape, (n1, n2) = STEP_SHAPES[name], plan.steps[name]
+    shape = STEP_SHAPES[name]
     tiny = {"eager": ["train.dtype=float32", "train.compile=false"],
             "compiled": ["train.dtype=float32", "train.compile=true"]}
     if bf16:
@@ -272,15 +278,17 @@ def step_rows(p: Programs, name: str, plan: Plan, rounds: int, bf16: bool) -> li
     contenders = {"nanoGPT": lambda n: p.nanogpt("train.py", shape.nanogpt(n))}
     for who, extra in tiny.items():
         contenders[who] = lambda n, extra=extra: p.tinychar("train.py", [*shape.tinychar(n), *extra])
+    lengths = {who: plan.steps[name] if who in ("nanoGPT", "eager") else plan.compiled_steps[name]
+               for who in contenders}
     for who, go in contenders.items() if plan.warm_up else ():
         note(f"  warm-up: {who}")
-        go(n1)
+        go(lengths[who][0])
     ms: dict[str, list[float]] = {who: [] for who in contenders}
     for r in range(rounds):
         note(f"  round {r + 1}/{rounds}")
-        seconds = {(who, n): go(n).seconds for n in (n1, n2) for who, go in contenders.items()}
+        seconds = {(who, i): go(lengths[who][i]).seconds for i in (0, 1) for who, go in contenders.items()}
         for who in contenders:
-            ms[who].append(1e3 * per_unit(seconds[who, n1], seconds[who, n2], n1, n2))
+            ms[who].append(1e3 * per_unit(seconds[who, 0], seconds[who, 1], *lengths[who]))
     label = f"train step, {shape.label()}"
     if name == "block64":
         label += " (nanoGPT's CPU config)"
@@ -494,7 +502,8 @@ def cell(value: float, unit: str) -> str:
 
 NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio of "
          "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
-         "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each). "
+         "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each; "
+         "tinychar's compiled runs are longer, so that the few seconds' noise of a compile from the cache cancels too). "
          "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
          "what the row names. Time to quality: from launch to the evaluation line, as the line arrives, the programs "
          "alternating over the rounds, nanoGPT's first run setting the target that every round times it to; tinychar's "
@@ -554,7 +563,7 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_flags": flags, "isa": args.isa,
               "cores": os.cpu_count(),
               "torch": torch.__version__, "threads": args.threads, "rounds": rounds, "quick": args.quick,
-              "lengths": {"steps": plan.steps, "chars": plan.chars, "compiled_chars": plan.compiled_chars,
+              "lengths": {"steps": plan.steps, "compiled_steps": plan.compiled_steps, "chars": plan.chars, "compiled_chars": plan.compiled_chars,
                           "quality_iters": plan.quality_iters}}
     note("matmul ceilings ...")
     report["matmul_gflops"] = matmul_gflops(args.threads, plan.ceiling_seconds)

@@ -191,3 +191,45 @@ def test_time_to_quality_alternates_the_programs_and_times_nanogpt_to_its_first_
     assert row["nanogpt"] == 75.0 and row["tinychar"] == 20.0 and row["ratio"] == 3.75
     assert row["spread"] == [2.5, 5.0]
     assert row["target"] == 1.95 and row["tinychar_best"] == pytest.approx(1.94)
+
+
+SECONDS_PER_STEP = {"nanoGPT": 0.005, "eager": 0.004, "compiled": 0.002}
+
+
+class StepPrograms:
+    """Programs whose train.py takes `start` seconds to start (a compiled one: plus a compile from the cache that
+    alternates between 2 and 4 s) and then a fixed time per step; records each run's steps."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, int]] = []
+
+    def nanogpt(self, script: str, args: list[str]) -> bench.Run:
+        steps = int(next(a for a in args if a.startswith("--max_iters=")).split("=")[1])
+        return self.run("nanoGPT", steps, 1.0)
+
+    def tinychar(self, script: str, args: list[str]) -> bench.Run:
+        steps = int(next(a for a in args if a.startswith("train.max_iters=")).split("=")[1])
+        if "train.compile=true" in args:
+            compiles = sum(who == "compiled" for who, _ in self.runs)
+            return self.run("compiled", steps, 1.0 + (2.0 if compiles % 2 else 4.0))
+        return self.run("eager", steps, 1.0)
+
+    def run(self, who: str, steps: int, start: float) -> bench.Run:
+        self.runs.append((who, steps))
+        return bench.Run(start + steps * SECONDS_PER_STEP[who], [])
+
+
+def test_compiled_step_rows_run_long_enough_for_the_compile_noise_to_cancel():
+    programs = StepPrograms()
+    plan = bench.FULL
+    rows = bench.step_rows(programs, "block8", plan, rounds=2, bf16=False)
+    lengths = {who: sorted({n for w, n in programs.runs if w == who}) for who in ("nanoGPT", "eager", "compiled")}
+    assert lengths["nanoGPT"] == lengths["eager"] == list(plan.steps["block8"])
+    assert lengths["compiled"] == list(plan.compiled_steps["block8"])
+    short, long = plan.compiled_steps["block8"]
+    eager, compiled = rows
+    assert eager["tinychar"] == pytest.approx(4.0) and eager["nanogpt"] == pytest.approx(5.0)
+    # Each long compiled run compiled 2 s slower than the short one before it: over the compiled runs' extra steps
+    # that reads a fifth above the true 2 ms a step at most (over the eager runs' 1,000 it would read 4 ms).
+    noisy = 2.0 + 2000 / (long - short)
+    assert compiled["rounds"]["tinychar"] == pytest.approx([noisy, noisy]) and noisy <= 1.2 * 2.0
