@@ -112,7 +112,7 @@ class Plan:
     """Lengths of the measured runs: (short, long) steps per training-step row (and for tinychar's compiled steps),
     characters for sampling (and for tinychar's compiled sampler). The compiled runs are longer: a compile from the
     cache takes a few seconds, give or take one or two, which must not swamp the difference of the two runs (measured
-    on a 2-core Zen 4 EPYC: 1,000 more compiled block-8 steps, about 1.8 s, once took 9 ms longer than the short run,
+    on a 2-core Zen 4 EPYC: 1,000 more compiled block-8 steps, about 1.8 s, once took 7 ms longer than the short run,
     a ratio of 820x for that round)."""
 
     steps: dict[str, tuple[int, int]]
