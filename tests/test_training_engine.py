@@ -123,8 +123,12 @@ def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     here = engine.machine_tag(torch.backends.cpu.get_cpu_capability(), engine.cpu_vector_flags())
     assert engine.compile_cache_dir() == tmp_path / "tinychar" / "compiled" / here
+    # the user's own folder gets the same folder per instruction set inside it (a cluster's shared home holds the
+    # code of every CPU it has); one that already is this machine's folder (a run's helper is given it) stays
     monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path / "mine"))
-    assert engine.compile_cache_dir() == tmp_path / "mine"
+    assert engine.compile_cache_dir() == tmp_path / "mine" / here
+    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path / "mine" / here))
+    assert engine.compile_cache_dir() == tmp_path / "mine" / here
 
 
 CPUINFO = """processor\t: 0
@@ -148,15 +152,18 @@ def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU has no vector unit torch uses")
 def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
-    """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder."""
+    """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder, in tinychar's cache
+    folder and in one the user names with TORCHINDUCTOR_CACHE_DIR alike."""
     code = "from training import engine; print(engine.compile_cache_dir())"
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
-    env["XDG_CACHE_HOME"] = str(tmp_path)
-    folders = [subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=extra,
-                              capture_output=True, text=True, check=True).stdout.strip()
-               for extra in (env, {**env, "ATEN_CPU_CAPABILITY": "default"})]
-    assert folders[0] != folders[1]
-    assert folders[1].endswith(engine.machine_tag("default", engine.cpu_vector_flags()))
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    for base, extra in ((tmp_path / "xdg" / "tinychar" / "compiled", {}),
+                        (tmp_path / "shared", {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")})):
+        folders = [Path(subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=run_env,
+                                       capture_output=True, text=True, check=True).stdout.strip())
+                   for run_env in ({**env, **extra}, {**env, **extra, "ATEN_CPU_CAPABILITY": "default"})]
+        assert folders[0] != folders[1] and {f.parent for f in folders} == {base}
+        assert folders[1].name == engine.machine_tag("default", engine.cpu_vector_flags())
 
 
 def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set_probes(monkeypatch, tmp_path):

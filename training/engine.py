@@ -83,17 +83,22 @@ def compile_options(device: torch.device) -> dict:
 
 
 def compile_cache_dir() -> Path:
-    """Where torch.compile keeps its compiled code: $TORCHINDUCTOR_CACHE_DIR if the user set it, else a folder per
-    instruction set (machine_tag) in tinychar's cache folder ($XDG_CACHE_HOME/tinychar/compiled, else
-    ~/.cache/tinychar/compiled), else the temp folder."""
+    """Where torch.compile keeps its compiled code: a folder per instruction set (machine_tag) in
+    $TORCHINDUCTOR_CACHE_DIR if the user set it, else in tinychar's cache folder ($XDG_CACHE_HOME/tinychar/compiled,
+    else ~/.cache/tinychar/compiled), else in the temp folder. A $TORCHINDUCTOR_CACHE_DIR that already is this
+    machine's folder (handed down by a run to its helper, or to the processes it starts) is used as it is."""
+    tag = machine_tag(torch.backends.cpu.get_cpu_capability(), cpu_vector_flags())
     explicit = _USER_CACHE
     if explicit:
-        return Path(explicit)
+        # A folder shared by machines of different CPUs (a home folder on a cluster's file system, say) must not mix
+        # their code, any more than tinychar's own: see VECTOR_FLAG_PREFIXES.
+        folder = Path(explicit).expanduser()
+        return folder if folder.name == tag else folder / tag
     try:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     except (RuntimeError, KeyError):  # no home at all
         base = Path(tempfile.gettempdir())
-    return base / "tinychar" / "compiled" / machine_tag(torch.backends.cpu.get_cpu_capability(), cpu_vector_flags())
+    return base / "tinychar" / "compiled" / tag
 
 
 # Inductor's cache does not tell code built for one vector instruction set from code built for another: measured
@@ -201,8 +206,10 @@ def cached_compile_seconds(key: str) -> float | None:
 
 
 def remember_compile(key: str, seconds: float) -> None:
+    marker = _marker(key)
     try:
-        _marker(key).write_text(json.dumps({"seconds": round(seconds, 2)}), encoding="utf-8")
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"seconds": round(seconds, 2)}), encoding="utf-8")
     except OSError:
         pass  # a read-only cache only costs the next run its estimate
 
