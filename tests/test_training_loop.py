@@ -71,6 +71,32 @@ def test_a_non_finite_step_stops_the_run_before_the_update_and_keeps_the_last_ch
         assert not (out / "ckpt.pt").exists()
 
 
+
+@pytest.mark.parametrize(("step", "loss", "compiled", "dtype", "advice"), [
+    (1, math.nan, True, "float32", "train.compile=false"),  # the first loss of compiled code: the code, not the rate
+    (1, math.nan, True, "auto", "train.compile=false"),  # auto that resolved to float32: nothing to say of the dtype
+    (1, math.inf, False, "bfloat16", "train.dtype=float32"),
+    (1, math.nan, False, "float32", "train.learning_rate"),  # nothing else to suggest
+    (1, 2.5, True, "float32", "train.learning_rate"),  # a finite first loss: its gradients may overflow
+    (7, math.nan, True, "float32", "train.learning_rate"),  # updates came before it
+], ids=["compiled-first", "auto-first", "bfloat16-first", "eager-first", "finite-first", "later"])
+def test_a_first_step_that_is_not_finite_blames_the_code_or_dtype_not_the_learning_rate(step, loss, compiled, dtype,
+                                                                                          advice):
+    from training.config import load_config
+    from training.errors import Diverged, divergence_advice
+
+    cfg = load_config(TINY, [f"train.dtype={dtype}", "out_dir=runs/x"])
+    resolved = "float32" if dtype == "auto" else dtype  # as the trainer reports it
+    line = divergence_advice(Diverged(step, loss, math.nan, None, compiled=compiled, dtype=resolved), cfg)
+    assert line.startswith(f"training diverged at step {step} ") and "\n" not in line
+    assert advice in line and line.endswith("in a new run (another out_dir, or --overwrite)")
+    blamed_code = advice != "train.learning_rate"
+    assert ("the learning rate is not the cause" in line) is blamed_code
+    assert ("train.learning_rate" in line) is not blamed_code and ("train.warmup_iters" in line) is not blamed_code
+    assert ("train.compile=false" in line) is (blamed_code and compiled)
+    assert ("train.dtype=float32" in line) is (resolved != "float32")
+
+
 def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     """estimate_loss's passes (EVAL_PASS_TOKENS tokens at most, the last one shorter) see the windows one pass would
     and weigh each window alike: the loss is the same up to the order of the additions."""

@@ -4,6 +4,7 @@ torchrun launch agree on one so that none is left waiting."""
 from __future__ import annotations
 
 import contextlib
+import math
 import shlex
 import signal
 from collections.abc import Iterator
@@ -28,10 +29,13 @@ class UsageError(ValueError):
 class Diverged(RuntimeError):
     """The loss or gradient norm of a step stopped being finite; the step was not applied to the weights."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float, saved_step: int | None) -> None:
+    def __init__(self, step: int, loss: float, grad_norm: float, saved_step: int | None, compiled: bool = False,
+                 dtype: str | None = None) -> None:
         super().__init__(f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}")
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
         self.saved_step = saved_step  # the step of out_dir/ckpt.pt, None when the run has written none
+        self.compiled = compiled  # the step ran through the compiled engine
+        self.dtype = dtype  # what train.dtype resolved to ("float32", "bfloat16", ...); None: unknown
 
 
 class SaveError(RuntimeError):
@@ -90,12 +94,20 @@ def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
     tries = ["a lower train.learning_rate", "a longer train.warmup_iters"]
     if cfg.train.grad_clip == 0:
         tries.append("train.grad_clip=1.0")
-    if cfg.train.dtype != "float32":
+    dtype = e.dtype or cfg.train.dtype
+    why = ""
+    if e.step == 1 and not math.isfinite(e.loss) and (e.compiled or dtype != "float32"):
+        # The initial weights' loss: no update came before it, so no learning rate is to blame.
+        why = " The loss was not finite before any update, so the learning rate is not the cause."
+        tries = []
+        if e.compiled:  # e.g. code that a compile cache holds for another CPU (see training.engine.machine_tag)
+            tries.append("train.compile=false")
+    if dtype != "float32":
         tries.append("train.dtype=float32")
+    advice = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"
     # The same state and batches would diverge again, and a resume may not change the learning rate: a new run.
     return (f"training diverged at step {e.step} (loss {e.loss:.4g}, gradient norm {e.grad_norm:.4g}) and stopped "
-            f"before updating the weights; {kept}. Try {', '.join(tries[:-1])} or {tries[-1]}, in a new run "
-            f"(another out_dir, or --overwrite)")
+            f"before updating the weights; {kept}.{why} Try {advice}, in a new run (another out_dir, or --overwrite)")
 
 
 # Bad input: the person running the command can fix it (exit status 2).

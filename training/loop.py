@@ -197,7 +197,8 @@ class Trainer:
         # Checked before the update, so a non-finite step never reaches the weights. (With float16 the gradient
         # scaler skips such steps itself and lowers its scale.)
         if self.scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
-            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step)
+            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step,
+                           dtype=self.dtype_name)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -207,6 +208,11 @@ class Trainer:
         self.step += 1
         self.fold_into_average()
         return loss_sum, grad_norm, lr
+
+    @property
+    def dtype_name(self) -> str:
+        """What train.dtype resolved to, as the config spells it: "float32", "bfloat16" or "float16"."""
+        return str(self.dtype).removeprefix("torch.")
 
     def fold_into_average(self) -> None:
         if self.average is not None:
@@ -225,7 +231,8 @@ class Trainer:
         xs, ys = self.micro_batches()
         loss_sum, grad_norm = self.compiled_step(xs, ys, lr)
         if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
-            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step)
+            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step, compiled=True,
+                           dtype=self.dtype_name)
         self.step += 1
         self.fold_into_average()
         return loss_sum, grad_norm, lr
