@@ -503,7 +503,8 @@ def cell(value: float, unit: str) -> str:
 NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio of "
          "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
          "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each; "
-         "tinychar's compiled runs are longer, so that the few seconds' noise of a compile from the cache cancels too). "
+         "tinychar's compiled runs are longer, so that the few seconds' noise of a compile from the cache cancels "
+         "too). "
          "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
          "what the row names. Time to quality: from launch to the evaluation line, as the line arrives, the programs "
          "alternating over the rounds, nanoGPT's first run setting the target that every round times it to; tinychar's "
@@ -563,8 +564,8 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_flags": flags, "isa": args.isa,
               "cores": os.cpu_count(),
               "torch": torch.__version__, "threads": args.threads, "rounds": rounds, "quick": args.quick,
-              "lengths": {"steps": plan.steps, "compiled_steps": plan.compiled_steps, "chars": plan.chars, "compiled_chars": plan.compiled_chars,
-                          "quality_iters": plan.quality_iters}}
+              "lengths": {"steps": plan.steps, "compiled_steps": plan.compiled_steps, "chars": plan.chars,
+                          "compiled_chars": plan.compiled_chars, "quality_iters": plan.quality_iters}}
     note("matmul ceilings ...")
     report["matmul_gflops"] = matmul_gflops(args.threads, plan.ceiling_seconds)
     note("nanoGPT: copying and preparing its data ...")

@@ -71,7 +71,6 @@ def test_a_non_finite_step_stops_the_run_before_the_update_and_keeps_the_last_ch
         assert not (out / "ckpt.pt").exists()
 
 
-
 @pytest.mark.parametrize(("step", "loss", "compiled", "dtype", "advice"), [
     (1, math.nan, True, "float32", "train.compile=false"),  # the first loss of compiled code: the code, not the rate
     (1, math.nan, True, "auto", "train.compile=false"),  # auto that resolved to float32: nothing to say of the dtype
