@@ -24,7 +24,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -172,7 +173,7 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "dtype": str(dtype), "threads": torch.get_num_threads(), "onednn": onednn_min_macs(),
              "model": asdict(model_cfg),
              "batch": [tc.grad_accum_steps, tc.batch_size], "clip": tc.grad_clip > 0,
-             "adamw": [tc.weight_decay, tc.beta1, tc.beta2]}
+             "adamw": [tc.weight_decay, tc.beta1, tc.beta2], "kernels": "deterministic"}
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
     return _key("step", parts)
@@ -356,6 +357,32 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
 _COMPILED_STEP: Callable | None = None
 
 
+@contextmanager
+def deterministic_kernels(device: torch.device) -> Iterator[None]:
+    """On a CPU, PyTorch's deterministic algorithms for the compiled step, traced and run under them alike (dynamo
+    guards on the setting). Without them inductor sums the token embedding's gradient with atomic adds from every
+    thread, in whatever order the threads reach a row, and a compiled run did not repeat itself. Measured on a 2-core
+    Zen 4 EPYC, 2 threads: six compiled steps of nanoGPT's CPU config from the same weights and batch gave five
+    different embedding gradients; train.py with bench.py's block-8 step settings, 5,100 compiled steps, ended on
+    seven different losses in seven runs (1.8737-1.9061), and now on one (1.9145) every time. Under them inductor
+    calls PyTorch's own index_put, which adds in one order, at no cost measured (in one process, rounds interleaved,
+    median ms a step: block 8 3.65 -> 3.64 and 3.20 -> 3.25, in a slow spell of the machine; block 64 33.99 -> 33.78).
+    Memory that PyTorch leaves uninitialised stays so (filling it finds bugs; determinism does not need it). CUDA
+    keeps its kernels: not measured there."""
+    if device.type != "cpu":
+        yield
+        return
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def _concat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One new contiguous buffer holding the tensors' values end to end, and its slices shaped as each tensor: the
     same values, now one block of memory that one compiled kernel updates."""
@@ -446,7 +473,7 @@ class CompiledStep:
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
-        with torch.no_grad():  # the gradients are taken inside; the updates are in place on the flat buffers
+        with torch.no_grad(), deterministic_kernels(self.device):  # the gradients are taken inside; the updates are in place
             return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout, self.setup)
 
     def warm_up(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
@@ -456,7 +483,7 @@ class CompiledStep:
         rng = torch.get_rng_state()
         copies = [t.clone() for t in self.buffers()]
         lr_t = torch.tensor(0.0, dtype=torch.float64, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), deterministic_kernels(self.device):
             self.compiled(self.model, *copies, self.decay, self.owner, xs, ys, lr_t, self.layout, self.setup)
         torch.set_rng_state(rng)  # dropout inside the warm-up must not shift the run's random stream
         return time.perf_counter() - start
