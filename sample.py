@@ -252,6 +252,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
                             options=engine.compile_options(device), chunk=engine.SAMPLE_CHUNK if compiled else 1)
     if compiled:
         engine.prepare_compile()
+        cold = engine.cached_compile_seconds(key) is None
         start = time.perf_counter()
         try:
             sampler.warm_up(len(batch), device)
@@ -259,7 +260,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
             print(f"{engine.compile_failed(e)}; sampling without compiling", file=sys.stderr)
             sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
         else:
-            engine.remember_compile(key, time.perf_counter() - start)
+            engine.remember_compile(key, time.perf_counter() - start, cold)
             print(f"sampling step compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return sampler.generate_iter(batch, args.max_new_tokens, gen)
 

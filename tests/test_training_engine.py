@@ -112,6 +112,21 @@ def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(monkeyp
     assert sampling_compiles("true", 1, key, cuda) == (True, "")
 
 
+def test_the_log_expects_a_compile_from_the_cache_to_take_what_the_last_one_from_it_took(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path))
+    key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
+    assert engine.compile_expectation(key, CPU) == "first time for this model: about 15-25 s"
+    engine.remember_compile(key, 26.0, cold=True)  # from an empty cache: the next compile reads the cache, faster
+    assert engine.compile_expectation(key, CPU) == "cached; the first compile took 26 s"
+    assert engine.cached_compile_seconds(key) == 26.0
+    engine.remember_compile(key, 3.5)
+    assert engine.compile_expectation(key, CPU) == "cached: about 4 s"
+    engine._marker(key).write_text('{"seconds": 2.0}', encoding="utf-8")  # a marker from before "cold" was kept
+    assert engine.compile_expectation(key, CPU) == "cached: about 2 s"
+    engine._marker(key).write_text("[]", encoding="utf-8")
+    assert engine.cached_compile_seconds(key) is None
+
+
 def test_cannot_compile_names_what_is_missing(monkeypatch):
     assert "mps" in cannot_compile(torch.device("mps"))
     monkeypatch.setattr(engine.shutil, "which", lambda name: None)

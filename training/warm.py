@@ -114,7 +114,7 @@ def compile_step(job: Path, remember: bool) -> float:
     xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
     seconds = step.warm_up(xs, xs.roll(1, -1))
     if remember:
-        engine.remember_compile(key, seconds)
+        engine.remember_compile(key, seconds, cold=True)  # a helper compiles only what is not cached
     return seconds
 
 
