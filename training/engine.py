@@ -385,7 +385,8 @@ def deterministic_kernels(device: torch.device) -> Iterator[None]:
     different embedding gradients; train.py with bench.py's block-8 step settings, 5,100 compiled steps, ended on
     seven different losses in seven runs (1.8737-1.9061), and now on one (1.9145) every time. Under them inductor
     calls PyTorch's own index_put, which adds in one order, at no cost measured (in one process, rounds interleaved,
-    median ms a step: block 8 3.65 -> 3.64 and 3.20 -> 3.25, in a slow spell of the machine; block 64 33.99 -> 33.78).
+    median ms a step: block 8 1.491 -> 1.496 over 12 rounds, and 3.65 -> 3.64 in a slow spell; block 64 33.99 ->
+    33.78).
     Memory that PyTorch leaves uninitialised stays so (filling it finds bugs; determinism does not need it). CUDA
     keeps its kernels: not measured there."""
     if device.type != "cpu":
