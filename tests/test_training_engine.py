@@ -286,6 +286,7 @@ def test_deterministic_kernels_make_compiled_gradients_reproducible():
     gen = torch.Generator().manual_seed(0)
     w, idx = torch.randn(4, 64, generator=gen), torch.randint(0, 4, (4096,), generator=gen)
     up = torch.randn(idx.numel(), 64, generator=gen)
+    engine.prepare_compile()  # into the session's cache folder, as the engine compiles
     compiled = torch.compile(embedding_grad, fullgraph=True, dynamic=False)
     before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     threads = torch.get_num_threads()
