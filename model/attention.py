@@ -108,10 +108,14 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         need_weights: bool = False,
+        qkv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, C) -> (the attention output (B, T, C), each head's weights if asked). qkv: c_attn(x) (B, T, 3C),
+        where the caller has it already (GPT.first_projections); x is then read for its shape alone."""
         B, T, C = x.shape
         offset = cache.length if cache is not None else 0
-        q, k, v = (self.heads(t) for t in self.c_attn(x).split(C, dim=2))  # (B, nh, T, hs) each
+        qkv = self.c_attn(x) if qkv is None else qkv
+        q, k, v = (self.heads(t) for t in qkv.split(C, dim=2))  # (B, nh, T, hs) each
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, offset + T, hs)
         visible = self.tril[offset : offset + T, : offset + T]  # (T, offset + T)
@@ -145,13 +149,20 @@ class CausalSelfAttention(nn.Module):
         B, T, C = t.shape
         return t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
 
-    def forward_at(self, x: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_at(self, x: torch.Tensor, row: torch.Tensor | None = None, qkv: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         """The attention output (B, 1, C) of position row (a (1,) index; None: the last) alone: keys and values of
         every position of x (B, T, C), the query of that one, which sees positions 0..row. For sampling, where only
-        the last position of the last layer matters (inference: no dropout, no weights kept)."""
+        the last position of the last layer matters (inference: no dropout, no weights kept). qkv: c_attn(x), where
+        the caller has it already (x is then read for its shape alone); otherwise the query is projected at that
+        one position only."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q[:, -1:] if row is None else q.index_select(1, row)
+        if qkv is not None:
+            q, k, v = qkv.split(C, dim=2)
+            q = q[:, -1:] if row is None else q.index_select(1, row)
+        else:
+            k, v = self.c_attn.part(x, C, 3 * C).split(C, dim=2)
+            q = self.c_attn.part(x[:, -1:] if row is None else x.index_select(1, row), 0, C)
         q, k, v = self.heads(q), self.heads(k), self.heads(v)  # (B, nh, 1 | T, hs)
         # (1, T): the row of the triangular mask; the last one sees every position
         visible = self.tril[T - 1 : T, :T] if row is None else self.tril.index_select(0, row)[:, :T]

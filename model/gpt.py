@@ -39,18 +39,21 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, need_weights: bool = False
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, need_weights: bool = False,
+        qkv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        a, weights = self.attn(self.ln_1(x), cache, layer, need_weights)
+        """qkv: the attention's projections of ln_1(x), where the caller has them (GPT.first_projections)."""
+        a, weights = self.attn(self.ln_1(x) if qkv is None else x, cache, layer, need_weights, qkv)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return x, weights
 
-    def forward_at(self, x: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_at(self, x: torch.Tensor, row: torch.Tensor | None = None, qkv: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         """The block's output (B, 1, C) at position row (a (1,) index; None: the last) alone; see
         CausalSelfAttention.forward_at."""
         here = x[:, -1:] if row is None else x.index_select(1, row)
-        x = here + self.attn.forward_at(self.ln_1(x), row)
+        x = here + self.attn.forward_at(self.ln_1(x) if qkv is None else x, row, qkv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -128,18 +131,32 @@ class GPT(nn.Module):
             cache.length += T
         return self.transformer.ln_f(x), all_weights
 
-    def hidden_at(self, idx: torch.Tensor, row: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_at(self, idx: torch.Tensor, row: torch.Tensor | None = None, first: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """The final-layer-norm state (B, C) of position row (a (1,) index; None: the last) of idx (B, T), as hidden()
         gives it, with less work: the last layer runs its attention query, projection and MLP for that one position
-        only."""
+        only, and with first (first_projections(), in eval mode) the first block looks its projections up."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} exceeds block_size {self.config.block_size}")
         x = self.embed(idx)
+        # (B, T, 3C): each character's row of the table at its position
+        qkv = None if first is None else first[idx, torch.arange(T, device=idx.device)]
         *blocks, last = self.transformer.h
         for block in blocks:
-            x, _ = block(x)
-        return self.transformer.ln_f(last.forward_at(x, row)).squeeze(1)
+            x, _ = block(x, qkv=qkv)
+            qkv = None
+        return self.transformer.ln_f(last.forward_at(x, row, qkv)).squeeze(1)
+
+    @torch.no_grad()
+    def first_projections(self) -> torch.Tensor:
+        """The first block's attention projections, c_attn(ln_1(wte[c] + wpe[p])), of every character c at every
+        position p: (vocab_size, block_size, 3 * n_embd). The first block's input is a function of the character and
+        its position alone, so where dropout is off (eval mode) its projections can be looked up instead of computed:
+        sampling's window (model.sampler) does, a snapshot of the weights of the moment."""
+        wte, wpe = self.transformer.wte.weight, self.transformer.wpe.weight
+        first = self.transformer.h[0]
+        return first.attn.c_attn(first.ln_1(wte[:, None, :] + wpe[None, :, :]))
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, return_attention: bool = False

@@ -172,16 +172,32 @@ class Linear(nn.Linear):
         self.onednn_min_rows = None if min_macs is None else -(-min_macs // (in_features * out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if (self.onednn_min_rows is None or rows < self.onednn_min_rows or x.device.type != "cpu"
-                or x.dtype != torch.float32 or self.weight.dtype != torch.float32
+        return self._product(x, self.weight, self.bias, self.onednn_min_rows)
+
+    def part(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Output features start..stop-1 of forward(x) alone (..., stop - start), from those rows of the weight: for
+        a caller that needs only some of them at some positions (sampling's last layer: keys and values everywhere,
+        the query at one position)."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        min_rows = self.onednn_min_rows
+        if min_rows is not None:  # the same multiply-adds as the whole layer's threshold
+            min_rows = -(-min_rows * self.out_features // (stop - start))
+        return self._product(x, self.weight[start:stop], bias, min_rows)
+
+    @staticmethod
+    def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int | None
+                 ) -> torch.Tensor:
+        in_features, out_features = weight.size(1), weight.size(0)
+        rows = x.numel() // in_features
+        if (min_rows is None or rows < min_rows or x.device.type != "cpu"
+                or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or torch.is_autocast_enabled("cpu")):
-            return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(rows, self.in_features)  # (rows, in)
+            return F.linear(x, weight, bias)
+        x2 = x.reshape(rows, in_features)  # (rows, in)
         if not torch.is_grad_enabled():
-            y = _linear_pointwise(x2, self.weight, self.bias)
+            y = _linear_pointwise(x2, weight, bias)
         elif torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            y = _OneDNNLinearFunction.apply(x2, self.weight, self.bias)
+            y = _OneDNNLinearFunction.apply(x2, weight, bias)
         else:
-            y = _EagerOneDNNLinearFunction.apply(x2, self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
+            y = _EagerOneDNNLinearFunction.apply(x2, weight, bias)
+        return y.view(*x.shape[:-1], out_features)  # (..., out)

@@ -18,6 +18,10 @@ from torch._higher_order_ops import while_loop
 
 from .gpt import GPT, filtered_probs
 
+# The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
+# CPU config's table is 1.6M values, made in about 3 ms.
+MAX_FIRST_PROJECTIONS = 2**24
+
 # Below this temperature logits / temperature may overflow, which sample_next meets by decoding greedily without a
 # draw; such runs take GPT.generate so that the generator moves as it always did.
 MIN_FAST_TEMPERATURE = 1e-4
@@ -45,6 +49,11 @@ class WindowSampler:
         self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
         self.chunk = chunk
         self.fixed_shape = compile or chunk > 1
+        cfg = model.config
+        # The first block's projections looked up rather than computed (in eval mode: no dropout on the embeddings)
+        self.first = None
+        if not model.training and cfg.vocab_size * cfg.block_size * 3 * cfg.n_embd <= MAX_FIRST_PROJECTIONS:
+            self.first = model.first_projections()
         self.step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._steps
         if compile:
             self.step = torch.compile(self._steps, fullgraph=True, dynamic=False, options=options)
@@ -69,7 +78,7 @@ class WindowSampler:
               noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk)."""
         block_size = window.size(1)
-        x = self.model.hidden_at(window, n - 1)  # (B, C)
+        x = self.model.hidden_at(window, n - 1, self.first)  # (B, C)
         logits = self.model.lm_head(x).float()  # (B, vocab)
         if noise is None:
             next_id = logits.argmax(dim=-1, keepdim=True)
@@ -130,7 +139,7 @@ class WindowSampler:
         context[:, :T] = idx
         for end in range(T, T + max_new_tokens):
             window = context[:, max(0, end - block_size) : end]
-            logits = self.model.lm_head(self.model.hidden_at(window)).float()  # (B, vocab)
+            logits = self.model.lm_head(self.model.hidden_at(window, first=self.first)).float()  # (B, vocab)
             if self.temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:

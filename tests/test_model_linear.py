@@ -159,3 +159,37 @@ def test_torch_func_transforms_take_the_same_gradients_as_eager_autograd(monkeyp
     loss_of(params).backward()
     for name, p in params.items():
         assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-6), name
+
+
+@pytest.mark.parametrize("onednn", ["0", pytest.param("1", marks=needs_onednn)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_part_of_a_layer_is_those_output_features_of_the_whole(monkeypatch, onednn, bias):
+    forced(monkeypatch, onednn)
+    calls = []
+    real = linear_module._linear_pointwise
+    monkeypatch.setattr(linear_module, "_linear_pointwise", lambda *a: calls.append(a[1].size(0)) or real(*a))
+    torch.manual_seed(0)
+    layer = Linear(16, 48, bias=bias)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        whole = layer(x)
+        for start, stop in [(0, 16), (16, 48), (5, 6)]:
+            part = layer.part(x, start, stop)
+            assert part.shape == (3, 5, stop - start)
+            torch.testing.assert_close(part, whole[..., start:stop], rtol=0, atol=1e-6)
+    # through the library the whole layer takes (oneDNN when forced), with only those rows of the weight
+    assert calls == ([48, 16, 32, 1] if onednn == "1" else [])
+
+
+@needs_onednn
+def test_a_part_goes_to_onednn_at_the_whole_layers_multiply_adds(monkeypatch):
+    forced(monkeypatch)
+    calls = []
+    real = linear_module._linear_pointwise
+    monkeypatch.setattr(linear_module, "_linear_pointwise", lambda *a: calls.append(a[0].size(0)) or real(*a))
+    layer = Linear(8, 12)
+    layer.onednn_min_rows = 4  # 4 x 8 x 12 multiply-adds: a third of the features needs 12 rows for as many
+    layer.part(torch.randn(11, 8), 0, 4)
+    assert calls == []
+    layer.part(torch.randn(12, 8), 0, 4)
+    assert calls == [12]

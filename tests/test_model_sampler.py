@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from model import sampler as sampler_module
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from training.engine import COMPILE_OPTIONS, SAMPLE_CHUNK
 
@@ -54,17 +55,46 @@ def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, 
 
 @pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
 @pytest.mark.parametrize(("row", "length"), [(0, 8), (4, 8), (7, 8), (None, 8), (None, 5)])
-def test_hidden_at_is_hiddens_row(kind, row, length):
+@pytest.mark.parametrize("n_layer", [1, 2])
+@pytest.mark.parametrize("looked_up", [False, True])
+def test_hidden_at_is_hiddens_row(kind, row, length, n_layer, looked_up):
     # the last layer computed for one position only gives that position's state of the full forward pass (row None:
-    # the last position)
+    # the last position); so does the first block's projections looked up (with one layer, that block is the last)
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, **kind)).eval()
+    m = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=n_layer, n_head=2, n_embd=16, **kind)).eval()
     idx = torch.randint(0, 11, (3, length))
     with torch.no_grad():
         full, _ = m.hidden(idx)
-        at = m.hidden_at(idx, None if row is None else torch.tensor([row]))
+        at = m.hidden_at(idx, None if row is None else torch.tensor([row]), m.first_projections() if looked_up else None)
     assert at.shape == (3, 16)
     torch.testing.assert_close(at, full[:, -1 if row is None else row], rtol=0, atol=1e-6)
+
+
+def test_the_first_projections_are_the_first_blocks_projections_of_each_character_at_each_position():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=2, n_head=2, n_embd=8)).eval()
+    first = m.first_projections()
+    assert first.shape == (5, 4, 24) and not first.requires_grad
+    block = m.transformer.h[0]
+    with torch.no_grad():
+        for c, p in [(0, 0), (3, 1), (4, 3)]:
+            x = m.transformer.wte.weight[c] + m.transformer.wpe.weight[p]
+            torch.testing.assert_close(first[c, p], block.attn.c_attn(block.ln_1(x)), rtol=0, atol=1e-6)
+
+
+def test_the_sampler_looks_the_first_block_up_in_eval_mode_below_the_size_limit(model, monkeypatch):
+    # in eval mode (no dropout on the embeddings), within MAX_FIRST_PROJECTIONS values
+    assert torch.equal(WindowSampler(model, 1.0, None, None).first, model.first_projections())
+    model.train()
+    try:
+        assert WindowSampler(model, 1.0, None, None).first is None
+    finally:
+        model.eval()
+    size = model.config.vocab_size * model.config.block_size * 3 * model.config.n_embd
+    monkeypatch.setattr(sampler_module, "MAX_FIRST_PROJECTIONS", size)
+    assert WindowSampler(model, 1.0, None, None).first is not None
+    monkeypatch.setattr(sampler_module, "MAX_FIRST_PROJECTIONS", size - 1)
+    assert WindowSampler(model, 1.0, None, None).first is None
 
 
 def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
