@@ -19,7 +19,7 @@ from torch._higher_order_ops import while_loop
 from .gpt import GPT, filtered_probs
 
 # The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
-# CPU config's table is 1.6M values, made in about 3 ms.
+# CPU config's table is 1.6M values, made in 3-5 ms (2 threads, Zen 4 EPYC); shakespeare_char.yaml's would be 19M.
 MAX_FIRST_PROJECTIONS = 2**24
 
 # Below this temperature logits / temperature may overflow, which sample_next meets by decoding greedily without a
@@ -38,6 +38,9 @@ class WindowSampler:
     ``GPT.hidden_at``'s shorter last layer and torch.multinomial: at block 8 about a tenth less time a character
     than the fixed-shape step run eagerly (1 thread, 1,640 against 1,830 characters a second, best of 7), which a
     larger chunk still runs, so that its logic is checked without compiling.
+
+    A model in eval mode has its first block's projections looked up (``GPT.first_projections``, up to
+    MAX_FIRST_PROJECTIONS values), as they are when the sampler is made: make another after changing the weights.
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
