@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, masked_attention
+from model.attention import causal_bias
 
 
 def tiny(**kw) -> GPT:
@@ -43,6 +44,37 @@ def test_mask_hides_the_future(attention, score):
             changed_past[:, t] = (idx[:, t] + 1) % 11
             logits3, _ = model(changed_past)
             assert not torch.allclose(logits3[:, t:], logits[:, t:])
+
+
+def test_each_layer_keeps_the_triangular_mask_as_a_bias_of_zero_and_minus_infinity():
+    for block in tiny(block_size=5).transformer.h:
+        mask = block.attn.mask
+        assert mask.dtype == torch.float32 and mask.shape == (5, 5)
+        visible = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+        assert (mask[visible] == 0).all() and (mask[~visible] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("T", [6, 8, 9, 64])  # the transposed softmax up to 8 keys, the plain one above
+@pytest.mark.parametrize("rows", ["all", "one"])  # training's square mask, the sampler's one row of it
+def test_the_bias_mask_gives_the_boolean_masks_attention_exactly(T, rows):
+    """masked_attention takes the mask as booleans (the lab) or as the bias the model keeps: the same weights,
+    outputs and gradients, to the bit."""
+    torch.manual_seed(T)
+    visible = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    bias = causal_bias(T)
+    if rows == "one":
+        visible, bias = visible[T // 2 : T // 2 + 1], bias[T // 2 : T // 2 + 1]
+    scores = torch.randn(3, 2, visible.size(0), T) * 4
+    v = torch.randn(3, 2, T, 5)
+    results = []
+    for mask in (visible, bias):
+        s, w = scores.clone().requires_grad_(), v.clone().requires_grad_()
+        y, weights = masked_attention(s, w, mask)
+        (y * torch.linspace(-1, 1, 5)).sum().backward()
+        results.append((y, weights, s.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert (results[1][1][..., ~visible.expand_as(results[1][1][0, 0])] == 0).all()
 
 
 def test_manual_and_fused_attention_agree():

@@ -13,7 +13,7 @@ import train
 import training.memory
 from model import GPT, GPTConfig
 from training.errors import UsageError
-from training.memory import MemoryNeed, activation_bytes, check_fits, parameter_count, training_need
+from training.memory import MemoryNeed, activation_bytes, check_fits, model_need, parameter_count, training_need
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -38,6 +38,13 @@ def test_the_estimate_grows_with_what_it_should() -> None:
     # the weights' moving average and, while it is evaluated, a copy of the weights: two more sets of parameters
     assert training_need(cfg, 12, 512, averaged=True).weights == base.weights * 6 // 4
     assert activation_bytes(replace(cfg, score="additive"), 12, backward=True) > activation_bytes(cfg, 12, backward=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_layer": 4, "block_size": 64, "n_embd": 128}])
+def test_the_masks_estimate_is_what_the_models_layers_keep(kw) -> None:
+    cfg = GPTConfig(vocab_size=65, **kw)
+    kept = sum(buffer.nbytes for name, buffer in GPT(cfg).named_buffers() if name.endswith(".mask"))
+    assert kept == training_need(cfg, 12, 512).masks == model_need(cfg).masks > 0
 
 
 def test_a_need_beyond_what_is_free_is_refused_with_the_numbers_and_what_to_change(monkeypatch) -> None:

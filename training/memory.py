@@ -24,7 +24,7 @@ class MemoryNeed:
     """Bytes a run (training, or sampling) needs at its peak, by part."""
 
     weights: int  # parameters, their gradients and AdamW's two moments
-    masks: int  # the causal mask each layer keeps (block_size x block_size booleans)
+    masks: int  # the causal mask each layer keeps (block_size x block_size floats: model.attention.causal_bias)
     activations: int  # what one micro-batch's forward keeps for backward, or one evaluation pass, the larger
 
     @property
@@ -75,13 +75,18 @@ def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:
     return sequences * T * per_token
 
 
+def mask_bytes(cfg: GPTConfig) -> int:
+    """Bytes of the causal masks a model of cfg keeps: one block_size x block_size float bias a layer."""
+    return cfg.n_layer * cfg.block_size * cfg.block_size * FLOAT if cfg.type == "gpt" else 0
+
+
 def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int, averaged: bool = False) -> MemoryNeed:
     """The peak of a training run of model cfg (vocab_size set) with micro-batches of batch_size sequences and
     evaluation passes of eval_sequences; averaged: it keeps the weights' moving average too (train.ema_decay), and
     while it evaluates that, a copy of the weights."""
     return MemoryNeed(
         weights=(6 if averaged else 4) * parameter_count(cfg) * FLOAT,
-        masks=cfg.n_layer * cfg.block_size * cfg.block_size if cfg.type == "gpt" else 0,
+        masks=mask_bytes(cfg),
         activations=max(activation_bytes(cfg, batch_size, backward=True),
                         activation_bytes(cfg, eval_sequences, backward=False)),
     )
@@ -93,7 +98,7 @@ def model_need(cfg: GPTConfig, sequences: int = 1) -> MemoryNeed:
     kv_cache = 2 * cfg.n_layer * sequences * cfg.block_size * cfg.n_embd * FLOAT
     return MemoryNeed(
         weights=parameter_count(cfg) * FLOAT,
-        masks=cfg.n_layer * cfg.block_size * cfg.block_size if cfg.type == "gpt" else 0,
+        masks=mask_bytes(cfg),
         activations=kv_cache + activation_bytes(cfg, sequences, backward=False),
     )
 
