@@ -30,7 +30,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs.userinput import OneLineParser, read_user_file, shown
     from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
     from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
-    from training import engine
+    from training import compile_cache, engine
     from training.config import COMPILE
     from training.devices import DeviceError, resolve_device
     from training.errors import UsageError, path_error, path_message
@@ -251,8 +251,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
                             options=engine.compile_options(device), chunk=engine.SAMPLE_CHUNK if compiled else 1)
     if compiled:
-        engine.prepare_compile()
-        cold = engine.cached_compile_seconds(key) is None
+        compile_cache.prepare_compile()
+        cold = compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
         try:
             sampler.warm_up(len(batch), device)
@@ -260,7 +260,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
             print(f"{engine.compile_failed(e)}; sampling without compiling", file=sys.stderr)
             sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
         else:
-            engine.remember_compile(key, time.perf_counter() - start, cold)
+            compile_cache.remember_compile(key, time.perf_counter() - start, cold)
             print(f"sampling step compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return sampler.generate_iter(batch, args.max_new_tokens, gen)
 

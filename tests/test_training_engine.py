@@ -5,9 +5,6 @@ possible. One model shape throughout (one layer: the compile is the slow part), 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +16,7 @@ from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
-from training import engine, load_config
+from training import compile_cache, engine, load_config
 from training.engine import (
     COLD_MIN_STEPS,
     CUDA_MIN_STEPS,
@@ -30,7 +27,6 @@ from training.engine import (
     WARM_MIN_STEPS,
     CompiledStep,
     auto_compiles,
-    cannot_compile,
     compile_options,
     sampling_compiles,
 )
@@ -94,11 +90,11 @@ def test_inductor_options_keep_the_cpp_wrapper_to_cpus():
 
 
 def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(monkeypatch, tmp_path):
-    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
     key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
     assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS, key, CPU) == (True, "")
     assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS - 1, key, CPU) == (False, "")
-    engine.remember_compile(key, 6.5)  # compiled once: the cache is warm
+    compile_cache.remember_compile(key, 6.5)  # compiled once: the cache is warm
     assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS, key, CPU) == (True, "")
     assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS - 1, key, CPU) == (False, "")
     # another model, or other sampling settings, compiles other code: cold again
@@ -112,96 +108,8 @@ def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(monkeyp
     assert sampling_compiles("true", 1, key, cuda) == (True, "")
 
 
-def test_the_log_expects_a_compile_from_the_cache_to_take_what_the_last_one_from_it_took(monkeypatch, tmp_path):
-    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path))
-    key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
-    assert engine.compile_expectation(key, CPU) == "first time for this model: about 15-25 s"
-    engine.remember_compile(key, 26.0, cold=True)  # from an empty cache: the next compile reads the cache, faster
-    assert engine.compile_expectation(key, CPU) == "cached; the first compile took 26 s"
-    assert engine.cached_compile_seconds(key) == 26.0
-    engine.remember_compile(key, 3.5)
-    assert engine.compile_expectation(key, CPU) == "cached: about 4 s"
-    engine._marker(key).write_text('{"seconds": 2.0}', encoding="utf-8")  # a marker from before "cold" was kept
-    assert engine.compile_expectation(key, CPU) == "cached: about 2 s"
-    engine._marker(key).write_text("[]", encoding="utf-8")
-    assert engine.cached_compile_seconds(key) is None
-
-
-def test_cannot_compile_names_what_is_missing(monkeypatch):
-    assert "mps" in cannot_compile(torch.device("mps"))
-    monkeypatch.setattr(engine.shutil, "which", lambda name: None)
-    assert "C++ compiler" in cannot_compile(CPU)
-
-
-def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
-    monkeypatch.setattr(engine, "_USER_CACHE", None)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    here = engine.machine_tag(torch.backends.cpu.get_cpu_capability(), engine.cpu_vector_flags())
-    assert engine.compile_cache_dir() == tmp_path / "tinychar" / "compiled" / here
-    # the user's own folder gets the same folder per instruction set inside it (a cluster's shared home holds the
-    # code of every CPU it has); one that already is this machine's folder (a run's helper is given it) stays
-    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path / "mine"))
-    assert engine.compile_cache_dir() == tmp_path / "mine" / here
-    monkeypatch.setattr(engine, "_USER_CACHE", str(tmp_path / "mine" / here))
-    assert engine.compile_cache_dir() == tmp_path / "mine" / here
-
-
-CPUINFO = """processor\t: 0
-flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 fma avx avx2 avx512f avx512_bf16 amx_tile aes rdrand
-bugs\t\t: spectre_v1
-"""
-
-
-def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
-    """Inductor's cache mixes them up (a crash, or NaN from step 1, when the vector capability changed between two
-    runs on one cache), so each capability and set of vector flags has a folder of its own."""
-    flags = engine.cpu_vector_flags(CPUINFO)
-    assert flags == {"sse", "sse2", "ssse3", "sse4_1", "sse4_2", "fma", "avx", "avx2", "avx512f", "avx512_bf16",
-                     "amx_tile"}
-    assert engine.cpu_vector_flags("processor\t: 0\n") == set()
-    tags = {engine.machine_tag("AVX512", flags), engine.machine_tag("AVX2", flags),
-            engine.machine_tag("AVX512", flags - {"avx512_bf16"}), engine.machine_tag("AVX512", set(flags))}
-    assert len(tags) == 3  # the same machine and capability give the same folder; any difference, another
-    assert all("/" not in tag and " " not in tag for tag in tags)
-
-
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU has no vector unit torch uses")
-def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
-    """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder, in tinychar's cache
-    folder and in one the user names with TORCHINDUCTOR_CACHE_DIR alike."""
-    code = "from training import engine; print(engine.compile_cache_dir())"
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
-    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    for base, extra in ((tmp_path / "xdg" / "tinychar" / "compiled", {}),
-                        (tmp_path / "shared", {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")})):
-        folders = [Path(subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=run_env,
-                                       capture_output=True, text=True, check=True).stdout.strip())
-                   for run_env in ({**env, **extra}, {**env, **extra, "ATEN_CPU_CAPABILITY": "default"})]
-        assert folders[0] != folders[1] and {f.parent for f in folders} == {base}
-        assert folders[1].name == engine.machine_tag("default", engine.cpu_vector_flags())
-
-
-def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set_probes(monkeypatch, tmp_path):
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(engine, "_USER_CACHE", None)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
-    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    folder = engine.prepare_compile()
-    assert folder.parent == tmp_path / "tinychar" / "compiled" and folder.is_dir()
-    assert engine.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
-    assert inductor_config.cpp.vec_isa_ok is True
-    # the user's own setting wins
-    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
-    engine.prepare_compile()
-    assert inductor_config.cpp.vec_isa_ok is False
-
-
 def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(engine.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.compile": "true",
                                                                             "train.max_iters": 2})
@@ -286,7 +194,7 @@ def test_deterministic_kernels_make_compiled_gradients_reproducible():
     gen = torch.Generator().manual_seed(0)
     w, idx = torch.randn(4, 64, generator=gen), torch.randint(0, 4, (4096,), generator=gen)
     up = torch.randn(idx.numel(), 64, generator=gen)
-    engine.prepare_compile()  # into the session's cache folder, as the engine compiles
+    compile_cache.prepare_compile()  # into the session's cache folder, as the engine compiles
     compiled = torch.compile(embedding_grad, fullgraph=True, dynamic=False)
     before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     threads = torch.get_num_threads()

@@ -20,7 +20,7 @@ from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
 from model import GPT
-from training import engine, load_config, warm
+from training import compile_cache, engine, load_config, warm
 from training.distributed import Launch
 from training.engine import WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
 from training.errors import UsageError
@@ -52,7 +52,7 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
     start_engine(trainer, choice, said.append)
     assert said[0].startswith("engine: eager (auto:") and "helper compiles its step" in said[1]
     folder, started_key, spec = started[0]
-    assert (folder, started_key) == (engine.compile_cache_dir(), key)
+    assert (folder, started_key) == (compile_cache.compile_cache_dir(), key)
     assert spec == {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": "float32",
                     "threads": torch.get_num_threads()}
 
@@ -65,8 +65,8 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
         with pytest.raises(UsageError, match="TINYCHAR_WARM_CACHE must be 1 or 0, got 'yes'"):
             choose_engine(SimpleNamespace(**{**vars(trainer), "tc": replace(trainer.tc, compile=compile)}), None, CPU)
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
-    engine.compile_cache_dir().mkdir(parents=True, exist_ok=True)
-    engine.remember_compile(key, 3.0)  # warm: auto compiles, nothing is left to warm
+    compile_cache.compile_cache_dir().mkdir(parents=True, exist_ok=True)
+    compile_cache.remember_compile(key, 3.0)  # warm: auto compiles, nothing is left to warm
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("step", None), choice.reason
 
@@ -96,8 +96,8 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
     monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as they do
     trainer = trainer_for(tmp_path, WARM_MIN_STEPS)
     key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
-    folder = engine.compile_cache_dir()
-    engine._marker(key).unlink(missing_ok=True)
+    folder = compile_cache.compile_cache_dir()
+    compile_cache._marker(key).unlink(missing_ok=True)
     spec = {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": "float32",
             "threads": torch.get_num_threads()}
     run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])  # the run that leaves it
@@ -105,7 +105,8 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
         assert warm.start(folder, key, spec, parent=run.pid) is None
         assert warm.start(folder, key, spec) == "another process is warming it"
         time.sleep(1.5)
-        assert warm.job_file(folder, key).exists() and engine.cached_compile_seconds(key) is None  # still waiting
+        # still waiting
+        assert warm.job_file(folder, key).exists() and compile_cache.cached_compile_seconds(key) is None
     finally:
         run.wait()
     deadline = time.monotonic() + 240
@@ -114,7 +115,7 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
     log = Path(f"{warm.job_file(folder, key)}.log").read_text(encoding="utf-8")
     assert log.count("compiled in") == 2, log  # into the cold cache, then from it
     assert not warm.job_file(folder, key).exists() and not warm.failed_file(folder, key).exists()
-    assert engine.cached_compile_seconds(key) is not None
+    assert compile_cache.cached_compile_seconds(key) is not None
 
 
 def test_a_bad_setting_stops_train_py_in_one_line_before_out_dir_is_touched(tmp_path, monkeypatch, capsys):

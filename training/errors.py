@@ -100,7 +100,7 @@ def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
         # The initial weights' loss: no update came before it, so no learning rate is to blame.
         why = " The loss was not finite before any update, so the learning rate is not the cause."
         tries = []
-        if e.compiled:  # e.g. code that a compile cache holds for another CPU (see training.engine.machine_tag)
+        if e.compiled:  # e.g. code that a compile cache holds for another CPU (see training.compile_cache.machine_tag)
             tries.append("train.compile=false")
     if dtype != "float32":
         tries.append("train.dtype=float32")

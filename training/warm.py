@@ -97,7 +97,7 @@ def compile_step(job: Path, remember: bool) -> float:
     import torch
 
     from model import GPT, GPTConfig
-    from training import engine
+    from training import compile_cache, engine
     from training.config import TrainConfig
     from training.optim import make_optimizer
 
@@ -108,13 +108,13 @@ def compile_step(job: Path, remember: bool) -> float:
     key = engine.compile_key(model_cfg, tc, device, dtype)
     if key != spec["key"]:
         raise RuntimeError(f"this process would compile another step ({key}, not {spec['key']})")
-    engine.prepare_compile()
+    compile_cache.prepare_compile()
     model = GPT(model_cfg)
     step = engine.CompiledStep(model, make_optimizer(model, tc, device, dtype), tc, device, dtype)
     xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
     seconds = step.warm_up(xs, xs.roll(1, -1))
     if remember:
-        engine.remember_compile(key, seconds, cold=True)  # a helper compiles only what is not cached
+        compile_cache.remember_compile(key, seconds, cold=True)  # a helper compiles only what is not cached
     return seconds
 
 

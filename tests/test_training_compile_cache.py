@@ -1,0 +1,108 @@
+"""Where compiled code is kept (training.compile_cache): a folder per instruction set in tinychar's cache folder or
+the user's, torch pointed at it, the markers that tell a later run its cache is warm, and what the log expects a
+compile to take."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPTConfig
+from training import compile_cache
+from training.compile_cache import cannot_compile
+from training.engine import sampling_key
+
+CPU = torch.device("cpu")
+
+
+def test_the_log_expects_a_compile_from_the_cache_to_take_what_the_last_one_from_it_took(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
+    key = sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
+    assert compile_cache.compile_expectation(key, CPU) == "first time for this model: about 15-25 s"
+    compile_cache.remember_compile(key, 26.0, cold=True)  # from an empty cache: the next compile reads it, faster
+    assert compile_cache.compile_expectation(key, CPU) == "cached; the first compile took 26 s"
+    assert compile_cache.cached_compile_seconds(key) == 26.0
+    compile_cache.remember_compile(key, 3.5)
+    assert compile_cache.compile_expectation(key, CPU) == "cached: about 4 s"
+    compile_cache._marker(key).write_text('{"seconds": 2.0}', encoding="utf-8")  # a marker from before "cold" was kept
+    assert compile_cache.compile_expectation(key, CPU) == "cached: about 2 s"
+    compile_cache._marker(key).write_text("[]", encoding="utf-8")
+    assert compile_cache.cached_compile_seconds(key) is None
+
+
+def test_cannot_compile_names_what_is_missing(monkeypatch):
+    assert "mps" in cannot_compile(torch.device("mps"))
+    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: None)
+    assert "C++ compiler" in cannot_compile(CPU)
+
+
+def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    here = compile_cache.machine_tag(torch.backends.cpu.get_cpu_capability(), compile_cache.cpu_vector_flags())
+    assert compile_cache.compile_cache_dir() == tmp_path / "tinychar" / "compiled" / here
+    # the user's own folder gets the same folder per instruction set inside it (a cluster's shared home holds the
+    # code of every CPU it has); one that already is this machine's folder (a run's helper is given it) stays
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "mine"))
+    assert compile_cache.compile_cache_dir() == tmp_path / "mine" / here
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "mine" / here))
+    assert compile_cache.compile_cache_dir() == tmp_path / "mine" / here
+
+
+CPUINFO = """processor\t: 0
+flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 fma avx avx2 avx512f avx512_bf16 amx_tile aes rdrand
+bugs\t\t: spectre_v1
+"""
+
+
+def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
+    """Inductor's cache mixes them up (a crash, or NaN from step 1, when the vector capability changed between two
+    runs on one cache), so each capability and set of vector flags has a folder of its own."""
+    flags = compile_cache.cpu_vector_flags(CPUINFO)
+    assert flags == {"sse", "sse2", "ssse3", "sse4_1", "sse4_2", "fma", "avx", "avx2", "avx512f", "avx512_bf16",
+                     "amx_tile"}
+    assert compile_cache.cpu_vector_flags("processor\t: 0\n") == set()
+    tag = compile_cache.machine_tag
+    tags = {tag("AVX512", flags), tag("AVX2", flags), tag("AVX512", flags - {"avx512_bf16"}), tag("AVX512", set(flags))}
+    assert len(tags) == 3  # the same machine and capability give the same folder; any difference, another
+    assert all("/" not in tag and " " not in tag for tag in tags)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU has no vector unit torch uses")
+def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
+    """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder, in tinychar's cache
+    folder and in one the user names with TORCHINDUCTOR_CACHE_DIR alike."""
+    code = "from training import compile_cache; print(compile_cache.compile_cache_dir())"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    for base, extra in ((tmp_path / "xdg" / "tinychar" / "compiled", {}),
+                        (tmp_path / "shared", {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")})):
+        folders = [Path(subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=run_env,
+                                       capture_output=True, text=True, check=True).stdout.strip())
+                   for run_env in ({**env, **extra}, {**env, **extra, "ATEN_CPU_CAPABILITY": "default"})]
+        assert folders[0] != folders[1] and {f.parent for f in folders} == {base}
+        assert folders[1].name == compile_cache.machine_tag("default", compile_cache.cpu_vector_flags())
+
+
+def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set_probes(monkeypatch, tmp_path):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    folder = compile_cache.prepare_compile()
+    assert folder.parent == tmp_path / "tinychar" / "compiled" and folder.is_dir()
+    assert compile_cache.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    assert inductor_config.cpp.vec_isa_ok is True
+    # the user's own setting wins
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
+    compile_cache.prepare_compile()
+    assert inductor_config.cpp.vec_isa_ok is False

@@ -1,0 +1,154 @@
+"""Where torch.compile keeps tinychar's compiled code, and what the cache remembers of each compile.
+
+The code goes to a folder per instruction set (machine_tag) in tinychar's cache folder or the user's
+$TORCHINDUCTOR_CACHE_DIR; beside it, a small marker per compiled step (named by a key of what its code depends on:
+training.engine.compile_key, sampling_key) records how long its last compile took, which is how
+``train.compile: auto`` and ``sample.py --compile auto`` know whether the cache is warm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from model.linear import cpu_flags
+
+# A folder the user chose for torch's compile cache, read before torch itself may fill the variable with its default.
+_USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def compile_cache_dir() -> Path:
+    """Where torch.compile keeps its compiled code: a folder per instruction set (machine_tag) in
+    $TORCHINDUCTOR_CACHE_DIR if the user set it, else in tinychar's cache folder ($XDG_CACHE_HOME/tinychar/compiled,
+    else ~/.cache/tinychar/compiled), else in the temp folder. A $TORCHINDUCTOR_CACHE_DIR that already is this
+    machine's folder (handed down by a run to its helper, or to the processes it starts) is used as it is."""
+    tag = machine_tag(torch.backends.cpu.get_cpu_capability(), cpu_vector_flags())
+    explicit = _USER_CACHE
+    if explicit:
+        # A folder shared by machines of different CPUs (a home folder on a cluster's file system, say) must not mix
+        # their code, any more than tinychar's own: see VECTOR_FLAG_PREFIXES.
+        folder = Path(explicit).expanduser()
+        return folder if folder.name == tag else folder / tag
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    except (RuntimeError, KeyError):  # no home at all
+        base = Path(tempfile.gettempdir())
+    return base / "tinychar" / "compiled" / tag
+
+
+# Inductor's cache does not tell code built for one vector instruction set from code built for another: measured
+# (torch 2.13, a 2-core AVX-512 EPYC), tiny.yaml's step compiled under ATEN_CPU_CAPABILITY=avx2 and then loaded from
+# the same cache without it crashed the process (heap corruption, or a segfault), and the reverse trained NaN from
+# step 1. A home folder shared by machines of different CPUs would mix them the same way. So each instruction set
+# gets a folder.
+VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse")
+
+
+def machine_tag(capability: str, flags: set[str]) -> str:
+    """The name of the compile cache's folder for code built here: the processor's architecture, the vector
+    capability PyTorch runs with (ATEN_CPU_CAPABILITY can lower it) and a digest of the CPU's vector flags."""
+    digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
+    return f"{platform.machine().lower() or 'cpu'}-{capability.lower()}-{digest}"
+
+
+def cpu_vector_flags(cpuinfo: str | None = None) -> set[str]:
+    """The vector instruction sets the CPU reports in /proc/cpuinfo (empty where there is none to read)."""
+    return {f for f in cpu_flags(cpuinfo) if f.startswith(VECTOR_FLAG_PREFIXES)}
+
+
+def prepare_compile() -> Path:
+    """Ready torch.compile for this process: its caches in compile_cache_dir (or a temp folder if that cannot be made),
+    and no test compiles of the CPU's vector instruction sets. Returns the cache folder.
+
+    Inductor otherwise builds and loads a small program for each instruction set the CPU reports before it trusts
+    it: measured, 4-5 s of a 20 s first compile of tiny.yaml's step, and a process start per set on every later
+    compile. The sets come from the CPU's own flags; the two a C++ compiler may lack (avx512_bf16, amx_fp16) inductor
+    still tests, and a compiler that fails anyway makes the run fall back to eager. TORCHINDUCTOR_VEC_ISA_OK, when
+    set, decides instead."""
+    folder = compile_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(folder)
+    except OSError:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled"
+        folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    # The step's graph holds model/linear.py's autograd.Function, which AOTAutograd's cache declines by default (its
+    # code could change unseen); the graph the cache keys on includes the function's traced forward and backward, so
+    # a changed function is a new key. Measured, tiny.yaml's step from a warm cache: 5.8 s without it, 2.9 s with.
+    import torch._functorch.config as functorch_config
+
+    functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.vec_isa_ok = True
+    return folder
+
+
+def cannot_compile(device: torch.device) -> str | None:
+    """Why torch.compile cannot work here, or None: it needs Linux or macOS, a CPU or CUDA device, and a C++
+    compiler (for CPU code, and for the launchers of CUDA kernels)."""
+    if sys.platform not in ("linux", "darwin"):
+        return f"torch.compile is not supported by tinychar on {sys.platform}"
+    if device.type not in ("cpu", "cuda"):
+        return f"torch.compile is not used on {device.type}"
+    compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if not any(c and shutil.which(c) for c in compilers):
+        return "no C++ compiler found (install g++ or clang++)"
+    return None
+
+
+def cache_key(kind: str, parts: dict) -> str:
+    """A compiled step's name in the cache: its kind and a digest of what its compiled code depends on."""
+    return f"{kind}-" + hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _marker(key: str) -> Path:
+    return compile_cache_dir() / f"tinychar-{key}.json"
+
+
+def _last_compile(key: str) -> tuple[float, bool] | None:
+    """How long the last compile of this step took, and whether it began with a cold cache (None: never compiled
+    here, so the cache is cold)."""
+    try:
+        last = json.loads(_marker(key).read_text(encoding="utf-8"))
+        return float(last["seconds"]), bool(last.get("cold", False))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def cached_compile_seconds(key: str) -> float | None:
+    """How long the last compile of this step took (None: never compiled here, so the cache is cold)."""
+    last = _last_compile(key)
+    return None if last is None else last[0]
+
+
+def remember_compile(key: str, seconds: float, cold: bool = False) -> None:
+    """Note that this step compiled here in seconds; cold: from an empty cache (a compile from the cache takes a
+    fraction of that: tiny.yaml's step 26.0 s cold, 3.5 s next time)."""
+    marker = _marker(key)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"seconds": round(seconds, 2), "cold": cold}), encoding="utf-8")
+    except OSError:
+        pass  # a read-only cache only costs the next run its estimate
+
+
+def compile_expectation(key: str, device: torch.device) -> str:
+    """What the log says a compile of this step will take: the last compile from the cache, if there was one."""
+    last = _last_compile(key)
+    if last is None:
+        return "first time for this model: " + ("about 15-25 s" if device.type == "cpu" else "about 30 s on an H100")
+    seconds, cold = last
+    return f"cached; the first compile took {seconds:.0f} s" if cold else f"cached: about {seconds:.0f} s"
