@@ -29,7 +29,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
 
     from configs.userinput import OneLineParser, read_user_file, shown
     from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
-    from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
+    from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
     from training import compile_cache, engine
     from training.config import COMPILE
     from training.devices import DeviceError, resolve_device
@@ -248,20 +248,26 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device)
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
+    graph = engine.sampling_graphs(device)
+    chunk = GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
-                            options=engine.compile_options(device), chunk=engine.SAMPLE_CHUNK if compiled else 1)
-    if compiled:
-        compile_cache.prepare_compile()
-        cold = compile_cache.cached_compile_seconds(key) is None
+                            options=engine.compile_options(device), chunk=chunk, graph=graph)
+    if compiled or graph:
+        if compiled:
+            compile_cache.prepare_compile()
+        cold = compiled and compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
         try:
             sampler.warm_up(len(batch), device)
-        except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: sample eagerly, say why
-            print(f"{engine.compile_failed(e)}; sampling without compiling", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
+            why = engine.compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({engine.one_line(e)})"
+            print(f"{why}; sampling eagerly", file=sys.stderr)
             sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
         else:
-            compile_cache.remember_compile(key, time.perf_counter() - start, cold)
-            print(f"sampling step compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            made = "compiled" if compiled else "captured as a CUDA graph"
+            if compiled:
+                compile_cache.remember_compile(key, time.perf_counter() - start, cold)
+            print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return sampler.generate_iter(batch, args.max_new_tokens, gen)
 
 

@@ -118,3 +118,42 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
     # a short prompt: the window fills inside the compiled loop
     got, _ = windowed(sampler, prompt[:, :2], 50, seed=4)
     assert torch.equal(got, plain(model, prompt[:, :2], 50, 0.9, 6, None, seed=4)[0])
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS[:5])
+@pytest.mark.parametrize(("prompt_length", "chunk", "n"), [(1, 1, 40), (13, 3, 40), (5, 16, 40), (2, 64, 10)])
+def test_the_unrolled_chunk_gives_the_plain_paths_characters(model, temperature, top_k, top_p, prompt_length, chunk,
+                                                             n):
+    # graph=True: what a CUDA graph replays, run here uncaptured. The window stays in the runner's buffers from one
+    # call to the next; a last, short chunk computes characters nobody reads, and must not move the generator (chunk
+    # 16: 40 characters are two calls of 16 and one of which 8 are read; chunk 64: one call, 10 read).
+    prompt = torch.randint(0, 23, (3, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    sampler = WindowSampler(model, temperature, top_k, top_p, chunk=chunk, graph=True)
+    for seed in (7, 9):  # the same runner twice: each text starts from its own prompt, not the last text's window
+        expected, expected_state = plain(model, prompt, n, temperature, top_k, top_p, seed=seed)
+        got, state = windowed(sampler, prompt, n, seed=seed)
+        assert torch.equal(got, expected)
+        assert torch.equal(state, expected_state)
+    assert sampler.unrolled is not None and sampler.unrolled.graph is None  # on a CPU nothing is captured
+    # another batch size makes another runner
+    got, _ = windowed(sampler, prompt[:1], n, seed=7)
+    assert torch.equal(got, plain(model, prompt[:1], n, temperature, top_k, top_p, seed=7)[0])
+    assert sampler.unrolled.window.size(0) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_cuda_graph_gives_the_plain_paths_characters(model, compiled):
+    cuda = torch.device("cuda")
+    m = GPT(model.config).to(cuda).eval()
+    m.load_state_dict(model.state_dict())
+    prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1)).to(cuda)
+    sampler = WindowSampler(m, 0.9, 6, None, compile=compiled, chunk=16, graph=True)
+    sampler.warm_up(2, cuda)
+    assert sampler.unrolled.graph is not None
+    gen = torch.Generator(cuda).manual_seed(3)
+    got = torch.cat([prompt, *sampler.generate_iter(prompt, 300, gen)], dim=1)
+    expected_gen = torch.Generator(cuda).manual_seed(3)
+    expected = m.generate(prompt, 300, 0.9, 6, None, expected_gen, use_cache=False)
+    assert torch.equal(got, expected)
+    assert torch.equal(gen.get_state(), expected_gen.get_state())

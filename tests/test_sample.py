@@ -155,6 +155,27 @@ def test_streaming_and_the_kv_cache_change_nothing(run, variant):
     assert ok(run(*args, variant)) == ok(run(*args))
 
 
+def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly(run, monkeypatch):
+    # sample.py's path for a CUDA GPU (a chunk of characters a call from buffers kept on the device, captured as a
+    # CUDA graph there; here nothing is captured), and, when the capture fails, one line and the eager path
+    args = ("--prompt", PROMPT, "--max-new-tokens", "40", "--num-samples", "2", "--seed", "5")
+    expected = ok(run(*args))
+    monkeypatch.setattr(sample.engine, "sampling_graphs", lambda device: True)
+    code, out, err = run(*args)
+    assert code == 0 and out == expected
+    assert "sampling step captured as a CUDA graph in" in err
+
+    def fail(self, batch, device):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(sample.WindowSampler, "warm_up", fail)
+    code, out, err = run(*args)
+    assert code == 0 and out == expected
+    notes = [line for line in err.splitlines() if "CUDA graph" in line]
+    assert notes == [("cannot capture a CUDA graph here (RuntimeError: CUDA error: operation not permitted when stream "
+                      "is capturing); sampling eagerly")]
+
+
 # ---------------------------------------------------------------------------------------- where from
 
 
