@@ -76,6 +76,25 @@ def test_a_save_that_fails_midway_keeps_the_old_file(saved, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
 
 
+def test_a_checkpoint_saved_with_copies_is_serialized_once_and_the_same_in_each_file(saved, monkeypatch):
+    # ckpt.pt and best.pt when the validation loss improved: one torch.save (the tensors copied off a GPU once)
+    _, path = saved
+    calls = []
+    real_save = torch.save
+
+    def counted(obj, f, *args, **kwargs):
+        calls.append(obj["step"])
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counted)
+    best = path.parent / "best.pt"
+    save_checkpoint(payload_for(tiny_model(), step=9), path, best)
+    assert calls == [9]
+    assert path.read_bytes() == best.read_bytes()
+    assert load_checkpoint(best)["step"] == 9
+    assert sorted(p.name for p in path.parent.iterdir()) == ["best.pt", "ckpt.pt"]
+
+
 # ------------------------------------------------------------------------------------------ resume
 
 
@@ -150,26 +169,35 @@ from pathlib import Path
 import torch
 sys.path.insert(0, os.getcwd())
 import train
+import training.checkpoints as checkpoints
 
 moment, at_step = sys.argv[1], int(sys.argv[2])
-real_save, real_replace = torch.save, os.replace
+real_save, real_replace, real_write_atomic = torch.save, os.replace, checkpoints.write_atomic
 saving = {}
 
 def save(obj, f, *args, **kwargs):
     saving["step"] = obj.get("step")
-    if moment == "mid-write" and saving["step"] == at_step:
-        buffer = io.BytesIO()
-        real_save(obj, buffer, *args, **kwargs)
-        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-        f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
     return real_save(obj, f, *args, **kwargs)
+
+def write_atomic(path, write):
+    # each file's bytes made as the saver makes them, then written; at the step, half of them, then the kill
+    def written(f):
+        buffer = io.BytesIO()
+        write(buffer)
+        data = buffer.getvalue()
+        if moment == "mid-write" and Path(path).name == "ckpt.pt" and saving.get("step") == at_step:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        f.write(data)
+    return real_write_atomic(path, written)
 
 def replace(src, dst):
     if moment == "before-rename" and Path(dst).name == "ckpt.pt" and saving.get("step") == at_step:
         os.kill(os.getpid(), signal.SIGKILL)
     return real_replace(src, dst)
 
+checkpoints.write_atomic = write_atomic
 torch.save, os.replace = save, replace
 sys.exit(train.main(sys.argv[3:], progress=False))
 """

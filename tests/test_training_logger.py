@@ -13,6 +13,7 @@ from conftest import ROOT, tiny_overrides
 from test_train import read_events
 
 import train
+import training.logger
 import training.loop
 from training.logger import Logger, Throughput
 
@@ -114,8 +115,8 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint
 
     real_save = training.loop.save_checkpoint
 
-    def save(state, path):
-        real_save(state, path)
+    def save(state, path, *copies):
+        real_save(state, path, *copies)
         writes["saved"] = True
 
     monkeypatch.setattr(RecordWriter, "write", write)
@@ -131,3 +132,54 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint
                                   f"the last checkpoint there is intact"), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert load_checkpoint(out / "ckpt.pt")["step"] == 10
+
+
+def _picture_logger(out_dir: Path) -> Logger:
+    return Logger(out_dir, start=0, total=10, tensorboard=True, progress=False)
+
+
+def _small_gpt():
+    import torch
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=5, block_size=8, n_layer=2, n_head=2, n_embd=8))
+
+
+def test_the_attention_picture_drawn_in_the_background_is_the_one_drawn_in_line(tmp_path):
+    # on a GPU the picture is drawn on a thread of its own while training goes on; what reaches TensorBoard is the
+    # same PNG, at the same step, once flush() or close() has waited for it
+    from data import CharTokenizer
+
+    model, tokenizer, ids = _small_gpt(), CharTokenizer("abcde"), [0, 3, 1, 4, 2, 2]
+    logged = {}
+    for background in (False, True):
+        log = _picture_logger(tmp_path / str(background))
+        log.attention(3, model, ids, tokenizer, background=background)
+        log.attention(5, model, ids, tokenizer, background=background)  # waits for the one before
+        log.flush()
+        logged[background] = [(p.step, p.encoded_image_string)
+                              for p in read_events(tmp_path / str(background)).Images("attention/layers_x_heads")]
+        log.close()
+    assert [step for step, _ in logged[True]] == [3, 5]
+    assert logged[True] == logged[False]
+
+
+FAILURES = [(ValueError("a bug"), ValueError), (OSError(errno.ENOSPC, "No space left on device"), training.logger.LogError)]
+
+
+@pytest.mark.parametrize(("failure", "expected"), FAILURES)
+def test_a_failure_in_the_background_picture_is_raised_by_the_next_wait(tmp_path, monkeypatch, failure, expected):
+    from data import CharTokenizer
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(training.logger, "render_attention_grid", fail)
+    log = _picture_logger(tmp_path)
+    log.attention(3, _small_gpt(), [0, 1, 2], CharTokenizer("abc"), background=True)
+    with pytest.raises(expected):
+        log.flush()
+    log.flush()  # said once: the run stops there, and its closing is not the same failure again
+    log.close()

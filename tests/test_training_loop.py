@@ -96,6 +96,17 @@ def test_a_first_step_that_is_not_finite_blames_the_code_or_dtype_not_the_learni
     assert ("train.dtype=float32" in line) is (resolved != "float32")
 
 
+def test_an_evaluation_on_a_gpu_takes_longer_passes():
+    from training.loop import EVAL_PASS_TOKENS, EVAL_PASS_TOKENS_CUDA, eval_pass_sequences
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device named, not used: no GPU needed
+    # configs/shakespeare_char.yaml: batches of 64 windows of 256, 200 of them a split
+    assert EVAL_PASS_TOKENS // 256 < 64 and eval_pass_sequences(256, 64, 200, cpu) == 64  # never less than a batch
+    assert eval_pass_sequences(256, 64, 200, cuda) == EVAL_PASS_TOKENS_CUDA // 256 == 256
+    assert eval_pass_sequences(256, 64, 2, cuda) == 128  # never more than the evaluation's windows
+    assert eval_pass_sequences(8, 32, 20) == eval_pass_sequences(8, 32, 20, cpu) == 640
+
+
 def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     """estimate_loss's passes (EVAL_PASS_TOKENS tokens at most, the last one shorter) see the windows one pass would
     and weigh each window alike: the loss is the same up to the order of the additions."""

@@ -3,6 +3,7 @@ checks and restore that a resume goes through."""
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from collections.abc import Callable
@@ -39,9 +40,18 @@ def _umask() -> int:
     return mask
 
 
-def save_checkpoint(payload: dict[str, Any], path: str | Path) -> None:
-    """Write payload to path so that a crash at any moment leaves either the old file or the new one."""
-    write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **payload}, f))
+def save_checkpoint(payload: dict[str, Any], path: str | Path, *copies: str | Path) -> None:
+    """Write payload to path, and to each of copies, so that a crash at any moment leaves either the old file or the
+    new one. With copies, the payload is serialized once (its tensors copied off a GPU once) and its bytes written
+    to each file in turn."""
+    content = {"format": FORMAT, "version": VERSION, **payload}
+    if not copies:
+        write_atomic(path, lambda f: torch.save(content, f))
+        return
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    for where in (path, *copies):
+        write_atomic(where, lambda f: f.write(buffer.getbuffer()))
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:

@@ -57,11 +57,13 @@ def estimate_loss(
     was_training = model.training
     model.eval()
     windows = eval_iters * batch_size
-    per_pass = eval_pass_sequences(block_size, batch_size, eval_iters)
+    per_pass = eval_pass_sequences(block_size, batch_size, eval_iters, device)
     out = {}
     for name, data in splits.items():
         gen = torch.Generator().manual_seed(seed)
-        total, count = 0.0, 0
+        # summed where the losses are, in float64, and read once a split: on a GPU the passes queue up behind each
+        # other instead of each waiting for the one before to come back
+        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
         while count < windows:
             if stop is not None and stop():
                 model.train(was_training)
@@ -70,9 +72,9 @@ def estimate_loss(
             x, y = get_batch(data, block_size, n, gen, device)
             with autocast_context(device, dtype):
                 _, loss = model(x, y)
-            total += loss.item() * n
+            total += loss.double() * n
             count += n
-        out[name] = total / count
+        out[name] = total.item() / count
     model.train(was_training)
     return out
 
@@ -80,13 +82,17 @@ def estimate_loss(
 # Tokens per forward pass of an evaluation. Measured (2-core Zen 4 EPYC, 2 threads, float32, median of 5 interleaved
 # rounds, both splits): tiny.yaml's 4,096 windows of 8 in 335 ms by passes of 8,192 tokens against 491 ms in one pass
 # of 32,768 (4,096 tokens: 318 ms); the CPU config's 240 windows of 64 in 536 ms against 575 in one pass of 15,360.
-# Larger passes were slower, likely because their activations no longer fit the CPU's caches.
+# Larger passes were slower, likely because their activations no longer fit the CPU's caches. A GPU has no such
+# cache to fit and pays per kernel launched, so it takes passes of up to EVAL_PASS_TOKENS_CUDA tokens.
 EVAL_PASS_TOKENS = 8192
+EVAL_PASS_TOKENS_CUDA = 65536
 
 
-def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int) -> int:
-    """Windows per forward pass of an evaluation: at least a batch, up to EVAL_PASS_TOKENS tokens."""
-    return max(batch_size, min(eval_iters * batch_size, EVAL_PASS_TOKENS // block_size))
+def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int, device: torch.device | None = None) -> int:
+    """Windows per forward pass of an evaluation: at least a batch, up to EVAL_PASS_TOKENS tokens
+    (EVAL_PASS_TOKENS_CUDA on a CUDA device)."""
+    tokens = EVAL_PASS_TOKENS_CUDA if device is not None and device.type == "cuda" else EVAL_PASS_TOKENS
+    return max(batch_size, min(eval_iters * batch_size, tokens // block_size))
 
 
 # The attention picture logged at each evaluation shows this many characters at most. A 6-layer, 6-head model's picture
@@ -333,7 +339,8 @@ class Trainer:
                 if self.tc.sample_chars:
                     sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed, self.device)
                     log.text(step, "sample", "```\n" + sample + "\n```")
-                log.attention(step, self.model, self.attention_prompt, self.tokenizer)
+                log.attention(step, self.model, self.attention_prompt, self.tokenizer,
+                              background=self.device.type == "cuda")
         self.save(improved)
         self.last_losses.update(losses)
         self.val_history.append((time.perf_counter() - self.started, losses["val"]))
@@ -354,11 +361,11 @@ class Trainer:
             state["engine"] = self.engine
             # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
             # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
-            self.log.flush()
+            # The attention picture drawn in the background may come later: a run killed before it is logged lacks
+            # the picture of this one step.
+            self.log.flush(pictures=False)
             try:
-                save_checkpoint(state, self.out_dir / "ckpt.pt")
-                if improved:
-                    save_checkpoint(state, self.out_dir / "best.pt")
+                save_checkpoint(state, self.out_dir / "ckpt.pt", *([self.out_dir / "best.pt"] if improved else []))
             except OSError as e:
                 raise SaveError(f"cannot write a checkpoint into '{self.out_dir}' ({e.strerror or e}); the previous "
                                 f"checkpoint there is intact. Free some space or choose another out_dir") from None
