@@ -118,6 +118,7 @@ OVERRIDES = st.one_of(
 @example(["model.n_embd=30", "model.n_head=4"])
 @example(["bad\nkey=1"])  # a newline in what is echoed back must not break the line
 @example(["seed=99999999999999999999999"])
+@example(["data.path=null"])  # once a traceback: unsetting the path also dropped the config's dataset
 def test_any_override_gives_a_config_or_one_clear_line(overrides):
     try:
         cfg = load_config(TINY, overrides)

@@ -131,7 +131,8 @@ def load_config(config_path: str | None, overrides: list[str], base: dict | None
     if cfg.out_dir is None:
         cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
     cli_path = any(o.split("=", 1)[0].strip() == "data.path" for o in overrides)
-    if cli_path and cfg.data.dataset is not None:
-        # a data.path given on the command line wins over the config's built-in dataset
+    if cli_path and cfg.data.path is not None and cfg.data.dataset is not None:
+        # a data.path given on the command line wins over the config's built-in dataset (data.path=null unsets the
+        # path, and the dataset stays)
         cfg = replace(cfg, data=replace(cfg.data, dataset=None))
     return cfg
