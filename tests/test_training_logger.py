@@ -183,3 +183,9 @@ def test_a_failure_in_the_background_picture_is_raised_by_the_next_wait(tmp_path
         log.flush()
     log.flush()  # said once: the run stops there, and its closing is not the same failure again
     log.close()
+    # a failure that close() is the first to see: raised there, and the files are closed all the same
+    log = _picture_logger(tmp_path / "second")
+    log.attention(4, _small_gpt(), [0, 1, 2], CharTokenizer("abc"), background=True)
+    with pytest.raises(expected):
+        log.close()
+    assert log.writer is None

@@ -226,13 +226,15 @@ class Logger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        self.finish_picture()
-        if self.writer is not None:
-            with self.writing():
-                self.writer.close()
-            self.writer = None
-        if self._excepthook is not None:
-            threading.excepthook, self._excepthook = self._excepthook, None
+        try:
+            self.finish_picture()
+        finally:  # the files are closed and threading's hook put back even when the picture failed
+            if self.writer is not None:
+                with self.writing():
+                    self.writer.close()
+                self.writer = None
+            if self._excepthook is not None:
+                threading.excepthook, self._excepthook = self._excepthook, None
 
 
 def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, device: torch.device) -> str:
