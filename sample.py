@@ -21,6 +21,7 @@ if __name__ == "__main__":
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
     import time
+    from array import array
     from collections.abc import Callable, Iterator
     from contextlib import contextmanager
     from pathlib import Path
@@ -29,13 +30,14 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
 
     from configs.userinput import OneLineParser, read_user_file, shown
     from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
+    from model.config import GPTConfig
     from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
     from training import compile_cache, engine
     from training.config import COMPILE
     from training.devices import DeviceError, resolve_device
     from training.errors import UsageError, path_error, path_message
     from training.logger import discard_stdout
-    from training.memory import check_fits, model_need
+    from training.memory import MemoryNeed, check_fits, model_need, text_bytes
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -112,6 +114,22 @@ def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
     return "\n" if "\n" in vocab else vocab[0]
 
 
+def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_chars: int, device: torch.device,
+                        path: Path) -> None:
+    """UsageError, in one line, when the model and the text asked for cannot fit: the weights, the sampling window's
+    pass and the text's ids on the device, and the ids kept until the samples are written in the CPU's memory."""
+    on_device, kept = text_bytes(args.num_samples, prompt_chars, args.max_new_tokens)
+    cpu = device.type == "cpu"
+    need = model_need(config, args.num_samples, text=on_device + (kept if cpu else 0))
+    what = f"sampling from '{shown(str(path))}'"
+    text_advice = "ask for fewer --num-samples or a smaller --max-new-tokens"
+    check_fits(need, device, what=what, advice=text_advice if need.dominant() == "text" else
+               "it describes a model too large for this machine (or ask for fewer --num-samples)")
+    if not cpu:
+        check_fits(MemoryNeed(weights=0, masks=0, activations=0, text=kept), torch.device("cpu"), what=what,
+                   advice=text_advice)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -119,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.checkpoint) if args.checkpoint is not None else find_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
         payload = load_checkpoint(path, map_location=device)
-        config, _ = checkpoint_config(payload, path)  # before the model is built: will it fit?
-        check_fits(model_need(config, args.num_samples), device, what=f"sampling from '{shown(str(path))}'",
-                   advice="it describes a model too large for this machine (or ask for fewer --num-samples)")
-        model, vocab = model_from_checkpoint(payload, path)
+        config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
         if args.attention_map is not None and config.type != "gpt":
             raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
         prompt = read_prompt(args, vocab)
@@ -134,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
             raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
                              f"remove or replace them")
+        check_sampling_fits(config, args, len(prompt), device, path)
+        model, vocab = model_from_checkpoint(payload, path)
     except (UsageError, CheckpointError, DeviceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -174,24 +191,25 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
     batch; with --stream the first one is printed as it comes and the others when they are complete. KeyboardInterrupt
     after the first character for which interrupted() is true."""
     out = sys.stdout
-    rows: list[list[str]] = [[] for _ in range(args.num_samples)]
+    # the ids of every sample until they are written: 4 bytes a character (training.memory.KEPT_ID), checked to fit
+    kept = [array("i") for _ in range(args.num_samples)]
     with sampling_threads(model, args.num_samples, ids.device):
         for step_ids in character_steps(model, ids.expand(args.num_samples, -1), args):
-            chars = [vocab[i] for i in step_ids[:, 0].tolist()]
+            column = step_ids[:, 0].tolist()
             if args.stream:
-                if not rows[0]:
+                if not kept[0]:
                     out.write(prompt)
-                out.write(chars[0])
+                out.write(vocab[column[0]])
                 out.flush()
-            for row, c in zip(rows, chars, strict=True):
-                row.append(c)
+            for row, i in zip(kept, column, strict=True):
+                row.append(i)
             if interrupted():
                 raise KeyboardInterrupt
-    for n, row in enumerate(rows):
+    for n, row in enumerate(kept):
         if n:
             out.write(SEPARATOR)
         if not (args.stream and n == 0 and row):
-            out.write(prompt + "".join(row))
+            out.write(prompt + "".join([vocab[i] for i in row]))
         out.write("\n")
     out.flush()
 

@@ -65,6 +65,8 @@ HOSTILE: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("memory-width", "train", lambda c: c.train(**{"model.n_embd": 10**6, "model.n_head": 1}), "needs about"),
     ("checkpoint-huge-block", "sample", lambda c: c.sample(checkpoint=_changed_checkpoint(c, block_size=10**6)),
      "too large for this machine"),
+    ("sample-text-beyond-memory", "sample", lambda c: c.sample("--num-samples", "100000", "--max-new-tokens",
+                                                               "10000000"), "fewer --num-samples or a smaller"),
     ("checkpoint-fractional-layers", "sample", lambda c: c.sample(checkpoint=_changed_checkpoint(c, n_layer=2.5)),
      "model.n_layer must be an integer, got 2.5"),
     ("resume-fractional-layers", "train", lambda c: _resume_changed(c, n_layer=2.5),

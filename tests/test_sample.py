@@ -176,6 +176,23 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
                       "is capturing); sampling eagerly")]
 
 
+def test_a_text_too_long_for_memory_is_refused_before_the_model_is_built(run, monkeypatch):
+    # the samples' ids are kept until they are written (5 bytes a character in the CPU's memory, 8 more on the
+    # device for the plain paths): a request whose text cannot fit is one line, before anything is built or sampled
+    import training.memory
+
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 2 * 10**9)
+    built = []
+    monkeypatch.setattr(sample, "model_from_checkpoint", lambda *a: built.append(1))
+    line = one_error_line(run("--num-samples", "1000", "--max-new-tokens", "200000"))  # 2.6 GB of ids
+    assert "needs about 2.6 GB of memory and this machine has 2.0 GB free" in line
+    assert line.endswith("ask for fewer --num-samples or a smaller --max-new-tokens") and not built
+    # the prompt counts too: 1000 samples of a 100,000-character prompt are 0.8 GB more
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 10**9)
+    assert "needs about 1.2 GB" in one_error_line(run("--num-samples", "1000", "--max-new-tokens", "30000",
+                                                      "--prompt", "a" * 100_000))
+
+
 # ---------------------------------------------------------------------------------------- where from
 
 

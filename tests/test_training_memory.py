@@ -60,6 +60,19 @@ def test_a_need_beyond_what_is_free_is_refused_with_the_numbers_and_what_to_chan
         check_fits(MemoryNeed(weights=10**9, masks=11 * 10**9, activations=0), cpu, processes=2)
 
 
+def test_the_text_of_a_sampling_request_is_counted_on_the_device_and_in_the_cpus_memory() -> None:
+    from training.memory import text_bytes
+
+    # 3 samples of 100 characters after a prompt of 7: the plain paths' int64 context of 3 x 107 ids on the device,
+    # and the 3 x 100 ids sample.py keeps until it writes them (4 bytes each, and room to grow)
+    assert text_bytes(3, 7, 100) == (3 * 107 * 8, 3 * 100 * 5)
+    cfg = GPTConfig(vocab_size=65)
+    need = model_need(cfg, 3, text=10**12)
+    assert need.total == model_need(cfg, 3).total + 10**12 and need.dominant() == "text"
+    assert need.largest() == "fewer --num-samples or a smaller --max-new-tokens"
+    assert model_need(cfg, 3).dominant() != "text"
+
+
 def test_free_memory_is_known_here() -> None:
     free = training.memory.available_bytes(torch.device("cpu"))
     assert free is not None and free > 10**8

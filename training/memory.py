@@ -26,10 +26,15 @@ class MemoryNeed:
     weights: int  # parameters, their gradients and AdamW's two moments
     masks: int  # the causal mask each layer keeps (block_size x block_size floats: model.attention.causal_bias)
     activations: int  # what one micro-batch's forward keeps for backward, or one evaluation pass, the larger
+    text: int = 0  # sampling: the ids of the prompt and of the characters asked for (see text_bytes)
 
     @property
     def total(self) -> int:
-        return self.weights + self.masks + self.activations
+        return self.weights + self.masks + self.activations + self.text
+
+    def dominant(self) -> str:
+        """The name of the largest part."""
+        return max(("weights", "masks", "activations", "text"), key=lambda name: getattr(self, name))
 
     def largest(self) -> str:
         """What to change to need less, for the part that dominates."""
@@ -38,8 +43,9 @@ class MemoryNeed:
             "masks": "a smaller model.block_size",
             "activations": "a smaller train.batch_size (train.grad_accum_steps keeps the batch per step) or "
                            "model.block_size",
+            "text": "fewer --num-samples or a smaller --max-new-tokens",
         }
-        return parts[max(parts, key=lambda name: getattr(self, name))]
+        return parts[self.dominant()]
 
 
 def parameter_count(cfg: GPTConfig) -> int:
@@ -92,15 +98,29 @@ def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int, averaged
     )
 
 
-def model_need(cfg: GPTConfig, sequences: int = 1) -> MemoryNeed:
+def model_need(cfg: GPTConfig, sequences: int = 1, text: int = 0) -> MemoryNeed:
     """The peak of building model cfg and sampling `sequences` streams from it (sample.py, or checking a checkpoint
-    before a resume): the weights, the masks, the KV cache and one window's forward pass."""
+    before a resume): the weights, the masks, the KV cache and one window's forward pass, and `text` bytes of the
+    text's ids (text_bytes)."""
     kv_cache = 2 * cfg.n_layer * sequences * cfg.block_size * cfg.n_embd * FLOAT
     return MemoryNeed(
         weights=parameter_count(cfg) * FLOAT,
         masks=mask_bytes(cfg),
         activations=kv_cache + activation_bytes(cfg, sequences, backward=False),
+        text=text,
     )
+
+
+# sample.py keeps the id of every character it generates until the samples are written (4-byte ints in an array a
+# sample, and the room such an array keeps to grow), and its plain paths (GPT.generate: --no-cache, the other model
+# types) hold the prompt and the new characters of every sample as one tensor of int64 ids on the device.
+KEPT_ID = 5
+
+
+def text_bytes(sequences: int, prompt_chars: int, new_tokens: int) -> tuple[int, int]:
+    """(bytes on the sampling device, bytes in the CPU's memory) of the text of `sequences` samples of new_tokens
+    characters after a prompt of prompt_chars: the plain paths' context, and the ids kept until they are written."""
+    return sequences * (prompt_chars + new_tokens) * ID, sequences * new_tokens * KEPT_ID
 
 
 def _meminfo_available() -> int | None:
