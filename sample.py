@@ -165,10 +165,16 @@ def main(argv: list[str] | None = None) -> int:
           f"vocabulary {len(vocab)}", file=sys.stderr)
     ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
     if args.attention_map is not None:
-        from lab.heatmap import save_attention_map
+        from lab.heatmap import characters_shown, save_attention_map
 
+        title = f"{path}: {prompt[-40:]!r}"
+        window = prompt[-config.block_size :]
+        shown = characters_shown(config.n_layer, config.n_head, list(window), title)
+        if shown < len(window):
+            print(f"attention map: the last {shown:,} characters of the prompt's {len(window):,} (a picture of them "
+                  f"all would be too large to open)", file=sys.stderr)
         try:
-            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=f"{path}: {prompt[-40:]!r}")
+            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=title)
         except (OSError, ValueError) as e:  # ValueError: Pillow knows no image format for that file name
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
             print(f"error: cannot write --attention-map '{args.attention_map}': {reason}", file=sys.stderr)

@@ -358,14 +358,43 @@ def render_attention_map(
     return image
 
 
+# The most pixels save_attention_map draws: where Pillow refuses to open an image as a decompression bomb (twice its
+# warning limit, Image.MAX_IMAGE_PIXELS), so that what it writes can be opened again; and memory stays bounded (a
+# 6-layer, 6-head model's picture of 1,000 characters would be 37,000 pixels square, 4 GB). The baby GPT's 256
+# characters make 92 million.
+MAX_MAP_PIXELS = 178_956_970
+
+
+def characters_shown(n_layer: int, n_head: int, chars: list[str], title: str | None = None,
+                     limit: int | None = None) -> int:
+    """How many of the last of chars a picture of n_layer x n_head heads shows within limit pixels (default
+    MAX_MAP_PIXELS; at least 1)."""
+    limit = MAX_MAP_PIXELS if limit is None else limit
+
+    def fits(n: int) -> bool:
+        layout = grid_layout(n_layer, n_head, chars[len(chars) - n :], title)
+        return layout.width * layout.height <= limit
+
+    low, high = 1, len(chars)
+    if fits(high):
+        return high
+    while low < high - 1:  # fits(low) or low == 1; not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
 def save_attention_map(
     model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None
 ) -> Path:
-    """Render the attention of model on the last block_size ids and write it to path as PNG.
+    """Render the attention of model on the last block_size ids and write it to path as PNG: on as many of the last
+    of them as a picture of MAX_MAP_PIXELS shows (characters_shown).
 
     chars is the vocabulary (id -> character), as stored in checkpoints. Returns the path written.
     """
     window = _last_window(ids, model.config.block_size)
+    shown = characters_shown(model.config.n_layer, model.config.n_head, [chars[i] for i in window], title)
+    window = window[len(window) - shown :]
     image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

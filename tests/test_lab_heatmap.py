@@ -207,3 +207,25 @@ def test_logged_image_is_the_picture_itself(tmp_path):
     with Image.open(io.BytesIO(logged.encoded_image_string)) as png:
         assert png.format == "PNG" and png.mode == "RGB"
         assert png.tobytes() == image.tobytes()
+
+def test_a_picture_too_large_to_open_shows_the_last_characters_that_fit(tmp_path: Path, monkeypatch):
+    # a window whose picture would pass MAX_MAP_PIXELS (where Pillow would refuse to open it again) is drawn over its
+    # last characters instead, as many as fit
+    import lab.heatmap
+
+    text = "first citizen:\nbefore we proceed any further, hear me speak."
+    chars = list(text)
+    whole = grid_layout(2, 3, chars, "t")
+    assert lab.heatmap.characters_shown(2, 3, chars, "t") == len(chars)  # far below the real limit
+    limit = whole.width * whole.height // 3
+    shown = lab.heatmap.characters_shown(2, 3, chars, "t", limit=limit)
+    assert 1 <= shown < len(chars)
+    fitting, one_more = grid_layout(2, 3, chars[-shown:], "t"), grid_layout(2, 3, chars[-shown - 1 :], "t")
+    assert fitting.width * fitting.height <= limit < one_more.width * one_more.height
+    monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", limit)
+    model = tiny(block_size=64)
+    path = save_attention_map(model, ids_of(text), VOCAB, tmp_path / "a.png", title="t")
+    with Image.open(path) as image:
+        image.load()
+        expected = render_attention_grid(attention_weights(model, ids_of(text[-shown:])), chars[-shown:], "t")
+        assert image.tobytes() == expected.tobytes()

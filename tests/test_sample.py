@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, SMALL_TEXT, train_small_run
+from PIL import Image
 
 import sample
 from model import load_checkpoint, model_from_checkpoint
@@ -191,6 +192,24 @@ def test_a_text_too_long_for_memory_is_refused_before_the_model_is_built(run, mo
     monkeypatch.setattr(training.memory, "available_bytes", lambda device: 10**9)
     assert "needs about 1.2 GB" in one_error_line(run("--num-samples", "1000", "--max-new-tokens", "30000",
                                                       "--prompt", "a" * 100_000))
+
+
+def test_an_attention_map_too_large_to_open_is_drawn_over_the_last_characters_and_says_so(run, tmp_path,
+                                                                                         monkeypatch):
+    import lab.heatmap
+
+    picture = tmp_path / "map.png"
+    code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "5", "--attention-map", str(picture))
+    assert code == 0 and "attention map: the last" not in err  # 8 characters: nothing left out
+    with Image.open(picture) as image:
+        whole = image.size
+    monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", whole[0] * whole[1] // 2)
+    code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "5", "--attention-map", str(picture))
+    assert code == 0
+    (note,) = [line for line in err.splitlines() if line.startswith("attention map: the last")]
+    assert note.endswith("characters of the prompt's 8 (a picture of them all would be too large to open)")
+    with Image.open(picture) as image:
+        assert image.size[0] * image.size[1] <= whole[0] * whole[1] // 2
 
 
 # ---------------------------------------------------------------------------------------- where from
