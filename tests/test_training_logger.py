@@ -189,3 +189,24 @@ def test_a_failure_in_the_background_picture_is_raised_by_the_next_wait(tmp_path
     with pytest.raises(expected):
         log.close()
     assert log.writer is None
+
+
+def test_the_logged_picture_is_one_pillow_can_open_again(tmp_path, monkeypatch):
+    # a model with many layers and heads: the picture shows the last characters of the stretch that fit
+    import lab.heatmap
+    from data import CharTokenizer
+    from lab.heatmap import grid_layout
+
+    model, tokenizer, ids = _small_gpt(), CharTokenizer("abcde"), [0, 3, 1, 4, 2, 2, 1, 0]
+    whole = grid_layout(2, 2, [tokenizer.chars[i] for i in ids], "step 3")
+    monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", whole.width * whole.height // 2)
+    log = _picture_logger(tmp_path)
+    log.attention(3, model, ids, tokenizer)
+    log.flush()
+    (picture,) = read_events(tmp_path).Images("attention/layers_x_heads")
+    log.close()
+    assert picture.width * picture.height <= whole.width * whole.height // 2
+    shown = lab.heatmap.characters_shown(2, 2, [tokenizer.chars[i] for i in ids], "step 3")
+    assert 1 <= shown < len(ids)
+    layout = grid_layout(2, 2, [tokenizer.chars[i] for i in ids[-shown:]], "step 3")
+    assert (picture.width, picture.height) == (layout.width, layout.height)

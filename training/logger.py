@@ -17,7 +17,7 @@ import yaml
 from configs import flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
-from lab.heatmap import attention_weights, log_image, render_attention_grid
+from lab.heatmap import attention_weights, characters_shown, log_image, render_attention_grid
 from model import GPT
 
 from .config import RunConfig
@@ -170,6 +170,8 @@ class Logger:
             return
         self.finish_picture()
         chars = [tokenizer.chars[i] for i in ids]
+        shown = characters_shown(model.config.n_layer, model.config.n_head, chars, title=f"step {step}")
+        ids, chars = ids[len(ids) - shown :], chars[len(chars) - shown :]  # a picture Pillow can open again
         weights = attention_weights(model, ids)  # on the CPU, as the model is now
         writer = self.writer
 
