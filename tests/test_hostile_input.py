@@ -63,6 +63,8 @@ HOSTILE: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("memory-block", "train", lambda c: _shakespeare(c, "model.block_size=100000", "train.batch_size=1"),
      "needs about"),
     ("memory-width", "train", lambda c: c.train(**{"model.n_embd": 10**6, "model.n_head": 1}), "needs about"),
+    ("sample-chars-beyond-memory", "train", lambda c: c.train(**{"train.sample_chars": 10**10}),
+     "train.sample_chars must be at most 100,000"),
     ("checkpoint-huge-block", "sample", lambda c: c.sample(checkpoint=_changed_checkpoint(c, block_size=10**6)),
      "too large for this machine"),
     ("sample-text-beyond-memory", "sample", lambda c: c.sample("--num-samples", "100000", "--max-new-tokens",

@@ -22,6 +22,9 @@ COMPILE = ("auto", "true", "false")
 OPTIMIZERS = ("adamw", "muon")
 # More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
 MAX_THREADS = 4096
+# The longest sample logged at each evaluation. GPT.generate holds it as 8-byte ids: 10**10 characters asked 80 GB at
+# the first evaluation, and the run ended there in a traceback, its steps since the last checkpoint lost.
+MAX_SAMPLE_CHARS = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +77,9 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"train.threads must be at most {MAX_THREADS} (0 = torch's default), got {self.threads}")
+        if self.sample_chars > MAX_SAMPLE_CHARS:
+            raise ValueError(f"train.sample_chars must be at most {MAX_SAMPLE_CHARS:,} (the characters logged at each "
+                             f"evaluation; sample.py writes longer texts), got {self.sample_chars:,}")
         for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
