@@ -45,6 +45,13 @@ LOSS_TOLERANCE = 5e-4
 WEIGHT_TOLERANCE = 5e-4
 
 
+def test_auto_weighs_the_compile_by_the_micro_batches_the_step_unrolls():
+    small = OVERHEAD_BOUND_FLOPS / 10
+    assert auto_compiles(small, 4 * COLD_MIN_STEPS, CPU, warm=False, micro_batches=4)[0]
+    wanted, reason = auto_compiles(small, 4 * COLD_MIN_STEPS - 1, CPU, warm=False, micro_batches=4)
+    assert not wanted and f"auto compiles from {4 * COLD_MIN_STEPS:,}: {COLD_MIN_STEPS:,} for each of 4" in reason
+
+
 def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
     small = OVERHEAD_BOUND_FLOPS / 10
     assert auto_compiles(small, COLD_MIN_STEPS, CPU, warm=False)[0]

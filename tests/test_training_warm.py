@@ -26,6 +26,8 @@ from training.engine import WARM_MIN_STEPS, EngineChoice, choose_engine, start_e
 from training.errors import UsageError
 
 CPU = torch.device("cpu")
+# the steps from which auto compiles this model from a warm cache: WARM_MIN_STEPS for each micro-batch a step unrolls
+WARM_STEPS = WARM_MIN_STEPS * ENGINE_KEYS["train.grad_accum_steps"]
 
 
 def trainer_for(tmp_path: Path, max_iters: int) -> SimpleNamespace:
@@ -41,7 +43,7 @@ def trainer_for(tmp_path: Path, max_iters: int) -> SimpleNamespace:
 def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compiled(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
-    trainer = trainer_for(tmp_path, WARM_MIN_STEPS)
+    trainer = trainer_for(tmp_path, WARM_STEPS)
     key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("eager", key) and "cold cache" in choice.reason
@@ -56,7 +58,7 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
     assert spec == {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": "float32",
                     "threads": torch.get_num_threads()}
 
-    assert choose_engine(trainer_for(tmp_path, WARM_MIN_STEPS - 1), None, CPU).warm_key is None  # too short anyway
+    assert choose_engine(trainer_for(tmp_path, WARM_STEPS - 1), None, CPU).warm_key is None  # too short anyway
     assert choose_engine(trainer, None, torch.device("cuda")).warm_key is None  # CPUs only
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "0")
     assert choose_engine(trainer, None, CPU) == EngineChoice("eager", choice.reason)
@@ -69,6 +71,17 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
     compile_cache.remember_compile(key, 3.0)  # warm: auto compiles, nothing is left to warm
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("step", None), choice.reason
+
+
+def test_more_micro_batches_than_the_compiled_step_unrolls_compile_the_blocks(tmp_path):
+    # compiling the whole step grows with its micro-batches (171 s for 8 in one measurement): above MAX_STEP_ACCUM
+    # a compiled run compiles the model block by block, whose cost does not grow with them
+    trainer = trainer_for(tmp_path, 10**9)
+    for accum, kind in ((engine.MAX_STEP_ACCUM, "step"), (engine.MAX_STEP_ACCUM + 1, "blocks")):
+        tc = replace(trainer.tc, grad_accum_steps=accum, compile="true")
+        choice = choose_engine(SimpleNamespace(**{**vars(trainer), "tc": tc}), None, CPU)
+        assert choice.kind == kind
+        assert ("more than the compiled step unrolls (8)" in choice.reason) is (kind == "blocks")
 
 
 def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
@@ -94,7 +107,7 @@ def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
 def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_path, monkeypatch):
     """The real helper, on the shapes tests/test_training_engine.py compiles (so mostly from their cache)."""
     monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as they do
-    trainer = trainer_for(tmp_path, WARM_MIN_STEPS)
+    trainer = trainer_for(tmp_path, WARM_STEPS)
     key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
     folder = compile_cache.compile_cache_dir()
     compile_cache._marker(key).unlink(missing_ok=True)

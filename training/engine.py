@@ -60,6 +60,11 @@ WARM_MIN_STEPS = 2_000
 # cold and 9.5 s warm, so compiling wins from about 4,500 steps cold and 1,200 warm.
 CUDA_MIN_STEPS = 5_000
 CUDA_WARM_MIN_STEPS = 1_500
+# The compiled step unrolls its micro-batches, and compiling grows with them: tiny.yaml's model at batch 16, cold
+# cache, 2-core Zen 4 EPYC: 26 s for 1 micro-batch a step, 38 for 2, 77 for 4, 171 for 8, the compiling process
+# 70 MB larger for each (0.5 GB at 1, 1.0 GB at 8). auto weighs the cost by the micro-batches; above this many, a
+# compiled run compiles the model block by block instead, which costs the same whatever train.grad_accum_steps.
+MAX_STEP_ACCUM = 8
 # Above this many training FLOPs per step a CPU step whose matrix multiplies run through PyTorch's default BLAS is
 # bound by them, and compiling does not speed it up (measured as above: 0.06 GFLOP/step 2.2x faster compiled, 0.95
 # GFLOP 1.3x, 1.9 GFLOP 1.1x, 4.0 GFLOP (nanoGPT's CPU config, float32) 1.0x). Through oneDNN (model/linear.py)
@@ -139,19 +144,22 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
 
 
 def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.device, warm: bool,
-                  onednn: bool = False) -> tuple[bool, str]:
+                  onednn: bool = False, micro_batches: int = 1) -> tuple[bool, str]:
     """train.compile=auto: (compile?, the reason, for the log). onednn: the step's matrix multiplies run through
-    oneDNN (see OVERHEAD_BOUND_FLOPS)."""
+    oneDNN (see OVERHEAD_BOUND_FLOPS). micro_batches: how many the compiled step unrolls, each one as much to compile
+    again (see MAX_STEP_ACCUM)."""
     if device.type == "cpu" and flops_per_step > OVERHEAD_BOUND_FLOPS and not onednn:
         return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is bound by matrix multiplies, which compiling "
                        f"does not speed up on a CPU")
     need = WARM_MIN_STEPS if warm else COLD_MIN_STEPS
     if device.type == "cuda":
         need = CUDA_WARM_MIN_STEPS if warm else CUDA_MIN_STEPS
+    need *= micro_batches
     state = "warm" if warm else "cold"
     if remaining_steps < need:
+        each = f": {need // micro_batches:,} for each of {micro_batches} micro-batches a step" if micro_batches > 1 else ""
         return False, (f"{remaining_steps:,} steps are too few to win back compiling with a {state} cache "
-                       f"(auto compiles from {need:,}; train.compile=true forces it)")
+                       f"(auto compiles from {need:,}{each}; train.compile=true forces it)")
     return True, f"{remaining_steps:,} steps win back compiling with a {state} cache"
 
 
@@ -432,11 +440,16 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
     if tc.compile == "false":
         return EngineChoice("eager", "train.compile=false")
     kind = "step" if not trainer.launch.torchrun and trainer.scaler is None else "blocks"
+    unrolled = ""
+    if kind == "step" and tc.grad_accum_steps > MAX_STEP_ACCUM:
+        kind = "blocks"
+        unrolled = (f"; {tc.grad_accum_steps} micro-batches a step are more than the compiled step unrolls "
+                    f"({MAX_STEP_ACCUM})")
     why_not = cannot_compile(device)
     if tc.compile == "true":
         if why_not is not None:
             return EngineChoice("eager", f"train.compile=true, but {why_not}: training without compiling")
-        return EngineChoice(kind, "train.compile=true")
+        return EngineChoice(kind, f"train.compile=true{unrolled}")
     saved = payload.get("engine") if payload is not None else None
     if saved is not None:
         wanted, reason = saved != "eager", f"auto: as the checkpoint was trained ({saved})"
@@ -448,12 +461,14 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
         onednn = device.type == "cpu" and trainer.dtype == torch.float32 and multiplies_through_onednn(
             trainer.model, tc.batch_size * trainer.cfg.model.block_size)
         warm_now = cached_compile_seconds(key) is not None
+        micro = tc.grad_accum_steps if kind == "step" else 1
         wanted, reason = auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=warm_now,
-                                       onednn=onednn)
-        reason = f"auto: {reason}"
+                                       onednn=onednn, micro_batches=micro)
+        reason = f"auto: {reason}{unrolled}"
         if (not wanted and not warm_now and why_not is None and device.type == "cpu" and kind == "step"
                 and trainer.launch.main and warm_later
-                and auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=True, onednn=onednn)[0]):
+                and auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=True, onednn=onednn,
+                                  micro_batches=micro)[0]):
             return EngineChoice("eager", reason, warm_key=key)
     if wanted and why_not is not None:
         return EngineChoice("eager", f"auto: {why_not}")
