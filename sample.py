@@ -197,7 +197,8 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
     batch; with --stream the first one is printed as it comes and the others when they are complete. KeyboardInterrupt
     after the first character for which interrupted() is true."""
     out = sys.stdout
-    # the ids of every sample until they are written: 4 bytes a character (training.memory.KEPT_ID), checked to fit
+    # the ids of every sample until they are written: 4-byte ints, with room to grow (training.memory.KEPT_ID: 5 bytes
+    # a character), checked to fit
     kept = [array("i") for _ in range(args.num_samples)]
     with sampling_threads(model, args.num_samples, ids.device):
         for step_ids in character_steps(model, ids.expand(args.num_samples, -1), args):
