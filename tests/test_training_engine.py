@@ -271,3 +271,51 @@ def test_the_update_reads_the_step_count_once_when_every_parameter_shares_it(tmp
                                            shared.flat.split(shared.layout.sizes), strict=True)]
     assert all(parts[i].max() == 0 for i, c in enumerate(counts) if c == 0)
     assert all(parts[i].max() > 1e-4 for i, c in enumerate(counts) if c > 0)
+
+
+def test_the_cache_watch_says_once_that_the_gpu_cache_was_released(monkeypatch):
+    cuda = torch.device("cuda")  # a device object needs no GPU; memory_stats is the allocator's, faked here
+    stats = {"num_device_free": 3, "num_alloc_retries": 0, "allocated_bytes.all.current": 1 << 20}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    assert engine.cache_releases(CPU) == 0
+    assert engine.cache_releases(cuda) == 3
+    assert engine.CacheReleaseWatch.for_run(CPU, compiled=True) is None
+    assert engine.CacheReleaseWatch.for_run(cuda, compiled=False) is None  # eager training is not affected
+    watch = engine.CacheReleaseWatch.for_run(cuda, compiled=True)
+    assert watch is not None and watch.check(10) is None
+    stats["allocated_bytes.all.current"] = 5 << 20  # allocating more is not releasing
+    assert watch.check(20) is None
+    stats["num_alloc_retries"] = 1  # the GPU ran short: the allocator emptied its cache and tried again
+    line = watch.check(1230)
+    assert line is not None and "\n" not in line
+    assert line.startswith("engine: PyTorch released its cached GPU memory by step 1,230 ")
+    assert "train.compile=false" in line
+    stats["num_device_free"] = 9  # torch.cuda.empty_cache() later on: said once already
+    assert watch.check(1240) is None
+    other = engine.CacheReleaseWatch(cuda)  # a watch started now counts from now
+    assert other.check(1250) is None
+    stats["num_device_free"] = 10
+    assert other.check(1260) is not None
+
+
+def test_a_run_prints_the_cache_watchs_line_at_its_log_steps(tmp_path, capsys, monkeypatch):
+    asked: list[tuple[str, bool]] = []
+    checked: list[int] = []
+
+    class Released:
+        def check(self, step: int) -> str | None:
+            checked.append(step)
+            return "engine: released (fake)" if step == 10 else None
+
+    def for_run(device: torch.device, compiled: bool) -> Released:
+        asked.append((device.type, compiled))
+        return Released()
+
+    monkeypatch.setattr(engine.CacheReleaseWatch, "for_run", staticmethod(for_run))
+    corpus = write_corpus(tmp_path)
+    code, out, err = call(train_main, ["--config", "configs/tiny.yaml", *tiny_overrides(corpus, tmp_path / "out"),
+                                       "train.compile=false", "train.tensorboard=false"], capsys)
+    assert code == 0, err
+    assert asked == [("cpu", False)]
+    assert checked == [5, 10, 15, 20]  # each logged step (train.log_interval=5)
+    assert out.count("engine: released (fake)") == 1
