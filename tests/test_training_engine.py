@@ -319,3 +319,51 @@ def test_a_run_prints_the_cache_watchs_line_at_its_log_steps(tmp_path, capsys, m
     assert asked == [("cpu", False)]
     assert checked == [5, 10, 15, 20]  # each logged step (train.log_interval=5)
     assert out.count("engine: released (fake)") == 1
+
+
+@pytest.fixture(scope="module")
+def released_run(tmp_path_factory) -> tuple[int, str]:
+    """configs/shakespeare_char.yaml compiled on CUDA for 300 steps, releasing PyTorch's GPU cache once, in the
+    evaluation at step 250 (right after its sample): the run that found the fault (an H200, torch 2.11, where the
+    training loss went from 2.07 at step 250 to 3.53 at step 252). (exit status, stdout)."""
+    import contextlib
+    import io
+
+    import train
+    from training import loop
+
+    out = io.StringIO()
+    real = loop.sample_text
+
+    def sample_then_release(*args):
+        text = real(*args)
+        torch.cuda.empty_cache()
+        return text
+
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(loop, "sample_text", sample_then_release)
+        code = train.main(["--config", "configs/shakespeare_char.yaml", "--out-dir",
+                           str(tmp_path_factory.mktemp("released")), "train.max_iters=300", "train.lr_decay_iters=5000",
+                           "train.eval_interval=250", "train.log_interval=1"], progress=False)
+    return code, out.getvalue()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_cuda_run_says_when_the_gpu_cache_was_released(released_run):
+    code, out = released_run
+    assert code == 0, out[-2000:]
+    said = [line for line in out.splitlines() if line.startswith("engine: PyTorch released its cached GPU memory")]
+    assert len(said) == 1 and " by step 251 " in said[0], said
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known fault, cause not yet found (README, 'On a GPU'): the compiled step's first update "
+                          "after the GPU cache is released goes wrong")
+def test_a_compiled_cuda_run_trains_on_unharmed_after_the_gpu_cache_is_released(released_run):
+    code, out = released_run
+    assert code == 0, out[-2000:]
+    losses = {step: float(loss) for step, loss in logged_losses(out).items()}
+    # Without the release the loss stays within a few hundredths of step 250's over the next ten steps (2.07 ->
+    # 2.06-2.07 at step 260 in the runs measured); with it, it jumped by more than 1.
+    assert max(losses[s] for s in range(251, 261)) < losses[250] + 0.3, {s: losses[s] for s in range(248, 261)}
