@@ -4,6 +4,7 @@
     python bench.py --nanogpt ../nanoGPT --isa avx2       # as on a CPU without AVX-512 (libraries kept to AVX2)
     python bench.py --nanogpt ../nanoGPT --skip-quality   # training steps and sampling only
     python bench.py --nanogpt ../nanoGPT --quick          # a smoke test of every row, tiny step counts
+    python bench.py --nanogpt ../nanoGPT --gpu            # on a CUDA GPU: the baby GPT to nanoGPT's best loss
 
 Get nanoGPT with: git clone https://github.com/karpathy/nanoGPT
 
@@ -375,8 +376,22 @@ def quality_rows(p: Programs, iters: int | None, bf16: bool = False, rounds: int
     return rows
 
 
+def gpu_quality_rows(p: Programs, iters: int | None, rounds: int = 1) -> list[dict]:
+    """--gpu: time from launch to nanoGPT's best val on its baby GPT recipe (config/train_shakespeare_char.py, as its
+    README runs it on a GPU: compiled, bfloat16), against configs/shakespeare_char.yaml as it is (compiled) and
+    trained eagerly, each from empty caches and repeated."""
+    nano = ["config/train_shakespeare_char.py", "--always_save_checkpoint=False", "--wandb_log=False",
+            *shortened(iters, "--{}={}")]
+    contenders = [("configs/shakespeare_char.yaml", [], ""),
+                  ("configs/shakespeare_char.yaml", ["train.compile=false"], ", tinychar eager (train.compile=false)")]
+    return race(p, "nanoGPT's baby GPT on the GPU", nano, lambda evals: min(evals, key=lambda e: e[2]),
+                "nanoGPT's best (step {step}) on its baby GPT, block 256, on the GPU", contenders, iters, rounds,
+                device="cuda")
+
+
 def race(p: Programs, name: str, nano_args: list[str], pick: Callable[[list[tuple[float, int, float]]], tuple],
-         what: str, contenders: list[tuple[str, list[str], str]], iters: int | None, rounds: int) -> list[dict]:
+         what: str, contenders: list[tuple[str, list[str], str]], iters: int | None, rounds: int,
+         device: str = "cpu") -> list[dict]:
     """Rows for each tinychar (config, overrides, label suffix) in contenders reaching the val that pick chooses from
     nanoGPT's first run (seconds, step, val), from empty caches and repeated, over rounds that alternate the two
     programs: nanoGPT's time in each round is when that round's run first reached the target."""
@@ -391,7 +406,7 @@ def race(p: Programs, name: str, nano_args: list[str], pick: Callable[[list[tupl
             _, step, target = pick(evals)
         nano.append(next((t for t, _, val in evals if val <= target), math.nan))
         for i, (config, extra, _) in enumerate(contenders):
-            for when, seconds, low in tinychar_to(p, config, target, iters, extra):
+            for when, seconds, low in tinychar_to(p, config, target, iters, extra, device):
                 tiny.setdefault((i, when), []).append(seconds)
                 best[i, when] = min(best.get((i, when), math.inf), low)
     rows = []
@@ -425,8 +440,8 @@ def evaluations(run: Run) -> list[tuple[float, int, float]]:
     return run.evals
 
 
-def tinychar_to(p: Programs, config: str, target: float, iters: int | None,
-                extra: list[str]) -> list[tuple[str, float, float]]:
+def tinychar_to(p: Programs, config: str, target: float, iters: int | None, extra: list[str],
+                device: str = "cpu") -> list[tuple[str, float, float]]:
     """tinychar's config (with the overrides in extra) run to val <= target from empty caches, then repeated: (when,
     seconds from launch, lowest val seen) for each, seconds NaN where it never got there."""
     cache, out = p.fresh("cache"), []
@@ -434,7 +449,7 @@ def tinychar_to(p: Programs, config: str, target: float, iters: int | None,
         if when == "repeated run":
             wait_for_helpers(cache)
         note(f"time to quality: tinychar {config}, {when} ...")
-        run = p.tinychar("train.py", ["--config", config, "train.device=cpu", *shortened(iters, "train.{}={}"),
+        run = p.tinychar("train.py", ["--config", config, f"train.device={device}", *shortened(iters, "train.{}={}"),
                                       *extra], cache=cache, stop_at=target)
         reached = next((t for t, _, val in run.evals if val <= target), math.nan)
         out.append((when, reached, min((e[2] for e in run.evals), default=math.nan)))
@@ -512,6 +527,13 @@ NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); s
          "may leave has warmed it (training.warm; it starts when the run has ended); nanoGPT's data is prepared "
          "beforehand.")
 
+GPU_NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio "
+             "of the rounds. --gpu: time from launch to the evaluation line, as the line arrives. nanoGPT runs its "
+             "baby GPT recipe as its README does on a GPU (compile=True, bfloat16), and its first run sets the target; "
+             "tinychar runs configs/shakespeare_char.yaml as it is (compile: true, dtype auto: bfloat16) and with "
+             "train.compile=false, each from a fresh cache folder and again with that folder as the first run left "
+             "it, each stopped at the target.")
+
 
 def markdown(report: dict) -> str:
     """The report as the README shows it: a header line, the matmul ceiling, the table, and how it was measured."""
@@ -520,6 +542,7 @@ def markdown(report: dict) -> str:
              f"torch {report['torch']}, {report['threads']} threads, rounds: {report['rounds']}"
              + (f"; limited to {report['isa'].upper()} (" + ", ".join(f"{k}={v}" for k, v in ISA_LIMITS[report["isa"]].items())
                 + ")" if report.get("isa") in ISA_LIMITS else "")
+             + (f"; GPU: {report['gpu']}" if report.get("gpu") else "")
              + (" (--quick: smoke-test lengths, not figures to quote)" if report.get("quick") else ""), ""]
     if "matmul_gflops" in report:
         c = report["matmul_gflops"]
@@ -541,7 +564,7 @@ def markdown(report: dict) -> str:
         spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}x" if row["spread"] else "-"
         lines.append(f"| {row['label']} | {row['unit']} | {cell(row['nanogpt'], row['unit'])} | {tiny} | {ratio} | "
                      f"{spread} |")
-    return "\n".join([*lines, "", NOTES])
+    return "\n".join([*lines, "", GPU_NOTES if report.get("gpu") else NOTES])
 
 
 def plain(value: object) -> object:
@@ -566,6 +589,12 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
               "torch": torch.__version__, "threads": args.threads, "rounds": rounds, "quick": args.quick,
               "lengths": {"steps": plan.steps, "compiled_steps": plan.compiled_steps, "chars": plan.chars,
                           "compiled_chars": plan.compiled_chars, "quality_iters": plan.quality_iters}}
+    if args.gpu:
+        report["gpu"] = torch.cuda.get_device_name()
+        note("nanoGPT: copying and preparing its data ...")
+        p = Programs(Path(args.nanogpt).resolve(), scratch, args.threads)
+        report["rows"] = gpu_quality_rows(p, plan.quality_iters, args.rounds or 1)
+        return report
     note("matmul ceilings ...")
     report["matmul_gflops"] = matmul_gflops(args.threads, plan.ceiling_seconds)
     note("nanoGPT: copying and preparing its data ...")
@@ -609,6 +638,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-quality", action="store_true", help="skip the time-to-quality rows (minutes)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results to this JSON file")
     p.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test, not figures to quote")
+    p.add_argument("--gpu", action="store_true",
+                   help="on a CUDA GPU, only the time from launch to nanoGPT's best loss on its baby GPT (one round "
+                        "unless --rounds; minutes: nanoGPT's whole run and four of tinychar's to its loss)")
     p.add_argument("--isa", choices=["native", *ISA_LIMITS], default="native",
                    help="avx2: keep both programs' libraries to AVX2, to measure as on a CPU without AVX-512 "
                         "(default native: all the CPU offers)")
@@ -617,6 +649,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.gpu and not torch.cuda.is_available():
+        p.error("--gpu needs a CUDA GPU, and PyTorch finds none here; run without --gpu for the CPU rows")
+    if args.gpu and args.isa != "native":
+        p.error("--isa limits the CPU's libraries; it has no meaning with --gpu")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json: no folder '{Path(args.json).parent}' to write '{args.json}' into")
     return args

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import bench
@@ -191,6 +192,38 @@ def test_time_to_quality_alternates_the_programs_and_times_nanogpt_to_its_first_
     assert row["nanogpt"] == 75.0 and row["tinychar"] == 20.0 and row["ratio"] == 3.75
     assert row["spread"] == [2.5, 5.0]
     assert row["target"] == 1.95 and row["tinychar_best"] == pytest.approx(1.94)
+
+
+def test_the_gpu_rows_race_nanogpts_gpu_recipe_against_the_baby_gpt_compiled_and_eager(monkeypatch):
+    fake = FakePrograms(drift=0.0)
+    nano_args: list[list[str]] = []
+    real = fake.nanogpt
+    monkeypatch.setattr(fake, "nanogpt", lambda script, args: nano_args.append(args) or real(script, args))
+    rows = bench.gpu_quality_rows(fake, None)
+    assert nano_args == [["config/train_shakespeare_char.py", "--always_save_checkpoint=False", "--wandb_log=False"]]
+    assert not any(a.startswith(("--device", "--compile", "--dtype")) for a in nano_args[0])  # its GPU defaults
+    runs = [args for args, _ in fake.tiny_runs]
+    assert len(runs) == 4 and all(args[:3] == ["--config", "configs/shakespeare_char.yaml", "train.device=cuda"]
+                                  for args in runs)
+    assert [args[3:] for args in runs] == [[], [], ["train.compile=false"], ["train.compile=false"]]
+    target = "launch to val <= 1.9500, nanoGPT's best (step 1300) on its baby GPT, block 256, on the GPU"
+    assert [r["label"] for r in rows] == [f"{target}; tinychar empty caches", f"{target}; tinychar repeated run",
+                                          f"{target}, tinychar eager (train.compile=false); tinychar empty caches",
+                                          f"{target}, tinychar eager (train.compile=false); tinychar repeated run"]
+    report = {"date": "2026-11-26", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 16, "torch": "2.11.0+cu130",
+              "threads": 16, "rounds": 1, "gpu": "NVIDIA H200", "rows": rows}
+    table = bench.markdown(report)
+    assert table.splitlines()[0].endswith("rounds: 1; GPU: NVIDIA H200")
+    assert "compile=True, bfloat16" in table and "compile=False, as its README's CPU command" not in table
+
+
+def test_gpu_mode_needs_a_cuda_gpu_and_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--nanogpt", str(tmp_path), "--gpu"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "--gpu needs a CUDA GPU" in err
 
 
 SECONDS_PER_STEP = {"nanoGPT": 0.005, "eager": 0.004, "compiled": 0.002}
