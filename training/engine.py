@@ -395,7 +395,8 @@ def cache_releases(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     stats = torch.cuda.memory_stats(device)
-    return int(stats.get("num_device_free", 0)) + int(stats.get("num_alloc_retries", 0))
+    # segments freed: in every torch version's stats; the cudaFree count where the version has it (they move together)
+    return sum(int(stats.get(key, 0)) for key in ("num_device_free", "segment.all.freed", "num_alloc_retries"))
 
 
 class CacheReleaseWatch:
