@@ -228,6 +228,7 @@ class Unrolled:
         self.count = torch.ones(1, dtype=torch.long, device=device)
         self.noise = torch.ones(chunk, batch, config.vocab_size, device=device) if sampled else None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.stream: torch.cuda.Stream | None = None  # the graph's own capture stream
         self.drawn: torch.Tensor | None = None
 
     def run(self) -> torch.Tensor:
@@ -244,17 +245,21 @@ class Unrolled:
     def capture(self) -> None:
         """Record run() as a CUDA graph. Its first runs happen outside the graph, on a side stream as CUDA graphs
         ask, so that what runs once (torch.compile's compiling, cuBLAS's workspace) is done before the capture; they
-        move the window, which the caller sets before each text."""
-        side = torch.cuda.Stream(self.window.device)
-        side.wait_stream(torch.cuda.current_stream(self.window.device))
+        move the window, which the caller sets before each text. The capture is on that stream too, not on the one
+        that torch.cuda.graph shares among all its captures: cuBLAS keeps a workspace per stream, which the graph
+        records, and freeing any graph captured on a stream frees that stream's workspace (PyTorch issue #193402),
+        so two samplers sharing a stream could leave the later one writing into freed memory."""
+        device = self.window.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.run()
-        torch.cuda.current_stream(self.window.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             self.drawn = self.run()
-        self.graph = graph
+        self.graph, self.stream = graph, side
 
     def __call__(self) -> torch.Tensor:
         if self.graph is None:

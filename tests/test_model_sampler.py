@@ -4,6 +4,8 @@ longer than the window, a batch of samples, eager and compiled."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -157,3 +159,28 @@ def test_the_cuda_graph_gives_the_plain_paths_characters(model, compiled):
     expected = m.generate(prompt, 300, 0.9, 6, None, expected_gen, use_cache=False)
     assert torch.equal(got, expected)
     assert torch.equal(gen.get_state(), expected_gen.get_state())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_freeing_one_samplers_graph_leaves_anothers_whole(model):
+    """Each sampler captures on a stream of its own: freeing one graph frees the cuBLAS workspace of its stream only
+    (PyTorch issue #193402), so a second sampler's graph, captured after it, goes on giving the plain path's text."""
+    cuda = torch.device("cuda")
+    m = GPT(model.config).to(cuda).eval()
+    m.load_state_dict(model.state_dict())
+    prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1)).to(cuda)
+    first = WindowSampler(m, 0.9, 6, None, chunk=16, graph=True)
+    first.warm_up(2, cuda)
+    second = WindowSampler(m, 0.9, 6, None, chunk=16, graph=True)
+    second.warm_up(2, cuda)
+    assert first.unrolled.stream is not None and first.unrolled.stream != second.unrolled.stream
+    del first
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    taken = [torch.full((1 << 20,), 7.0, device=cuda) for _ in range(64)]  # what was freed, in use again
+    gen = torch.Generator(cuda).manual_seed(3)
+    got = torch.cat([prompt, *second.generate_iter(prompt, 300, gen)], dim=1)
+    expected = m.generate(prompt, 300, 0.9, 6, None, torch.Generator(cuda).manual_seed(3), use_cache=False)
+    assert torch.equal(got, expected)
+    assert all(bool((t == 7.0).all()) for t in taken)
