@@ -57,8 +57,10 @@ COLD_MIN_STEPS = 20_000
 WARM_MIN_STEPS = 2_000
 # On CUDA compiling fuses the elementwise work that dominates a GPU step at any size. Measured on an H100 (torch
 # 2.11, configs/shakespeare_char.yaml, bfloat16): 14.6-16.9 ms/step eager, 7.2-8.4 ms compiled, compile 29-36 s
-# cold and 9.5 s warm, so compiling wins from about 4,500 steps cold and 1,200 warm.
-CUDA_MIN_STEPS = 5_000
+# cold and 9.5 s warm, so compiling wins from about 4,500 steps cold and 1,200 warm. On an H200 whose host compiled
+# more slowly: 12.2 ms eager, 6.5 compiled, compile 52.5 s cold and 5.4 s warm: from about 9,200 steps cold and 950
+# warm. The cold threshold takes the slower host's.
+CUDA_MIN_STEPS = 10_000
 CUDA_WARM_MIN_STEPS = 1_500
 # The compiled step unrolls its micro-batches, and compiling grows with them: tiny.yaml's model at batch 16, cold
 # cache, 2-core Zen 4 EPYC: 26 s for 1 micro-batch a step, 38 for 2, 77 for 4, 171 for 8, the compiling process
