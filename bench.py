@@ -653,6 +653,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--gpu needs a CUDA GPU, and PyTorch finds none here; run without --gpu for the CPU rows")
     if args.gpu and args.isa != "native":
         p.error("--isa limits the CPU's libraries; it has no meaning with --gpu")
+    if args.gpu and args.skip_quality:
+        p.error("--gpu runs only the time-to-quality race, which --skip-quality leaves out; use one of them")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json: no folder '{Path(args.json).parent}' to write '{args.json}' into")
     return args

@@ -224,6 +224,12 @@ def test_gpu_mode_needs_a_cuda_gpu_and_says_so_in_one_line(tmp_path: Path, capsy
         bench.main(["--nanogpt", str(tmp_path), "--gpu"])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1 and "--gpu needs a CUDA GPU" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for extra, says in ((["--skip-quality"], "which --skip-quality leaves out"), (["--isa", "avx2"], "--isa limits")):
+        with pytest.raises(SystemExit) as exited:
+            bench.main(["--nanogpt", str(tmp_path), "--gpu", *extra])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1 and says in err
 
 
 SECONDS_PER_STEP = {"nanoGPT": 0.005, "eager": 0.004, "compiled": 0.002}
