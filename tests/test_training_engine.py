@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import SMALL_TEXT, tiny_overrides
 from test_train import bitwise_equal, logged_losses
+from torch import nn
 from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
-from training import compile_cache, engine, load_config
+from training import TrainConfig, compile_cache, engine, load_config
 from training.engine import (
     COLD_MIN_STEPS,
     CUDA_MIN_STEPS,
@@ -229,6 +231,73 @@ def test_the_compiled_step_is_traced_and_run_under_deterministic_kernels(tmp_pat
     step(xs, xs.clone(), 1e-3)
     assert seen == [(True, False), (True, False)]
     assert not torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+
+
+def test_the_compiled_step_keeps_dynamos_guards_on_its_arguments_and_torchs_state_not_on_the_model():
+    def entry(guard_type: str, source: str, value: object = None) -> SimpleNamespace:
+        return SimpleNamespace(guard_type=guard_type, value=value, orig_guard=SimpleNamespace(name=source))
+
+    kept = [entry("TENSOR_MATCH", "L['flat']", torch.zeros(2)),
+            entry("TENSOR_MATCH", "L['model']._modules['attn']._buffers['mask']", torch.zeros(2)),
+            entry("CONSTANT_MATCH", "L['layout'].names[0]", "wte.weight"), entry("SEQUENCE_LENGTH", "L['layout']"),
+            entry("CONSTANT_MATCH", "L['setup'].module", "ab12"), entry("CONSTANT_MATCH", "L['setup'].training"),
+            entry("DUPLICATE_INPUT", "L['ys']"), entry("GLOBAL_STATE", ""), entry("DETERMINISTIC_ALGORITHMS", ""),
+            entry("GRAD_MODE", ""), entry("DEFAULT_DEVICE", "")]
+    dropped = [entry("TENSOR_MATCH", "L['model']._modules['wte']._parameters['weight']", nn.Parameter(torch.zeros(2))),
+               entry("CONSTANT_MATCH", "L['model']._modules['drop'].p", 0.0),
+               entry("EMPTY_NN_MODULE_HOOKS_DICT", "L['model']._forward_hooks"),
+               entry("CLOSURE_MATCH", "G['torch'].func.functional_call"), entry("ID_MATCH", "G['torch']")]
+    assert engine.step_guards(kept + dropped) == [True] * len(kept) + [False] * len(dropped)
+
+
+def test_module_settings_tell_apart_what_the_traced_step_reads_of_a_model():
+    def settings(**kw: object) -> str:
+        return engine.module_settings(GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=8, n_head=2, **kw)))
+
+    plain = settings()
+    assert plain == settings()  # another model of the same settings (its weights are not settings)
+    assert len({plain, settings(dropout=0.1), settings(attention="fused"), settings(score="additive"),
+                settings(bias=False), settings(block_size=16)}) == 6
+    model = GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=8, n_head=2))
+    model.eval()  # the mode goes to the step apart (Setup.training)
+    assert engine.module_settings(model) == plain
+    model.transformer.h[0].register_forward_hook(lambda *args: None)
+    assert engine.module_settings(model) != plain
+    onednn = GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=8, n_head=2))
+    onednn.transformer.h[0].mlp.c_fc.onednn_min_rows = 32  # model/linear.py's choice, made when a layer is built
+    assert engine.module_settings(onednn) != plain
+
+
+class DropoutBigram(nn.Module):
+    """The smallest model CompiledStep trains (quick to compile): an embedding, dropout, a tied head."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(5, 8)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.drop(self.wte(x)) @ self.wte.weight.T
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_a_compiled_step_never_runs_code_traced_for_a_model_of_other_settings_or_mode():
+    """Dynamo does not check the model's attributes before each call (engine.step_guards), so the setup carries
+    them: a model that differs only in its dropout, or in its mode, gets code of its own. Trained with code traced
+    for another, the dropout model would give the plain one's loss, and in eval mode a dropped-out one."""
+    tc = replace(TrainConfig(), grad_accum_steps=1)
+    xs = torch.randint(0, 5, (1, 4, 6), generator=torch.Generator().manual_seed(0))
+
+    def first_loss(p: float, training: bool = True) -> float:
+        model = DropoutBigram(p).train(training)
+        step = CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)
+        return step(xs, xs.roll(1, -1), 1e-3)[0].item()
+
+    compile_cache.prepare_compile()
+    plain = first_loss(0.0)
+    assert first_loss(0.5) != plain
+    assert first_loss(0.5, training=False) == pytest.approx(plain, abs=1e-6)
 
 
 def test_the_update_reads_the_step_count_once_when_every_parameter_shares_it(tmp_path):

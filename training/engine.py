@@ -17,6 +17,8 @@ compiled code is kept, and how a run knows its cache is warm: training/compile_c
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import platform
 import time
 from collections.abc import Callable, Iterator
@@ -177,6 +179,48 @@ class Setup(NamedTuple):
     same_steps: bool  # every parameter has taken as many steps (always so, unless a checkpoint says otherwise)
     momentum: float = 0.0  # Muon's, for the matrices at the end of the layout (train.optimizer=muon)
     matrix_decay: float = 0.0  # their weight decay
+    module: str = ""  # module_settings of the model: what its traced code reads of it besides its parameters
+    training: bool = True  # the model's mode when called
+
+
+def module_settings(model: nn.Module) -> str:
+    """Every setting of model and its submodules that its forward can read, other than tensors and the training
+    mode: each module's type and plain attributes (sizes, dropout probabilities, eps, model/linear.py's oneDNN rows,
+    ...) and how many hooks it has, as one digest. The compiled step is told it as a constant instead of guarding
+    on the module (see step_guards): two models whose settings differ compile apart."""
+    plain = (bool, int, float, str, type(None), torch.dtype)
+
+    def is_setting(v: object) -> bool:
+        return (isinstance(v, plain) or isinstance(v, tuple) and all(isinstance(x, plain) for x in v)
+                or dataclasses.is_dataclass(v) and not isinstance(v, type))  # GPT.config
+
+    parts = []
+    for name, m in model.named_modules():
+        attrs = sorted((k, repr(v)) for k, v in vars(m).items()
+                       if not k.startswith("_") and k != "training" and is_setting(v))
+        hooks = [len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                              "_backward_pre_hooks", "_state_dict_hooks")]
+        parts.append(f"{name}:{type(m).__module__}.{type(m).__qualname__}{attrs}{hooks}")
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()
+
+
+# What dynamo checks before each call of the compiled step: the tensors' shapes, dtypes and strides, the layout and
+# the setup, and torch's global state (grad mode, autocast, deterministic algorithms...). Left alone it also checks
+# every attribute of every submodule the trace read and the functions it called, about 600 checks in all for the
+# block-8 step of bench.py, which cost that step about 0.1 ms of its 1.6 (2-core Zen 4 EPYC, 2 threads, in one
+# process, 30 interleaved rounds). Setup.module holds the model's settings instead, and Setup.training its mode. A
+# module changed after its CompiledStep was built (a setting, a hook) or a function of the model or of torch
+# replaced at run time is not noticed: build a new CompiledStep.
+def step_guards(entries: list) -> list[bool]:
+    """torch.compile's guard_filter_fn for the compiled step: which of dynamo's guards to keep (see above)."""
+    keep = []
+    for e in entries:
+        source = e.orig_guard.name  # "" for torch's global state, L['...'] for an argument, G['...'] for a global
+        if e.guard_type == "TENSOR_MATCH":  # inputs and buffers; parameters are replaced from the flat buffer
+            keep.append(not isinstance(e.value, nn.Parameter))
+        else:
+            keep.append(source == "" or source.startswith("L[") and not source.startswith("L['model']"))
+    return keep
 
 
 class Layout(NamedTuple):
@@ -199,6 +243,9 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
     what CompiledStep compiles. AdamW updates the first exp_avg.numel() values of flat: steps holds a value per
     AdamW parameter, decay one per such value, and owner the parameter each belongs to. Muon updates the rest (the
     layout's last `matrices` parameters), whose momentum buffers lie end to end in momentum."""
+    # Read here so that dynamo checks them before each call, in place of the model's attributes (see step_guards).
+    if not setup.module or setup.training != model.training:
+        raise ValueError("the compiled step's setup does not describe its model (see CompiledStep.constants)")
 
     def loss_of(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast_context(torch.device(setup.device_type), setup.dtype):
@@ -350,7 +397,8 @@ class CompiledStep:
         # What the compiled code takes as constants (dynamo guards on their values).
         same_steps = bool((self.steps == self.steps[0]).all())
         self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps,
-                           optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay)
+                           optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay,
+                           module_settings(model))
 
     @staticmethod
     def _flat_state(states: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
@@ -366,16 +414,21 @@ class CompiledStep:
         global _COMPILED_STEP
         if _COMPILED_STEP is None:
             _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False,
-                                           options=compile_options(self.device))
+                                           options={**compile_options(self.device), "guard_filter_fn": step_guards})
         return _COMPILED_STEP
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.flat, self.exp_avg, self.exp_avg_sq, self.steps, self.momentum
 
+    def constants(self) -> Setup:
+        """The setup, with the model's mode now (the trainer's is always training)."""
+        return self.setup if self.model.training else self.setup._replace(training=False)
+
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
         with torch.no_grad(), deterministic_kernels(self.device):  # the gradients are taken inside; the updates are in place
-            return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout, self.setup)
+            return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout,
+                                 self.constants())
 
     def warm_up(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
         """Compile now, on copies of the weights and state, so that a failure leaves the run untouched and the first
@@ -385,7 +438,7 @@ class CompiledStep:
         copies = [t.clone() for t in self.buffers()]
         lr_t = torch.tensor(0.0, dtype=torch.float64, device=self.device)
         with torch.no_grad(), deterministic_kernels(self.device):
-            self.compiled(self.model, *copies, self.decay, self.owner, xs, ys, lr_t, self.layout, self.setup)
+            self.compiled(self.model, *copies, self.decay, self.owner, xs, ys, lr_t, self.layout, self.constants())
         torch.set_rng_state(rng)  # dropout inside the warm-up must not shift the run's random stream
         return time.perf_counter() - start
 
