@@ -207,8 +207,8 @@ def module_settings(model: nn.Module) -> str:
 # What dynamo checks before each call of the compiled step: the tensors' shapes, dtypes and strides, the layout and
 # the setup, and torch's global state (grad mode, autocast, deterministic algorithms...). Left alone it also checks
 # every attribute of every submodule the trace read and the functions it called, about 600 checks in all for the
-# block-8 step of bench.py, which cost that step about 0.1 ms of its 1.6 (2-core Zen 4 EPYC, 2 threads, in one
-# process, 30 interleaved rounds). Setup.module holds the model's settings instead, and Setup.training its mode. A
+# block-8 step of bench.py, which cost that step 0.14 ms of its 1.64 (2-core Zen 4 EPYC, 2 threads, in one process,
+# 30 interleaved rounds of 100 steps, medians). Setup.module holds the model's settings instead, and Setup.training its mode. A
 # module changed after its CompiledStep was built (a setting, a hook) or a function of the model or of torch
 # replaced at run time is not noticed: build a new CompiledStep.
 def step_guards(entries: list) -> list[bool]:
