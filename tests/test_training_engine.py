@@ -250,6 +250,14 @@ def test_the_compiled_step_keeps_dynamos_guards_on_its_arguments_and_torchs_stat
     assert engine.step_guards(kept + dropped) == [True] * len(kept) + [False] * len(dropped)
 
 
+def test_the_guard_filter_goes_to_torch_compile_only_where_torch_takes_it(monkeypatch):
+    """torch 2.6 and 2.7 (requirements.txt allows them) refuse an unknown option: the step would never compile."""
+    monkeypatch.setattr(engine, "GUARD_FILTER", False)
+    assert engine.step_options(CPU) == compile_options(CPU)
+    monkeypatch.setattr(engine, "GUARD_FILTER", True)
+    assert engine.step_options(CPU) == {**compile_options(CPU), "guard_filter_fn": engine.step_guards}
+
+
 def test_module_settings_tell_apart_what_the_traced_step_reads_of_a_model():
     def settings(**kw: object) -> str:
         return engine.module_settings(GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=8, n_head=2, **kw)))

@@ -211,6 +211,19 @@ def module_settings(model: nn.Module) -> str:
 # 30 interleaved rounds of 100 steps, medians). Setup.module holds the model's settings instead, and Setup.training its mode. A
 # module changed after its CompiledStep was built (a setting, a hook) or a function of the model or of torch
 # replaced at run time is not noticed: build a new CompiledStep.
+# torch.compile takes a guard_filter_fn from torch 2.8 on; before that it refuses the option ("Unexpected optimization
+# option"), and the step keeps every guard.
+GUARD_FILTER = torch.__version__ >= "2.8"
+
+
+def step_options(device: torch.device) -> dict:
+    """torch.compile's options for the whole step: inductor's (compile_options) and the guards it keeps."""
+    options = compile_options(device)
+    if GUARD_FILTER:
+        options["guard_filter_fn"] = step_guards
+    return options
+
+
 def step_guards(entries: list) -> list[bool]:
     """torch.compile's guard_filter_fn for the compiled step: which of dynamo's guards to keep (see above)."""
     keep = []
@@ -414,7 +427,7 @@ class CompiledStep:
         global _COMPILED_STEP
         if _COMPILED_STEP is None:
             _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False,
-                                           options={**compile_options(self.device), "guard_filter_fn": step_guards})
+                                           options=step_options(self.device))
         return _COMPILED_STEP
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
