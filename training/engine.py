@@ -199,7 +199,7 @@ def module_settings(model: nn.Module) -> str:
         attrs = sorted((k, repr(v)) for k, v in vars(m).items()
                        if not k.startswith("_") and k != "training" and is_setting(v))
         hooks = [len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                              "_backward_pre_hooks", "_state_dict_hooks")]
+                                              "_backward_pre_hooks")]
         parts.append(f"{name}:{type(m).__module__}.{type(m).__qualname__}{attrs}{hooks}")
     return hashlib.sha256(";".join(parts).encode()).hexdigest()
 
@@ -208,11 +208,12 @@ def module_settings(model: nn.Module) -> str:
 # the setup, and torch's global state (grad mode, autocast, deterministic algorithms...). Left alone it also checks
 # every attribute of every submodule the trace read and the functions it called, about 600 checks in all for the
 # block-8 step of bench.py, which cost that step 0.14 ms of its 1.64 (2-core Zen 4 EPYC, 2 threads, in one process,
-# 30 interleaved rounds of 100 steps, medians). Setup.module holds the model's settings instead, and Setup.training its mode. A
-# module changed after its CompiledStep was built (a setting, a hook) or a function of the model or of torch
-# replaced at run time is not noticed: build a new CompiledStep.
-# torch.compile takes a guard_filter_fn from torch 2.8 on; before that it refuses the option ("Unexpected optimization
-# option"), and the step keeps every guard.
+# 30 interleaved rounds of 100 steps, medians). Setup.module holds the model's settings instead, and Setup.training
+# its mode. A module changed after its CompiledStep was built (a setting, a hook) or a function of the model or of
+# torch replaced at run time is not noticed: build a new CompiledStep.
+#
+# torch.compile takes a guard_filter_fn from torch 2.8 on; before that it refuses the option ("Unexpected
+# optimization option"), and the step keeps every guard.
 GUARD_FILTER = torch.__version__ >= "2.8"
 
 
