@@ -276,7 +276,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     graph = engine.sampling_graphs(device)
     chunk = GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
-                            options=engine.compile_options(device), chunk=chunk, graph=graph)
+                            options=compile_cache.compile_options(device), chunk=chunk, graph=graph)
     if compiled or graph:
         if compiled:
             compile_cache.prepare_compile()

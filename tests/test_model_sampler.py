@@ -12,7 +12,8 @@ import torch
 from model import GPT, GPTConfig
 from model import sampler as sampler_module
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
-from training.engine import COMPILE_OPTIONS, SAMPLE_CHUNK
+from training.compile_cache import COMPILE_OPTIONS
+from training.engine import SAMPLE_CHUNK
 
 
 @pytest.fixture(scope="module")

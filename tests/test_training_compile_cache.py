@@ -14,7 +14,7 @@ import torch
 
 from model import GPTConfig
 from training import compile_cache
-from training.compile_cache import cannot_compile
+from training.compile_cache import cannot_compile, compile_options
 from training.engine import sampling_key
 
 CPU = torch.device("cpu")
@@ -33,6 +33,14 @@ def test_the_log_expects_a_compile_from_the_cache_to_take_what_the_last_one_from
     assert compile_cache.compile_expectation(key, CPU) == "cached: about 2 s"
     compile_cache._marker(key).write_text("[]", encoding="utf-8")
     assert compile_cache.cached_compile_seconds(key) is None
+
+
+def test_inductor_options_keep_the_cpp_wrapper_to_cpus():
+    """The C++ wrapper saves a CPU step's overhead; on CUDA it tripled the cold compile (H100: 102.7 s vs 29.3 s)."""
+    assert compile_options(CPU) == {"cpp_wrapper": True}
+    assert compile_options(torch.device("cuda")) == {}
+    compile_options(CPU)["cpp_wrapper"] = False  # a copy: the callers' options cannot change the defaults
+    assert compile_options(CPU) == {"cpp_wrapper": True}
 
 
 def test_cannot_compile_names_what_is_missing(monkeypatch):

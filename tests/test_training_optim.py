@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from model import GPT, GPTConfig
-from training import engine
+from training import compiled_step
+from training.compiled_step import CompiledStep
 from training.config import TrainConfig
-from training.engine import CompiledStep
 from training.optim import Muon, lr_at, make_optimizer, orthogonalize, orthogonalize_each
 
 
@@ -167,7 +167,7 @@ def test_muon_steps_a_matrix_as_torchs_muon_and_the_rest_exactly_as_adamw():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_the_compiled_steps_update_is_the_optimizers_run_as_plain_pytorch(optimizer):
-    """training.engine's whole step (clipping and the update on flat buffers), run here without compiling, against
+    """training.compiled_step's whole step (clipping and the update on flat buffers), run here without compiling, against
     the eager step: clip_grad_norm_ and the optimizer, 5 steps. Only the order of float32 additions differs."""
     cfg = TrainConfig(optimizer=optimizer, learning_rate=1e-2, grad_clip=0.5)
     batches = [torch.randint(0, 20, (1, 4, 9), generator=torch.Generator().manual_seed(s)) for s in range(5)]
@@ -184,7 +184,7 @@ def test_the_compiled_steps_update_is_the_optimizers_run_as_plain_pytorch(optimi
     assert step.layout.matrices == (8 if optimizer == "muon" else 0)
     for b in batches:
         with torch.no_grad():
-            engine._whole_step(flat, *step.buffers(), step.decay, step.owner, b[:, :, :8], b[:, :, 1:],
+            compiled_step._whole_step(flat, *step.buffers(), step.decay, step.owner, b[:, :, :8], b[:, :, 1:],
                                torch.tensor(cfg.learning_rate, dtype=torch.float64), step.layout, step.setup)
     # Each step moves a weight by up to about lr (AdamW) or lr x 0.2 sqrt(64) / 4 (Muon): 1e-2; rounding, 1e-5.
     assert max((eager.state_dict()[k] - v).abs().max().item() for k, v in flat.state_dict().items()) < 1e-4

@@ -1,30 +1,21 @@
-"""The compiled engine: a whole optimizer step (forward and backward of every micro-batch, gradient clipping and
-the AdamW update) as one compiled graph, and the rule that decides when compiling pays for itself.
+"""The compiled engine: which path a run takes (the whole step compiled, the model compiled block by block, or
+eager), the rule that decides when compiling pays for itself, and the keys by which a run knows its compiled code is
+cached already.
 
-Why the whole step: at block 8 a CPU step is operator overhead (MFU under 10%). Compiling the model alone still
-leaves the autograd engine, gradient accumulation into .grad, the clipping norms and the optimizer as separate
-operators; one graph removes them (measured on a 2-core AVX-512 EPYC, block 8, batch 32, 3 layers of 32: eager
-4.0 ms/step, compiled model plus compiled optimizer 2.4 ms, the whole step 1.75 ms). Where the step is bound by
-MKL's matrix multiplies (block 64, n_embd 128) compiling buys little; where they run through oneDNN
-(model/linear.py) it does (29 -> 20.8 ms). It costs 15-25 s the first time (~3 s once its compile cache is warm),
-so ``train.compile: auto`` compiles only where the run is long enough to win it back.
-
-The step works on the optimizer's own state tensors (step, exp_avg, exp_avg_sq), in place, so checkpoints, resume
-and the eager path see one optimizer. Under torchrun (DDP) and with float16's gradient scaler the model is compiled
-instead, one block at a time: dynamo compiles the block's code once and reuses it for every layer. Where the
-compiled code is kept, and how a run knows its cache is warm: training/compile_cache.py.
+The whole step compiled (training/compiled_step.py) is the fast path. Where the step is bound by MKL's matrix multiplies
+(block 64, n_embd 128) compiling buys little; where they run through oneDNN (model/linear.py) it does (29 -> 20.8
+ms). It costs 15-25 s the first time (~3 s once its compile cache is warm), so ``train.compile: auto`` compiles
+only where the run is long enough to win it back. Under torchrun (DDP) and with float16's gradient scaler the model
+is compiled instead, one block at a time: dynamo compiles the block's code once and reuses it for every layer. Where
+the compiled code is kept, and how a run knows its cache is warm: training/compile_cache.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import platform
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,10 +34,9 @@ from .compile_cache import (
     prepare_compile,
     remember_compile,
 )
+from .compiled_step import CompiledStep
 from .config import TrainConfig
-from .devices import autocast_context
 from .errors import UsageError
-from .optim import muon_lr_scale, orthogonal_dtype, orthogonalize_each
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -77,18 +67,6 @@ MAX_STEP_ACCUM = 8
 # wins from about 2,400 steps cold and 700 warm); tiny.yaml 12.8 -> 8.75 ms (15.5 s cold: about 3,900 steps).
 OVERHEAD_BOUND_FLOPS = 2.5e9
 
-
-# Inductor's C++ wrapper calls the step's kernels and matrix multiplies from compiled code instead of from Python:
-# the same kernels, the same numbers, less overhead per call (measured on a CPU, block 8: a step 1.83 -> 1.58 ms,
-# sampling 4,000 -> 5,000 characters/s), for a few more seconds of compiling the first time. Not on CUDA, where it
-# builds a C++ file against CUDA's headers: measured on an H100 (torch 2.11, configs/shakespeare_char.yaml), cold
-# compile 102.7 s with it, 29.3 s without, and the step no faster with it (2.0M vs 2.2-2.4M tokens/s).
-COMPILE_OPTIONS = {"cpp_wrapper": True}
-
-
-def compile_options(device: torch.device) -> dict:
-    """Inductor's options for the compiled step and sampler on this device (see COMPILE_OPTIONS)."""
-    return dict(COMPILE_OPTIONS) if device.type == "cpu" else {}
 
 
 def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
@@ -165,296 +143,6 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
         return False, (f"{remaining_steps:,} steps are too few to win back compiling with a {state} cache "
                        f"(auto compiles from {need:,}{each}; train.compile=true forces it)")
     return True, f"{remaining_steps:,} steps win back compiling with a {state} cache"
-
-
-class Setup(NamedTuple):
-    """The constants of a compiled step."""
-
-    device_type: str
-    dtype: torch.dtype
-    accum: int
-    clip: float
-    betas: tuple[float, float]
-    eps: float
-    same_steps: bool  # every parameter has taken as many steps (always so, unless a checkpoint says otherwise)
-    momentum: float = 0.0  # Muon's, for the matrices at the end of the layout (train.optimizer=muon)
-    matrix_decay: float = 0.0  # their weight decay
-    module: str = ""  # module_settings of the model: what its traced code reads of it besides its parameters
-    training: bool = True  # the model's mode when called
-
-
-def module_settings(model: nn.Module) -> str:
-    """Every setting of model and its submodules that its forward can read, other than tensors and the training
-    mode: each module's type and plain attributes (sizes, dropout probabilities, eps, model/linear.py's oneDNN rows,
-    ...) and how many hooks it has, as one digest. The compiled step is told it as a constant instead of guarding
-    on the module (see step_guards): two models whose settings differ compile apart."""
-    plain = (bool, int, float, str, type(None), torch.dtype)
-
-    def is_setting(v: object) -> bool:
-        return (isinstance(v, plain) or isinstance(v, tuple) and all(isinstance(x, plain) for x in v)
-                or dataclasses.is_dataclass(v) and not isinstance(v, type))  # GPT.config
-
-    parts = []
-    for name, m in model.named_modules():
-        attrs = sorted((k, repr(v)) for k, v in vars(m).items()
-                       if not k.startswith("_") and k != "training" and is_setting(v))
-        hooks = [len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                              "_backward_pre_hooks")]
-        parts.append(f"{name}:{type(m).__module__}.{type(m).__qualname__}{attrs}{hooks}")
-    return hashlib.sha256(";".join(parts).encode()).hexdigest()
-
-
-# What dynamo checks before each call of the compiled step: the tensors' shapes, dtypes and strides, the layout and
-# the setup, and torch's global state (grad mode, autocast, deterministic algorithms...). Left alone it also checks
-# every attribute of every submodule the trace read and the functions it called, about 600 checks in all for the
-# block-8 step of bench.py, which cost that step 0.14 ms of its 1.64 (2-core Zen 4 EPYC, 2 threads, in one process,
-# 30 interleaved rounds of 100 steps, medians). Setup.module holds the model's settings instead, and Setup.training
-# its mode. A module changed after its CompiledStep was built (a setting, a hook) or a function of the model or of
-# torch replaced at run time is not noticed: build a new CompiledStep.
-#
-# torch.compile takes a guard_filter_fn from torch 2.8 on; before that it refuses the option ("Unexpected
-# optimization option"), and the step keeps every guard.
-GUARD_FILTER = torch.__version__ >= "2.8"
-
-
-def step_options(device: torch.device) -> dict:
-    """torch.compile's options for the whole step: inductor's (compile_options) and the guards it keeps."""
-    options = compile_options(device)
-    if GUARD_FILTER:
-        options["guard_filter_fn"] = step_guards
-    return options
-
-
-def step_guards(entries: list) -> list[bool]:
-    """torch.compile's guard_filter_fn for the compiled step: which of dynamo's guards to keep (see above)."""
-    keep = []
-    for e in entries:
-        source = e.orig_guard.name  # "" for torch's global state, L['...'] for an argument, G['...'] for a global
-        if e.guard_type == "TENSOR_MATCH":  # inputs and buffers; parameters are replaced from the flat buffer
-            keep.append(not isinstance(e.value, nn.Parameter))
-        else:
-            keep.append(source == "" or source.startswith("L[") and not source.startswith("L['model']"))
-    return keep
-
-
-class Layout(NamedTuple):
-    """Where each parameter lies in the flat buffers: its name, number of values and shape, in optimizer order; the
-    last `matrices` of them are Muon's (train.optimizer=muon), the others AdamW's."""
-
-    names: tuple[str, ...]
-    sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    matrices: int = 0
-
-    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {n: t.view(s) for n, t, s in zip(self.names, flat.split(self.sizes), self.shapes, strict=True)}
-
-
-def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                steps: torch.Tensor, momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, xs: torch.Tensor,
-                ys: torch.Tensor, lr: torch.Tensor, layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of every micro-batch, clipping, and the optimizer's update in place on the flat buffers:
-    what CompiledStep compiles. AdamW updates the first exp_avg.numel() values of flat: steps holds a value per
-    AdamW parameter, decay one per such value, and owner the parameter each belongs to. Muon updates the rest (the
-    layout's last `matrices` parameters), whose momentum buffers lie end to end in momentum."""
-    # Read here so that dynamo checks them before each call, in place of the model's attributes (see step_guards).
-    if not setup.module or setup.training != model.training:
-        raise ValueError("the compiled step's setup does not describe its model (see CompiledStep.constants)")
-
-    def loss_of(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with autocast_context(torch.device(setup.device_type), setup.dtype):
-            _, loss = torch.func.functional_call(model, layout.unflatten(flat), (x, y))
-        return loss / setup.accum
-
-    grad, loss_sum = None, None
-    for micro in range(setup.accum):
-        g, loss = torch.func.grad_and_value(loss_of)(flat, xs[micro], ys[micro])
-        grad = g if grad is None else grad + g
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    norm = torch.linalg.vector_norm(grad.float())
-    scale = torch.ones((), device=norm.device)
-    if setup.clip > 0:  # as clip_grad_norm_ does it
-        scale = torch.clamp(setup.clip / (norm + 1e-6), max=1.0)
-    ok = torch.isfinite(loss_sum) & torch.isfinite(norm)
-    beta1, beta2 = setup.betas
-    g = grad * scale
-    new_steps = steps + ok.float()
-    # Each parameter's own step count, as AdamW keeps it. When all are equal (every run of this trainer: each step
-    # updates every parameter) the bias corrections are two numbers; otherwise they are worked out per parameter and
-    # read by each value through owner, a gather that keeps the update from vectorising (measured, the block-8 step
-    # of bench.py: its update kernel 150 -> 80 us with this and decay read per value, of a 1.3 ms step). Either way
-    # the same arithmetic on the same numbers: the same result to the bit.
-    if setup.same_steps:
-        step_size = lr / (1 - beta1 ** new_steps[:1])  # (1,): float32, as the per-parameter form computes it
-        root_bias2 = torch.sqrt(1 - beta2 ** new_steps[:1])
-    else:
-        step_size = (lr / (1 - beta1**new_steps))[owner]
-        root_bias2 = torch.sqrt(1 - beta2**new_steps)[owner]
-    n = exp_avg.numel()
-    g_adamw, weights = (g, flat) if layout.matrices == 0 else (g[:n], flat[:n])
-    new_avg = exp_avg.lerp(g_adamw, 1 - beta1)
-    new_avg_sq = exp_avg_sq * beta2 + g_adamw * g_adamw * (1 - beta2)
-    denom = new_avg_sq.sqrt() / root_bias2 + setup.eps
-    new = weights * (1 - lr * decay) - step_size * new_avg / denom
-    if layout.matrices:  # Muon, as training.optim.Muon steps each matrix
-        mu = setup.momentum
-        new_momentum = momentum.lerp(g[n:], 1 - mu)
-        ahead = g[n:].lerp(new_momentum, mu)
-        sizes, shapes = layout.sizes[-layout.matrices:], layout.shapes[-layout.matrices:]
-        updates = orthogonalize_each([d.view(shape) for d, shape in zip(ahead.split(sizes), shapes, strict=True)],
-                                     orthogonal_dtype(setup.dtype))
-        moved = [w * (1 - lr * setup.matrix_decay) - (lr * muon_lr_scale(shape)) * u.flatten()
-                 for w, u, shape in zip(flat[n:].split(sizes), updates, shapes, strict=True)]
-        new = torch.cat([new, *moved])
-        momentum.copy_(torch.where(ok, new_momentum, momentum))
-    # A step that is not finite changes nothing: the run stops and reports it with its weights intact.
-    flat.copy_(torch.where(ok, new, flat))
-    exp_avg.copy_(torch.where(ok, new_avg, exp_avg))
-    exp_avg_sq.copy_(torch.where(ok, new_avg_sq, exp_avg_sq))
-    steps.copy_(new_steps)
-    return loss_sum, norm
-
-
-_COMPILED_STEP: Callable | None = None
-
-
-@contextmanager
-def deterministic_kernels(device: torch.device) -> Iterator[None]:
-    """On a CPU, PyTorch's deterministic algorithms for the compiled step, traced and run under them alike (dynamo
-    guards on the setting). Without them inductor sums the token embedding's gradient with atomic adds from every
-    thread, in whatever order the threads reach a row, and a compiled run did not repeat itself. Measured on a 2-core
-    Zen 4 EPYC, 2 threads: six compiled steps of nanoGPT's CPU config from the same weights and batch gave five
-    different embedding gradients; train.py with bench.py's block-8 step settings, 5,100 compiled steps, ended on
-    seven different losses in seven runs (1.8737-1.9061), and now on one (1.9145) every time. Under them inductor
-    calls PyTorch's own index_put, which adds in one order, at no cost measured (in one process, rounds interleaved,
-    median ms a step: block 8 1.491 -> 1.496 over 12 rounds, and 3.65 -> 3.64 in a slow spell; block 64 33.99 ->
-    33.78).
-    Memory that PyTorch leaves uninitialised stays so (filling it finds bugs; determinism does not need it). CUDA
-    keeps its kernels: not measured there."""
-    if device.type != "cpu":
-        yield
-        return
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-
-
-def _concat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One new contiguous buffer holding the tensors' values end to end, and its slices shaped as each tensor: the
-    same values, now one block of memory that one compiled kernel updates."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    return flat, [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True)]
-
-
-class CompiledStep:
-    """One optimizer step as one compiled function, updating the model's parameters and the optimizer's state in
-    place. Call it with the micro-batches stacked, xs and ys (grad_accum_steps, batch, T), and the learning rate;
-    it returns (summed mean loss, gradient norm before clipping). If either is not finite, nothing is updated.
-
-    The parameters, and each of AdamW's state tensors, become views of one flat buffer apiece: the update is then
-    one fused kernel over all the weights instead of one per parameter, which halves the time to compile the step
-    (measured, tiny.yaml's model, 2-core AVX-512 EPYC: 60 -> 27 s cold) and speeds the step (12.8 -> 10.5 ms). The
-    model, the optimizer, checkpoints and the eager path see the same tensors as before, views or not."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.AdamW, tc: TrainConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.model, self.tc, self.device, self.dtype = model, tc, device, dtype
-        named = {id(p): name for name, p in model.named_parameters()}  # a tied weight once, under its first name
-        params: list[torch.Tensor] = []
-        states: list[dict[str, torch.Tensor]] = []
-        decay: list[float] = []
-        matrices: list[torch.Tensor] = []  # Muon's (training.optim.Muon), laid out after AdamW's
-        matrix_states: list[dict[str, torch.Tensor]] = []
-        matrix_decay = 0.0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state = optimizer.state[p]
-                if group.get("muon"):
-                    if not state:
-                        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    matrices.append(p)
-                    matrix_states.append(state)
-                    matrix_decay = group["weight_decay"]
-                    continue
-                if not state:  # the layout torch's fused AdamW uses, so that either can continue the other
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                states.append(state)
-                decay.append(group["weight_decay"])
-        if len({(p.dtype, p.device) for p in params + matrices}) > 1:
-            raise RuntimeError("the compiled step needs every parameter in one dtype on one device")
-        every = params + matrices
-        self.layout = Layout(tuple(named[id(p)] for p in every), tuple(p.numel() for p in every),
-                             tuple(tuple(p.shape) for p in every), len(matrices))
-        self.flat, views = _concat(every)
-        for p, view in zip(every, views, strict=True):
-            p.data = view
-        self.exp_avg, self.exp_avg_sq = (self._flat_state(states, key) for key in ("exp_avg", "exp_avg_sq"))
-        self.momentum = (self._flat_state(matrix_states, "momentum_buffer") if matrices
-                         else torch.zeros(0, dtype=self.flat.dtype, device=device))
-        self.steps = torch.stack([s["step"].float() for s in states])  # (parameters,)
-        for i, s in enumerate(states):
-            s["step"] = self.steps[i]
-        sizes = torch.tensor([p.numel() for p in params], device=device)
-        self.owner = torch.arange(len(params), dtype=torch.int32, device=device).repeat_interleave(sizes)  # (values,)
-        self.decay = torch.tensor(decay, dtype=self.flat.dtype, device=device)[self.owner]  # (values,)
-        self.betas: tuple[float, float] = optimizer.defaults["betas"]
-        self.eps: float = optimizer.defaults["eps"]
-        # What the compiled code takes as constants (dynamo guards on their values).
-        same_steps = bool((self.steps == self.steps[0]).all())
-        self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps,
-                           optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay,
-                           module_settings(model))
-
-    @staticmethod
-    def _flat_state(states: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
-        flat, views = _concat([s[key] for s in states])
-        for s, view in zip(states, views, strict=True):
-            s[key] = view
-        return flat
-
-    @property
-    def compiled(self) -> Callable:
-        # One compiled function for every CompiledStep of the process: a model of the same shapes (a resumed run, a
-        # second run in one process) reuses its compiled code instead of compiling again.
-        global _COMPILED_STEP
-        if _COMPILED_STEP is None:
-            _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False,
-                                           options=step_options(self.device))
-        return _COMPILED_STEP
-
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.flat, self.exp_avg, self.exp_avg_sq, self.steps, self.momentum
-
-    def constants(self) -> Setup:
-        """The setup, with the model's mode now (the trainer's is always training)."""
-        return self.setup if self.model.training else self.setup._replace(training=False)
-
-    def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
-        with torch.no_grad(), deterministic_kernels(self.device):  # the gradients are taken inside; the updates are in place
-            return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout,
-                                 self.constants())
-
-    def warm_up(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
-        """Compile now, on copies of the weights and state, so that a failure leaves the run untouched and the first
-        real step is not the slow one; the seconds it took."""
-        start = time.perf_counter()
-        rng = torch.get_rng_state()
-        copies = [t.clone() for t in self.buffers()]
-        lr_t = torch.tensor(0.0, dtype=torch.float64, device=self.device)
-        with torch.no_grad(), deterministic_kernels(self.device):
-            self.compiled(self.model, *copies, self.decay, self.owner, xs, ys, lr_t, self.layout, self.constants())
-        torch.set_rng_state(rng)  # dropout inside the warm-up must not shift the run's random stream
-        return time.perf_counter() - start
 
 
 def cache_releases(device: torch.device) -> int:

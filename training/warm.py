@@ -98,6 +98,7 @@ def compile_step(job: Path, remember: bool) -> float:
 
     from model import GPT, GPTConfig
     from training import compile_cache, engine
+    from training.compiled_step import CompiledStep
     from training.config import TrainConfig
     from training.optim import make_optimizer
 
@@ -110,7 +111,7 @@ def compile_step(job: Path, remember: bool) -> float:
         raise RuntimeError(f"this process would compile another step ({key}, not {spec['key']})")
     compile_cache.prepare_compile()
     model = GPT(model_cfg)
-    step = engine.CompiledStep(model, make_optimizer(model, tc, device, dtype), tc, device, dtype)
+    step = CompiledStep(model, make_optimizer(model, tc, device, dtype), tc, device, dtype)
     xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
     seconds = step.warm_up(xs, xs.roll(1, -1))
     if remember:
