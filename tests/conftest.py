@@ -30,6 +30,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: runs a real train.py or sample.py subprocess (seconds); part of the default run"
     )
+    # torch 2.13's inductor imports torch.utils.mkldnn, whose module-level classes still use torch.jit.script_method:
+    # torch's own deprecation, raised inside torch.compile whatever the compiled code, nothing tinychar calls.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning:torch.jit._script"
+    )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
