@@ -19,9 +19,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # Encoded corpora, and anything else that honours the XDG cache folder, go to a folder of this test session, which is
-# removed at its end; the processes the tests start inherit it. A user's TINYCHAR_DATA_DIR is not the tests' business.
-_SESSION_CACHE = tempfile.mkdtemp(prefix="tinychar-test-cache-")
+# removed at its end; the processes the tests start inherit it, those that import this file too (a torchrun worker
+# that imports a test module): they would otherwise make a folder of their own, which nothing removes. A user's
+# TINYCHAR_DATA_DIR is not the tests' business.
+_INHERITED_CACHE = os.environ.get("TINYCHAR_TEST_SESSION_CACHE")
+_SESSION_CACHE = _INHERITED_CACHE or tempfile.mkdtemp(prefix="tinychar-test-cache-")
+os.environ["TINYCHAR_TEST_SESSION_CACHE"] = _SESSION_CACHE
 os.environ["TINYCHAR_CACHE_DIR"] = os.path.join(_SESSION_CACHE, "encoded")
+# The processes the tests start keep their temporary files there too: torchrun leaves a folder per launch behind.
+os.makedirs(os.path.join(_SESSION_CACHE, "tmp"), exist_ok=True)
+os.environ["TMPDIR"] = os.path.join(_SESSION_CACHE, "tmp")
 os.environ["XDG_CACHE_HOME"] = _SESSION_CACHE
 os.environ.pop("TINYCHAR_DATA_DIR", None)
 
@@ -38,7 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    if not _INHERITED_CACHE:  # the session that made it removes it
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def _is_local(address: object) -> bool:
@@ -71,6 +79,17 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No helper compiling into the cache after a test's run (training.warm): tests/test_training_warm.py turns it on.
 os.environ["TINYCHAR_WARM_CACHE"] = "0"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_into_the_session_cache():
+    """Whatever a test compiles goes where a run's compiles go (training.compile_cache.prepare_compile), here the
+    session's folder, with a run's settings: not into inductor's default folder in the temp folder, whose entries
+    outlive the session (so a later session's compiles were warm there and cold in CI), and whose code the warm
+    helper's process, which compiles into the session's folder, could not reuse."""
+    from training import compile_cache
+
+    compile_cache.prepare_compile()
 
 
 @pytest.fixture(scope="session", autouse=True)

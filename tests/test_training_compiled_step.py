@@ -18,7 +18,7 @@ from training_runs import write_corpus
 
 from data import CharTokenizer
 from model import GPT, GPTConfig
-from training import TrainConfig, compile_cache, compiled_step, load_config
+from training import TrainConfig, compiled_step, load_config
 from training.compile_cache import compile_options
 from training.compiled_step import CompiledStep
 from training.optim import make_optimizer
@@ -65,7 +65,6 @@ def test_deterministic_kernels_make_compiled_gradients_reproducible():
     gen = torch.Generator().manual_seed(0)
     w, idx = torch.randn(4, 64, generator=gen), torch.randint(0, 4, (4096,), generator=gen)
     up = torch.randn(idx.numel(), 64, generator=gen)
-    compile_cache.prepare_compile()  # into the session's cache folder, as the engine compiles
     compiled = torch.compile(embedding_grad, fullgraph=True, dynamic=False)
     before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     threads = torch.get_num_threads()
@@ -164,7 +163,6 @@ def test_a_compiled_step_never_runs_code_traced_for_a_model_of_other_settings_or
         step = CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)
         return step(xs, xs.roll(1, -1), 1e-3)[0].item()
 
-    compile_cache.prepare_compile()
     plain = first_loss(0.0)
     assert first_loss(0.5) != plain
     assert first_loss(0.5, training=False) == pytest.approx(plain, abs=1e-6)
