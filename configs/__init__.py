@@ -207,6 +207,8 @@ def build(cls: type, mapping: Any, where: str = "", prefix: str = "", root: type
 def _bounded_where(where: str) -> str:
     """where, such as ' (in run.yaml)', with what it quotes escaped and bounded: load_config puts the config's path
     there, and a path may hold a newline or run to thousands of characters."""
+    if where.startswith(" (in ") and where.endswith(")"):
+        return f" (in {shown(where[5:-1])})"  # the path cut as every message cuts one (shown), its file name kept
     if where.startswith(" (") and where.endswith(")"):
         return f" ({shown(where[2:-1])})"
     return shown(where)

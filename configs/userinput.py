@@ -23,14 +23,20 @@ _repr.maxlevel = 3
 
 def shown(value: object, limit: int = QUOTE_LIMIT) -> str:
     """value as a one-line message may quote it: text escaped (a newline or control character cannot split the
-    line) and cut to about limit characters with '...'; anything else through a bounded repr, so a small YAML file
-    whose aliases build a huge nested value cannot make a huge message."""
+    line) and cut to about limit characters with '...' in its middle; anything else through a bounded repr, so a
+    small YAML file whose aliases build a huge nested value cannot make a huge message.
+
+    Text keeps its start and, longer, its end: the end of a path names the file (a corpus deep in a temp folder,
+    '/var/folders/.../T/run/corpus.txt', reads as which file it is, where a cut end would lose it)."""
     if isinstance(value, (str, os.PathLike)):
         text = os.fspath(value)
         if isinstance(text, bytes):
             text = text.decode("utf-8", "backslashreplace")
         escaped = text if text.isprintable() else repr(text)[1:-1]
-        return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."
+        if len(escaped) <= limit:
+            return escaped
+        head = max(limit // 3, 1)
+        return escaped[:head] + "..." + escaped[len(escaped) - max(limit - head - 3, 1):]
     text = _repr.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -12,6 +12,7 @@ import yaml
 from conftest import ROOT
 
 from configs import ConfigError, apply_overrides, build, flatten, load_yaml, to_dict, valid_keys
+from configs.userinput import shown
 from model import GPT
 from training.config import RunConfig, load_config
 
@@ -76,7 +77,7 @@ def test_a_misspelt_key_in_the_file_names_the_nearest_valid_key(tmp_path, text, 
     path = write_yaml(tmp_path, text)
     message = refused(path)
     assert f"did you mean '{suggestion}'?" in message
-    assert str(path) in message
+    assert shown(path) in message
 
 
 @pytest.mark.parametrize(
@@ -161,7 +162,7 @@ def test_a_bad_value_in_the_file_is_blamed_on_the_file_not_the_overrides(tmp_pat
     path = write_yaml(tmp_path, "model:\n  n_embd: 30\n  n_head: 4\n")
     # the override would fix it, but the file itself is wrong and the message says where
     message = refused(path, ["model.n_embd=32"])
-    assert "divisible" in message and str(path) in message
+    assert "divisible" in message and shown(path) in message
 
 
 def test_config_file_missing_or_a_folder(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 from test_configs import TINY, refused, write_yaml
 
 from configs import MAX_CONFIG_BYTES, ConfigError, load_yaml, to_dict
+from configs.userinput import QUOTE_LIMIT, shown
 from training.config import load_config
 
 # A message quotes a value in at most ~80 characters; with its own words, one line stays well under this. The tests
@@ -46,7 +47,7 @@ def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path, text, fragment):
     path = write_yaml(tmp_path, text)
     message = refused(path)
-    assert fragment in message and str(path) in message and "keep one" in message
+    assert fragment in message and shown(path) in message and "keep one" in message
 
 
 def test_keys_that_repeat_only_across_mappings_or_by_merging_are_not_duplicates(tmp_path):
@@ -82,7 +83,7 @@ def test_an_override_of_the_wrong_type_is_quoted():
 
 def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path):
     path = write_yaml(tmp_path, "model:\n  n_layer: 0\n")
-    assert refused(path, ["seed=3"]) == f"model.n_layer must be >= 1, got 0 (in {path})"
+    assert refused(path, ["seed=3"]) == f"model.n_layer must be >= 1, got 0 (in {shown(path)})"
 
 
 @pytest.mark.parametrize(
@@ -210,6 +211,18 @@ def test_a_config_path_with_a_newline_stays_on_one_line(here):
     # a relative path: the message quotes about 80 characters of it, and a long temp folder would push the name out
     path = write_yaml(here, "model:\n  n_layer: 0\n", name="two\nlines.yaml")
     assert "two\\nlines.yaml" in refused(path.name)  # refused() checks it is one line
+
+
+def test_a_long_path_is_quoted_by_its_start_and_its_end_so_the_file_stays_named(tmp_path):
+    deep = tmp_path.joinpath(*[f"folder-{i:02d}" for i in range(12)])  # over 130 characters, in any temp folder
+    path = deep / "my-run.yaml"
+    message = refused(str(path))
+    assert message.startswith("config file: no such file '")
+    quoted = message.split("'")[1]
+    assert "..." in quoted and len(quoted) == QUOTE_LIMIT
+    assert str(path).startswith(quoted.split("...")[0]) and quoted.endswith("folder-11/my-run.yaml")
+    assert shown("x" * 5 + "/name.txt", limit=12) == "xxxx...e.txt"  # 4 of the start, 3 dots, 5 of the end
+    assert shown("y" * 12, limit=12) == "y" * 12  # within the limit, whole
 
 
 def test_a_long_alias_name_in_a_yaml_error_is_cut_short(here):

@@ -4,6 +4,7 @@ frequent characters, and hands training a memory map of the encoded file. Tiny i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from data import (
     shakespeare_path,
     split_ids,
 )
+from data.paths import quoted
 
 MIXED = "Γειά σου κόσμε, 你好世界 😀🎉 e\u0301 n\u0303\r\nline two\r\n\tend\u00a0"
 
@@ -169,14 +171,14 @@ def test_invalid_utf8_names_the_file_and_absolute_byte_offset(tmp_path: Path, co
     with pytest.raises(DataError) as info:
         prepare(f, chunk_bytes=64)
     assert str(info.value) == (
-        f"data.path: {str(f)!r} is not UTF-8 at byte {offset}; fix the file or set data.errors=replace"
+        f"data.path: {quoted(f)} is not UTF-8 at byte {offset}; fix the file or set data.errors=replace"
     )
 
 
 def test_invalid_utf8_in_a_folder_names_that_file(tmp_path: Path) -> None:
     write(tmp_path / "d" / "a.txt", "fine " * 50)
     bad = write(tmp_path / "d" / "b.txt", b"ok" * 20 + b"caf\xe9")
-    with pytest.raises(DataError, match=rf"{str(bad)!r} is not UTF-8 at byte 43;"):
+    with pytest.raises(DataError, match=rf"{re.escape(quoted(bad))} is not UTF-8 at byte 43;"):
         prepare(tmp_path / "d", chunk_bytes=16)
 
 

@@ -36,6 +36,7 @@ from training_runs import (
     write_corpus,
 )
 
+from configs.userinput import shown
 from model import GPT, find_checkpoint, load_checkpoint
 from training.checkpoints import save_checkpoint
 from training.config import load_config
@@ -263,8 +264,8 @@ def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path,
     before = snapshot(run)
     code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
     assert code == 2
-    assert err.strip() == (f"error: cannot resume: the text of data.path '{corpus}' is not the text this run was "
-                           f"trained on (it changed since {run / 'ckpt.pt'} was saved); resume with that text, or "
+    assert err.strip() == (f"error: cannot resume: the text of data.path '{shown(corpus)}' is not the text this run "
+                           f"was trained on (it changed since '{shown(run / 'ckpt.pt')}' was saved); resume with that text, or "
                            f"start a new run in another out_dir")
     assert snapshot(run) == before
     corpus.write_text(text, encoding="utf-8")  # the same text again: the run goes on

@@ -27,6 +27,7 @@ import train
 import training.distributed
 import training.loop
 from configs import to_dict
+from configs.userinput import shown
 from data import get_batch
 from model import load_checkpoint
 from training.checkpoints import check_resume_config
@@ -252,7 +253,7 @@ def test_two_processes_continue_a_one_process_run_and_a_bad_data_path_ends_both_
     output = bad.stdout + bad.stderr
     assert bad.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    missing = f"error: data.path: no such file '{tmp_path / 'corpsu.txt'}'; did you mean '{corpus}'?"
+    missing = f"error: data.path: no such file '{shown(tmp_path / 'corpsu.txt')}'; did you mean '{shown(corpus)}'?"
     assert errors == [missing], output
     # every process ended, none hung: torchrun's report of its processes
     assert re.findall(r"^\s*exitcode\s+: (\d+)", output, re.MULTILINE) == ["2", "2"], output
