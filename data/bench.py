@@ -210,7 +210,7 @@ def _train_child(script: str, report: str, overrides: list[str]) -> None:
     import atexit
     import runpy
 
-    atexit.register(lambda: Path(report).write_text(json.dumps(_memory())))
+    atexit.register(lambda: Path(report).write_text(json.dumps(_memory()), encoding="utf-8"))
     sys.argv = [script, *overrides]
     runpy.run_path(script, run_name="__main__")
 
@@ -222,7 +222,7 @@ def _memory() -> dict[str, float]:
     """This process's resident memory in MB: total, anonymous (its own) and file-backed (mapped files), and peak."""
     fields = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb", "VmHWM": "peak_mb"}
     found = {}
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="ascii", errors="replace") as f:
         for line in f:
             name, _, value = line.partition(":")
             if name in fields:

@@ -256,14 +256,14 @@ def test_a_given_vocabulary_encodes_and_names_characters_outside_it(tmp_path: Pa
 
 
 def rss_anon_mb() -> float:
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="ascii", errors="replace") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
 
 
 def mapped_ranges(path: Path) -> list[range]:
     """The address ranges at which this process maps path, from /proc/self/maps."""
     ranges = []
-    with open("/proc/self/maps") as f:
+    with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:  # paths: any bytes
         for line in f:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[5].strip() == str(path.resolve()):

@@ -100,7 +100,7 @@ def assert_continues_the_straight_run(out: Path, straight: tuple[Path, dict[int,
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:
     """A real train.py whose stdout and stderr go to a file, read while it runs without ever blocking it."""
-    with log.open("w") as f:
+    with log.open("w", encoding="utf-8") as f:
         return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=child_env(), stdout=f,
                                 stderr=subprocess.STDOUT)
 

@@ -51,7 +51,7 @@ def alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rpartition(")")[2].split()[0] != "Z"
     except (OSError, IndexError):  # no /proc (macOS): signal 0 is the answer
         return True
 
