@@ -81,6 +81,29 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["TINYCHAR_WARM_CACHE"] = "0"
 
 
+def _cpu_compile_missing() -> str | None:
+    import torch
+
+    from training.compile_cache import cannot_compile
+
+    return cannot_compile(torch.device("cpu"))
+
+
+# Tests that compile for the CPU need what torch.compile needs there, a C++ compiler above all (a slim container image
+# has none). Without it they are skipped, saying why, as the GPU's are; that a run then trains eagerly with one line is
+# tested on every machine (tests/test_training_engine.py), and the tests of when to compile pretend a compiler.
+_WHY_NOT = _cpu_compile_missing()
+needs_cpu_compile = pytest.mark.skipif(_WHY_NOT is not None, reason=f"compiles for the CPU: {_WHY_NOT}")
+
+
+@pytest.fixture
+def a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests of when tinychar compiles, not of compiling: the machine has what torch.compile needs."""
+    from training import engine
+
+    monkeypatch.setattr(engine, "cannot_compile", lambda device: None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _compile_into_the_session_cache():
     """Whatever a test compiles goes where a run's compiles go (training.compile_cache.prepare_compile), here the

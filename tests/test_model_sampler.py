@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+from conftest import needs_cpu_compile
 
 from model import GPT, GPTConfig
 from model import sampler as sampler_module
@@ -105,6 +106,7 @@ def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
         WindowSampler(model, MIN_FAST_TEMPERATURE / 10, None, None)
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_the_compiled_window_gives_the_plain_paths_characters(model):
     # Compiled code fuses and reorders float32 sums, so its logits may differ from eager ones in the last bits; a

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SMALL_TEXT, tiny_overrides
+from conftest import SMALL_TEXT, needs_cpu_compile, tiny_overrides
 from test_training_engine import ENGINE_KEYS
 from torch import nn
 from training_runs import write_corpus
@@ -37,6 +37,7 @@ def step_of_the_runs(tmp_path: Path) -> tuple[GPT, torch.optim.Optimizer, Compil
     return model, optimizer, step, torch.randint(0, vocab, (2, cfg.train.batch_size, 8))
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as above
@@ -55,6 +56,7 @@ def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(t
     assert all(torch.equal(state_before[k], v) for k, v in optimizer.state_dict()["state"][0].items())
 
 
+@needs_cpu_compile
 def test_deterministic_kernels_make_compiled_gradients_reproducible():
     """Without them inductor's threads add the token embedding's gradient into its rows with atomic adds, in the
     order they happen to reach them (measured here: 4,096 tokens into 4 rows, 10 repeats, none equal to the first).
@@ -151,6 +153,7 @@ class DropoutBigram(nn.Module):
         return logits, nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+@needs_cpu_compile
 def test_a_compiled_step_never_runs_code_traced_for_a_model_of_other_settings_or_mode():
     """Dynamo does not check the model's attributes before each call (compiled_step.step_guards), so the setup carries
     them: a model that differs only in its dropout, or in its mode, gets code of its own. Trained with code traced

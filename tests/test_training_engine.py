@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import needs_cpu_compile, tiny_overrides
 from test_train import bitwise_equal, logged_losses
 from training_runs import call, train_main, write_corpus
 
@@ -86,7 +86,7 @@ def test_a_step_multiplies_through_onednn_when_a_linear_layer_takes_its_rows_the
     assert engine.multiplies_through_onednn(model, 32)
 
 
-def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(monkeypatch, tmp_path):
+def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compiler, monkeypatch, tmp_path):
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
     key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
     assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS, key, CPU) == (True, "")
@@ -122,6 +122,7 @@ def run_losses(corpus: Path, out: Path, capsys, *extra: str, **keys: object) -> 
     return stdout, logged_losses(stdout)
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys, monkeypatch):
     # Every product of the model through oneDNN (model/linear.py), as a large model's are on an AVX-512 CPU: its

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, tiny_overrides
+from conftest import ROOT, SMALL_TEXT, needs_cpu_compile, tiny_overrides
 from test_training_engine import ENGINE_KEYS
 from training_runs import call, train_main, write_corpus
 
@@ -40,7 +40,7 @@ def trainer_for(tmp_path: Path, max_iters: int) -> SimpleNamespace:
                            tokens_per_step=cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum_steps)
 
 
-def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compiled(tmp_path, monkeypatch):
+def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compiled(a_compiler, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
     trainer = trainer_for(tmp_path, WARM_STEPS)
@@ -73,7 +73,7 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
     assert (choice.kind, choice.warm_key) == ("step", None), choice.reason
 
 
-def test_more_micro_batches_than_the_compiled_step_unrolls_compile_the_blocks(tmp_path):
+def test_more_micro_batches_than_the_compiled_step_unrolls_compile_the_blocks(a_compiler, tmp_path):
     # compiling the whole step grows with its micro-batches (171 s for 8 in one measurement): above MAX_STEP_ACCUM
     # a compiled run compiles the model block by block, whose cost does not grow with them
     trainer = trainer_for(tmp_path, 10**9)
@@ -103,6 +103,7 @@ def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
     assert len(spawned) == 2
 
 
+@needs_cpu_compile
 @pytest.mark.slow
 def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_path, monkeypatch):
     """The real helper, on the shapes tests/test_training_engine.py compiles (so mostly from their cache)."""
