@@ -26,24 +26,40 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for a person."""
 
 
+# Characters of a path that a message quotes, as configs.userinput.shown quotes one for the rest of tinychar (this
+# package imports only torch): enough to recognise it, its start and its end, where the file's name is.
+PATH_LIMIT = 80
+
+
+def quoted(path: str | Path) -> str:
+    """path in single quotes for a one-line message: escaped (a newline in a name cannot split the line) and, past
+    PATH_LIMIT characters, cut in its middle."""
+    text = str(path)
+    text = text if text.isprintable() else repr(text)[1:-1]
+    if len(text) > PATH_LIMIT:
+        head = PATH_LIMIT // 3
+        text = text[:head] + "..." + text[len(text) - (PATH_LIMIT - head - 3):]
+    return f"'{text}'"
+
+
 def find_checkpoint(out_dir: str | Path) -> Path:
     """The checkpoint to sample from in a run folder: best.pt, else ckpt.pt."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
-        raise CheckpointError(f"no run folder '{out_dir}'; train one with `python train.py` or pass --checkpoint FILE")
+        raise CheckpointError(f"no run folder {quoted(out_dir)}; train one with `python train.py` or pass --checkpoint FILE")
     for name in ("best.pt", "ckpt.pt"):
         if (out_dir / name).exists():
             return out_dir / name
-    raise CheckpointError(f"'{out_dir}' holds no best.pt or ckpt.pt; train first with `python train.py`")
+    raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt; train first with `python train.py`")
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a tinychar checkpoint; anything else (missing, truncated, foreign, unsafe) is a CheckpointError."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"no checkpoint at '{path}'; train one first with `python train.py`")
+        raise CheckpointError(f"no checkpoint at {quoted(path)}; train one first with `python train.py`")
     if path.is_dir():
-        raise CheckpointError(f"'{path}' is a directory, not a checkpoint file")
+        raise CheckpointError(f"{quoted(path)} is a directory, not a checkpoint file")
     try:
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of files it did not write; the error below says all there is
@@ -55,20 +71,20 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         # refuses a pickle that names a Python callable or class as an unsupported "global"; any other complaint
         # (an "unsupported operand") is bytes that are no pickle at all: text, an image, a damaged file.
         if "global" not in str(e).lower():
-            raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): it is not a "
+            raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): it is not a "
                                   f"file that torch.save wrote") from None
         raise CheckpointError(
-            f"refusing to load '{path}': it holds Python objects, not just plain data (tensors, numbers, strings, "
+            f"refusing to load {quoted(path)}: it holds Python objects, not just plain data (tensors, numbers, strings, "
             f"lists, dicts); only load checkpoints tinychar wrote") from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         detail = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__  # a bare KeyError reads '101'
-        raise CheckpointError(f"cannot read checkpoint '{path}' (truncated or not a checkpoint): {detail}") from None
+        raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): {detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"'{path}' is not a tinychar checkpoint")
+        raise CheckpointError(f"{quoted(path)} is not a tinychar checkpoint")
     for key in ("model", "model_config", "vocab"):
         if key not in payload:
-            raise CheckpointError(f"checkpoint '{path}' lacks '{key}'; it is damaged or from another program")
+            raise CheckpointError(f"checkpoint {quoted(path)} lacks '{key}'; it is damaged or from another program")
     return payload
 
 
@@ -77,15 +93,15 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
     included) and checked against each other, before anything the size of the model is allocated."""
     vocab = payload["vocab"]
     if not isinstance(vocab, list) or not all(isinstance(c, str) and len(c) == 1 for c in vocab):
-        raise CheckpointError(f"checkpoint '{path}' has a malformed vocabulary")
+        raise CheckpointError(f"checkpoint {quoted(path)} has a malformed vocabulary")
     if not isinstance(payload["model_config"], dict):
-        raise CheckpointError(f"checkpoint '{path}' has an unusable model config: not a mapping")
+        raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: not a mapping")
     try:
         config = GPTConfig(**payload["model_config"])
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint '{path}' has an unusable model config: {str(e)[:200]}") from None
+        raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: {str(e)[:200]}") from None
     if config.vocab_size != len(vocab):
-        raise CheckpointError(f"checkpoint '{path}' is inconsistent: its vocabulary has {len(vocab)} characters "
+        raise CheckpointError(f"checkpoint {quoted(path)} is inconsistent: its vocabulary has {len(vocab)} characters "
                               f"but the model expects {config.vocab_size}")
     return config, vocab
 
@@ -99,5 +115,5 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
         model.load_state_dict(payload["model"])
     except (RuntimeError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"checkpoint '{path}' weights do not match its model config: {first[:160]}") from None
+        raise CheckpointError(f"checkpoint {quoted(path)} weights do not match its model config: {first[:160]}") from None
     return model, vocab

@@ -174,6 +174,13 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "weights do not match"),
     ("checkpoint-is-text", "sample", lambda c: c.sample(checkpoint=c.corpus), "not a file that torch.save wrote"),
     ("checkpoint-a-folder", "sample", lambda c: c.sample(checkpoint=_folder(c)), "is a directory"),
+    # --- a newline in a path a message names (one_error_line: still one line)
+    ("checkpoint-missing-newline-in-path", "sample", lambda c: c.sample(checkpoint=c.tmp / "no\nsuch.pt"),
+     "no checkpoint at '"),
+    ("out-dir-without-a-run-newline-in-path", "sample", lambda c: ["--out-dir", str(_folder(c, "x\ny"))],
+     "x\\ny' holds no best.pt or ckpt.pt"),
+    ("resume-without-a-run-newline-in-path", "train", lambda c: ["--resume", "--out-dir", str(_folder(c, "x\ny"))],
+     "nothing to resume: no '"),
 ]
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint
+from model.checkpoint import quoted
 from training.checkpoints import save_checkpoint
 
 VOCAB = list("\n !,.:?ABCabcdefghij")
@@ -97,7 +98,7 @@ def test_a_truncated_file_is_refused(saved, keep):
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
     message = refusal(path)
-    assert "truncated or not a checkpoint" in message and str(path) in message
+    assert "truncated or not a checkpoint" in message and quoted(path) in message
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_a_file_that_is_not_a_tinychar_checkpoint_is_refused(tmp_path, content):
     path = tmp_path / "x.pt"
     content(path)
     message = refusal(path)
-    assert str(path) in message
+    assert quoted(path) in message
 
 
 def test_a_missing_file_or_a_folder_is_refused(tmp_path):

@@ -247,7 +247,7 @@ def test_a_save_that_fails_is_one_line_and_the_previous_checkpoint_stays_whole(t
     status, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert status == 1
     line = one_line(err)
-    assert f"cannot write a checkpoint into '{out}' ({os.strerror(code)})" in line and "intact" in line
+    assert f"cannot write a checkpoint into '{shown(out)}' ({os.strerror(code)})" in line and "intact" in line
     assert snapshot(out)["ckpt.pt"] == before["ckpt.pt"] and snapshot(out)["best.pt"] == before["best.pt"]
     assert check_after_a_crash(out) == 10
     assert temporary_files(out) == []

@@ -12,6 +12,7 @@ from conftest import tiny_overrides
 from test_train import bitwise_equal, snapshot
 from training_runs import TINY, call, one_line, train_main, write_corpus
 
+from configs.userinput import shown
 from model import GPT, GPTConfig, load_checkpoint
 
 
@@ -64,7 +65,7 @@ def test_a_non_finite_step_stops_the_run_before_the_update_and_keeps_the_last_ch
     assert {k: v for k, v in snapshot(out).items() if k.endswith(".pt")} == {
         k: v for k, v in seen["files"].items() if k.endswith(".pt")}
     if at_step > 10:
-        assert f"the last good checkpoint {out / 'ckpt.pt'} (step 10) is untouched" in line
+        assert f"the last good checkpoint '{shown(out / 'ckpt.pt')}' (step 10) is untouched" in line
         assert load_checkpoint(out / "ckpt.pt")["step"] == load_checkpoint(out / "best.pt")["step"] == 10
     else:
         assert "no checkpoint had been written yet" in line

@@ -127,12 +127,12 @@ def check_training_state(payload: dict, path: Path) -> None:
     model_from_checkpoint(payload, path)  # and its weights fit the config
     missing = [key for key in TRAINING_STATE if key not in payload]
     if "config" in missing or "optimizer" in missing:
-        raise CheckpointError(f"{path} holds weights only (no training state); it cannot be resumed")
+        raise CheckpointError(f"'{shown(str(path))}' holds weights only (no training state); it cannot be resumed")
     if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}; it is damaged and cannot be resumed")
+        raise CheckpointError(f"'{shown(str(path))}' lacks {', '.join(missing)}; it is damaged and cannot be resumed")
     rng = payload["rng"]
     if not isinstance(payload["config"], dict) or not isinstance(rng, dict) or not {"torch", "batches"} <= set(rng):
-        raise CheckpointError(f"{path} has a damaged run config or RNG state; it cannot be resumed")
+        raise CheckpointError(f"'{shown(str(path))}' has a damaged run config or RNG state; it cannot be resumed")
 
 
 # What a checkpoint that does not fit the run it describes makes torch or the code below raise.
@@ -141,7 +141,7 @@ DAMAGED = (RuntimeError, ValueError, TypeError, KeyError, IndexError)
 
 def damaged(path: Path, e: Exception) -> CheckpointError:
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    return CheckpointError(f"{path} does not fit the run it describes ({first}); it is damaged and cannot be resumed")
+    return CheckpointError(f"'{shown(str(path))}' does not fit the run it describes ({first}); it is damaged and cannot be resumed")
 
 
 def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: Path) -> tuple[int, float]:
@@ -213,7 +213,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if holder := RunLock(Path(cfg.out_dir)).busy():  # a live run is still writing it
         raise in_use(Path(cfg.out_dir), holder)
     if not ckpt.exists():
-        raise UsageError(f"nothing to resume: no {ckpt}; start the run without --resume")
+        raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
     payload = load_checkpoint(ckpt)
     check_training_state(payload, ckpt)
     if config is None:  # no config named: continue with the saved one

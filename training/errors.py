@@ -89,8 +89,8 @@ def agreeing(launch: Launch) -> Iterator[None]:
 def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
     """One line: the step that went non-finite, what was kept, and what to change."""
     ckpt = Path(cfg.out_dir) / "ckpt.pt"
-    kept = (f"the last good checkpoint {ckpt} (step {e.saved_step}) is untouched" if e.saved_step is not None
-            else "no checkpoint had been written yet")
+    kept = (f"the last good checkpoint '{shown(str(ckpt))}' (step {e.saved_step}) is untouched"
+            if e.saved_step is not None else "no checkpoint had been written yet")
     tries = ["a lower train.learning_rate", "a longer train.warmup_iters"]
     if cfg.train.grad_clip == 0:
         tries.append("train.grad_clip=1.0")

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from configs.userinput import shown
 from data import CharTokenizer, get_batch
 from model import GPT
 
@@ -372,8 +373,9 @@ class Trainer:
             try:
                 save_checkpoint(state, self.out_dir / "ckpt.pt", *([self.out_dir / "best.pt"] if improved else []))
             except OSError as e:
-                raise SaveError(f"cannot write a checkpoint into '{self.out_dir}' ({e.strerror or e}); the previous "
-                                f"checkpoint there is intact. Free some space or choose another out_dir") from None
+                raise SaveError(f"cannot write a checkpoint into '{shown(str(self.out_dir))}' ({e.strerror or e}); "
+                                f"the previous checkpoint there is intact. Free some space or choose another out_dir"
+                                ) from None
         self.saved_step = self.step  # in every process: they agreed that rank 0 saved
         if self.after_first_save is not None:
             self.after_first_save()
