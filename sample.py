@@ -29,6 +29,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     import torch
 
     from configs.userinput import OneLineParser, read_user_file, shown
+    from data.paths import LOG_PATH
     from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
     from model.config import GPTConfig
     from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     model.to(device).eval()
-    print(f"{path}: {model.num_params() / 1e6:.2f}M parameters, step {payload.get('step', '?')}, "
+    print(f"{shown(str(path), LOG_PATH)}: {model.num_params() / 1e6:.2f}M parameters, step {payload.get('step', '?')}, "
           f"vocabulary {len(vocab)}", file=sys.stderr)
     ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
     if args.attention_map is not None:
@@ -169,17 +170,17 @@ def main(argv: list[str] | None = None) -> int:
 
         title = f"{path}: {prompt[-40:]!r}"
         window = prompt[-config.block_size :]
-        shown = characters_shown(config.n_layer, config.n_head, list(window), title)
-        if shown < len(window):
-            print(f"attention map: the last {shown:,} characters of the prompt's {len(window):,} (a picture of them "
+        pictured = characters_shown(config.n_layer, config.n_head, list(window), title)
+        if pictured < len(window):
+            print(f"attention map: the last {pictured:,} characters of the prompt's {len(window):,} (a picture of them "
                   f"all would be too large to open)", file=sys.stderr)
         try:
             saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=title)
         except (OSError, ValueError) as e:  # ValueError: Pillow knows no image format for that file name
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-            print(f"error: cannot write --attention-map '{args.attention_map}': {reason}", file=sys.stderr)
+            print(f"error: cannot write --attention-map '{shown(args.attention_map)}': {reason}", file=sys.stderr)
             return 2
-        print(f"attention map: {saved}", file=sys.stderr)
+        print(f"attention map: {shown(str(saved), LOG_PATH)}", file=sys.stderr)
     try:
         with ctrl_c_between_characters() as asked:
             write_samples(model, ids, prompt, vocab, args, asked)

@@ -211,6 +211,18 @@ def test_bad_input_is_one_line_exit_2_and_out_dir_is_left_as_it_was(
         assert out == ""
 
 
+def test_an_attention_map_that_cannot_be_written_is_one_error_line_whatever_its_path(straight, tmp_path, capsys):
+    """Found after the model loaded (its line on stderr comes first): still one error line, exit status 2."""
+    blocker = tmp_path / "a\nfile"
+    blocker.write_text("a file where the picture's folder would be", encoding="utf-8")
+    code, out, err = call(sample.main, ["--out-dir", str(straight[0]), "--attention-map", str(blocker / "map.png"),
+                                        "--max-new-tokens", "5"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 2, err
+    assert "M parameters, step 20" in lines[0]  # the model's line, on one line too
+    assert lines[1].startswith("error: cannot write --attention-map '") and "a\\nfile/map.png': " in lines[1]
+
+
 def greedy(path: Path, prompt: str, n: int) -> str:
     """The prompt and the n likeliest next characters, one at a time, computed here from the checkpoint."""
     model, vocab = model_from_checkpoint(load_checkpoint(path))
