@@ -20,11 +20,16 @@ if str(ROOT) not in sys.path:
 
 # Encoded corpora, and anything else that honours the XDG cache folder, go to a folder of this test session, which is
 # removed at its end; the processes the tests start inherit it, those that import this file too (a torchrun worker
-# that imports a test module): they would otherwise make a folder of their own, which nothing removes. A user's
-# TINYCHAR_DATA_DIR is not the tests' business.
-_INHERITED_CACHE = os.environ.get("TINYCHAR_TEST_SESSION_CACHE")
-_SESSION_CACHE = _INHERITED_CACHE or tempfile.mkdtemp(prefix="tinychar-test-cache-")
+# that imports a test module): they would otherwise make a folder of their own, which nothing removes. Each of
+# pytest-xdist's workers (pytest.ini) is a session of its own, with its own folder: two workers sharing one compile
+# cache would see each other's markers come and go. A user's TINYCHAR_DATA_DIR is not the tests' business.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_INHERITED_CACHE = (os.environ.get("TINYCHAR_TEST_SESSION_CACHE")
+                    if os.environ.get("TINYCHAR_TEST_SESSION_WORKER", "") == _WORKER else None)
+_TEMP = os.environ.setdefault("TINYCHAR_TEST_TEMP", tempfile.gettempdir())  # the system's, not a session's TMPDIR
+_SESSION_CACHE = _INHERITED_CACHE or tempfile.mkdtemp(prefix="tinychar-test-cache-", dir=_TEMP)
 os.environ["TINYCHAR_TEST_SESSION_CACHE"] = _SESSION_CACHE
+os.environ["TINYCHAR_TEST_SESSION_WORKER"] = _WORKER
 os.environ["TINYCHAR_CACHE_DIR"] = os.path.join(_SESSION_CACHE, "encoded")
 # The processes the tests start keep their temporary files there too: torchrun leaves a folder per launch behind.
 os.makedirs(os.path.join(_SESSION_CACHE, "tmp"), exist_ok=True)
