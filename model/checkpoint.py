@@ -46,7 +46,8 @@ def find_checkpoint(out_dir: str | Path) -> Path:
     """The checkpoint to sample from in a run folder: best.pt, else ckpt.pt."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
-        raise CheckpointError(f"no run folder {quoted(out_dir)}; train one with `python train.py` or pass --checkpoint FILE")
+        raise CheckpointError(f"no run folder {quoted(out_dir)}; train one with `python train.py` or pass "
+                              f"--checkpoint FILE")
     for name in ("best.pt", "ckpt.pt"):
         if (out_dir / name).exists():
             return out_dir / name
@@ -74,12 +75,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): it is not a "
                                   f"file that torch.save wrote") from None
         raise CheckpointError(
-            f"refusing to load {quoted(path)}: it holds Python objects, not just plain data (tensors, numbers, strings, "
-            f"lists, dicts); only load checkpoints tinychar wrote") from None
+            f"refusing to load {quoted(path)}: it holds Python objects, not just plain data (tensors, numbers, "
+            f"strings, lists, dicts); only load checkpoints tinychar wrote") from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         detail = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__  # a bare KeyError reads '101'
-        raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): {detail}") from None
+        raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): "
+                              f"{detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{quoted(path)} is not a tinychar checkpoint")
     for key in ("model", "model_config", "vocab"):
@@ -115,5 +117,6 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
         model.load_state_dict(payload["model"])
     except (RuntimeError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"checkpoint {quoted(path)} weights do not match its model config: {first[:160]}") from None
+        raise CheckpointError(f"checkpoint {quoted(path)} weights do not match its model config: "
+                              f"{first[:160]}") from None
     return model, vocab

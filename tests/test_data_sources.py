@@ -146,7 +146,8 @@ def test_a_socket_is_refused_as_a_socket(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)  # a relative name: a socket's path is limited to ~100 bytes
     with socket.socket(socket.AF_UNIX) as server:
         server.bind("corpus.sock")
-        assert refusal(prepare, tmp_path / "corpus.sock").startswith(f"data.path: {quoted(tmp_path / 'corpus.sock')} is a socket")
+        message = refusal(prepare, tmp_path / "corpus.sock")
+        assert message.startswith(f"data.path: {quoted(tmp_path / 'corpus.sock')} is a socket")
 
 
 def test_pipes_in_a_folder_or_matched_by_a_glob_are_left_out_unopened(tmp_path: Path) -> None:

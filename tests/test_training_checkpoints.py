@@ -265,8 +265,8 @@ def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path,
     code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
     assert code == 2
     assert err.strip() == (f"error: cannot resume: the text of data.path '{shown(corpus)}' is not the text this run "
-                           f"was trained on (it changed since '{shown(run / 'ckpt.pt')}' was saved); resume with that text, or "
-                           f"start a new run in another out_dir")
+                           f"was trained on (it changed since '{shown(run / 'ckpt.pt')}' was saved); resume with that "
+                           f"text, or start a new run in another out_dir")
     assert snapshot(run) == before
     corpus.write_text(text, encoding="utf-8")  # the same text again: the run goes on
     assert call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)[0] == 0

@@ -129,8 +129,8 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint
     code = train.main(["--config", TINY, *overrides], progress=False)
     err = capsys.readouterr().err
     assert code == 1
-    assert err.strip().startswith(f"error: cannot write TensorBoard logs into '{shown(out)}' (No space left on device); "
-                                  f"the last checkpoint there is intact"), err
+    assert err.strip().startswith(f"error: cannot write TensorBoard logs into '{shown(out)}' (No space left on "
+                                  f"device); the last checkpoint there is intact"), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert load_checkpoint(out / "ckpt.pt")["step"] == 10
 

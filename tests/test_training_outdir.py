@@ -64,8 +64,9 @@ def test_a_second_run_a_resume_or_an_overwrite_of_a_live_run_is_refused_naming_i
             before = snapshot(out)
             code, _, err = call(train_main, args, capsys)
             assert code == 2, err
-            assert err.strip() == (f"error: '{shown(out)}' is in use by a run that is still going (process {proc.pid} on "
-                                   f"{os.uname().nodename}); wait for it to end or stop it, or choose another out_dir")
+            assert err.strip() == (f"error: '{shown(out)}' is in use by a run that is still going (process "
+                                   f"{proc.pid} on {os.uname().nodename}); wait for it to end or stop it, or choose "
+                                   f"another out_dir")
             # the live run's own TensorBoard file may grow meanwhile; nothing else may change
             assert {k: v for k, v in snapshot(out).items() if not k.startswith("events.")} == {
                 k: v for k, v in before.items() if not k.startswith("events.")}
@@ -82,7 +83,8 @@ def test_overwrite_says_what_it_replaces_and_drops_the_old_run_after_the_first_c
     code, out, err = call(train_main, ["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run,
                                                                                   seed=5)], capsys)
     assert code == 0, err
-    assert f"overwrite: replacing the run in '{shown(run)}' (ckpt.pt, best.pt, config.yaml, 1 TensorBoard file(s))" in out
+    replaced = "(ckpt.pt, best.pt, config.yaml, 1 TensorBoard file(s))"
+    assert f"overwrite: replacing the run in '{shown(run)}' {replaced}" in out
     assert not (run / ASIDE).exists()
     new = load_checkpoint(run / "ckpt.pt")["model"]
     assert not torch.equal(old["lm_head.weight"], new["lm_head.weight"])
@@ -131,7 +133,8 @@ def test_a_run_that_reaches_the_claim_second_is_refused_with_the_lock_s_own_line
     try:
         with pytest.raises(UsageError) as info:
             claim_out_dir(tmp_path / "out", cfg, resume=False, overwrite=False)
-        assert str(info.value).startswith(f"'{shown(tmp_path / 'out')}' is in use by a run that is still going (process ")
+        assert str(info.value).startswith(f"'{shown(tmp_path / 'out')}' is in use by a run that is still going "
+                                          f"(process ")
         assert RunLock(tmp_path / "out").busy() is not None  # still held by the first
     finally:
         lock.release()

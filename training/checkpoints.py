@@ -141,7 +141,8 @@ DAMAGED = (RuntimeError, ValueError, TypeError, KeyError, IndexError)
 
 def damaged(path: Path, e: Exception) -> CheckpointError:
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    return CheckpointError(f"'{shown(str(path))}' does not fit the run it describes ({first}); it is damaged and cannot be resumed")
+    return CheckpointError(f"'{shown(str(path))}' does not fit the run it describes ({first}); it is damaged and "
+                           f"cannot be resumed")
 
 
 def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: Path) -> tuple[int, float]:

@@ -163,8 +163,8 @@ def check_same_text(payload: dict, corpus: Corpus, cfg: RunConfig) -> None:
     if saved is not None and saved != corpus.fingerprint:
         where = f"data.path '{shown(cfg.data.path)}'" if cfg.data.path else f"data.dataset={cfg.data.dataset}"
         raise UsageError(f"cannot resume: the text of {where} is not the text this run was trained on (it changed "
-                         f"since '{shown(Path(cfg.out_dir) / 'ckpt.pt')}' was saved); resume with that text, or start a new "
-                         f"run in another out_dir")
+                         f"since '{shown(Path(cfg.out_dir) / 'ckpt.pt')}' was saved); resume with that text, or start "
+                         f"a new run in another out_dir")
 
 
 def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool) -> None:

@@ -51,7 +51,8 @@ def alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     try:
-        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace").rpartition(")")[2].split()[0] != "Z"
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        return stat.rpartition(")")[2].split()[0] != "Z"
     except (OSError, IndexError):  # no /proc (macOS): signal 0 is the answer
         return True
 
