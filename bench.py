@@ -55,7 +55,8 @@ NANOGPT_CPU_RUN = ["config/train_shakespeare_char.py", "--device=cpu", "--compil
 # runs it, never calls them. input.txt is in place, so prepare.py downloads nothing with requests; meta.pkl is there, so
 # sample.py decodes characters without tiktoken, which is not a tinychar requirement.
 STUB_NAMES = ("tiktoken", "requests")
-STUB = '''"""Stand-in for {name} from tinychar's bench.py: nanoGPT imports it, but as bench.py runs nanoGPT, never uses it."""
+STUB = '''"""Stand-in for {name} from tinychar's bench.py: nanoGPT imports it, but as bench.py runs nanoGPT,
+never uses it."""
 
 
 def __getattr__(attr):
@@ -97,10 +98,11 @@ class Shape:
         nanoGPT's optimizer, AdamW, so that a step does the same work in both (the time-to-quality rows run the
         configs as they are, Muon included)."""
         shape = {f"model.{k}": getattr(self, k) for k in ("block_size", "n_layer", "n_head", "n_embd")}
-        return ["--config", self.config, *[f"{k}={v}" for k, v in shape.items()], f"model.bias={str(self.bias).lower()}",
-                f"train.batch_size={self.batch_size}", f"train.max_iters={iters}", f"train.eval_interval={iters}",
-                f"train.log_interval={iters}", "train.eval_iters=1", "train.sample_chars=0", "train.tensorboard=false",
-                "train.device=cpu", "train.optimizer=adamw"]
+        return ["--config", self.config, *[f"{k}={v}" for k, v in shape.items()],
+                f"model.bias={str(self.bias).lower()}", f"train.batch_size={self.batch_size}",
+                f"train.max_iters={iters}", f"train.eval_interval={iters}", f"train.log_interval={iters}",
+                "train.eval_iters=1", "train.sample_chars=0", "train.tensorboard=false", "train.device=cpu",
+                "train.optimizer=adamw"]
 
 
 STEP_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 32, False),
@@ -196,7 +198,8 @@ def compare(label: str, unit: str, nano: list[float], tiny: list[float]) -> dict
 
     rounds = [r for r in (ratio(n, t) for n, t in zip(nano, tiny, strict=True)) if math.isfinite(r)]
     return {"label": label, "unit": unit, "nanogpt": median(nano), "tinychar": median(tiny),
-            "ratio": ratio(median(nano), median(tiny)), "spread": [min(rounds), max(rounds)] if len(rounds) > 1 else None,
+            "ratio": ratio(median(nano), median(tiny)),
+            "spread": [min(rounds), max(rounds)] if len(rounds) > 1 else None,
             "rounds": {"nanogpt": nano, "tinychar": tiny}}
 
 
@@ -329,7 +332,8 @@ def sample_rows(p: Programs, name: str, plan: Plan, rounds: int) -> list[dict]:
         seconds = {(who, i): go(lengths[who][i]).seconds for i in (0, 1) for who, go in contenders.items()}
         for who in contenders:
             rate[who].append(1 / per_unit(seconds[who, 0], seconds[who, 1], *lengths[who]))
-    label = f"sampling, one stream, exact context, block {shape.block_size}, {shape.n_layer}L/{shape.n_head}H/{shape.n_embd}"
+    label = (f"sampling, one stream, exact context, block {shape.block_size}, "
+             f"{shape.n_layer}L/{shape.n_head}H/{shape.n_embd}")
     return [compare(f"{label}, tinychar's default (--compile auto)", "chars/s", rate["nanoGPT"], rate["tinychar"]),
             compare(f"{label}, tinychar --compile true", "chars/s", rate["nanoGPT"], rate["compiled"])]
 
@@ -523,25 +527,26 @@ NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); s
          "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
          "what the row names. Time to quality: from launch to the evaluation line, as the line arrives, the programs "
          "alternating over the rounds, nanoGPT's first run setting the target that every round times it to; tinychar's "
-         "empty-cache run starts with a fresh cache folder, the repeated run reuses it once the helper that the first run "
-         "may leave has warmed it (training.warm; it starts when the run has ended); nanoGPT's data is prepared "
+         "empty-cache run starts with a fresh cache folder, the repeated run reuses it once the helper that the first "
+         "run may leave has warmed it (training.warm; it starts when the run has ended); nanoGPT's data is prepared "
          "beforehand.")
 
-GPU_NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio "
-             "of the rounds. --gpu: time from launch to the evaluation line, as the line arrives. nanoGPT runs its "
-             "baby GPT recipe as its README does on a GPU (compile=True, bfloat16), and its first run sets the target; "
-             "tinychar runs configs/shakespeare_char.yaml as it is (compile: true, dtype auto: bfloat16) and with "
-             "train.compile=false, each from a fresh cache folder and again with that folder as the first run left "
-             "it, each stopped at the target.")
+GPU_NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest "
+             "ratio of the rounds. --gpu: time from launch to the evaluation line, as the line arrives. nanoGPT runs "
+             "its baby GPT recipe as its README does on a GPU (compile=True, bfloat16), and its first run sets the "
+             "target; tinychar runs configs/shakespeare_char.yaml as it is (compile: true, dtype auto: bfloat16) and "
+             "with train.compile=false, each from a fresh cache folder and again with that folder as the first run "
+             "left it, each stopped at the target.")
 
 
 def markdown(report: dict) -> str:
     """The report as the README shows it: a header line, the matmul ceiling, the table, and how it was measured."""
     flags = ", ".join(report["cpu_flags"]) or "none of " + ", ".join(CPU_FLAGS)
+    limits = ISA_LIMITS.get(report.get("isa"))
     lines = [f"tinychar vs nanoGPT, {report['date']}: {report['cpu']} ({flags}), {report['cores']} cores, "
              f"torch {report['torch']}, {report['threads']} threads, rounds: {report['rounds']}"
-             + (f"; limited to {report['isa'].upper()} (" + ", ".join(f"{k}={v}" for k, v in ISA_LIMITS[report["isa"]].items())
-                + ")" if report.get("isa") in ISA_LIMITS else "")
+             + (f"; limited to {report['isa'].upper()} (" + ", ".join(f"{k}={v}" for k, v in limits.items()) + ")"
+                if limits else "")
              + (f"; GPU: {report['gpu']}" if report.get("gpu") else "")
              + (" (--quick: smoke-test lengths, not figures to quote)" if report.get("quick") else ""), ""]
     if "matmul_gflops" in report:

@@ -2,9 +2,10 @@
 
 glob.glob(recursive=True) follows links to folders under '**', so a link back up the tree (`ln -s . latest`, as
 release folders often have) makes it walk latest/latest/latest/... until a lookup passes the system's 40 links:
-with two such links, some 2**40 paths. Here '**' walks real folders only, as os.walk and the folder form of data.path do; '*' and the other
-wildcards still follow links, as glob does, but each real folder is visited at most once for each part of the
-pattern, so the work is bounded by the folders that exist, not by the paths that lead to them.
+with two such links, some 2**40 paths. Here '**' walks real folders only, as os.walk and the folder form of
+data.path do; '*' and the other wildcards still follow links, as glob does, but each real folder is visited at most
+once for each part of the pattern, so the work is bounded by the folders that exist, not by the paths that lead to
+them.
 """
 
 from __future__ import annotations

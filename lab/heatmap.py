@@ -163,7 +163,7 @@ def grid_layout(n_layer: int, n_head: int, chars: list[str], title: str | None =
     # A row label needs one line; a column label the width of a single character. Wide labels (escapes such as
     # '\x00') do not thin out every column: the renderer skips the ones that would overlap instead.
     row_stride = math.ceil(char_h / px)
-    col_stride = math.ceil((max([w for w, s in zip(widths, labels) if len(s) == 1], default=1) + 2) / px)
+    col_stride = math.ceil((max([w for w, s in zip(widths, labels, strict=True) if len(s) == 1], default=1) + 2) / px)
     left = max(widths) + 8
     top = _text_size(label_font, "layer 0, head 0")[1] + 6 + char_h + 6
     label_w = _text_size(label_font, f"layer {n_layer - 1}, head {n_head - 1}")[0]

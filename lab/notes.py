@@ -294,7 +294,7 @@ class MultiHeadAttentionWrapper(nn.Module):
 
     def attend(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenated context vectors (B, T, num_heads * d_out) and every head's weights (B, num_heads, T, T)."""
-        contexts, weights = zip(*(head.attend(x) for head in self.heads))
+        contexts, weights = zip(*(head.attend(x) for head in self.heads), strict=True)
         return torch.cat(contexts, dim=-1), torch.stack(weights, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

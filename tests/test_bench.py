@@ -90,7 +90,8 @@ def test_a_steps_products_are_its_linear_layers_three_times_over(name):
                     n_embd=shape.n_embd, bias=shape.bias)
     rows = shape.batch_size * shape.block_size
     attention = 12 * shape.n_layer * shape.block_size * shape.n_embd
-    assert sum(2 * m * k * n for m, k, n in bench.step_products(shape)) == (GPT(cfg).flops_per_token() - attention) * rows
+    products = sum(2 * m * k * n for m, k, n in bench.step_products(shape))
+    assert products == (GPT(cfg).flops_per_token() - attention) * rows
     assert len(bench.step_products(shape)) == 3 * (4 * shape.n_layer + 1)
     small = bench.Shape(shape.config, 4, 2, 1, 1, 8, False)
     assert 0 < bench.products_ms(small, threads=1, seconds=0.001) < 1e3

@@ -72,8 +72,8 @@ def test_sample_py_piped_into_head_ends_quietly(tmp_path):
 def test_ctrl_c_while_torch_loads_is_one_line_and_status_130(tmp_path, script):
     hook = tmp_path / "ctrl_c.py"
     hook.write_text(CTRL_C_WHILE_TORCH_LOADS, encoding="utf-8")
-    result = subprocess.run([sys.executable, str(hook), script, "--out-dir", str(tmp_path / "out")], check=False, cwd=ROOT,
-                            env=child_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(hook), script, "--out-dir", str(tmp_path / "out")], check=False,
+                            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 130
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("interrupted (SIGINT) while starting; nothing was")

@@ -110,7 +110,8 @@ def outcomes(straight, tmp_path_factory, request) -> dict[str, Outcome]:
     two cores (one at a time, the rows took about 35 s)."""
     wanted = {item.callspec.params["name"] for item in request.session.items
               if item.originalname == TEST_NAME and hasattr(item, "callspec")}
-    rows = [(name, program, make, tmp_path_factory.mktemp(name)) for name, program, make, _ in HOSTILE if name in wanted]
+    rows = [(name, program, make, tmp_path_factory.mktemp(name))
+            for name, program, make, _ in HOSTILE if name in wanted]
 
     def run(row: tuple[str, str, Callable[[Case], list[str]], Path]) -> tuple[str, Outcome]:
         name, program, make, tmp = row

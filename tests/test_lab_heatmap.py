@@ -73,7 +73,7 @@ def test_only_the_last_block_size_ids_are_used():
     long = ids_of("the quick brown fox, the lazy dog.")
     last = attention_weights(model, long)
     window = attention_weights(model, long[-8:])
-    for a, b in zip(last, window):
+    for a, b in zip(last, window, strict=True):
         torch.testing.assert_close(a, b)
     short = attention_weights(model, torch.tensor(ids_of("hey")))
     assert short[0].shape == (3, 3, 3)

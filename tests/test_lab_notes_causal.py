@@ -212,6 +212,7 @@ def test_multi_head_attention_is_the_models_attention() -> None:
             ("W_query", "W_key", "W_value"),
             model_attention.c_attn.weight.split(4),
             model_attention.c_attn.bias.split(4),
+            strict=True,
         ):
             getattr(mha, name).weight.copy_(w)
             getattr(mha, name).bias.copy_(b)

@@ -77,7 +77,8 @@ def test_a_gpt_trained_through_onednn_follows_the_one_trained_through_the_defaul
 
 
 def cpuinfo_text(vendor: str, family: int) -> str:
-    block = f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\nflags\t\t: avx2 avx512f\n"
+    block = (f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\n"
+             "flags\t\t: avx2 avx512f\n")
     return "\n".join(block.format(n) for n in range(2))
 
 

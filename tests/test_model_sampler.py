@@ -69,7 +69,8 @@ def test_hidden_at_is_hiddens_row(kind, row, length, n_layer, looked_up):
     idx = torch.randint(0, 11, (3, length))
     with torch.no_grad():
         full, _ = m.hidden(idx)
-        at = m.hidden_at(idx, None if row is None else torch.tensor([row]), m.first_projections() if looked_up else None)
+        at = m.hidden_at(idx, None if row is None else torch.tensor([row]),
+                         m.first_projections() if looked_up else None)
     assert at.shape == (3, 16)
     torch.testing.assert_close(at, full[:, -1 if row is None else row], rtol=0, atol=1e-6)
 

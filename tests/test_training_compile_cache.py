@@ -81,7 +81,8 @@ def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
     assert all("/" not in tag and " " not in tag for tag in tags)
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU has no vector unit torch uses")
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+                    reason="this CPU has no vector unit torch uses")
 def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
     """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder, in tinychar's cache
     folder and in one the user names with TORCHINDUCTOR_CACHE_DIR alike."""

@@ -1,7 +1,7 @@
-"""The compiled training step (training.compiled_step): left untouched by a step that is not finite, traced and run under
-deterministic kernels, the guards dynamo keeps before each call and the settings that stand in for the others, and
-AdamW's update with shared or per-parameter step counts. The models are test_training_compiled_step.py's shape, so that a
-session that ran those runs reuses their compiled code."""
+"""The compiled training step (training.compiled_step): left untouched by a step that is not finite, traced and run
+under deterministic kernels, the guards dynamo keeps before each call and the settings that stand in for the others,
+and AdamW's update with shared or per-parameter step counts. The models are test_training_compiled_step.py's shape, so
+that a session that ran those runs reuses their compiled code."""
 
 from __future__ import annotations
 
@@ -191,8 +191,8 @@ def test_the_update_reads_the_step_count_once_when_every_parameter_shares_it(tmp
             step.setup = step.setup._replace(same_steps=same)
         lr = torch.tensor(1e-2, dtype=torch.float64)
         with torch.no_grad():  # what CompiledStep.__call__ compiles, run as plain PyTorch
-            compiled_step._whole_step(model, *step.buffers(), step.decay, step.owner, xs, xs.roll(1, -1), lr, step.layout,
-                               step.setup)
+            compiled_step._whole_step(model, *step.buffers(), step.decay, step.owner, xs, xs.roll(1, -1), lr,
+                                      step.layout, step.setup)
         return step
 
     shared = one_step(None)

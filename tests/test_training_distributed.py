@@ -123,7 +123,8 @@ sys.exit(train.main(sys.argv[4:], progress=False))
 # row leaves its softmax alone), so in practice rounding noise, which Adam scales up to a full step either way.
 # A modest learning rate: Adam divides each gradient by its own size, so rounding differences in small gradients
 # move the weights by a fraction of the rate.
-EQUIVALENCE_KEYS = {"model.bias": "false", "train.learning_rate": 1e-3, "train.min_lr": 1e-4, "train.max_iters": 3, "train.warmup_iters": 0, "train.eval_interval": 3, "train.eval_iters": 1,
+EQUIVALENCE_KEYS = {"model.bias": "false", "train.learning_rate": 1e-3, "train.min_lr": 1e-4, "train.max_iters": 3,
+                    "train.warmup_iters": 0, "train.eval_interval": 3, "train.eval_iters": 1,
                     "train.grad_accum_steps": 2, "train.tensorboard": "false"}
 
 
@@ -220,7 +221,8 @@ def test_a_two_process_run_resumes_exactly_and_its_checkpoint_serves_sample_py_a
         "train.max_iters": end, "train.log_interval": 1, "train.eval_interval": 10})]
     result = torchrun(*args)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "global batch: 2 processes x 8 sequences x 1 micro-batch = 16 sequences (128 tokens) per step" in result.stdout
+    global_batch = "global batch: 2 processes x 8 sequences x 1 micro-batch = 16 sequences (128 tokens) per step"
+    assert global_batch in result.stdout
     assert bitwise_equal(weights(out / "ckpt.pt"), weights(straight / "ckpt.pt"))
 
     capsys.readouterr()
@@ -303,7 +305,8 @@ def test_a_torchrun_launch_of_one_process_trains_exactly_as_a_plain_run(tmp_path
 
 def test_a_one_process_checkpoint_keeps_its_format(tmp_path):
     out = tmp_path / "out"
-    assert quiet_main(["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **{"train.max_iters": 3})])[0] == 0
+    overrides = tiny_overrides(write_corpus(tmp_path), out, **{"train.max_iters": 3})
+    assert quiet_main(["--config", TINY, *overrides])[0] == 0
     raw = load_checkpoint(out / "ckpt.pt")
     assert raw["world_size"] == 1 and set(raw["rng"]) <= {"torch", "batches", "cuda"}
 

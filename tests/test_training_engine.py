@@ -97,7 +97,8 @@ def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compi
     # another model, or other sampling settings, compiles other code: cold again
     other = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, 3, None, CPU)
     assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS, other, CPU) == (False, "")
-    assert sampling_compiles("true", 1, key, CPU) == (True, "") and sampling_compiles("false", 10**9, key, CPU)[0] is False
+    assert sampling_compiles("true", 1, key, CPU) == (True, "")
+    assert sampling_compiles("false", 10**9, key, CPU)[0] is False
     # on CUDA the compiled sampler was slower than the eager one (H100): auto never compiles it, true still does
     cuda = torch.device("cuda")
     assert sampling_compiles("auto", 10**9, engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, cuda),
@@ -155,7 +156,8 @@ def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys, m
 
 def test_the_cache_watch_says_once_that_the_gpu_cache_was_released(monkeypatch):
     cuda = torch.device("cuda")  # a device object needs no GPU; memory_stats is the allocator's, faked here
-    stats = {"num_device_free": 3, "segment.all.freed": 0, "num_alloc_retries": 0, "allocated_bytes.all.current": 1 << 20}
+    stats = {"num_device_free": 3, "segment.all.freed": 0, "num_alloc_retries": 0,
+             "allocated_bytes.all.current": 1 << 20}
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
     assert engine.cache_releases(CPU) == 0
     assert engine.cache_releases(cuda) == 3

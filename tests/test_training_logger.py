@@ -167,7 +167,8 @@ def test_the_attention_picture_drawn_in_the_background_is_the_one_drawn_in_line(
     assert logged[True] == logged[False]
 
 
-FAILURES = [(ValueError("a bug"), ValueError), (OSError(errno.ENOSPC, "No space left on device"), training.logger.LogError)]
+FAILURES = [(ValueError("a bug"), ValueError),
+            (OSError(errno.ENOSPC, "No space left on device"), training.logger.LogError)]
 
 
 @pytest.mark.parametrize(("failure", "expected"), FAILURES)

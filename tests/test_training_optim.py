@@ -167,8 +167,8 @@ def test_muon_steps_a_matrix_as_torchs_muon_and_the_rest_exactly_as_adamw():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_the_compiled_steps_update_is_the_optimizers_run_as_plain_pytorch(optimizer):
-    """training.compiled_step's whole step (clipping and the update on flat buffers), run here without compiling, against
-    the eager step: clip_grad_norm_ and the optimizer, 5 steps. Only the order of float32 additions differs."""
+    """training.compiled_step's whole step (clipping and the update on flat buffers), run here without compiling,
+    against the eager step: clip_grad_norm_ and the optimizer, 5 steps. Only the order of float32 additions differs."""
     cfg = TrainConfig(optimizer=optimizer, learning_rate=1e-2, grad_clip=0.5)
     batches = [torch.randint(0, 20, (1, 4, 9), generator=torch.Generator().manual_seed(s)) for s in range(5)]
     eager = small_gpt()

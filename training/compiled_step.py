@@ -196,7 +196,8 @@ def deterministic_kernels(device: torch.device) -> Iterator[None]:
     if device.type != "cpu":
         yield
         return
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -302,7 +303,8 @@ class CompiledStep:
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
-        with torch.no_grad(), deterministic_kernels(self.device):  # the gradients are taken inside; the updates are in place
+        # the gradients are taken inside; the updates are in place
+        with torch.no_grad(), deterministic_kernels(self.device):
             return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout,
                                  self.constants())
 

@@ -139,7 +139,9 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
     need *= micro_batches
     state = "warm" if warm else "cold"
     if remaining_steps < need:
-        each = f": {need // micro_batches:,} for each of {micro_batches} micro-batches a step" if micro_batches > 1 else ""
+        each = ""
+        if micro_batches > 1:
+            each = f": {need // micro_batches:,} for each of {micro_batches} micro-batches a step"
         return False, (f"{remaining_steps:,} steps are too few to win back compiling with a {state} cache "
                        f"(auto compiles from {need:,}{each}; train.compile=true forces it)")
     return True, f"{remaining_steps:,} steps win back compiling with a {state} cache"

@@ -124,8 +124,8 @@ class Trainer:
         self.average = WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.splits, self.device, self.dtype, self.gen = splits, device, dtype, gen
         self.launch = launch or Launch()
-        # Set by the runner when the whole step runs compiled (training.compiled_step.CompiledStep); engine names the path
-        # taken, which a checkpoint records so that a resumed `auto` run takes the same one.
+        # Set by the runner when the whole step runs compiled (training.compiled_step.CompiledStep); engine names the
+        # path taken, which a checkpoint records so that a resumed `auto` run takes the same one.
         self.compiled_step: Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
         self.compiled_step = None
         self.cache_watch: CacheReleaseWatch | None = None  # for a compiled step on CUDA, set when fit starts

@@ -64,7 +64,8 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
     except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
         lock.release()
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-        raise UsageError(f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}); choose another out_dir") from None
+        raise UsageError(
+            f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}); choose another out_dir") from None
     return lock, replaced
 
 
@@ -79,7 +80,8 @@ def move_aside(out_dir: Path) -> str | None:
     for path in files:
         os.replace(path, aside / path.name)
     events = sum(1 for p in files if p.name.startswith("events.out.tfevents."))
-    names = [p.name for p in files if not p.name.startswith("events.")] + ([f"{events} TensorBoard file(s)"] * bool(events))
+    names = [p.name for p in files if not p.name.startswith("events.")]
+    names += [f"{events} TensorBoard file(s)"] * bool(events)
     return (f"overwrite: replacing the run in '{shown(str(out_dir))}' ({', '.join(names)}); it stays in {ASIDE}/ "
             f"until this run's first checkpoint, and comes back if this run ends before one")
 

@@ -81,9 +81,10 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({**spec, "key": key, "helper": None}, f)
         with open(f"{job}.log", "w", encoding="utf-8") as log:
-            helper = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(job), str(parent or os.getpid())],
-                                      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder)})
+            command = [sys.executable, str(Path(__file__).resolve()), str(job), str(parent or os.getpid())]
+            helper = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder)})
         # Read by the helper only once this process has ended, and by another run's start() meanwhile.
         job.write_text(json.dumps({**spec, "key": key, "helper": helper.pid}), encoding="utf-8")
     except OSError as e:
