@@ -265,7 +265,9 @@ def filtered_probs(scaled: torch.Tensor, top_k: int | None, top_p: float | None)
     probs = F.softmax(scaled, dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep a character while the mass before it is below top_p (so the first one is always kept)
+        # keep a character while the mass before it is below top_p; the first, likeliest one always: a top_p under
+        # float32's smallest value (1e-46) rounds to 0 in the comparison, which would drop it too and leave nothing
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop[..., 0] = False
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs

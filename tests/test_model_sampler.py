@@ -102,6 +102,23 @@ def test_the_sampler_looks_the_first_block_up_in_eval_mode_below_the_size_limit(
     assert WindowSampler(model, 1.0, None, None).first is None
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-6])
+def test_the_smallest_top_p_keeps_the_likeliest_character_on_every_path(model, top_p):
+    # a top_p under float32's smallest value rounds to 0 where it is compared: once that dropped every character
+    # (torch.multinomial raised; the fixed-shape draw took id 0 every time). Any top_p > 0 is the smallest nucleus:
+    # the likeliest character alone, greedy decoding, on every path.
+    prompt = torch.randint(0, 23, (2, 5), generator=torch.Generator().manual_seed(2))
+    greedy = model.generate(prompt, 20, temperature=0.0)
+    expected, expected_state = plain(model, prompt, 20, 1.0, None, top_p, seed=4)
+    assert torch.equal(expected, greedy)
+    cached = model.generate(prompt, 20, 1.0, None, top_p, torch.Generator().manual_seed(4))
+    assert torch.equal(cached, greedy)
+    for chunk in (1, 3):
+        got, state = windowed(WindowSampler(model, 1.0, None, top_p, chunk=chunk), prompt, 20, seed=4)
+        assert torch.equal(got, greedy)
+        assert torch.equal(state, expected_state)
+
+
 def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
     with pytest.raises(ValueError, match="use GPT.generate"):
         WindowSampler(model, MIN_FAST_TEMPERATURE / 10, None, None)
