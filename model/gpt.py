@@ -185,8 +185,10 @@ class GPT(nn.Module):
         """Yield the next (B, 1) character ids one at a time; see ``generate``."""
         block_size = self.config.block_size
         keep = block_size - 1 if keep is None else keep
-        if not 1 <= keep < block_size:
-            raise ValueError(f"keep must be in [1, block_size - 1] = [1, {block_size - 1}], got {keep}")
+        # A window of one character (block_size 1) keeps nothing of the old window: keep is 0, its only value.
+        lowest = min(1, block_size - 1)
+        if not lowest <= keep < block_size:
+            raise ValueError(f"keep must be in [{lowest}, block_size - 1] = [{lowest}, {block_size - 1}], got {keep}")
         B, T = idx.shape
         context = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
         context[:, :T] = idx
@@ -227,7 +229,8 @@ class GPT(nn.Module):
         does); once the window is full that costs a forward pass over block_size positions per character,
         because learned positions shift and the KV cache cannot be reused. ``keep`` < block_size - 1 lets the
         window jump instead: when it is full, only its last ``keep`` characters are kept, and the cache serves
-        the next block_size - keep characters (much faster; each prediction then sees at least ``keep``).
+        the next block_size - keep characters (much faster; each prediction then sees at least ``keep``). With
+        block_size 1 the window is the newest character alone, and keep is 0.
 
         temperature 0 is greedy decoding; top_k keeps the k likeliest characters, top_p the smallest set whose
         probability reaches p. The KV cache changes only the speed, never the characters.

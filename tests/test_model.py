@@ -199,6 +199,26 @@ def test_keep_out_of_range_is_refused():
         tiny().generate(torch.zeros(1, 1, dtype=torch.long), 3, keep=8)
 
 
+def test_a_window_of_one_character_generates_with_and_without_cache():
+    # block_size 1 is a valid config; generate's default keep (block_size - 1) is then 0, which was refused, so a run
+    # with model.block_size=1 crashed at its first evaluation sample
+    model = tiny(block_size=1)
+    prompt = torch.randint(0, 11, (2, 4), generator=torch.Generator().manual_seed(0))
+    with_cache = model.generate(prompt, 15, generator=torch.Generator().manual_seed(5))
+    without = model.generate(prompt, 15, generator=torch.Generator().manual_seed(5), use_cache=False)
+    assert with_cache.shape == (2, 19) and torch.equal(with_cache, without)
+    assert torch.equal(model.generate(prompt, 15, generator=torch.Generator().manual_seed(5), keep=0), with_cache)
+    greedy, expected = model.generate(prompt, 10, temperature=0.0), prompt
+    for _ in range(10):  # each prediction from the last character alone
+        logits, _ = model(expected[:, -1:])
+        expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(greedy, expected)
+    with pytest.raises(ValueError, match=r"keep must be in \[0, block_size - 1\] = \[0, 0\], got 1"):
+        model.generate(prompt, 3, keep=1)
+    with pytest.raises(ValueError, match=r"keep must be in \[1, block_size - 1\] = \[1, 7\], got 0"):
+        tiny().generate(prompt, 3, keep=0)  # with a wider window, keeping nothing stays refused
+
+
 def test_cached_logits_equal_full_forward():
     from model import KVCache
 

@@ -102,6 +102,17 @@ def test_the_sampler_looks_the_first_block_up_in_eval_mode_below_the_size_limit(
     assert WindowSampler(model, 1.0, None, None).first is None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_window_of_one_character_gives_the_plain_paths_characters(temperature):
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=23, block_size=1, n_layer=2, n_head=2, n_embd=16)).eval()
+    prompt = torch.randint(0, 23, (3, 4), generator=torch.Generator().manual_seed(1))
+    expected, expected_state = plain(m, prompt, 25, temperature, None, None, seed=7)
+    for chunk in (1, 3):
+        got, state = windowed(WindowSampler(m, temperature, None, None, chunk=chunk), prompt, 25, seed=7)
+        assert torch.equal(got, expected) and torch.equal(state, expected_state)
+
+
 @pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-6])
 def test_the_smallest_top_p_keeps_the_likeliest_character_on_every_path(model, top_p):
     # a top_p under float32's smallest value rounds to 0 where it is compared: once that dropped every character
