@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
-from .gpt import GPT, sample_next
+from .gpt import GPT, check_request, check_sampling, sample_next
 
 
 class Recurrent(nn.Module):
@@ -39,12 +39,19 @@ class Recurrent(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    @torch.inference_mode()
     def generate_iter(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                       top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
                       use_cache: bool = True, keep: int | None = None) -> Iterator[torch.Tensor]:
         """Yield the next (B, 1) ids one at a time. The prompt's last block_size characters set the state, which
-        then carries on from character to character (use_cache and keep are the GPT's and change nothing here)."""
+        then carries on from character to character (use_cache and keep are the GPT's and change nothing here). The
+        arguments are checked as GPT.generate_iter checks them, when it is called."""
+        check_request(idx, max_new_tokens)
+        check_sampling(temperature, top_k, top_p)
+        return self._generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator)
+
+    @torch.inference_mode()
+    def _generate_iter(self, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                       top_p: float | None, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
         logits, state = self.step(idx[:, -self.config.block_size :], None)
         for _ in range(max_new_tokens):
             next_id = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, generator)  # (B, 1)
@@ -55,9 +62,10 @@ class Recurrent(nn.Module):
                  top_p: float | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
                  keep: int | None = None) -> torch.Tensor:
         """Continue idx (B, T) by max_new_tokens characters; returns (B, T + max_new_tokens)."""
-        if max_new_tokens <= 0:
+        steps = self.generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator)
+        if max_new_tokens == 0:
             return idx
-        return torch.cat([idx, *self.generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator)], dim=1)
+        return torch.cat([idx, *steps], dim=1)
 
 
 class Bigram(Recurrent):

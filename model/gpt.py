@@ -170,7 +170,6 @@ class GPT(nn.Module):
             return logits, loss, weights
         return logits, loss
 
-    @torch.inference_mode()
     def generate_iter(
         self,
         idx: torch.Tensor,
@@ -182,13 +181,23 @@ class GPT(nn.Module):
         use_cache: bool = True,
         keep: int | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Yield the next (B, 1) character ids one at a time; see ``generate``."""
+        """Yield the next (B, 1) character ids one at a time; see ``generate``. The arguments are checked here, when
+        it is called, not at the first character."""
+        check_request(idx, max_new_tokens)
+        check_sampling(temperature, top_k, top_p)
         block_size = self.config.block_size
         keep = block_size - 1 if keep is None else keep
         # A window of one character (block_size 1) keeps nothing of the old window: keep is 0, its only value.
         lowest = min(1, block_size - 1)
         if not lowest <= keep < block_size:
             raise ValueError(f"keep must be in [{lowest}, block_size - 1] = [{lowest}, {block_size - 1}], got {keep}")
+        return self._generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache, keep)
+
+    @torch.inference_mode()
+    def _generate_iter(self, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                       top_p: float | None, generator: torch.Generator | None, use_cache: bool, keep: int
+                       ) -> Iterator[torch.Tensor]:
+        block_size = self.config.block_size
         B, T = idx.shape
         context = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
         context[:, :T] = idx
@@ -235,10 +244,30 @@ class GPT(nn.Module):
         temperature 0 is greedy decoding; top_k keeps the k likeliest characters, top_p the smallest set whose
         probability reaches p. The KV cache changes only the speed, never the characters.
         """
-        if max_new_tokens <= 0:
-            return idx
         steps = self.generate_iter(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache, keep)
+        if max_new_tokens == 0:
+            return idx
         return torch.cat([idx, *steps], dim=1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError naming the argument, by the rules sample.py applies to its options: a negative temperature would
+    sample the unlikeliest characters, a NaN one decode greedily, and top_k 0 or top_p 0 keep no character."""
+    if not temperature >= 0 or temperature == math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and not top_k >= 1:
+        raise ValueError(f"top_k must be >= 1 (or None: every character), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (or None: every character), got {top_p}")
+
+
+def check_request(idx: torch.Tensor, max_new_tokens: int) -> None:
+    """ValueError naming the argument unless idx is (B, T) ids with at least one character a row (the model predicts
+    from the last one) and max_new_tokens is >= 0."""
+    if idx.dim() != 2 or idx.size(1) < 1:
+        raise ValueError(f"idx must be (batch, length) ids with a length of at least 1, got shape {tuple(idx.shape)}")
+    if not max_new_tokens >= 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
 
 def sample_next(

@@ -21,7 +21,7 @@ import torch
 from torch._higher_order_ops import while_loop
 
 from .config import GPTConfig
-from .gpt import GPT, filtered_probs
+from .gpt import GPT, check_request, check_sampling, filtered_probs
 
 # The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
 # CPU config's table is 1.6M values, made in 3-5 ms (2 threads, Zen 4 EPYC); shakespeare_char.yaml's would be 19M.
@@ -63,6 +63,7 @@ class WindowSampler:
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
                  compile: bool = False, options: dict | None = None, chunk: int = 1, graph: bool = False) -> None:
+        check_sampling(temperature, top_k, top_p)
         if 0.0 < temperature < MIN_FAST_TEMPERATURE:
             raise ValueError(f"temperature {temperature} is below {MIN_FAST_TEMPERATURE}: use GPT.generate")
         if chunk < 1:
@@ -133,11 +134,17 @@ class WindowSampler:
             return None
         return torch.ones(self.chunk, batch, self.model.config.vocab_size, device=device)
 
-    @torch.inference_mode()
     def generate_iter(self, idx: torch.Tensor, max_new_tokens: int,
                       generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """Yield the next (B, 1) ids of idx's continuation one at a time; the window slides by one character, so
-        every prediction sees the last block_size characters (GPT.generate's default)."""
+        every prediction sees the last block_size characters (GPT.generate's default). The arguments are checked
+        when it is called."""
+        check_request(idx, max_new_tokens)
+        return self._generate_iter(idx, max_new_tokens, generator)
+
+    @torch.inference_mode()
+    def _generate_iter(self, idx: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None
+                       ) -> Iterator[torch.Tensor]:
         if not self.fixed_shape:
             yield from self._slide(idx, max_new_tokens, generator)
             return

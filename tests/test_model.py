@@ -219,6 +219,44 @@ def test_a_window_of_one_character_generates_with_and_without_cache():
         tiny().generate(prompt, 3, keep=0)  # with a wider window, keeping nothing stays refused
 
 
+BAD_ARGUMENTS = [
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),  # was: sampled the unlikeliest characters
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),  # was: silently greedy
+    ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+    ({"top_k": 0}, "top_k must be >= 1"),
+    ({"top_k": -3}, "top_k must be >= 1"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
+    ({"max_new_tokens": -1}, "max_new_tokens must be >= 0, got -1"),
+    ({"max_new_tokens": -5}, "max_new_tokens must be >= 0, got -5"),
+    ({"idx": torch.zeros(1, 0, dtype=torch.long)}, r"idx must be .* got shape \(1, 0\)"),
+    ({"idx": torch.zeros(3, dtype=torch.long)}, r"idx must be .* got shape \(3,\)"),
+]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bigram", "gru"])
+@pytest.mark.parametrize(("bad", "message"), BAD_ARGUMENTS)
+def test_bad_sampling_arguments_raise_a_value_error_naming_them(kind, bad, message):
+    from model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(type=kind, vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16)).eval()
+    args = {"idx": torch.tensor([[1, 2, 3]]), "max_new_tokens": 3, **bad}
+    with pytest.raises(ValueError, match=message):
+        model.generate(**args)
+    with pytest.raises(ValueError, match=message):
+        model.generate_iter(**args)  # when it is called, not at its first character
+
+
+def test_the_edges_of_the_sampling_arguments_are_accepted():
+    model, idx = tiny(), torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(idx, 0), idx)
+    assert list(model.generate_iter(idx, 0)) == []
+    for kwargs in ({"temperature": 0.0}, {"top_k": 1}, {"top_k": 100}, {"top_p": 1.0}, {"top_p": 1e-300}):
+        assert model.generate(idx, 4, generator=torch.Generator().manual_seed(0), **kwargs).shape == (1, 7)
+
+
 def test_cached_logits_equal_full_forward():
     from model import KVCache
 

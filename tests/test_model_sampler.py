@@ -130,6 +130,27 @@ def test_the_smallest_top_p_keeps_the_likeliest_character_on_every_path(model, t
         assert torch.equal(state, expected_state)
 
 
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "message"), [
+    (-1.0, None, None, "temperature must be a finite number >= 0"),  # was: accepted, the unlikeliest characters
+    (float("nan"), None, None, "temperature must be a finite number >= 0"),
+    (1.0, 0, None, "top_k must be >= 1"),
+    (1.0, None, 0.0, r"top_p must be in \(0, 1\]"),
+    (1.0, None, 2.0, r"top_p must be in \(0, 1\]"),
+])
+def test_the_sampler_refuses_bad_sampling_settings_by_name(model, temperature, top_k, top_p, message):
+    with pytest.raises(ValueError, match=message):
+        WindowSampler(model, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_the_sampler_refuses_a_bad_request_when_called(model, chunk):
+    sampler = WindowSampler(model, 1.0, None, None, chunk=chunk)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -2"):
+        sampler.generate_iter(torch.tensor([[1, 2]]), -2)
+    with pytest.raises(ValueError, match=r"idx must be .* got shape \(2, 0\)"):
+        sampler.generate_iter(torch.zeros(2, 0, dtype=torch.long), 3)
+
+
 def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
     with pytest.raises(ValueError, match="use GPT.generate"):
         WindowSampler(model, MIN_FAST_TEMPERATURE / 10, None, None)
