@@ -7,7 +7,9 @@ Writing one, and the training state in it, is the trainer's business (training/c
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,13 +56,33 @@ def find_checkpoint(out_dir: str | Path) -> Path:
     raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt; train first with `python train.py`")
 
 
+def not_a_file(mode: int) -> str | None:
+    """In words, what a path of this st_mode is when it is not a regular file; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a pipe (a FIFO, or <(command) in a shell)"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a tinychar checkpoint; anything else (missing, truncated, foreign, unsafe) is a CheckpointError."""
+    """Read a tinychar checkpoint; anything else (missing, not a regular file, truncated, foreign, unsafe) is a
+    CheckpointError."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {quoted(path)}; train one first with `python train.py`")
     if path.is_dir():
         raise CheckpointError(f"{quoted(path)} is a directory, not a checkpoint file")
+    kind = not_a_file(os.stat(path).st_mode)
+    if kind is not None:  # opening a pipe waits for a writer, forever; a device may never end
+        raise CheckpointError(f"{quoted(path)} is {kind}, not a checkpoint file; give the path of a file torch.save "
+                              f"wrote")
     try:
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of files it did not write; the error below says all there is

@@ -4,7 +4,9 @@ unsafe file is refused with a one-line CheckpointError."""
 from __future__ import annotations
 
 import builtins
+import os
 import pickle
+import threading
 import warnings
 from pathlib import Path
 
@@ -123,6 +125,34 @@ def test_a_file_that_is_not_a_tinychar_checkpoint_is_refused(tmp_path, content):
 def test_a_missing_file_or_a_folder_is_refused(tmp_path):
     assert "no checkpoint" in refusal(tmp_path / "nope.pt")
     assert "directory" in refusal(tmp_path)
+
+
+def test_a_pipe_is_refused_before_it_is_opened(tmp_path):
+    # a FIFO with no writer made torch.load wait in open() forever; refused from its stat, it is never opened
+    fifo = tmp_path / "best.pt"
+    os.mkfifo(fifo)
+    outcome: list[str] = []
+    reader = threading.Thread(target=lambda: outcome.append(refusal(fifo)), daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():  # the old behaviour: release the blocked open() before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=20)
+        pytest.fail("load_checkpoint blocked opening a FIFO")
+    assert outcome == [f"{quoted(fifo)} is a pipe (a FIFO, or <(command) in a shell), not a checkpoint file; give "
+                       f"the path of a file torch.save wrote"]
+
+    # <(cat ckpt.pt) in a shell: /dev/fd/N, an anonymous pipe (it was called "truncated or not a checkpoint")
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    try:
+        assert "is a pipe" in refusal(Path(f"/dev/fd/{read_end}"))
+    finally:
+        os.close(read_end)
+
+
+def test_a_device_is_refused_as_what_it_is():
+    assert "is a character device, not a checkpoint file" in refusal(Path("/dev/null"))
 
 
 @pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
