@@ -11,6 +11,7 @@ import os
 import pickle
 import stat
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if kind is not None:  # opening a pipe waits for a writer, forever; a device may never end
         raise CheckpointError(f"{quoted(path)} is {kind}, not a checkpoint file; give the path of a file torch.save "
                               f"wrote")
+    check_archive(path)
     try:
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of files it did not write; the error below says all there is
@@ -110,6 +112,28 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         if key not in payload:
             raise CheckpointError(f"checkpoint {quoted(path)} lacks '{key}'; it is damaged or from another program")
     return payload
+
+
+def check_archive(path: Path) -> None:
+    """Refuse, from the zip's central directory alone, a checkpoint whose data would expand in memory beyond the
+    file's own size. torch.save stores its entries uncompressed, but torch.load inflates compressed ones, so a
+    hand-made file of 25 MB could ask for 25 GB before anything counts what the model needs; and stored entries hold
+    their bytes in the file, so sizes that add up to more than it are a lie or overlapping entries. A file that is not
+    a zip Python can read (truncated, another format, torch's legacy one) is left to torch.load to judge."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except Exception:  # noqa: BLE001 - zipfile raises BadZipFile, OSError, ValueError, struct.error... on foreign bytes
+        return
+    compressed = next((e for e in entries if e.compress_type != zipfile.ZIP_STORED), None)
+    if compressed is not None:
+        raise CheckpointError(f"checkpoint {quoted(path)} holds compressed data ({quoted(compressed.filename)}), which "
+                              f"torch.save never writes and which could expand far beyond the file's size; refusing "
+                              f"to load it")
+    total, size = sum(e.file_size for e in entries), path.stat().st_size
+    if total > size:
+        raise CheckpointError(f"checkpoint {quoted(path)} claims {total:,} bytes of data in a file of {size:,} bytes; "
+                              f"it is damaged or crafted, refusing to load it")
 
 
 def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[GPTConfig, list[str]]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import builtins
 import os
 import pickle
+import struct
 import threading
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -153,6 +155,32 @@ def test_a_pipe_is_refused_before_it_is_opened(tmp_path):
 
 def test_a_device_is_refused_as_what_it_is():
     assert "is a character device, not a checkpoint file" in refusal(Path("/dev/null"))
+
+
+def test_a_checkpoint_with_compressed_entries_is_refused_before_it_is_expanded(saved, tmp_path):
+    # torch.load inflates deflated entries (a 2 MB file of zeros took 400 MB); torch.save never writes them
+    _, path = saved
+    deflated = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as out:
+        for entry in source.infolist():
+            out.writestr(entry.filename, source.read(entry.filename))
+    assert torch.load(deflated, weights_only=True)["vocab"] == VOCAB  # torch would read it
+    message = refusal(deflated)
+    assert message.startswith(f"checkpoint {quoted(deflated)} holds compressed data (")
+    assert "refusing to load it" in message
+
+
+def test_a_checkpoint_whose_entries_claim_more_than_the_file_holds_is_refused(saved, tmp_path):
+    _, path = saved
+    data = bytearray(path.read_bytes())
+    # the central directory's record of the largest entry (the weights) says it is ten times the file's size
+    largest = max(zipfile.ZipFile(path).infolist(), key=lambda e: e.file_size).filename.encode()
+    at = next(i for i in range(len(data)) if data.startswith(b"PK\x01\x02", i)
+              and data[i + 46 : i + 46 + struct.unpack_from("<H", data, i + 28)[0]] == largest)
+    struct.pack_into("<II", data, at + 20, 10 * len(data), 10 * len(data))  # compressed and uncompressed sizes
+    lying = tmp_path / "lying.pt"
+    lying.write_bytes(bytes(data))
+    assert f"bytes of data in a file of {len(data):,} bytes; it is damaged or crafted" in refusal(lying)
 
 
 @pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
