@@ -108,6 +108,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                               f"{detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{quoted(path)} is not a tinychar checkpoint")
+    version = payload.get("version", VERSION)  # every checkpoint tinychar wrote has one; a hand-made one may not
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointError(f"checkpoint {quoted(path)} has a damaged format version (not an integer)")
+    if version > VERSION:
+        shown = f"{version}" if version < 10**6 else "a far later one"
+        raise CheckpointError(f"checkpoint {quoted(path)} is in format version {shown}, newer than this tinychar reads "
+                              f"({VERSION}); load it with the tinychar that wrote it, or a later one")
     for key in ("model", "model_config", "vocab"):
         if key not in payload:
             raise CheckpointError(f"checkpoint {quoted(path)} lacks '{key}'; it is damaged or from another program")

@@ -183,6 +183,22 @@ def test_a_checkpoint_whose_entries_claim_more_than_the_file_holds_is_refused(sa
     assert f"bytes of data in a file of {len(data):,} bytes; it is damaged or crafted" in refusal(lying)
 
 
+@pytest.mark.parametrize(("version", "fragment"), [
+    (2, "is in format version 2, newer than this tinychar reads (1); load it with the tinychar that wrote it"),
+    (10**400, "is in format version a far later one, newer than this tinychar reads (1)"),
+    ("1", "has a damaged format version (not an integer)"),
+    (True, "has a damaged format version (not an integer)"),
+])
+def test_a_checkpoint_of_an_unknown_format_version_is_refused(saved, tmp_path, version, fragment):
+    model, _ = saved
+    path = tmp_path / "future.pt"
+    torch.save({"format": "tinychar-checkpoint", "version": version, **payload_for(model)}, path)
+    assert refusal(path).startswith(f"checkpoint {quoted(path)} {fragment}")
+    # without a version (a hand-made file) it loads, as every version-1 checkpoint does
+    torch.save({"format": "tinychar-checkpoint", **payload_for(model)}, path)
+    assert model_from_checkpoint(load_checkpoint(path), path)[1] == VOCAB
+
+
 @pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
 def test_a_pickle_that_would_run_code_is_refused_and_never_run(tmp_path, writer):
     marker = tmp_path / "marker"
