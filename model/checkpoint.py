@@ -149,6 +149,9 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
     vocab = payload["vocab"]
     if not isinstance(vocab, list) or not all(isinstance(c, str) and len(c) == 1 for c in vocab):
         raise CheckpointError(f"checkpoint {quoted(path)} has a malformed vocabulary")
+    problem = vocabulary_problem(vocab)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {quoted(path)} has a malformed vocabulary: {problem}")
     if not isinstance(payload["model_config"], dict):
         raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: not a mapping")
     try:
@@ -159,6 +162,24 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
         raise CheckpointError(f"checkpoint {quoted(path)} is inconsistent: its vocabulary has {len(vocab)} characters "
                               f"but the model expects {config.vocab_size}")
     return config, vocab
+
+
+def vocabulary_problem(vocab: list[str]) -> str | None:
+    """What makes a list of one-character strings unusable as a vocabulary, in words; None when nothing does. Ids
+    are positions in the list, so each character must appear once (twice, the prompt is encoded to one id and the
+    other prints the same character), and each must be one that can be printed as UTF-8 (a lone surrogate cannot)."""
+    if not vocab:
+        return "it is empty"
+    seen: dict[str, int] = {}
+    for i, c in enumerate(vocab):
+        try:
+            c.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"character {i} ({c!r}) is a lone surrogate (half of a UTF-16 pair), which UTF-8 cannot write"
+        if c in seen:
+            return f"{c!r} is in it twice (characters {seen[c]} and {i})"
+        seen[c] = i
+    return None
 
 
 def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoint") -> tuple[nn.Module, list[str]]:

@@ -236,6 +236,14 @@ def test_a_vocabulary_that_does_not_match_the_weights_is_refused(saved, tmp_path
     [
         (lambda p: p.update(vocab=["ab", *VOCAB[1:]]), "malformed vocabulary"),
         (lambda p: p.update(vocab="".join(VOCAB)), "malformed vocabulary"),
+        # consistent with the config, but unusable: sample.py's read_prompt indexed vocab[0] of an empty one, a lone
+        # surrogate failed to print after all the sampling, and a duplicate printed the wrong characters
+        (lambda p: (p.update(vocab=[]), p["model_config"].update(vocab_size=0)), "malformed vocabulary: it is empty"),
+        (lambda p: p.update(vocab=[VOCAB[0], "\ud800", *VOCAB[2:]]),
+         "malformed vocabulary: character 1 ('\\ud800') is a lone surrogate (half of a UTF-16 pair), which UTF-8 "
+         "cannot write"),
+        (lambda p: p.update(vocab=[VOCAB[0], VOCAB[2], *VOCAB[2:]]),
+         "malformed vocabulary: '!' is in it twice (characters 1 and 2)"),
         (lambda p: p["model_config"].update(n_head=3), "unusable model config"),
         (lambda p: p["model_config"].update(colour="blue"), "unusable model config"),
         (lambda p: p["model"].pop("lm_head.weight"), "weights do not match"),
