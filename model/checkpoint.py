@@ -190,7 +190,23 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
     try:
         model.load_state_dict(payload["model"])
     except (RuntimeError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0]
         raise CheckpointError(f"checkpoint {quoted(path)} weights do not match its model config: "
-                              f"{first[:160]}") from None
+                              f"{error_reasons(e)}") from None
     return model, vocab
+
+
+# Characters of an exception's reasons that a one-line message keeps.
+REASON_LIMIT = 160
+
+
+def error_reasons(e: Exception, limit: int = REASON_LIMIT) -> str:
+    """An exception's message as one line of at most limit characters, for a person. load_state_dict's first line
+    says only that there were errors ("Error(s) in loading state_dict for GPT:"); its reasons follow, one a line
+    (missing keys, unexpected keys, a size mismatch), each after a newline and a tab, and are what this keeps. Key
+    names come from the file, so the line is escaped: a newline in one cannot split it."""
+    message = str(e).strip()
+    lines = [line.strip() for line in (message.split("\n\t") if "\n\t" in message else message.splitlines())]
+    reasons = [line for line in lines[1:] if line] or [line for line in lines[:1] if line]
+    text = "; ".join(reasons) or type(e).__name__
+    text = text if text.isprintable() else repr(text)[1:-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -183,6 +183,31 @@ def test_a_checkpoint_whose_entries_claim_more_than_the_file_holds_is_refused(sa
     assert f"bytes of data in a file of {len(data):,} bytes; it is damaged or crafted" in refusal(lying)
 
 
+@pytest.mark.parametrize(("change", "reason"), [
+    (lambda w: w.pop("lm_head.weight"), 'Missing key(s) in state_dict: "lm_head.weight".'),
+    (lambda w: w.update({"extra.weight": torch.zeros(2)}), 'Unexpected key(s) in state_dict: "extra.weight".'),
+    (lambda w: w.update({"transformer.ln_f.bias": torch.tensor(1.0)}),
+     "size mismatch for transformer.ln_f.bias: copying a param with shape torch.Size([]) from checkpoint, the shape "
+     "in current model is torch.Size([16])."),
+    (lambda w: w.update({"transformer.ln_f.bias": "x"}), 'While copying the parameter named "transformer.ln_f.bias"'),
+    (lambda w: w.update({"odd\nkey": torch.zeros(1)}), 'Unexpected key(s) in state_dict: "odd\\nkey".'),  # escaped
+    (lambda w: [w.pop(k) for k in list(w) if k.startswith("transformer.h.1.")],
+     'Missing key(s) in state_dict: "transformer.h.1.ln_1.weight", "transformer.h.1.ln_1.bias", '),  # cut, below
+])
+def test_weights_that_do_not_fit_the_config_are_refused_with_torchs_reason(saved, tmp_path, change, reason):
+    # the message used to stop at torch's first line, "Error(s) in loading state_dict for GPT:", which says nothing
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = dict(payload["model"])
+    change(payload["model"])
+    path = tmp_path / "mismatch.pt"
+    save_checkpoint(payload, path)
+    message = refusal(path)
+    prefix = f"checkpoint {quoted(path)} weights do not match its model config: "
+    assert message.startswith(prefix + reason)
+    assert len(message) <= len(prefix) + 160 and "Error(s) in loading" not in message
+
+
 @pytest.mark.parametrize(("version", "fragment"), [
     (2, "is in format version 2, newer than this tinychar reads (1); load it with the tinychar that wrote it"),
     (10**400, "is in format version a far later one, newer than this tinychar reads (1)"),
