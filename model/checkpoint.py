@@ -187,12 +187,39 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
     that they fit together."""
     config, vocab = checkpoint_config(payload, path)
     model = build_model(config)
+    weights = payload["model"]
+    if isinstance(weights, dict):
+        # load_state_dict would keep the real part of a complex tensor, with a warning on stderr
+        name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor) and v.is_complex()), None)
+        if name is not None:
+            raise CheckpointError(f"checkpoint {quoted(path)} holds complex numbers as weights ({quoted(str(name))}); "
+                                  f"it is damaged or from another program")
     try:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(weights)
     except (RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {quoted(path)} weights do not match its model config: "
                               f"{error_reasons(e)}") from None
+    name = first_not_finite(model)
+    if name is not None:
+        raise CheckpointError(f"checkpoint {quoted(path)} holds weights that are not finite (NaN or infinite) in "
+                              f"{name}; it is damaged (training stops before saving such weights)")
     return model, vocab
+
+
+# Values of a weight checked at a time: the check's own memory stays at 16 MiB of booleans, whatever the model.
+FINITE_CHUNK = 2**24
+
+
+def first_not_finite(model: nn.Module) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity (in the model's dtype: a float64 1e300 that
+    became inf on loading counts), or None. One pass over the weights: sampling from them would fail at the first
+    softmax, or on a fixed-shape path draw garbage."""
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        if not all(bool(chunk.isfinite().all()) for chunk in p.detach().reshape(-1).split(FINITE_CHUNK)):
+            return name
+    return None
 
 
 # Characters of an exception's reasons that a one-line message keeps.

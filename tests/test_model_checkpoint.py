@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint
+from model import checkpoint as checkpoint_module
 from model.checkpoint import quoted
 from training.checkpoints import save_checkpoint
 
@@ -206,6 +207,45 @@ def test_weights_that_do_not_fit_the_config_are_refused_with_torchs_reason(saved
     prefix = f"checkpoint {quoted(path)} weights do not match its model config: "
     assert message.startswith(prefix + reason)
     assert len(message) <= len(prefix) + 160 and "Error(s) in loading" not in message
+
+
+@pytest.mark.parametrize(("key", "value", "name"), [
+    ("transformer.ln_f.weight", float("nan"), "transformer.ln_f.weight"),
+    ("lm_head.weight", float("inf"), "transformer.wte.weight"),  # tied: the parameter's first name
+    ("transformer.h.1.mlp.c_fc.bias", -float("inf"), "transformer.h.1.mlp.c_fc.bias"),
+])
+def test_weights_that_are_not_finite_are_refused_at_load(saved, tmp_path, monkeypatch, key, value, name):
+    # they loaded, and sampling crashed in torch.multinomial (or drew garbage on the fixed-shape path)
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = {k: v.clone() for k, v in payload["model"].items()}
+    payload["model"][key].view(-1)[-1] = value  # one value, the last: in the last chunk checked
+    path = tmp_path / "nan.pt"
+    save_checkpoint(payload, path)
+    monkeypatch.setattr(checkpoint_module, "FINITE_CHUNK", 5)  # several chunks a weight
+    assert refusal(path) == (f"checkpoint {quoted(path)} holds weights that are not finite (NaN or infinite) in "
+                             f"{name}; it is damaged (training stops before saving such weights)")
+
+
+def test_a_value_too_large_for_the_models_float32_is_not_finite_either(saved, tmp_path):
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = dict(payload["model"])
+    payload["model"]["transformer.ln_f.bias"] = torch.full((16,), 1e300, dtype=torch.float64)  # inf once cast
+    path = tmp_path / "huge.pt"
+    save_checkpoint(payload, path)
+    assert "not finite (NaN or infinite) in transformer.ln_f.bias" in refusal(path)
+
+
+def test_complex_weights_are_refused_not_cut_to_their_real_part(saved, tmp_path):
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = dict(payload["model"])
+    payload["model"]["transformer.ln_f.bias"] = torch.zeros(16, dtype=torch.complex64)
+    path = tmp_path / "complex.pt"
+    save_checkpoint(payload, path)
+    assert refusal(path).endswith("holds complex numbers as weights ('transformer.ln_f.bias'); it is damaged or from "
+                                  "another program")
 
 
 @pytest.mark.parametrize(("version", "fragment"), [
