@@ -99,3 +99,30 @@ def test_a_run_that_cannot_fit_is_refused_before_the_model_is_built(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: this run needs about ") and part in err[0], err
     assert not out.exists()  # nothing written
+
+
+def test_a_need_too_large_for_a_float_is_said_in_bounded_words(monkeypatch) -> None:
+    # 10**400 bytes: n / 1e9 raised OverflowError; the number itself would be 400 digits
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 23 * 10**9)
+    cpu = torch.device("cpu")
+    for processes in (1, 2):
+        with pytest.raises(UsageError) as info:
+            check_fits(MemoryNeed(weights=10**400, masks=0, activations=0), cpu, processes=processes)
+        assert str(info.value).startswith("this run needs more than 1,000,000,000,000,000.0 GB of memory and this "
+                                          "machine has 23.0 GB free; use a smaller model")
+    with pytest.raises(UsageError, match=r"needs about 1,000,000,000,000,000.0 GB of memory"):  # the bound itself
+        check_fits(MemoryNeed(weights=10**24, masks=0, activations=0), cpu)
+    with pytest.raises(UsageError, match=r"needs about 500 processes x 50 MB of memory and this machine has 23.0 GB"):
+        check_fits(MemoryNeed(weights=0, masks=0, activations=50 * 10**6), cpu, processes=500)
+
+
+@pytest.mark.parametrize("override", [f"model.n_layer={10**400}", f"train.batch_size={10**400}"],
+                         ids=["n_layer", "batch_size"])
+def test_a_config_of_astronomical_size_is_one_short_line(tmp_path, capsys, override):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("all the world's a stage\n" * 1000, encoding="utf-8")
+    out = tmp_path / "out"
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out), override], progress=False) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this run needs more than 1,000,000,000,000,000.0 GB "), err
+    assert len(err[0]) < 300 and not out.exists()

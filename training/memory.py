@@ -162,8 +162,18 @@ def available_bytes(device: torch.device) -> int | None:
     return min(known) if known else None
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.0f} MB"
+# A need past this many bytes (a million petabytes) is said as "more than" it: a config of 10**400 layers needs a
+# number no one reads, and one too large to be a float.
+SHOWN_MAX_BYTES = 10**24
+
+
+def _gb(n: int) -> str:
+    """n bytes as '12.3 GB' or '456 MB', counted in integers (a float would overflow past about 1.8e308)."""
+    n = int(n)
+    if n >= 10**8:
+        tenths = (n + 5 * 10**7) // 10**8
+        return f"{tenths // 10:,}.{tenths % 10} GB"
+    return f"{(n + 500_000) // 10**6:,} MB"
 
 
 def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1, *, what: str = "this run",
@@ -174,7 +184,12 @@ def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1, *, wh
     total = need.total * processes
     if free is None or total <= free:
         return
-    who = f"{processes} processes x {_gb(need.total)}" if processes > 1 else _gb(total)
+    if total > SHOWN_MAX_BYTES:
+        who = f"more than {_gb(SHOWN_MAX_BYTES)}"
+    elif processes > 1:
+        who = f"about {processes} processes x {_gb(need.total)}"
+    else:
+        who = f"about {_gb(total)}"
     where = "this machine has" if device.type == "cpu" else f"{device} has"
-    raise UsageError(f"{what} needs about {who} of memory and {where} {_gb(free)} free; "
+    raise UsageError(f"{what} needs {who} of memory and {where} {_gb(free)} free; "
                      f"{advice or 'use ' + need.largest()}")
