@@ -118,14 +118,25 @@ def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
 def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_chars: int, device: torch.device,
                         path: Path) -> None:
     """UsageError, in one line, when the model and the text asked for cannot fit: the weights, the sampling window's
-    pass and the text's ids on the device, and the ids kept until the samples are written in the CPU's memory."""
-    on_device, kept = text_bytes(args.num_samples, prompt_chars, args.max_new_tokens)
+    pass and the text's ids on the device, and the ids kept until the samples are written in the CPU's memory.
+
+    The advice follows what is too large: one sample that cannot fit is the model's fault (or its text's, when that
+    dominates); a batch that cannot fit when one sample can, the number of samples (their windows, KV caches and
+    text grow with it)."""
     cpu = device.type == "cpu"
-    need = model_need(config, args.num_samples, text=on_device + (kept if cpu else 0))
     what = f"sampling from '{shown(str(path))}'"
     text_advice = "ask for fewer --num-samples or a smaller --max-new-tokens"
-    check_fits(need, device, what=what, advice=text_advice if need.dominant() == "text" else
-               "it describes a model too large for this machine (or ask for fewer --num-samples)")
+
+    def need(samples: int) -> tuple[MemoryNeed, int]:
+        on_device, kept = text_bytes(samples, prompt_chars, args.max_new_tokens)
+        return model_need(config, samples, text=on_device + (kept if cpu else 0)), kept
+
+    one, _ = need(1)
+    check_fits(one, device, what=what, advice="ask for a smaller --max-new-tokens" if one.dominant() == "text" else
+               "it describes a model too large for this machine")
+    batch, kept = need(args.num_samples)
+    check_fits(batch, device, what=what, advice=text_advice if batch.dominant() == "text" else
+               "ask for fewer --num-samples (one sample fits)")
     if not cpu:
         check_fits(MemoryNeed(weights=0, masks=0, activations=0, text=kept), torch.device("cpu"), what=what,
                    advice=text_advice)

@@ -194,6 +194,20 @@ def test_a_text_too_long_for_memory_is_refused_before_the_model_is_built(run, mo
                                                       "--prompt", "a" * 100_000))
 
 
+def test_a_batch_too_large_for_memory_is_blamed_on_the_number_of_samples_not_the_model(run, monkeypatch):
+    # a million samples of 5 characters: their windows and KV caches are nearly all of the need, and one sample
+    # fits, so the advice is fewer samples; a machine where not even one fits is told the model is too large
+    import training.memory
+
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 2 * 10**9)
+    line = one_error_line(run("--num-samples", "1000000", "--max-new-tokens", "5"))
+    assert line.endswith("of memory and this machine has 2.0 GB free; ask for fewer --num-samples (one sample fits)")
+    assert "model" not in line
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 1000)
+    line = one_error_line(run("--num-samples", "1000000", "--max-new-tokens", "5"))
+    assert line.endswith("this machine has 0 MB free; it describes a model too large for this machine")
+
+
 def test_an_attention_map_too_large_to_open_is_drawn_over_the_last_characters_and_says_so(run, tmp_path,
                                                                                          monkeypatch):
     import lab.heatmap
