@@ -57,6 +57,31 @@ MAX_NEW_TOKENS = 10_000_000
 MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text
 
 
+def integer(text: str) -> int:
+    """An int from the command line; refused with the text cut to its ends (argparse's own type=int quotes it
+    whole)."""
+    try:
+        return int(text)
+    except ValueError:  # not a number, or one of more than 4,300 digits (Python's int-from-text limit)
+        raise argparse.ArgumentTypeError(f"invalid int value: '{shown(text)}'") from None
+
+
+def real(text: str) -> float:
+    """A float from the command line; refused with the text cut to its ends."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: '{shown(text)}'") from None
+
+
+def number(n: int) -> str:
+    """n as an error line quotes it: whole up to 20 digits, else its ends and how many digits it has."""
+    digits = str(abs(n))
+    if len(digits) <= 20:
+        return str(n)
+    return f"{'-' if n < 0 else ''}{digits[:4]}...{digits[-4:]} ({len(digits):,} digits)"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="sample.py", description="Sample text from a trained tinychar checkpoint.")
     where = p.add_mutually_exclusive_group()
@@ -65,13 +90,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     prompt.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
-    p.add_argument("--num-samples", type=int, default=1, help="how many samples (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=500, help="characters to generate per sample (default 500)")
-    p.add_argument("--temperature", type=float, default=0.8,
+    p.add_argument("--num-samples", type=integer, default=1, help="how many samples (default 1)")
+    p.add_argument("--max-new-tokens", type=integer, default=500,
+                   help="characters to generate per sample (default 500)")
+    p.add_argument("--temperature", type=real, default=0.8,
                    help="sampling temperature; 0 = greedy (always the likeliest character) (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample only from the k likeliest characters")
-    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
-    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same text")
+    p.add_argument("--top-k", type=integer, default=None, help="sample only from the k likeliest characters")
+    p.add_argument("--top-p", type=real, default=None, help="sample from the smallest set with probability >= p")
+    p.add_argument("--seed", type=integer, default=1337, help="random seed; the same seed gives the same text")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--no-cache", action="store_true",
                    help="the plain path: a forward pass over the whole context per character, no fixed-shape window")
@@ -87,17 +113,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+        raise UsageError(f"--num-samples must be >= 1, got {number(args.num_samples)}")
     if args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        raise UsageError(f"--max-new-tokens must be >= 0, got {number(args.max_new_tokens)}")
     if args.max_new_tokens > MAX_NEW_TOKENS:
-        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS:,}, got {args.max_new_tokens}")
+        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS:,}, got {number(args.max_new_tokens)}")
     if not -(2**63) <= args.seed < 2**63:  # what torch.Generator.manual_seed takes without an overflow
-        raise UsageError(f"--seed must fit in a signed 64-bit integer, got {args.seed}")
+        raise UsageError(f"--seed must fit in a signed 64-bit integer, got {number(args.seed)}")
     if not args.temperature >= 0 or args.temperature == float("inf"):
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
-        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+        raise UsageError(f"--top-k must be >= 1, got {number(args.top_k)}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
 

@@ -297,6 +297,33 @@ def test_a_bad_request_is_one_line_and_exit_2(run, run_dir, tmp_path, make, frag
     assert fragment in one_error_line(run(*make(run_dir, tmp_path)))
 
 
+HUGE = "9" * 4000
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--max-new-tokens", HUGE], "--max-new-tokens must be at most 10,000,000, got 9999...9999 (4,000 digits)"),
+    (["--max-new-tokens", "-" + HUGE], "--max-new-tokens must be >= 0, got -9999...9999 (4,000 digits)"),
+    (["--seed", HUGE], "--seed must fit in a signed 64-bit integer, got 9999...9999 (4,000 digits)"),
+    (["--num-samples", "-" + HUGE], "--num-samples must be >= 1, got -9999...9999 (4,000 digits)"),
+    (["--top-k", "-" + HUGE], "--top-k must be >= 1, got -9999...9999 (4,000 digits)"),
+], ids=["max-new-tokens", "negative-max-new-tokens", "seed", "num-samples", "top-k"])
+def test_a_huge_number_is_quoted_by_its_ends_and_its_length(run, args, fragment):
+    line = one_error_line(run(*args))
+    assert fragment in line and len(line) < 200, line[:300]
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--max-new-tokens", "9" * 5000], "invalid int value: '999"),  # past Python's 4,300 digits: not read as an int
+    (["--temperature", "x" * 5000], "invalid float value: 'xxx"),
+], ids=["5000-digits", "not-a-float"])
+def test_a_huge_value_the_parser_refuses_is_quoted_by_its_ends(capsys, args, fragment):
+    with pytest.raises(SystemExit) as exited:
+        sample.main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.splitlines()) == 1
+    assert fragment in err and "..." in err and len(err) < 200, err[:300]
+
+
 def test_a_prompt_with_unseen_characters_names_them(run):
     unseen = [c for c in "Zq\u20ac" if c not in SMALL_TEXT]
     assert len(unseen) == 3  # the premise: none of these is in the training text
