@@ -20,6 +20,7 @@ if __name__ == "__main__":
 
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
+    import codecs
     import time
     from array import array
     from collections.abc import Callable, Iterator
@@ -126,19 +127,57 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-k must be >= 1, got {number(args.top_k)}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    for flag, value, what in (("--out-dir", args.out_dir, "a run folder (or leave it out: runs/tiny)"),
+                              ("--checkpoint", args.checkpoint, "a checkpoint file"),
+                              ("--prompt-file", args.prompt_file, "a UTF-8 text file"),
+                              ("--attention-map", args.attention_map, "the picture's file name, such as map.png")):
+        if value == "":  # Path("") is the current folder: never what was meant
+            raise UsageError(f"{flag} is empty; give {what}")
+    if args.prompt is not None:
+        check_utf8(args.prompt)
+
+
+def check_utf8(prompt: str) -> None:
+    """UsageError when --prompt is not UTF-8: Python hands bytes that are not (b'\\xff' in argv) over as surrogates
+    (U+DCFF), which no model has seen and which cannot be written out."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = prompt[e.start]
+        what = f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"a lone surrogate {c!r}"
+        raise UsageError(f"--prompt is not UTF-8 text ({what} at character {e.start}); give it as UTF-8, or in a "
+                         f"--prompt-file saved as UTF-8") from None
 
 
 def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
+    """The prompt: --prompt-file's text (without a leading byte-order mark), --prompt, or a newline by default;
+    UsageError when it is empty."""
     if args.prompt_file is not None:
         raw = read_user_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES, error=UsageError)
+        bom = raw.startswith(codecs.BOM_UTF8)  # Notepad's "UTF-8 with BOM": a mark of the encoding, not text
         try:
-            return raw.decode("utf-8")  # bytes decoded as they are: "\r\n" stays two characters
+            prompt = raw[len(codecs.BOM_UTF8) if bom else 0 :].decode("utf-8")  # as they are: "\r\n" stays two
         except UnicodeDecodeError as e:
-            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is not UTF-8 (byte 0x{raw[e.start]:02x} at "
-                             f"offset {e.start}); convert it to UTF-8") from None
+            at = e.start + (len(codecs.BOM_UTF8) if bom else 0)
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is not UTF-8 (byte 0x{raw[at]:02x} at "
+                             f"offset {at}); convert it to UTF-8") from None
+        if prompt == "":
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is empty; give a file of at least one "
+                             f"character (or leave out --prompt-file)")
+        return prompt
     if args.prompt is not None:
+        if args.prompt == "":
+            raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
         return args.prompt
     return "\n" if "\n" in vocab else vocab[0]
+
+
+def run_checkpoint(out_dir: str) -> Path:
+    """The checkpoint of a run folder (model.find_checkpoint), or UsageError when the folder is a file."""
+    if os.path.isfile(out_dir):
+        raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
+                         f"--checkpoint")
+    return find_checkpoint(out_dir)
 
 
 def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_chars: int, device: torch.device,
@@ -172,15 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
-        path = Path(args.checkpoint) if args.checkpoint is not None else find_checkpoint(args.out_dir or "runs/tiny")
+        path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
         payload = load_checkpoint(path, map_location=device)
         config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
         if args.attention_map is not None and config.type != "gpt":
             raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
         prompt = read_prompt(args, vocab)
-        if prompt == "":
-            raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
         index = {c: i for i, c in enumerate(vocab)}
         unseen = sorted({c for c in prompt if c not in index})
         if unseen:
@@ -199,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     model.to(device).eval()
-    print(f"{shown(str(path), LOG_PATH)}: {model.num_params() / 1e6:.2f}M parameters, step {payload.get('step', '?')}, "
+    step = payload.get("step")  # an int in every checkpoint train.py writes; anything else is not quoted
+    step = number(step) if isinstance(step, int) and not isinstance(step, bool) else "?"
+    print(f"{shown(str(path), LOG_PATH)}: {model.num_params() / 1e6:.2f}M parameters, step {step}, "
           f"vocabulary {len(vocab)}", file=sys.stderr)
     ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
     if args.attention_map is not None:

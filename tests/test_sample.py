@@ -109,6 +109,27 @@ def test_a_prompt_file_is_used_verbatim(run, tmp_path):
     assert out.startswith("All:\nFirst") and len(out) == len("All:\nFirst") + 4 + 1
 
 
+def test_a_prompt_file_s_byte_order_mark_is_not_part_of_the_prompt(run, tmp_path):
+    # Notepad's "UTF-8 with BOM": the mark says how the file is encoded; it is not text the model is to continue
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfAll:\nFirst")
+    args = ("--max-new-tokens", "6", "--seed", "3")
+    assert ok(run("--prompt-file", str(tmp_path / "bom.txt"), *args)) == ok(run("--prompt", "All:\nFirst", *args))
+    (tmp_path / "only_bom.txt").write_bytes(b"\xef\xbb\xbf")
+    line = one_error_line(run("--prompt-file", str(tmp_path / "only_bom.txt")))
+    assert line.endswith("only_bom.txt' is empty; give a file of at least one character (or leave out --prompt-file)")
+
+
+def test_the_checkpoint_line_quotes_only_an_integer_step(run, run_dir, tmp_path):
+    payload = load_checkpoint(run_dir / "best.pt")
+    for step, shown in (("x\n" * 5, "step ?"), (torch.arange(1000), "step ?"), (10**30, "step 1000...0000 (31 digits)"),
+                        (True, "step ?")):
+        payload["step"] = step
+        torch.save(payload, tmp_path / "odd.pt")
+        code, out, err = run("--checkpoint", str(tmp_path / "odd.pt"), "--max-new-tokens", "3")
+        assert code == 0 and len(err.splitlines()) == 1, err[:500]
+        assert f"M parameters, {shown}, vocabulary" in err
+
+
 # ------------------------------------------------------------------------------------- reproducibility
 
 
@@ -268,6 +289,11 @@ def _truncated(run_dir: Path, tmp_path: Path) -> list[str]:
     return ["--checkpoint", str(tmp_path / "cut.pt")]
 
 
+def _file(tmp_path: Path, name: str, content: bytes) -> str:
+    (tmp_path / name).write_bytes(content)
+    return str(tmp_path / name)
+
+
 def _empty_folder(run_dir: Path, tmp_path: Path) -> list[str]:
     (tmp_path / "empty").mkdir()
     return ["--out-dir", str(tmp_path / "empty")]
@@ -288,6 +314,15 @@ BAD_REQUESTS = [
     ("truncated-checkpoint", _truncated, "truncated or not a checkpoint"),
     ("missing-prompt-file", lambda r, t: ["--prompt-file", str(t / "nope.txt")], "no such file"),
     ("unknown-device", lambda r, t: ["--device", "abacus"], "unknown device 'abacus'"),
+    ("empty-prompt-file", lambda r, t: ["--prompt-file", _file(t, "empty.txt", b"")],
+     "empty.txt' is empty; give a file of at least one character (or leave out --prompt-file)"),
+    ("prompt-not-utf-8", lambda r, t: ["--prompt", "caf\udce9"],  # b'caf\xe9' in argv, as Python hands it over
+     "--prompt is not UTF-8 text (byte 0xe9 at character 3)"),
+    ("empty-out-dir", lambda r, t: ["--out-dir", ""], "--out-dir is empty; give a run folder"),
+    ("empty-checkpoint", lambda r, t: ["--checkpoint", ""], "--checkpoint is empty; give a checkpoint file"),
+    ("empty-attention-map", lambda r, t: ["--attention-map", ""], "--attention-map is empty"),
+    ("out-dir-a-checkpoint", lambda r, t: ["--out-dir", str(r / "best.pt")],
+     "best.pt' is a file, not a run folder; to sample from it, pass it as --checkpoint"),
 ]
 
 
