@@ -209,6 +209,36 @@ def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_char
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the samples would go nowhere
+        print("error: stdout is closed, and the samples are written there; redirect it to a file (> out.txt) or to "
+              "/dev/null instead of closing it", file=sys.stderr)
+        return 2
+    try:
+        ready = prepare(args)
+    except KeyboardInterrupt:  # Ctrl-C while the checkpoint loads or the attention map is drawn
+        print("interrupted (SIGINT); nothing was sampled", file=sys.stderr)
+        return 128 + signal.SIGINT
+    if isinstance(ready, int):
+        return ready
+    model, ids, prompt, vocab = ready
+    try:
+        with ctrl_c_between_characters() as asked:
+            write_samples(model, ids, prompt, vocab, args, asked)
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
+        discard_stdout()  # so the exit-time flush cannot fail too
+    except KeyboardInterrupt:  # Ctrl-C while the text streams out: what was printed stays, nothing else to do
+        print("\ninterrupted (SIGINT); stopped sampling", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except OSError as e:  # stdout is a full disk (or a device that refuses): not the input's fault, exit status 1
+        discard_stdout()  # what is still buffered would fail again at exit
+        print(f"error: cannot write the samples to stdout ({e.strerror or e})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]] | int:
+    """The model in eval mode on its device, the prompt's ids, the prompt and the vocabulary; or the exit status of a
+    request refused in one line. The checkpoint's line and any attention map are written here."""
     try:
         check_args(args)
         path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
@@ -257,15 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot write --attention-map '{shown(args.attention_map)}': {reason}", file=sys.stderr)
             return 2
         print(f"attention map: {shown(str(saved), LOG_PATH)}", file=sys.stderr)
-    try:
-        with ctrl_c_between_characters() as asked:
-            write_samples(model, ids, prompt, vocab, args, asked)
-    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
-        discard_stdout()  # so the exit-time flush cannot fail too
-    except KeyboardInterrupt:  # Ctrl-C while the text streams out: what was printed stays, nothing else to do
-        print("\ninterrupted (SIGINT); stopped sampling", file=sys.stderr)
-        return 128 + signal.SIGINT
-    return 0
+    return model, ids, prompt, vocab
 
 
 def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,

@@ -3,6 +3,7 @@ while sample.py streams. Each ends with at most one line on stderr, no traceback
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -94,6 +95,49 @@ def test_a_real_ctrl_c_soon_after_launch_is_one_line_and_status_130(small_corpus
         assert err == ""
     else:
         assert proc.returncode == 130 and len(err.strip().splitlines()) == 1, err
+
+
+# sample.py as __main__ with a Ctrl-C landing while torch reads the checkpoint (which takes seconds for a large one)
+CTRL_C_WHILE_THE_CHECKPOINT_LOADS = """
+import runpy, sys
+import torch
+
+def ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+
+torch.load = ctrl_c
+script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, ".")  # the repository, as when sample.py is run as a script there
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_sample_py_loads_the_checkpoint_is_one_line_and_status_130(tmp_path):
+    run = train_small_run(tmp_path)
+    hook = tmp_path / "ctrl_c.py"
+    hook.write_text(CTRL_C_WHILE_THE_CHECKPOINT_LOADS, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(hook), "sample.py", "--out-dir", str(run)], check=False, cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 130 and result.stdout == ""
+    assert result.stderr == "interrupted (SIGINT); nothing was sampled\n"
+
+
+@pytest.mark.slow
+def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_path):
+    run = train_small_run(tmp_path)
+    args = [sys.executable, "sample.py", "--out-dir", str(run), "--max-new-tokens", "2000"]
+    for extra in ([], ["--stream"]):
+        with open("/dev/full", "w") as full:  # every write fails with ENOSPC
+            result = subprocess.run([*args, *extra], check=False, cwd=ROOT, env=child_env(), stdout=full,
+                                    stderr=subprocess.PIPE, text=True, timeout=120)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.splitlines()[-1] == "error: cannot write the samples to stdout (No space left on device)"
+        assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
+    closed = subprocess.run(args, check=False, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE, text=True,
+                            timeout=120, preexec_fn=lambda: os.close(1))  # `>&-`
+    assert closed.returncode == 2
+    assert closed.stderr.startswith("error: stdout is closed") and len(closed.stderr.splitlines()) == 1
 
 
 @pytest.mark.slow

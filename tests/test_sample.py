@@ -401,6 +401,23 @@ def test_sampling_a_small_window_on_one_thread_gives_the_threads_back(run):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("where", ["loading the checkpoint", "drawing the attention map"])
+def test_a_ctrl_c_before_sampling_is_one_line_and_status_130(run, monkeypatch, tmp_path, where):
+    import lab.heatmap
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "loading the checkpoint":
+        monkeypatch.setattr(sample, "load_checkpoint", ctrl_c)
+    else:
+        monkeypatch.setattr(lab.heatmap, "attention_weights", ctrl_c)
+    code, out, err = run("--prompt", PROMPT, "--attention-map", str(tmp_path / "map.png"))
+    assert code == 130 and out == ""
+    assert err.splitlines()[-1] == "interrupted (SIGINT); nothing was sampled" and "Traceback" not in err
+    assert not (tmp_path / "map.png").exists()
+
+
 def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_not():
     before = signal.getsignal(signal.SIGINT)
     with sample.ctrl_c_between_characters() as asked:
