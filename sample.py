@@ -357,14 +357,28 @@ def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[N
         torch.set_num_threads(threads)
 
 
+def plain_path(model: GPT, args: argparse.Namespace) -> str | None:
+    """Why this request samples on the plain path (GPT.generate: nothing compiled), or None for the window sampler."""
+    if not isinstance(model, GPT):
+        return f"a {model.config.type} model samples on the plain path"
+    if args.no_cache:
+        return "--no-cache takes the plain path"
+    if 0 < args.temperature < MIN_FAST_TEMPERATURE:
+        return f"a --temperature below {MIN_FAST_TEMPERATURE:g} (greedy) takes the plain path"
+    return None
+
+
 def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -> Iterator[torch.Tensor]:
     """The (num_samples, 1) ids of each next character. A GPT samples from a fixed-shape window (model.sampler), on
     one thread where its operators are too small to share out, compiled where that pays; --no-cache, the other
     model types and vanishing temperatures take the plain path. Both give the same characters for a seed."""
+    if args.max_new_tokens == 0:  # nothing to draw: nothing to compile or capture either
+        return iter(())
     gen = torch.Generator(device=batch.device).manual_seed(args.seed)
-    fast = (isinstance(model, GPT) and not args.no_cache
-            and (args.temperature == 0 or args.temperature >= MIN_FAST_TEMPERATURE))
-    if not fast:
+    plain = plain_path(model, args)
+    if plain is not None:
+        if args.compile == "true":  # said, as when the environment cannot compile
+            print(f"--compile true, but {plain}: sampling without compiling", file=sys.stderr)
         return model.generate_iter(batch, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
                                    use_cache=not args.no_cache)
     cfg, device = model.config, batch.device

@@ -198,6 +198,28 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
                       "is capturing); sampling eagerly")]
 
 
+@pytest.mark.parametrize("plain", [["--no-cache"], ["--temperature", "1e-5"], "bigram"],
+                         ids=["no-cache", "vanishing-temperature", "bigram"])
+def test_compile_true_on_the_plain_path_says_it_samples_without_compiling(run, tmp_path, plain):
+    if plain == "bigram":
+        plain = ["--out-dir", str(train_small_run(tmp_path, **{"model.type": "bigram", "train.max_iters": 2,
+                                                                "train.eval_interval": 2, "train.sample_chars": 0}))]
+    code, out, err = run("--prompt", "All:", "--max-new-tokens", "3", "--compile", "true", *plain)
+    assert code == 0 and len(out) == len("All:") + 3 + 1
+    (note,) = [line for line in err.splitlines() if line.startswith("--compile true, but")]
+    assert note.endswith("takes the plain path: sampling without compiling") or "bigram model samples" in note
+
+
+def test_nothing_is_compiled_for_no_new_characters(run, monkeypatch):
+    def compile(*args, **kwargs):
+        raise AssertionError("compiled (or captured) for no characters")
+
+    monkeypatch.setattr(sample.WindowSampler, "warm_up", compile)
+    monkeypatch.setattr(sample.engine, "sampling_graphs", lambda device: True)
+    code, out, err = run("--prompt", "All:", "--max-new-tokens", "0", "--compile", "true")
+    assert code == 0 and out == "All:\n" and "compiled" not in err and "captured" not in err, err
+
+
 def test_a_text_too_long_for_memory_is_refused_before_the_model_is_built(run, monkeypatch):
     # the samples' ids are kept until they are written (5 bytes a character in the CPU's memory, 8 more on the
     # device for the plain paths): a request whose text cannot fit is one line, before anything is built or sampled
