@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream", action="store_true", help="print characters as they are generated")
     p.add_argument("--attention-map", default=None, metavar="FILE.png",
                    help="also draw the attention of every layer and head over the prompt (its last block_size "
-                        "characters) into this PNG")
+                        "characters) into this picture: PNG, or the format its extension names (.jpg, .webp, ...)")
     return p.parse_args(argv)
 
 
@@ -180,6 +180,24 @@ def run_checkpoint(out_dir: str) -> Path:
     return find_checkpoint(out_dir)
 
 
+def map_title(path: Path, prompt: str) -> str:
+    return f"{path}: {prompt[-40:]!r}"
+
+
+def attention_map_characters(args: argparse.Namespace, config: GPTConfig, path: Path, prompt: str) -> int:
+    """How many of the prompt's last characters --attention-map draws (0 without one); UsageError, before the model
+    is built, for a model whose picture would be too large even for one character."""
+    if args.attention_map is None:
+        return 0
+    from lab.heatmap import characters_shown, too_large
+
+    window = prompt[-config.block_size :]
+    pictured = characters_shown(config.n_layer, config.n_head, list(window), map_title(path, prompt))
+    if pictured == 0:
+        raise UsageError(f"--attention-map: {too_large(config.n_layer, config.n_head)}; leave out --attention-map")
+    return pictured
+
+
 def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_chars: int, device: torch.device,
                         path: Path) -> None:
     """UsageError, in one line, when the model and the text asked for cannot fit: the weights, the sampling window's
@@ -241,6 +259,13 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
     request refused in one line. The checkpoint's line and any attention map are written here."""
     try:
         check_args(args)
+        if args.attention_map is not None:  # a name Pillow cannot write, refused before anything loads
+            from lab.heatmap import image_format
+
+            try:
+                image_format(args.attention_map)
+            except ValueError as e:
+                raise UsageError(f"--attention-map '{shown(args.attention_map)}': {e}") from None
         path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
         payload = load_checkpoint(path, map_location=device)
@@ -254,6 +279,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
             listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
             raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
                              f"remove or replace them")
+        pictured = attention_map_characters(args, config, path, prompt)
         check_sampling_fits(config, args, len(prompt), device, path)
         model, vocab = model_from_checkpoint(payload, path)
     except (UsageError, CheckpointError, DeviceError) as e:
@@ -272,17 +298,15 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
           f"vocabulary {len(vocab)}", file=sys.stderr)
     ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
     if args.attention_map is not None:
-        from lab.heatmap import characters_shown, save_attention_map
+        from lab.heatmap import save_attention_map
 
-        title = f"{path}: {prompt[-40:]!r}"
-        window = prompt[-config.block_size :]
-        pictured = characters_shown(config.n_layer, config.n_head, list(window), title)
-        if pictured < len(window):
-            print(f"attention map: the last {pictured:,} characters of the prompt's {len(window):,} (a picture of them "
+        window = min(len(prompt), config.block_size)
+        if pictured < window:
+            print(f"attention map: the last {pictured:,} characters of the prompt's {window:,} (a picture of them "
                   f"all would be too large to open)", file=sys.stderr)
         try:
-            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=title)
-        except (OSError, ValueError) as e:  # ValueError: Pillow knows no image format for that file name
+            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=map_title(path, prompt))
+        except (OSError, ValueError) as e:  # ValueError: a format Pillow cannot write in RGB
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
             print(f"error: cannot write --attention-map '{shown(args.attention_map)}': {reason}", file=sys.stderr)
             return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -368,37 +369,69 @@ MAX_MAP_PIXELS = 178_956_970
 def characters_shown(n_layer: int, n_head: int, chars: list[str], title: str | None = None,
                      limit: int | None = None) -> int:
     """How many of the last of chars a picture of n_layer x n_head heads shows within limit pixels (default
-    MAX_MAP_PIXELS; at least 1)."""
+    MAX_MAP_PIXELS); 0 when not even one character fits (a model of thousands of heads), so that no caller draws
+    past the bound."""
     limit = MAX_MAP_PIXELS if limit is None else limit
 
     def fits(n: int) -> bool:
         layout = grid_layout(n_layer, n_head, chars[len(chars) - n :], title)
         return layout.width * layout.height <= limit
 
+    if not chars or not fits(1):
+        return 0
     low, high = 1, len(chars)
     if fits(high):
         return high
-    while low < high - 1:  # fits(low) or low == 1; not fits(high)
+    while low < high - 1:  # fits(low); not fits(high)
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
 
 
+def too_large(n_layer: int, n_head: int) -> str:
+    """Why no picture of n_layer x n_head heads is drawn (characters_shown is 0), for a one-line note."""
+    return (f"a picture of {n_layer:,} layers x {n_head:,} heads is over {MAX_MAP_PIXELS:,} pixels even for one "
+            f"character")
+
+
+def image_format(path: str | Path) -> str:
+    """The Pillow format that a picture named path is written in: the one its extension names (map.jpg: JPEG), PNG
+    for a name without one; ValueError, in words, for an extension Pillow cannot write."""
+    suffix = Path(path).suffix.lower()
+    if not suffix:
+        return "PNG"
+    Image.init()  # registers every plugin's extensions, not only the common ones loaded at import
+    name = Image.registered_extensions().get(suffix)
+    if name is None or name not in Image.SAVE:
+        raise ValueError(f"Pillow cannot write '{suffix}' pictures; name it .png (or .jpg, .webp, .gif, ...)")
+    return name
+
+
 def save_attention_map(
     model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None
 ) -> Path:
-    """Render the attention of model on the last block_size ids and write it to path as PNG: on as many of the last
-    of them as a picture of MAX_MAP_PIXELS shows (characters_shown).
+    """Render the attention of model on the last block_size ids and write it to path, in the format its extension
+    names (image_format; PNG without one): on as many of the last of them as a picture of MAX_MAP_PIXELS shows
+    (characters_shown). ValueError when not even one character fits, or Pillow cannot write that format.
 
-    chars is the vocabulary (id -> character), as stored in checkpoints. Returns the path written.
-    """
+    The picture goes to a temporary file beside path, renamed over it once complete: an interrupted or failed write
+    leaves no half picture. chars is the vocabulary (id -> character), as stored in checkpoints. Returns the path
+    written."""
+    path = Path(path)
+    kind = image_format(path)
     window = _last_window(ids, model.config.block_size)
     shown = characters_shown(model.config.n_layer, model.config.n_head, [chars[i] for i in window], title)
+    if shown == 0:
+        raise ValueError(too_large(model.config.n_layer, model.config.n_head))
     window = window[len(window) - shown :]
     image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="PNG")
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        image.save(part, format=kind)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
     return path
 
 

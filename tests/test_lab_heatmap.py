@@ -11,10 +11,13 @@ from PIL import Image
 
 from lab.heatmap import (
     EMPTY_COLOUR,
+    MAX_MAP_PIXELS,
     attention_weights,
+    characters_shown,
     colour_at,
     display_char,
     grid_layout,
+    image_format,
     log_image,
     render_attention_grid,
     save_attention_map,
@@ -229,3 +232,47 @@ def test_a_picture_too_large_to_open_shows_the_last_characters_that_fit(tmp_path
         image.load()
         expected = render_attention_grid(attention_weights(model, ids_of(text[-shown:])), chars[-shown:], "t")
         assert image.tobytes() == expected.tobytes()
+
+
+def test_a_model_whose_picture_of_one_character_is_too_large_gets_none(tmp_path: Path, monkeypatch):
+    # 3,000 layers x 64 heads: one character's picture is about 2 billion pixels (6 GB of RGB); none is drawn
+    import lab.heatmap
+
+    one = grid_layout(3000, 64, ["a"], "t")
+    assert one.width * one.height > MAX_MAP_PIXELS
+    assert characters_shown(3000, 64, list("abc"), "t") == 0
+    assert characters_shown(2, 3, [], "t") == 0
+    model = tiny()
+    small = grid_layout(model.config.n_layer, model.config.n_head, ["a"], "t")
+    monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", small.width * small.height - 1)
+    drawn = []
+    monkeypatch.setattr(lab.heatmap, "render_attention_grid", lambda *a, **k: drawn.append(1))
+    with pytest.raises(ValueError, match="over .* pixels even for one character"):
+        save_attention_map(model, ids_of("hear me"), VOCAB, tmp_path / "a.png", title="t")
+    assert not drawn and not (tmp_path / "a.png").exists()
+
+
+@pytest.mark.parametrize(("name", "kind"), [("a.jpg", "JPEG"), ("a.JPEG", "JPEG"), ("a.webp", "WEBP"),
+                                            ("a.gif", "GIF"), ("no_extension", "PNG"), ("a.png", "PNG")])
+def test_the_picture_is_written_in_the_format_its_name_says(tmp_path: Path, name, kind):
+    assert image_format(name) == kind
+    path = save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name, title="t")
+    with Image.open(path) as image:
+        assert image.format == kind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("name", ["a.xyz", "a.psd", "map.png.gz"])
+def test_a_name_pillow_cannot_write_is_refused_before_drawing(tmp_path: Path, name):
+    with pytest.raises(ValueError, match="Pillow cannot write '.*' pictures; name it .png"):
+        image_format(name)
+    with pytest.raises(ValueError, match="Pillow cannot write"):
+        save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_no_half_picture(tmp_path: Path):
+    # XBM is a format Pillow writes, but not from RGB: the write fails part-way, and nothing is left behind
+    with pytest.raises(OSError, match="cannot write mode RGB as XBM"):
+        save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / "a.xbm")
+    assert list(tmp_path.iterdir()) == []

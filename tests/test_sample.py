@@ -269,6 +269,26 @@ def test_an_attention_map_too_large_to_open_is_drawn_over_the_last_characters_an
         assert image.size[0] * image.size[1] <= whole[0] * whole[1] // 2
 
 
+def test_an_attention_map_is_written_in_the_format_its_name_says(run, tmp_path):
+    code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "0", "--attention-map", str(tmp_path / "map.jpg"))
+    assert code == 0, err
+    with Image.open(tmp_path / "map.jpg") as image:
+        assert image.format == "JPEG"
+    line = one_error_line(run("--prompt", PROMPT, "--attention-map", str(tmp_path / "map.xyz")))
+    assert line.endswith("map.xyz': Pillow cannot write '.xyz' pictures; name it .png (or .jpg, .webp, .gif, ...)")
+
+
+def test_an_attention_map_too_large_for_one_character_is_refused_before_the_model_is_built(run, monkeypatch,
+                                                                                           tmp_path):
+    import lab.heatmap
+
+    monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", 1000)
+    monkeypatch.setattr(sample, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
+    line = one_error_line(run("--prompt", PROMPT, "--attention-map", str(tmp_path / "map.png")))
+    assert line.endswith("heads is over 1,000 pixels even for one character; leave out --attention-map")
+    assert not (tmp_path / "map.png").exists()
+
+
 # ---------------------------------------------------------------------------------------- where from
 
 

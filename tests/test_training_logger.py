@@ -212,3 +212,24 @@ def test_the_logged_picture_is_one_pillow_can_open_again(tmp_path, monkeypatch):
     assert 1 <= shown < len(ids)
     layout = grid_layout(2, 2, [tokenizer.chars[i] for i in ids[-shown:]], "step 3")
     assert (picture.width, picture.height) == (layout.width, layout.height)
+
+
+def test_a_model_too_large_for_any_picture_logs_none_and_says_so_once(tmp_path, monkeypatch):
+    # 500 layers x 64 heads made a 313-million-pixel picture (+2.1 GB, +21 s) at every evaluation: past the bound
+    # even for one character, no picture is drawn, and one line says so in the run
+    import lab.heatmap
+    from data import CharTokenizer
+
+    one = lab.heatmap.grid_layout(2, 2, ["a"], "step 3")
+    monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", one.width * one.height - 1)
+    monkeypatch.setattr(training.logger, "attention_weights", lambda *a: pytest.fail("weights taken for no picture"))
+    said = []
+    log = _picture_logger(tmp_path)
+    monkeypatch.setattr(log, "info", said.append)
+    for step in (3, 6):
+        log.attention(step, _small_gpt(), [0, 1, 2], CharTokenizer("abc"))
+    log.flush()
+    assert read_events(tmp_path).Tags()["images"] == []
+    log.close()
+    assert said == [f"attention map: a picture of 2 layers x 2 heads is over {one.width * one.height - 1:,} pixels "
+                    f"even for one character; not logged to TensorBoard"]

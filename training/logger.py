@@ -17,7 +17,7 @@ import yaml
 from configs import flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
-from lab.heatmap import attention_weights, characters_shown, log_image, render_attention_grid
+from lab.heatmap import attention_weights, characters_shown, log_image, render_attention_grid, too_large
 from model import GPT
 
 from .config import RunConfig
@@ -92,6 +92,7 @@ class Logger:
         self._excepthook: Callable | None = None  # threading's, while this logger quiets TensorBoard's thread
         self._picture: threading.Thread | None = None  # the attention picture being drawn in the background
         self._picture_error: BaseException | None = None
+        self._no_picture_said = False  # the note that the model's picture is too large, said once a run
         tensorboard = tensorboard and not quiet
         self.progress = False if quiet else sys.stderr.isatty() if progress is None else progress
         self.bar = None
@@ -170,7 +171,13 @@ class Logger:
             return
         self.finish_picture()
         chars = [tokenizer.chars[i] for i in ids]
-        shown = characters_shown(model.config.n_layer, model.config.n_head, chars, title=f"step {step}")
+        n_layer, n_head = model.config.n_layer, model.config.n_head
+        shown = characters_shown(n_layer, n_head, chars, title=f"step {step}")
+        if shown == 0:  # not one character fits: no picture, rather than one of gigabytes at every evaluation
+            if not self._no_picture_said:
+                self._no_picture_said = True
+                self.info(f"attention map: {too_large(n_layer, n_head)}; not logged to TensorBoard")
+            return
         ids, chars = ids[len(ids) - shown :], chars[len(chars) - shown :]  # a picture Pillow can open again
         weights = attention_weights(model, ids)  # on the CPU, as the model is now
         writer = self.writer
