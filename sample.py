@@ -268,7 +268,9 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
                 raise UsageError(f"--attention-map '{shown(args.attention_map)}': {e}") from None
         path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
-        payload = load_checkpoint(path, map_location=device)
+        # On the CPU: a ckpt.pt also holds the optimizer's moments (and the weights the average was taken of), which
+        # would take a small GPU's memory before the check below; model.to(device) moves only the model.
+        payload = load_checkpoint(path)
         config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
         if args.attention_map is not None and config.type != "gpt":
             raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")

@@ -13,6 +13,7 @@ from typing import NoReturn
 
 # Characters of a value quoted in a message: enough to recognise it, never enough to flood a terminal.
 QUOTE_LIMIT = 80
+ERROR_LIMIT = 240  # the most of an argparse error line quoted (its own message, with the value it refused)
 
 _repr = reprlib.Repr()
 _repr.maxstring = QUOTE_LIMIT
@@ -97,4 +98,5 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        # argparse quotes what it refuses whole: a value thousands of characters long stays one short line
+        self.exit(2, f"error: {shown(message, ERROR_LIMIT)} (see {self.prog} --help)\n")

@@ -213,6 +213,18 @@ def test_bad_input_is_one_line_exit_2_and_out_dir_is_left_as_it_was(
         assert out == ""
 
 
+@pytest.mark.parametrize(("main", "args", "fragment"), [
+    (train_main, ["--" + "x" * 5000], "unrecognized arguments: --xxx"),
+    (sample.main, ["--compile", "y" * 5000], "invalid choice: 'yyy"),
+])
+def test_a_huge_argument_argparse_refuses_is_quoted_in_a_short_line(capsys, main, args, fragment):
+    code, out, err = call(main, args, capsys)
+    line = one_error_line(err)
+    assert code == 2 and out == ""
+    assert fragment in line and len(line) < 300  # argparse alone quoted all 5,000 characters
+    assert line.endswith("--help)")
+
+
 def test_an_attention_map_that_cannot_be_written_is_one_error_line_whatever_its_path(straight, tmp_path, capsys):
     """Found after the model loaded (its line on stderr comes first): still one error line, exit status 2."""
     blocker = tmp_path / "a\nfile"
