@@ -57,6 +57,20 @@ def test_train_py_piped_into_head_stops_at_a_step_boundary_with_a_checkpoint(sma
 
 
 @pytest.mark.slow
+def test_train_py_whose_stdout_is_a_full_disk_trains_on_and_says_so_once(small_corpus, tmp_path):
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:  # every write fails with ENOSPC
+        result = subprocess.run([sys.executable, "train.py", "--config", TINY, *tiny_overrides(small_corpus, out)],
+                                check=False, cwd=ROOT, env=child_env(), stdout=full, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "warning: cannot write to stdout (No space left on device); training goes on without its progress lines "
+        "(the checkpoints and TensorBoard logs are written as usual)"]
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 20  # the whole run, not stopped at the first line
+
+
+@pytest.mark.slow
 def test_sample_py_piped_into_head_ends_quietly(tmp_path):
     run = train_small_run(tmp_path)
     # eager: the pipe is the subject here (the Ctrl-C test below ends a compiled stream)

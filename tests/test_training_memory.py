@@ -27,6 +27,23 @@ def test_the_parameter_count_is_the_model_s(kw) -> None:
     assert parameter_count(cfg) == GPT(cfg).num_params(non_embedding=False)
 
 
+@pytest.mark.parametrize("kind", ["gru", "bigram"])
+@pytest.mark.parametrize("n_layer", [1, 2, 3, 5, 8])
+def test_the_parameter_count_of_the_other_models_is_theirs(kind, n_layer) -> None:
+    from model import build_model
+
+    cfg = GPTConfig(vocab_size=65, type=kind, n_layer=n_layer, n_embd=16, n_head=2)
+    assert parameter_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_a_gru_of_a_hundred_million_layers_is_counted_without_building_them() -> None:
+    # built layer by layer on the meta device, this took minutes (train.py model.type=gru model.n_layer=100000000
+    # hung before its memory check could refuse it)
+    deep = GPTConfig(vocab_size=65, type="gru", n_layer=10**8, n_embd=16, n_head=2)
+    two, three = (parameter_count(replace(deep, n_layer=n)) for n in (2, 3))
+    assert parameter_count(deep) == three + (10**8 - 3) * (three - two)
+
+
 def test_the_estimate_grows_with_what_it_should() -> None:
     cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
     base = training_need(cfg, 12, 512)
@@ -55,8 +72,8 @@ def test_a_need_beyond_what_is_free_is_refused_with_the_numbers_and_what_to_chan
     with pytest.raises(UsageError) as info:
         check_fits(MemoryNeed(weights=10**9, masks=0, activations=36 * 10**9), cpu)
     assert str(info.value) == ("this run needs about 37.0 GB of memory and this machine has 23.0 GB free; use a "
-                               "smaller train.batch_size (train.grad_accum_steps keeps the batch per step) or "
-                               "model.block_size")
+                               "smaller train.batch_size (train.grad_accum_steps keeps the batch per step), "
+                               "model.block_size or model.n_layer")
     with pytest.raises(UsageError, match=r"needs about 2 processes x 12.0 GB .* smaller model.block_size"):
         check_fits(MemoryNeed(weights=10**9, masks=11 * 10**9, activations=0), cpu, processes=2)
 

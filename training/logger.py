@@ -55,11 +55,22 @@ class Throughput:
 
 
 def say(line: str) -> None:
-    """Print line to stdout; if its reader has gone, discard this and all later output instead of failing."""
+    """Print line to stdout; if its reader has gone, or it cannot be written, discard this and all later output
+    instead of failing."""
     try:
         print(line, flush=True)
     except BrokenPipeError:
         discard_stdout()
+    except OSError as e:
+        stdout_lost(e)
+
+
+def stdout_lost(e: OSError) -> None:
+    """stdout cannot be written (`> file` on a full disk, a failing device): the run goes on without its lines, as
+    with a closed stdout, and says so once on stderr. Unlike a pipe whose reader left, nobody asked it to stop."""
+    discard_stdout()
+    print(f"warning: cannot write to stdout ({e.strerror or e}); training goes on without its progress lines "
+          f"(the checkpoints and TensorBoard logs are written as usual)", file=sys.stderr, flush=True)
 
 
 def _quiet_tensorboard_thread(hook: Callable) -> Callable:
@@ -142,6 +153,9 @@ class Logger:
             discard_stdout()
             if self.on_closed is not None:
                 self.on_closed()
+        except OSError as e:
+            self.quiet = True
+            stdout_lost(e)
 
     def step(self, step: int, n: int, postfix: dict[str, str] | None = None) -> None:
         if self.bar is not None:

@@ -4,7 +4,7 @@ cannot fit in one line instead of leaving it to the allocator or the kernel's OO
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,8 +41,9 @@ class MemoryNeed:
         parts = {
             "weights": "a smaller model (model.n_layer, model.n_embd)",  # or, for a checkpoint, another one
             "masks": "a smaller model.block_size",
-            "activations": "a smaller train.batch_size (train.grad_accum_steps keeps the batch per step) or "
-                           "model.block_size",
+            # every layer keeps its activations for the backward pass: depth counts as the batch does
+            "activations": "a smaller train.batch_size (train.grad_accum_steps keeps the batch per step), "
+                           "model.block_size or model.n_layer",
             "text": "fewer --num-samples or a smaller --max-new-tokens",
         }
         return parts[self.dominant()]
@@ -53,8 +54,15 @@ def parameter_count(cfg: GPTConfig) -> int:
     shares the token embedding), on the meta device for the other types."""
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size
     if cfg.type != "gpt":
-        with torch.device("meta"):
-            return sum(p.numel() for p in build_model(cfg).parameters())
+        # Built on the meta device, but layer by layer: counted for at most three layers, and on from there by the
+        # third layer's count (every layer after the first is alike), so that n_layer=10**8 takes no time either.
+        def built(layers: int) -> int:
+            with torch.device("meta"):
+                return sum(p.numel() for p in build_model(replace(cfg, n_layer=layers)).parameters())
+
+        if L <= 3:
+            return built(L)
+        return built(3) + (L - 3) * (built(3) - built(2))
     bias = 1 if cfg.bias else 0
     # q/k/v and projection, MLP in and out; their 9C biases and the two layer norms' 2C biases; the norms' weights
     per_layer = 12 * C * C + bias * 11 * C + 2 * C
