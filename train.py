@@ -33,7 +33,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     import torch
 
     from configs import describe
-    from configs.userinput import OneLineParser
+    from configs.userinput import OneLineParser, shown
     from training import distributed
     from training.checkpoints import load_run
     from training.config import DEFAULT_CONFIG, RunConfig
@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; choose one")
     if args.out_dir is not None:
+        given = [o.partition("=")[2] for o in args.overrides if o.partition("=")[0].strip() == "out_dir"]
+        if any(value != args.out_dir for value in given):
+            other = next(value for value in given if value != args.out_dir)
+            parser.error(f"--out-dir '{shown(args.out_dir)}' and out_dir='{shown(other)}' contradict each other; "
+                         f"give one of them")
         args.overrides = [*args.overrides, f"out_dir={args.out_dir}"]
     return args
 

@@ -204,6 +204,13 @@ def build(cls: type, mapping: Any, where: str = "", prefix: str = "", root: type
     return _build(cls, mapping, prefix, _Origin(root or cls, mapping, _bounded_where(where)))
 
 
+def check_keys(cls: type, mapping: Any, where: str = "") -> None:
+    """What build checks key by key (unknown keys, wrong types), without the config classes' own checks, which may
+    need values that overrides bring: a file is checked so before its overrides are applied, and its per-key
+    mistakes are blamed on it."""
+    _build(cls, mapping, "", _Origin(cls, mapping, _bounded_where(where)), construct=False)
+
+
 def _bounded_where(where: str) -> str:
     """where, such as ' (in run.yaml)', with what it quotes escaped and bounded: load_config puts the config's path
     there, and a path may hold a newline or run to thousands of characters."""
@@ -214,7 +221,7 @@ def _bounded_where(where: str) -> str:
     return shown(where)
 
 
-def _build(cls: type, mapping: Any, prefix: str, origin: _Origin) -> Any:
+def _build(cls: type, mapping: Any, prefix: str, origin: _Origin, construct: bool = True) -> Any:
     if mapping is None:
         mapping = {}
     if not isinstance(mapping, dict):
@@ -228,12 +235,14 @@ def _build(cls: type, mapping: Any, prefix: str, origin: _Origin) -> Any:
         if name not in fields:
             raise _unknown(prefix + name, origin.root, origin.where, section=isinstance(value, dict))
         if _is_section(hints[name]):
-            kwargs[name] = _build(hints[name], value, f"{prefix}{name}.", origin)
+            kwargs[name] = _build(hints[name], value, f"{prefix}{name}.", origin, construct)
             continue
         try:
             kwargs[name] = coerce(value, hints[name], prefix + name)
         except ConfigError as e:
             raise origin.refuse(str(e)) from None
+    if not construct:
+        return kwargs
     try:
         return cls(**kwargs)
     except ValueError as e:

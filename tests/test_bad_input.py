@@ -136,6 +136,10 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("n_embd-not-divisible-by-n_head", "train", lambda c: c.train(**{"model.n_embd": 30, "model.n_head": 4}),
      "must be divisible by model.n_head, got 30 and 4"),
     ("flags-contradict", "train", lambda c: c.train("--resume"), "contradict"),
+    ("out-dir-flag-and-key-contradict", "train", lambda c: c.train("--out-dir", str(c.tmp / "other")),
+     "and out_dir='"),
+    ("data-path-and-dataset-both-given", "train", lambda c: c.train("data.dataset=shakespeare_char"),
+     "data.path and data.dataset are both given on the command line"),
     ("out_dir-under-a-file", "train",
      lambda c: c.train(f"out_dir={c.file('plain.txt', 'x')}/run"), "cannot write into out_dir"),
     # --- data files

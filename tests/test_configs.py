@@ -158,11 +158,29 @@ def test_an_impossible_value_is_refused_in_one_line(overrides, fragment):
     assert fragment in refused(TINY, overrides)
 
 
-def test_a_bad_value_in_the_file_is_blamed_on_the_file_not_the_overrides(tmp_path):
-    path = write_yaml(tmp_path, "model:\n  n_embd: 30\n  n_head: 4\n")
-    # the override would fix it, but the file itself is wrong and the message says where
-    message = refused(path, ["model.n_embd=32"])
-    assert "divisible" in message and shown(path) in message
+def test_a_value_the_overrides_fix_is_checked_with_them(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  n_layer: 1\n  n_embd: 30\n  n_head: 4\n")
+    assert load_config(str(path), ["model.n_head=3"]).model.n_head == 3
+    assert load_config(str(path), ["model.n_embd=32"]).model.n_embd == 32
+    # left as it is, the file's pair is refused and blamed on the file
+    message = refused(path, ["seed=3"])
+    assert "divisible" in message and message.endswith(f"(in {shown(path)})")
+
+
+def test_a_template_that_leaves_data_path_to_the_command_line_runs_with_it(tmp_path):
+    path = write_yaml(tmp_path, "# for your own text: give data.path=... on the command line\ndata:\n  dataset: null\n")
+    cfg = load_config(str(path), ["data.path=my_text.txt"])
+    assert (cfg.data.path, cfg.data.dataset) == ("my_text.txt", None)
+    assert refused(path).startswith("no training text: give data.path")
+
+
+def test_the_files_own_keys_and_types_are_still_checked_before_the_overrides(tmp_path):
+    # an override of the right key does not excuse a misspelt or mistyped one in the file
+    misspelt = write_yaml(tmp_path, "model:\n  n_layr: 2\n", name="misspelt.yaml")
+    assert refused(misspelt, ["model.n_layer=2"]).startswith("unknown config key 'model.n_layr'")
+    mistyped = write_yaml(tmp_path, "model:\n  n_layer: two\n", name="mistyped.yaml")
+    assert refused(mistyped, ["model.n_layer=2"]) == (
+        f"model.n_layer must be an integer, got 'two' (in {shown(mistyped)})")
 
 
 def test_config_file_missing_or_a_folder(tmp_path, monkeypatch):
@@ -255,6 +273,34 @@ def test_a_data_path_on_the_command_line_wins_over_the_configs_dataset():
     assert plain.data.dataset == "shakespeare_char" and plain.data.path is None
     cfg = load_config(str(TINY), ["data.path=my_text.txt"])
     assert cfg.data.path == "my_text.txt" and cfg.data.dataset is None
+
+
+def test_a_dataset_on_the_command_line_wins_over_the_files_data_path(tmp_path):
+    path = write_yaml(tmp_path, "data:\n  path: my_text.txt\n  dataset: null\n")
+    cfg = load_config(str(path), ["data.dataset=shakespeare_char"])
+    assert cfg.data.dataset == "shakespeare_char" and cfg.data.path is None
+
+
+def test_a_file_with_both_reads_and_records_its_data_path_alone(tmp_path):
+    path = write_yaml(tmp_path, "data:\n  path: my_text.txt\n  dataset: shakespeare_char\n")
+    cfg = load_config(str(path), [])
+    assert cfg.data.path == "my_text.txt" and cfg.data.dataset is None
+
+
+def test_data_path_and_dataset_both_on_the_command_line_are_refused():
+    assert refused(TINY, ["data.path=my_text.txt", "data.dataset=shakespeare_char"]) == (
+        "data.path and data.dataset are both given on the command line (data.path=my_text.txt "
+        "data.dataset=shakespeare_char); give one of them")
+    # unsetting one of them is not giving both
+    assert load_config(str(TINY), ["data.path=null", "data.dataset=shakespeare_char"]).data.path is None
+
+
+def test_out_dir_in_a_file_expands_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = write_yaml(tmp_path, "out_dir: ~/runs/exp\n")
+    assert load_config(str(path), []).out_dir == str(tmp_path / "home" / "runs" / "exp")
+    assert load_config(str(TINY), ["out_dir=~/x"]).out_dir == str(tmp_path / "home" / "x")
+    assert load_config(str(TINY), ["out_dir=a~b"]).out_dir == "a~b"
 
 
 def test_an_empty_file_gives_the_defaults(tmp_path):

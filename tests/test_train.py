@@ -403,3 +403,16 @@ def test_the_logged_attention_picture_shows_at_most_64_characters(small_corpus, 
     assert (picture.width, picture.height) == (layout.width, layout.height)
     longer = grid_layout(2, 2, [text[i] for i in val[:block_size].tolist()], title="step 10")
     assert longer.width > layout.width  # the cap is what kept it small
+
+
+def test_out_dir_given_twice_alike_is_one_out_dir():
+    assert train.parse_args(["--out-dir", "runs/a", "out_dir=runs/a"]).overrides == ["out_dir=runs/a", "out_dir=runs/a"]
+
+
+def test_a_run_saved_with_both_data_path_and_dataset_resumes_on_its_data_path():
+    from training.checkpoints import check_resume_config
+
+    cfg = load_config(TINY, ["data.path=my_text.txt"])  # resolved: the path alone
+    saved = to_dict(cfg)
+    saved["data"]["dataset"] = "shakespeare_char"  # as a run given data.dataset= over a file's data.path once saved
+    assert check_resume_config(saved, cfg) == []

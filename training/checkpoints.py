@@ -192,6 +192,8 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
 def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
     """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused."""
     old, new = flatten(saved), flatten(to_dict(cfg))
+    if old.get("data.path") is not None and old.get("data.dataset") is not None:
+        old["data.dataset"] = None  # a run saved with both (as runs once were) read its data.path (see one_text)
     # A key the saved config lacks was added since (model.type): the saved run had its default.
     defaults = flatten(to_dict(RunConfig()))
     old.update({k: defaults[k] for k in set(new) - set(old) if k in defaults and k != "out_dir"})

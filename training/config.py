@@ -4,10 +4,12 @@ loading them from a YAML file plus dotted KEY=VALUE overrides."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from configs import apply_overrides, build, load_yaml
+from configs import ConfigError, apply_overrides, build, check_keys, load_yaml
+from configs.origins import as_typed
 from data import DataConfig
 from model import GPTConfig
 
@@ -132,13 +134,28 @@ def load_config(config_path: str | None, overrides: list[str], base: dict | None
         path = str(_PROJECT / DEFAULT_CONFIG)
     mapping = base if base is not None else load_yaml(path)
     where = "" if base is not None else f" (in {path})"
-    build(RunConfig, mapping, where)  # report problems in the file before blaming the overrides
-    cfg = build(RunConfig, apply_overrides(mapping, overrides, RunConfig), where)
+    # A misspelt key or a wrong type in the file is the file's, whatever the overrides: reported before them. The
+    # checks that tie values together run on the merged config only, since a file may leave a value to the command
+    # line (data.path in a template) or have one fixed there (model.n_head); their messages say where each came from.
+    check_keys(RunConfig, mapping, where)
+    merged = apply_overrides(mapping, overrides, RunConfig)
+    cfg = build(RunConfig, merged, where)
     if cfg.out_dir is None:
         cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
-    cli_path = any(o.split("=", 1)[0].strip() == "data.path" for o in overrides)
-    if cli_path and cfg.data.path is not None and cfg.data.dataset is not None:
-        # a data.path given on the command line wins over the config's built-in dataset (data.path=null unsets the
-        # path, and the dataset stays)
-        cfg = replace(cfg, data=replace(cfg.data, dataset=None))
-    return cfg
+    elif cfg.out_dir.startswith("~"):  # as data.path and data.cache_dir are: not a folder named '~'
+        cfg = replace(cfg, out_dir=os.path.expanduser(cfg.out_dir))
+    return replace(cfg, data=one_text(cfg.data, merged.given))
+
+
+def one_text(data: DataConfig, given: dict[str, str]) -> DataConfig:
+    """data with only one of data.path and data.dataset set, the one the run reads, so that config.yaml records what
+    was trained on. The command line wins over the file, in either direction (data.path=null unsets the path, and
+    the dataset stays); where neither or both came from it, data.path wins."""
+    if data.path is None or data.dataset is None:
+        return data
+    if "data.path" in given and "data.dataset" in given:
+        raise ConfigError(f"data.path and data.dataset are both given on the command line "
+                          f"({as_typed(given['data.path'])} {as_typed(given['data.dataset'])}); give one of them")
+    if "data.dataset" in given:
+        return replace(data, path=None)
+    return replace(data, dataset=None)
