@@ -270,6 +270,22 @@ def test_resume_with_a_changed_key_that_defines_the_run_is_refused(finished_run,
     assert snapshot(out) == before
 
 
+def test_a_resume_without_a_config_checks_its_overrides_against_the_saved_run(tmp_path, capsys):
+    # tiny.yaml's learning rate is 0.01: min_lr=0.05 is valid for this run alone, which the resume continues
+    run = train_small_run(tmp_path, **{"train.learning_rate": 0.1, "train.min_lr": 0.01})
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(run), "train.min_lr=0.05"], progress=False) == 0
+    assert "resume: train.min_lr: 0.01 -> 0.05" in capsys.readouterr().out
+    assert load_checkpoint(run / "ckpt.pt")["config"]["train"]["min_lr"] == 0.05
+    # checked against the saved run, a bad value is blamed on the command line and the saved config
+    assert train.main(["--resume", "--out-dir", str(run), "train.min_lr=0.5"], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(
+        "(command line: train.min_lr=0.5; train.learning_rate as configured)")
+    # and a misspelt key is refused before anything is looked for
+    assert train.main(["--resume", "--out-dir", str(tmp_path / "none"), "train.min_l=0.5"], progress=False) == 2
+    assert "did you mean 'train.min_lr'" in one_error_line(capsys.readouterr().err)
+
+
 def test_resume_on_text_with_characters_the_model_never_saw_is_refused(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SMALL_TEXT, encoding="utf-8")

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from configs import flatten, to_dict
+from configs import apply_overrides, flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
@@ -209,12 +209,20 @@ def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
 def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[RunConfig, dict | None, list[str]]:
     """The run's config and, for a resume, the checkpoint it continues (checked) and what the resume changes, as
     'key: old -> new' lines to show."""
-    cfg = load_config(config, overrides)
     if not resume:
-        return cfg, None, []
-    ckpt = Path(cfg.out_dir) / "ckpt.pt"
-    if holder := RunLock(Path(cfg.out_dir)).busy():  # a live run is still writing it
-        raise in_use(Path(cfg.out_dir), holder)
+        return load_config(config, overrides), None, []
+    if config is not None:
+        cfg = load_config(config, overrides)
+        out_dir = Path(cfg.out_dir)
+    else:
+        # The run continues with its saved config, and the overrides are checked against that once it is read, not
+        # against the default config, which at most names out_dir (runs/tiny). Their keys and types come first.
+        apply_overrides({}, overrides, RunConfig)
+        located = [o for o in overrides if o.partition("=")[0].strip() == "out_dir"]
+        out_dir = Path(load_config(None, located, base={}).out_dir if located else load_config(None, []).out_dir)
+    ckpt = out_dir / "ckpt.pt"
+    if holder := RunLock(out_dir).busy():  # a live run is still writing it
+        raise in_use(out_dir, holder)
     if not ckpt.exists():
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
     payload = load_checkpoint(ckpt)
