@@ -138,3 +138,39 @@ def test_a_run_that_reaches_the_claim_second_is_refused_with_the_lock_s_own_line
         assert RunLock(tmp_path / "out").busy() is not None  # still held by the first
     finally:
         lock.release()
+
+
+USERS_CONFIG = ("# my experiment: careful notes here\nmodel:\n  n_layer: 2\n  n_head: 2\n  n_embd: 16\n"
+                "train:\n  max_iters: 0\n  eval_iters: 2\n  batch_size: 8\n  compile: false\n")
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_config_yaml_of_the_users_in_out_dir_is_refused_and_left_alone(tmp_path, capsys, overwrite) -> None:
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(USERS_CONFIG, encoding="utf-8")
+    corpus = write_corpus(tmp_path)
+    code, _, err = call(train_main, ["--config", str(folder / "config.yaml"), f"out_dir={folder}",
+                                     f"data.path={corpus}", *overwrite], capsys)
+    assert code == 2
+    assert err == (f"error: '{shown(folder / 'config.yaml')}' is not a config.yaml that tinychar wrote, and this run "
+                   f"would replace it with its own; move it out of the folder, or choose another out_dir\n")
+    assert [p.name for p in folder.iterdir()] == ["config.yaml"]
+    assert (folder / "config.yaml").read_text(encoding="utf-8") == USERS_CONFIG
+
+
+def test_the_config_yaml_a_run_wrote_is_known_as_a_runs_own(tmp_path, capsys) -> None:
+    """Marked, it is replaced by a run into its folder, as is an unmarked one (from before the mark) beside .lock."""
+    corpus = write_corpus(tmp_path)
+    run = train_small_run(tmp_path, **{"train.max_iters": 0})
+    assert (run / "config.yaml").read_bytes().startswith(b"# tinychar: ")
+    for name in ("ckpt.pt", "best.pt", LOCK):  # a folder holding only the config.yaml of a run
+        (run / name).unlink(missing_ok=True)
+    code, _, err = call(train_main, ["--config", str(run / "config.yaml"), "train.max_iters=0"], capsys)
+    assert code == 0, err
+    old = run / "config.yaml"
+    old.write_bytes(old.read_bytes().split(b"\n", 1)[1])  # written before the mark: known by .lock
+    (run / "ckpt.pt").unlink()
+    (run / "best.pt").unlink(missing_ok=True)
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(corpus, run, **{"train.max_iters": 0})], capsys)
+    assert code == 0, err

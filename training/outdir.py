@@ -15,9 +15,12 @@ from configs.userinput import shown
 from .checkpoints import write_atomic
 from .config import RunConfig
 from .errors import UsageError
-from .lock import RunLock, in_use
+from .lock import LOCK, RunLock, in_use
 
 ASIDE = ".replaced"  # where --overwrite keeps the old run until the new one has a checkpoint
+# The first line of the config.yaml a run writes: a config.yaml without it, in a folder that holds no run, is a
+# person's own (their experiment's config kept in its folder), and no run replaces it.
+CONFIG_MARK = b"# tinychar: the resolved config of the run in this folder; train.py rewrites this file\n"
 # Temporary files that an atomic write killed midway leaves behind (see write_atomic).
 STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
 
@@ -34,12 +37,28 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
         raise UsageError(f"out_dir '{shown(str(out_dir))}' exists and is not a folder; choose another out_dir")
     if holder := RunLock(out_dir).busy():
         raise in_use(out_dir, holder)
+    if not_a_runs_config(out_dir):
+        raise UsageError(f"'{shown(str(out_dir / 'config.yaml'))}' is not a config.yaml that tinychar wrote, and this "
+                         f"run would replace it with its own; move it out of the folder, or choose another out_dir")
     if resume:
         return
     existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", out_dir / ASIDE / "ckpt.pt") if p.exists()]
     if existing and not overwrite:
         raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({existing[0].name}); continue it with "
                          f"--resume, choose another out_dir=..., or start afresh with --overwrite")
+
+
+def not_a_runs_config(out_dir: Path) -> bool:
+    """Whether out_dir/config.yaml is a file no run wrote: it lacks CONFIG_MARK and nothing else in out_dir is a
+    run's (a run folder has .lock from its first moment, runs written before the mark included)."""
+    config = out_dir / "config.yaml"
+    if not config.is_file() or any((out_dir / name).exists() for name in (LOCK, "ckpt.pt", "best.pt", ASIDE)):
+        return False
+    try:
+        with config.open("rb") as f:
+            return f.readline(len(CONFIG_MARK)) != CONFIG_MARK
+    except OSError:  # unreadable: not known to be a run's
+        return True
 
 
 def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: bool) -> tuple[RunLock, str | None]:
@@ -56,7 +75,7 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
             for stale in out_dir.glob(pattern):
                 stale.unlink(missing_ok=True)
         replaced = move_aside(out_dir) if overwrite and not resume else None
-        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
+        resolved = CONFIG_MARK + yaml.safe_dump(to_dict(cfg), sort_keys=False).encode("utf-8")
         write_atomic(out_dir / "config.yaml", lambda f: f.write(resolved))
     except UsageError:  # before ValueError, which it is: the lock's refusal says all there is to say
         lock.release()
