@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, tiny_overrides, train_small_run
 from test_train import child_env, snapshot
+from test_training_signals import signal_at
 from training_runs import TINY, call, train_main, write_corpus
 
 import training.loop
@@ -104,6 +105,30 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_gives_the_old_run_b
         train_main(["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run)])
     after = {name: content for name, (content, _) in snapshot(run).items()}
     assert after == before  # every file of the old run back, byte for byte, and nothing of the new one
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_before_an_overwrites_first_checkpoint_gives_the_old_run_back(tmp_path, capsys, monkeypatch,
+                                                                             signum) -> None:
+    run = train_small_run(tmp_path)
+    before = {name: content for name, (content, _) in snapshot(run).items()}
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(3, signum))
+    code, _, err = call(train_main, ["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run)],
+                        capsys)
+    assert code == 128 + signum
+    assert err == (f"stopped at step 4, before this --overwrite run's first checkpoint: nothing of it was saved, and "
+                   f"the run it was replacing is back in '{shown(run)}'\n")
+    after = {name: content for name, (content, _) in snapshot(run).items()}
+    assert after == before  # every file of the old run back, best.pt included, and nothing of the new one
+
+
+def test_a_stop_after_an_overwrites_first_checkpoint_saves_as_any_stop_does(tmp_path, capsys, monkeypatch) -> None:
+    run = train_small_run(tmp_path)
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(12, signal.SIGINT))
+    code, _, err = call(train_main, ["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run)],
+                        capsys)
+    assert code == 130 and err.startswith("stopped at step 13: saved "), err
+    assert load_checkpoint(run / "ckpt.pt")["step"] == 13 and not (run / ASIDE).exists()
 
 
 def test_a_run_killed_in_the_middle_of_an_overwrite_leaves_the_old_run_to_be_put_back(tmp_path, capsys) -> None:

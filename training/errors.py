@@ -161,6 +161,9 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
         return f"error: {divergence_advice(e, cfg)}"
     if isinstance(e, Stopped):
         why = " (its output was closed)" if e.signum == signal.SIGPIPE else ""
+        if not e.saved:
+            return (f"stopped at step {e.step}{why}, before this --overwrite run's first checkpoint: nothing of it "
+                    f"was saved, and the run it was replacing is back in '{shown(cfg.out_dir)}'")
         return (f"stopped at step {e.step}{why}: saved {Path(cfg.out_dir) / 'ckpt.pt'}; continue with: "
                 f"{resume_command(cfg.out_dir, launch)}")
     if isinstance(e, Interrupted):

@@ -134,6 +134,9 @@ class Trainer:
         self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
         self.reseeded = False  # resumed with another number of processes: batches drawn afresh (see restore_rng)
         self.after_first_save: Callable[[], None] | None = None  # rank 0: called once, after the first save
+        # An --overwrite that moved an old run aside (in every process): until this run's first checkpoint, a stop
+        # saves nothing, so that the old run comes back rather than give way to a few steps of this one.
+        self.replacing = False
         self.data_fingerprint: str | None = None  # the corpus's (Corpus.fingerprint), saved for resumes to check
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
         self.eval_seed = cfg.seed + 1 if self.launch.main else derived_seed(cfg.seed, EVALUATION, self.launch.rank)
@@ -281,10 +284,11 @@ class Trainer:
                     self.throughput.resume()
                 self.throughput.pause()
                 if self.stopping():
-                    if self.saved_step != self.step:
+                    keep = not (self.replacing and self.saved_step is None)
+                    if keep and self.saved_step != self.step:
                         self.save(improved=False)
                     # a process that saw no signal itself stops because another did: as if sent SIGTERM
-                    raise Stopped(self.stop.signal or signal.SIGTERM, self.step)
+                    raise Stopped(self.stop.signal or signal.SIGTERM, self.step, saved=keep)
                 if not self.last_losses:  # nothing to train (resumed at the end, or max_iters=0): still report
                     self.evaluate_and_save()
             finally:

@@ -58,6 +58,8 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
             lock, replaced = claim_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite)
     if replaced is not None:
         trainer.after_first_save = partial(drop_aside, out_dir)
+    # rank 0 alone moved the old run aside; a stop must end every process alike (saving is collective)
+    trainer.replacing = distributed.all_gather(replaced is not None)[0] if launch.torchrun else replaced is not None
     try:
         stats = train_prepared(trainer, start, payload, resume=resume, progress=progress, started=started,
                                replaced=replaced)

@@ -9,11 +9,12 @@ from typing import Any, Self
 
 
 class Stopped(Exception):
-    """The run was asked to stop by a signal and has saved its state."""
+    """The run was asked to stop by a signal and has saved its state (saved=False: an --overwrite run stopped before
+    its first checkpoint, which saves nothing, so that the run it was replacing comes back)."""
 
-    def __init__(self, signum: int, step: int) -> None:
+    def __init__(self, signum: int, step: int, saved: bool = True) -> None:
         super().__init__(f"signal {signum} at step {step}")
-        self.signum, self.step = signum, step
+        self.signum, self.step, self.saved = signum, step, saved
 
 
 class StopSignals:
