@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT, tiny_overrides, train_small_run
 from test_train import child_env, snapshot
 from test_training_signals import signal_at
@@ -139,12 +140,30 @@ def test_a_run_killed_in_the_middle_of_an_overwrite_leaves_the_old_run_to_be_put
     for name in ("ckpt.pt", "best.pt", "config.yaml"):
         os.replace(run / name, aside / name)  # as a kill -9 after the move aside, before the first save, leaves it
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run)], capsys)
-    assert code == 2 and "already holds a run (ckpt.pt)" in err  # still a run: not silently replaced
+    assert code == 2 and "already holds a run (.replaced/ckpt.pt)" in err  # still a run: not silently replaced
     code, _, err = call(train_main, ["--config", TINY, "--overwrite", "--out-dir", str(run), "train.max_iters=0",
                                      f"data.path={tmp_path / 'corpus.txt'}", "model.n_layer=2", "model.n_head=2",
                                      "model.n_embd=16", "train.batch_size=8", "train.eval_iters=2"], capsys)
     assert code == 0, err
     assert not aside.exists() and load_checkpoint(run / "ckpt.pt")["step"] == 0 != before
+
+
+def test_resume_puts_back_and_continues_the_run_that_a_killed_overwrite_left_aside(tmp_path, capsys) -> None:
+    run = train_small_run(tmp_path, **{"train.max_iters": 10})
+    events = {p.name for p in run.glob("events.out.tfevents.*")}
+    aside = run / ASIDE
+    aside.mkdir()
+    for path in [run / "ckpt.pt", run / "best.pt", run / "config.yaml", *run.glob("events.out.tfevents.*")]:
+        os.replace(path, aside / path.name)  # as a kill -9 after the move aside, before the first save, leaves it
+    (run / "config.yaml").write_text("the killed run's\n", encoding="utf-8")
+    code, out, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=20"], capsys)
+    assert code == 0, err
+    assert "resume: the run that an interrupted --overwrite left in .replaced/ is put back and continued" in out
+    assert not aside.exists()
+    resumed = load_checkpoint(run / "ckpt.pt")
+    assert resumed["step"] == 20 and resumed["config"]["train"]["max_iters"] == 20
+    assert (run / "best.pt").exists() and yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    assert events < {p.name for p in run.glob("events.out.tfevents.*")}  # the old run's curves back, and continued
 
 
 def test_a_run_that_reaches_the_claim_second_is_refused_with_the_lock_s_own_line(tmp_path) -> None:

@@ -24,6 +24,9 @@ from .errors import UsageError
 from .lock import RunLock, in_use
 from .memory import check_fits, model_need
 
+# Where --overwrite keeps the old run until the new one has a checkpoint (see training.outdir), and so where a resume
+# finds a run that an --overwrite killed midway left there.
+ASIDE = ".replaced"
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
@@ -223,10 +226,19 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     ckpt = out_dir / "ckpt.pt"
     if holder := RunLock(out_dir).busy():  # a live run is still writing it
         raise in_use(out_dir, holder)
+    aside = out_dir / ASIDE / "ckpt.pt"
+    recovered = not ckpt.exists() and aside.exists()
+    if recovered:
+        # An --overwrite killed before its first checkpoint left the old run aside: that is the run to resume, and
+        # claim_out_dir puts it back in place, under the run's lock, before this run writes anything.
+        ckpt = aside
     if not ckpt.exists():
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
     payload = load_checkpoint(ckpt)
     check_training_state(payload, ckpt)
     if config is None:  # no config named: continue with the saved one
         cfg = load_config(None, overrides, base=payload["config"])
-    return cfg, payload, check_resume_config(payload["config"], cfg)
+    changes = check_resume_config(payload["config"], cfg)
+    if recovered:
+        changes.insert(0, f"the run that an interrupted --overwrite left in {ASIDE}/ is put back and continued")
+    return cfg, payload, changes

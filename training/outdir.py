@@ -12,12 +12,11 @@ import yaml
 from configs import to_dict
 from configs.userinput import shown
 
-from .checkpoints import write_atomic
+from .checkpoints import ASIDE, write_atomic  # ASIDE: where --overwrite keeps the old run
 from .config import RunConfig
 from .errors import UsageError
 from .lock import LOCK, RunLock, in_use
 
-ASIDE = ".replaced"  # where --overwrite keeps the old run until the new one has a checkpoint
 # The first line of the config.yaml a run writes: a config.yaml without it, in a folder that holds no run, is a
 # person's own (their experiment's config kept in its folder), and no run replaces it.
 CONFIG_MARK = b"# tinychar: the resolved config of the run in this folder; train.py rewrites this file\n"
@@ -44,8 +43,9 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
         return
     existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", out_dir / ASIDE / "ckpt.pt") if p.exists()]
     if existing and not overwrite:
-        raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({existing[0].name}); continue it with "
-                         f"--resume, choose another out_dir=..., or start afresh with --overwrite")
+        held = existing[0].relative_to(out_dir).as_posix()  # .replaced/ckpt.pt: left by an --overwrite killed midway
+        raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({held}); continue it with --resume, choose "
+                         f"another out_dir=..., or start afresh with --overwrite")
 
 
 def not_a_runs_config(out_dir: Path) -> bool:
