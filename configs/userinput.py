@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import reprlib
+import shlex
 import stat
 from pathlib import Path
 from typing import NoReturn
@@ -40,6 +41,32 @@ def shown(value: object, limit: int = QUOTE_LIMIT) -> str:
         return escaped[:head] + "..." + escaped[len(escaped) - max(limit - head - 3, 1):]
     text = _repr.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# How bash's $'...' writes the control characters that have a letter of their own.
+_BASH_ESCAPES = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r",
+                 "\x1b": "\\e"}
+
+
+def shell_word(text: str) -> str:
+    """text as one word of a command line that a person pastes back into a shell, on one line and exact.
+
+    Printable text takes shlex.quote's form ('my runs/a'). Text with a control character (a newline in a folder's
+    name) takes bash's $'...', where each such character is escaped: by its letter (\\n) or as its bytes (\\xHH, in
+    UTF-8, and a byte that was not UTF-8 as itself), which mean the same bytes whatever the shell's locale."""
+    if text.isprintable():
+        return shlex.quote(text)
+    parts = []
+    for ch in text:
+        if ch in "\\'":
+            parts.append("\\" + ch)
+        elif ch in _BASH_ESCAPES:
+            parts.append(_BASH_ESCAPES[ch])
+        elif ch.isprintable():
+            parts.append(ch)
+        else:  # os.fsencode's bytes: a lone surrogate is a byte a path held that was not UTF-8
+            parts.extend(f"\\x{byte:02x}" for byte in os.fsencode(ch))
+    return "$'" + "".join(parts) + "'"
 
 
 def file_kind(mode: int) -> str | None:

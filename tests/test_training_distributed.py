@@ -211,7 +211,7 @@ def test_a_two_process_run_resumes_exactly_and_its_checkpoint_serves_sample_py_a
     end = step + 5
     resumed = torchrun("--resume", "--out-dir", str(out), f"train.max_iters={end}")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"resuming {out / 'ckpt.pt'} at step {step}" in resumed.stdout
+    assert f"resuming '{shown(out / 'ckpt.pt')}' at step {step}" in resumed.stdout
     assert resumed.stdout.count(f"done: step {end}") == 1  # rank 0 alone reports
     assert "batch order differs" not in resumed.stdout
 

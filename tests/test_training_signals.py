@@ -35,6 +35,7 @@ from training_runs import (
 import training.checkpoints
 import training.loop
 import training.runner
+from configs.userinput import shown
 from model import load_checkpoint
 from training.config import TrainConfig
 from training.signals import StopSignals
@@ -61,7 +62,7 @@ def signal_at(step: int, signum: int) -> Callable:
 
 
 def stop_line(out: Path, step: int) -> str:
-    return (f"stopped at step {step}: saved {out / 'ckpt.pt'}; continue with: python train.py "
+    return (f"stopped at step {step}: saved '{shown(out / 'ckpt.pt')}'; continue with: python train.py "
             f"--out-dir {shlex.quote(str(out))} --resume")
 
 
@@ -217,3 +218,27 @@ def test_a_signal_during_a_long_evaluation_stops_it_at_once_without_logging_it(t
     assert time.perf_counter() - sent < 10
     assert "step 3: train loss" not in "".join(lines) + rest  # no result for the evaluation that was cut short
     assert load_checkpoint(out / "ckpt.pt")["step"] == 3 and "stopped at step 3" in err
+
+
+def pasted(word: str) -> bytes:
+    """What bash makes of a word of a suggested command: the bytes it would pass on."""
+    return subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True).stdout
+
+
+def test_a_newline_in_out_dir_keeps_the_done_and_stop_lines_whole_and_their_commands_exact(tmp_path, capsys,
+                                                                                           monkeypatch):
+    out = tmp_path / "a\nrun's"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **{"train.max_iters": 5})]
+    code, stdout, err = call(train_main, args, capsys)
+    assert code == 0, err
+    done = [line for line in stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].endswith("sample with: python sample.py --out-dir $'" + str(tmp_path) +
+                                               "/a\\nrun\\'s'")
+    assert pasted(done[0].split("--out-dir ", 1)[1]) == bytes(out)
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=20"], capsys)
+    assert code == 130
+    line = one_line(err)
+    assert line.startswith(f"stopped at step 7: saved '{shown(out / 'ckpt.pt')}'; continue with: python train.py "
+                           f"--out-dir $'")
+    assert pasted(line.split("--out-dir ", 1)[1].removesuffix(" --resume")) == bytes(out)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shlex
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 from configs import ConfigError
-from configs.userinput import shown
+from configs.userinput import shell_word, shown
 from data import DataError
 from model import CheckpointError
 
@@ -139,7 +138,7 @@ def exit_status(e: Exception) -> int:
 
 def resume_command(out_dir: str, launch: Launch) -> str:
     """The command that continues this run, with as many processes (so that it continues exactly)."""
-    tail = f"train.py --out-dir {shlex.quote(out_dir)} --resume"
+    tail = f"train.py --out-dir {shell_word(out_dir)} --resume"
     if not launch.torchrun:
         return f"python {tail}"
     if launch.local_world_size == launch.world_size:
@@ -164,7 +163,7 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
         if not e.saved:
             return (f"stopped at step {e.step}{why}, before this --overwrite run's first checkpoint: nothing of it "
                     f"was saved, and the run it was replacing is back in '{shown(cfg.out_dir)}'")
-        return (f"stopped at step {e.step}{why}: saved {Path(cfg.out_dir) / 'ckpt.pt'}; continue with: "
+        return (f"stopped at step {e.step}{why}: saved '{shown(Path(cfg.out_dir) / 'ckpt.pt')}'; continue with: "
                 f"{resume_command(cfg.out_dir, launch)}")
     if isinstance(e, Interrupted):
         return f"interrupted ({signal.Signals(e.signum).name}) before training started; nothing was saved"

@@ -3,7 +3,6 @@ restore the model and optimizer, claim out_dir, and hand the state to a Trainer.
 
 from __future__ import annotations
 
-import shlex
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from configs.userinput import shown
+from configs.userinput import shell_word, shown
 from data import Corpus, prepare_corpus, split_ids
 from model import build_model
 
@@ -74,7 +73,7 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
                 lock.release()
     if launch.main:
         trainer.log.info(f"done: step {trainer.step}, val loss {stats['val']:.4f} (best {trainer.best_val:.4f}) in "
-                         f"{stats['seconds']:.1f}s; sample with: python sample.py --out-dir {shlex.quote(cfg.out_dir)}")
+                         f"{stats['seconds']:.1f}s; sample with: python sample.py --out-dir {shell_word(cfg.out_dir)}")
     return stats
 
 
@@ -184,7 +183,7 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
              f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
              f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({trainer.tokens_per_step:,} tokens) per step")
     if resume:
-        log.info(f"resuming {Path(trainer.cfg.out_dir) / 'ckpt.pt'} at step {trainer.step}")
+        log.info(f"resuming '{shown(Path(trainer.cfg.out_dir) / 'ckpt.pt')}' at step {trainer.step}")
     if trainer.reseeded:
         saved = int(payload.get("world_size", 1))
         log.info(f"resume: the checkpoint was saved by {saved} process{'es' if saved > 1 else ''} and this run has "
