@@ -36,6 +36,7 @@ from training_runs import (
     write_corpus,
 )
 
+import training.checkpoints
 from configs.userinput import shown
 from model import GPT, find_checkpoint, load_checkpoint
 from training.checkpoints import save_checkpoint
@@ -247,10 +248,43 @@ def test_a_save_that_fails_is_one_line_and_the_previous_checkpoint_stays_whole(t
     status, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert status == 1
     line = one_line(err)
-    assert f"cannot write a checkpoint into '{shown(out)}' ({os.strerror(code)})" in line and "intact" in line
+    assert line == (f"error: cannot write a checkpoint into '{shown(out)}' ({os.strerror(code)}); ckpt.pt (step 10) "
+                    f"and best.pt there are intact. Free some space or choose another out_dir")
     assert snapshot(out)["ckpt.pt"] == before["ckpt.pt"] and snapshot(out)["best.pt"] == before["best.pt"]
     assert check_after_a_crash(out) == 10
     assert temporary_files(out) == []
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new-run", "overwrite"])
+def test_a_best_pt_that_cannot_be_written_is_named_and_the_line_says_what_out_dir_holds(tmp_path, capsys, monkeypatch,
+                                                                                        overwrite):
+    """ckpt.pt is written before best.pt: when best.pt fails, ckpt.pt is already this step's, and the line says so;
+    an --overwrite whose first save fails so keeps nothing of itself and gives the old run back."""
+    from conftest import train_small_run
+
+    out = train_small_run(tmp_path) if overwrite else tmp_path / "out"
+    before = snapshot(out) if overwrite else {}
+    real_write = training.checkpoints.write_atomic
+
+    def full_at_best_pt(path, write):
+        if Path(path).name == "best.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(path, write)
+
+    monkeypatch.setattr(training.checkpoints, "write_atomic", full_at_best_pt)
+    args = ["--config", TINY, *(["--overwrite"] if overwrite else []), *tiny_overrides(write_corpus(tmp_path), out)]
+    status, _, err = call(train_main, args, capsys)
+    assert status == 1
+    if overwrite:
+        assert one_line(err) == (f"error: cannot write a checkpoint into '{shown(out)}' (No space left on device); "
+                                 f"nothing of this --overwrite run is kept, and the run it was replacing is back. Free "
+                                 f"some space or choose another out_dir")
+        assert {k: v[0] for k, v in snapshot(out).items()} == {k: v[0] for k, v in before.items()}
+    else:
+        assert one_line(err) == (f"error: cannot write best.pt into '{shown(out)}' (No space left on device); ckpt.pt "
+                                 f"there holds step 10, and there is no best.pt. Free some space or choose another "
+                                 f"out_dir")
+        assert load_checkpoint(out / "ckpt.pt")["step"] == 10 and not (out / "best.pt").exists()
 
 
 def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path, capsys):

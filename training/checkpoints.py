@@ -43,18 +43,33 @@ def _umask() -> int:
     return mask
 
 
+class IncompleteSave(OSError):
+    """A save to several files that failed after the first of them were written: `written` names those, and errno and
+    strerror are the failure's."""
+
+    def __init__(self, cause: OSError, written: list[Path]) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.written = written
+
+
 def save_checkpoint(payload: dict[str, Any], path: str | Path, *copies: str | Path) -> None:
     """Write payload to path, and to each of copies, so that a crash at any moment leaves either the old file or the
     new one. With copies, the payload is serialized once (its tensors copied off a GPU once) and its bytes written
-    to each file in turn."""
+    to each file in turn; a failure after the first is in place raises IncompleteSave, naming what was written."""
     content = {"format": FORMAT, "version": VERSION, **payload}
     if not copies:
         write_atomic(path, lambda f: torch.save(content, f))
         return
     buffer = io.BytesIO()
     torch.save(content, buffer)
-    for where in (path, *copies):
-        write_atomic(where, lambda f: f.write(buffer.getbuffer()))
+    targets = [Path(p) for p in (path, *copies)]
+    for i, where in enumerate(targets):
+        try:
+            write_atomic(where, lambda f: f.write(buffer.getbuffer()))
+        except OSError as e:
+            if i == 0:
+                raise
+            raise IncompleteSave(e, targets[:i]) from e
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:

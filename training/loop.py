@@ -22,6 +22,7 @@ from . import distributed
 from .average import WeightAverage
 from .checkpoints import (
     DAMAGED,
+    IncompleteSave,
     checkpoint_payload,
     damaged,
     rank_rng_state,
@@ -361,6 +362,23 @@ class Trainer:
         self.val_history.append((time.perf_counter() - self.started, losses["val"]))
         self.eval_seconds += time.perf_counter() - t0
 
+    def save_failure(self, e: OSError, written: list[Path]) -> str:
+        """The line for a save that failed midway: what out_dir holds now (written: the files this save replaced)."""
+        where, reason = shown(str(self.out_dir)), e.strerror or e
+        advice = "Free some space or choose another out_dir"
+        if self.replacing and self.saved_step is None:  # the runner puts the old run back over what was written
+            return (f"cannot write a checkpoint into '{where}' ({reason}); nothing of this --overwrite run is kept, "
+                    f"and the run it was replacing is back. {advice}")
+        best = (self.out_dir / "best.pt").exists()
+        if written:  # ckpt.pt is this step's; best.pt could not follow
+            kept = "best.pt still holds an earlier best" if best else "there is no best.pt"
+            return (f"cannot write best.pt into '{where}' ({reason}); ckpt.pt there holds step {self.step}, and "
+                    f"{kept}. {advice}")
+        if self.saved_step is None:
+            return f"cannot write a checkpoint into '{where}' ({reason}); this run has saved none yet. {advice}"
+        intact = f"ckpt.pt (step {self.saved_step})" + (" and best.pt there are" if best else " there is")
+        return f"cannot write a checkpoint into '{where}' ({reason}); {intact} intact. {advice}"
+
     def save(self, improved: bool) -> None:
         """ckpt.pt (and best.pt when improved) from rank 0; should that fail, every process stops."""
         launch = self.launch
@@ -382,9 +400,7 @@ class Trainer:
             try:
                 save_checkpoint(state, self.out_dir / "ckpt.pt", *([self.out_dir / "best.pt"] if improved else []))
             except OSError as e:
-                raise SaveError(f"cannot write a checkpoint into '{shown(str(self.out_dir))}' ({e.strerror or e}); "
-                                f"the previous checkpoint there is intact. Free some space or choose another out_dir"
-                                ) from None
+                raise SaveError(self.save_failure(e, e.written if isinstance(e, IncompleteSave) else [])) from None
         self.saved_step = self.step  # in every process: they agreed that rank 0 saved
         if self.after_first_save is not None:
             self.after_first_save()
