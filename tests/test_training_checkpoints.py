@@ -304,3 +304,20 @@ def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path,
     assert snapshot(run) == before
     corpus.write_text(text, encoding="utf-8")  # the same text again: the run goes on
     assert call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)[0] == 0
+
+
+def test_weights_that_do_not_fit_the_resumed_run_are_refused_with_the_reason():
+    """torch's first line says only "Error(s) in loading state_dict"; the line keeps the reason after it."""
+    from model import CheckpointError, GPTConfig
+    from training.checkpoints import restore_training_state
+
+    model = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    weights = model.state_dict()
+    weights.pop("transformer.ln_f.weight")
+    payload = {"model": weights, "optimizer": optimizer.state_dict(), "step": 3, "best_val_loss": 2.0}
+    with pytest.raises(CheckpointError) as info:
+        restore_training_state(payload, model, optimizer, None, Path("runs/x/ckpt.pt"))
+    message = str(info.value)
+    assert message.startswith("'runs/x/ckpt.pt' does not fit the run it describes (Missing key(s) in state_dict: ")
+    assert '"transformer.ln_f.weight"' in message and "\n" not in message

@@ -16,7 +16,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import FORMAT, VERSION
+from model.checkpoint import FORMAT, VERSION, error_reasons
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -158,9 +158,8 @@ DAMAGED = (RuntimeError, ValueError, TypeError, KeyError, IndexError)
 
 
 def damaged(path: Path, e: Exception) -> CheckpointError:
-    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-    return CheckpointError(f"'{shown(str(path))}' does not fit the run it describes ({first}); it is damaged and "
-                           f"cannot be resumed")
+    return CheckpointError(f"'{shown(str(path))}' does not fit the run it describes ({error_reasons(e)}); it is "
+                           f"damaged and cannot be resumed")
 
 
 def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: Path) -> tuple[int, float]:
