@@ -128,8 +128,11 @@ def settle(out: BinaryIO) -> None:
         os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def open_part(folders: list[Path], stem: str, suffix: str, refused: list[str]) -> tuple[Path, BinaryIO, Path]:
-    """(folder, file, path): a new hidden partial file in the first folder that takes one; refusals noted."""
+def open_part(
+    folders: list[Path], stem: str, suffix: str, refused: list[str], setting: str = "data.cache_dir"
+) -> tuple[Path, BinaryIO, Path]:
+    """(folder, file, path): a new hidden partial file in the first folder that takes one; refusals noted. setting
+    is what chose the folders (data.cache_dir or TINYCHAR_CACHE_DIR), named in the refusal."""
     for folder in folders:
         # A name of our own rather than tempfile's: mkstemp makes files 0600, and a shared cache should stay
         # readable by others.
@@ -143,8 +146,7 @@ def open_part(folders: list[Path], stem: str, suffix: str, refused: list[str]) -
         except OSError as e:
             refused.append(f"{quoted(folder)} ({_why_not(folder, e)})")
     raise DataError(
-        f"data.cache_dir: cannot write the encoded corpus to {'; nor to '.join(refused)}; "
-        "set data.cache_dir to a writable folder"
+        f"{setting}: cannot write the encoded corpus to {'; nor to '.join(refused)}; set {setting} to a writable folder"
     )
 
 

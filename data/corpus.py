@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from .config import DataConfig
-from .paths import DataError, open_regular, quoted, stat_path
+from .paths import DataError, expand_home, open_regular, quoted, stat_path
 
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # 1,115,394 bytes
@@ -24,7 +24,7 @@ def data_dir() -> Path | None:
     """$TINYCHAR_DATA_DIR: a folder of the user's corpora, where a relative data.path not found from the current
     folder is looked up (None when unset). Nothing is ever written there."""
     folder = os.environ.get("TINYCHAR_DATA_DIR")
-    return Path(folder).expanduser() if folder else None
+    return expand_home(folder, "TINYCHAR_DATA_DIR") if folder else None
 
 
 def _sha256(path: Path) -> str:

@@ -65,6 +65,22 @@ def not_a_file(label: str, path: object, kind: str) -> DataError:
     )
 
 
+def expand_home(value: str, setting: str) -> Path:
+    """value as a Path with a leading '~' or '~user' made the home folder it names; DataError when there is none.
+
+    pathlib raises RuntimeError for '~nouser/x' (no such user) and for '~' with no $HOME and no entry in the user
+    database, as in some containers: said here in one line that names the setting the value came from.
+    """
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        user = value[1:].replace(os.sep, "/").split("/", 1)[0]
+        whose = f"the home folder of '{shown(user)}', a user this machine does not know" if user else (
+            "the home folder, which this machine cannot find (no $HOME)"
+        )
+        raise DataError(f"{setting}: {quoted(value)} starts with {whose}; give the folder's full path") from None
+
+
 def stat_path(path: Path, label: str) -> os.stat_result | None:
     """path's status, following links; None when nothing is there; DataError for any other failure.
 

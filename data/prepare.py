@@ -92,7 +92,7 @@ def prepare_corpus(
     inputs, source = _inputs(cfg)
     if vocab is not None:
         CharTokenizer(vocab)  # refuses an unsorted or duplicated vocabulary before any work
-    folders = cache_dirs(cfg.cache_dir)
+    folders, setting = cache_dirs(cfg.cache_dir)
     stem = _stem(inputs)
     damaged: list[str] = []  # cached copies found damaged, so encoded again below
     settings, key, found = _cached(inputs, cfg, vocab, folders, stem, damaged)
@@ -100,7 +100,7 @@ def prepare_corpus(
     moved: list[str] = []  # cache folders that refused the new entry
     hit = found is not None
     if found is None:
-        found = _encode(inputs, cfg, settings, key, vocab, folders, stem, chunk_bytes, progress, moved)
+        found = _encode(inputs, cfg, settings, key, vocab, (folders, setting), stem, chunk_bytes, progress, moved)
     info, ids_path, ids = found
     n_tokens = info["n_tokens"]
     if n_tokens < min_chars:
@@ -166,14 +166,15 @@ def _encode(
     settings: dict,
     key: str,
     vocab: list[str] | None,
-    folders: list[Path],
+    cache: tuple[list[Path], str],
     stem: str,
     chunk_bytes: int,
     progress: bool,
     moved: list[str],
 ) -> tuple[dict, Path, torch.Tensor]:
-    """Both passes over the text, into a new cache entry in the first folder that takes it: its meta, its ids file
-    and the ids mapped."""
+    """Both passes over the text, into a new cache entry in the first of cache's folders that takes it: its meta, its
+    ids file and the ids mapped. cache is (folders, the setting that chose them), as cache_dirs gives."""
+    folders, setting = cache
     with _bar(inputs, "vocabulary", progress) as bar:
         counts = count_chars(inputs, cfg.errors, chunk_bytes, bar)
     kept, replaced = _vocabulary(inputs, counts, cfg.max_vocab, vocab)
@@ -191,7 +192,7 @@ def _encode(
         "sources": [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources],
     }
     lookup = lookup_table(kept, replaced, dtype)
-    folder, out, part = open_part(folders, stem, ".ids", moved)
+    folder, out, part = open_part(folders, stem, ".ids", moved, setting)
     ids_path, meta_path = folder / f"{stem}-{key}.ids", folder / f"{stem}-{key}.json"
     try:
         with _bar(inputs, "ids", progress) as bar, out:
@@ -211,8 +212,8 @@ def _encode(
         os.replace(meta_part, meta_path)
     except OSError as e:
         raise DataError(
-            f"data.cache_dir: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); "
-            "free some space or set data.cache_dir to another folder"
+            f"{setting}: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); "
+            f"free some space or set {setting} to another folder"
         ) from e
     finally:
         part.unlink(missing_ok=True)

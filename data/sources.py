@@ -18,7 +18,7 @@ from configs.userinput import file_kind
 
 from .corpus import _did_you_mean, data_dir, locate
 from .globs import expand
-from .paths import DataError, not_a_file, open_regular, os_failure, quoted, stat_path
+from .paths import DataError, expand_home, not_a_file, open_regular, os_failure, quoted, stat_path
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
 # CRC-32 of the ids, checked whenever the entry is opened.
@@ -198,21 +198,25 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
     return digest.hexdigest()
 
 
-def cache_dirs(configured: str | None) -> list[Path]:
-    """Folders to look for and write encoded corpora in, in order.
+def cache_dirs(configured: str | None) -> tuple[list[Path], str]:
+    """(folders, setting): the folders to look for and write encoded corpora in, in order, and the setting that
+    chose them, which a message about them names (data.cache_dir, or TINYCHAR_CACHE_DIR when that chose).
 
     data.cache_dir, else $TINYCHAR_CACHE_DIR, is the only folder. Otherwise the per-user cache
     ($XDG_CACHE_HOME/tinychar/encoded, else ~/.cache/tinychar/encoded), then the temp folder should that one be
-    read-only or missing. Never a folder of the project or of the corpus.
+    read-only or missing; data.cache_dir is what a person sets to choose another. Never a folder of the project or
+    of the corpus. A '~user' that names no known user is DataError, naming the setting that holds it.
     """
-    chosen = configured or os.environ.get("TINYCHAR_CACHE_DIR")
-    if chosen:
-        return [Path(chosen).expanduser()]
+    if configured:
+        return [expand_home(configured, "data.cache_dir")], "data.cache_dir"
+    if chosen := os.environ.get("TINYCHAR_CACHE_DIR"):
+        return [expand_home(chosen, "TINYCHAR_CACHE_DIR")], "TINYCHAR_CACHE_DIR"
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     temp = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "encoded"
     try:
         home = Path.home()
     except (RuntimeError, KeyError):  # no $HOME and no entry in the user database, as in some containers
-        return [temp]
-    user = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache").expanduser() / "tinychar" / "encoded"
-    return [user, temp]
+        return [temp], "data.cache_dir"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = expand_home(xdg, "XDG_CACHE_HOME") if xdg else home / ".cache"
+    return [base / "tinychar" / "encoded", temp], "data.cache_dir"

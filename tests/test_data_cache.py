@@ -262,3 +262,52 @@ def test_a_cache_folder_that_cannot_be_one_is_refused_in_one_line(tmp_path: Path
     assert message.startswith("data.cache_dir: cannot write the encoded corpus to '") and why in message
     assert message.endswith("; set data.cache_dir to a writable folder") and "\n" not in message
     assert len(message) < 300
+
+
+def test_a_cache_folder_from_tinychar_cache_dir_is_blamed_on_that_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = write(tmp_path / "t.txt", MIXED)
+    monkeypatch.setenv("TINYCHAR_CACHE_DIR", str(write(tmp_path / "file", "a file")))
+    with pytest.raises(DataError) as info:
+        prepare(f)
+    message = str(info.value)
+    assert message.startswith("TINYCHAR_CACHE_DIR: cannot write the encoded corpus to '")
+    assert "data.cache_dir" not in message
+    assert message.endswith("; set TINYCHAR_CACHE_DIR to a writable folder")
+    with pytest.raises(DataError, match=r"^data\.cache_dir: cannot write .*; set data\.cache_dir to a writable"):
+        prepare(f, cache_dir=str(tmp_path / "file"))  # the config's choice wins, and is the one named
+
+
+@pytest.mark.parametrize("setting", ["data.cache_dir", "TINYCHAR_CACHE_DIR", "XDG_CACHE_HOME", "TINYCHAR_DATA_DIR"])
+def test_a_home_folder_of_an_unknown_user_is_one_line_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """'~nouser/x' made pathlib's expanduser raise RuntimeError: a traceback instead of a line."""
+    f = write(tmp_path / "t.txt", MIXED)
+    value = "~no_such_user_of_tinychar/x"
+    settings: dict[str, object] = {}
+    if setting == "data.cache_dir":
+        settings["cache_dir"] = value
+    else:
+        if setting == "XDG_CACHE_HOME":
+            monkeypatch.delenv("TINYCHAR_CACHE_DIR")
+        monkeypatch.setenv(setting, value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as info:
+        prepare("t.txt" if setting == "TINYCHAR_DATA_DIR" else f, **settings)
+    assert str(info.value) == (
+        f"{setting}: '{value}' starts with the home folder of 'no_such_user_of_tinychar', a user this machine does "
+        "not know; give the folder's full path"
+    )
+
+
+def test_train_py_says_an_unknown_home_folder_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import train
+
+    f = write(tmp_path / "t.txt", MIXED * 20)
+    args = [f"data.path={f}", "data.cache_dir=~no_such_user_of_tinychar/x", f"out_dir={tmp_path / 'run'}"]
+    assert train.main(args, progress=False) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.cache_dir: '~no_such_user_of_tinychar/x' starts with the home folder of ")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
