@@ -2,13 +2,14 @@
 
     python -m data.bench                        # a 100 MB corpus (a few minutes, most of it train.py)
     python -m data.bench --size-mb 1000 --json bench.json
+    python data/bench.py --size-mb 2 --no-train  # the same, run by its path
 
 A corpus of tiny Shakespeare repeated, with a slice of several thousand distinct CJK characters in the middle (so
-ids are uint16), is generated in a temp folder with a 1 MB one of the same vocabulary beside it. Each measurement
-runs in a child process that reports its own peak resident memory (VmHWM): preparing each corpus into a fresh
-cache, a second preparation (a cache hit), an in-process loop of get_batch calls on the prepared ids (the memory
-claim checked without train.py), get_batch timings, and train.py itself, timed from launch to its first 'step N'
-line.
+ids are uint16), is generated in a new folder (in the temp folder, or in --workdir) with a 1 MB one of the same
+vocabulary beside it. Each measurement runs in a child process that reports its own peak resident memory (VmHWM):
+preparing each corpus into a fresh cache, a second preparation (a cache hit), an in-process loop of get_batch calls
+on the prepared ids (the memory claim checked without train.py), get_batch timings, and train.py itself, timed from
+launch to its first 'step N' line.
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=100, help="size of the big corpus in MB (1e6 bytes)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    parser.add_argument("--workdir", default=None, help="folder for corpora and caches (default: a new temp folder)")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder afterwards")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="folder in which a new sub-folder holds the corpora and caches (default: the temp folder); "
+        "nothing else in it is touched",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the bench's sub-folder afterwards")
     parser.add_argument("--no-train", action="store_true", help="skip the train.py runs")
     parser.add_argument("--train-script", default=str(ROOT / "train.py"), help="the train.py to run (default: ours)")
     parser.add_argument("--cold", action="store_true", help="drop the corpus from the page cache before preparing")
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         _train_child(*args.train_child[:2], args.train_child[2:])
         return 0
 
+    from configs.userinput import shown
     from data import DataError, shakespeare_path
 
     try:
@@ -66,17 +73,42 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tinychar-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work, made = _work_folder(args.workdir)
+    except (OSError, RuntimeError) as e:  # RuntimeError: '~nouser', a home folder that cannot be found
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"error: --workdir: cannot make a folder in '{shown(args.workdir)}' ({why})", file=sys.stderr)
+        return 2
     try:
         results = _measure(args, work, shakespeare)
     finally:
         if not args.keep:
+            # only what the bench made: a --workdir given may hold anything else (or be '.', or a home folder)
             shutil.rmtree(work, ignore_errors=True)
+            for folder in made:
+                try:
+                    folder.rmdir()  # made for the bench, and now empty
+                except OSError:
+                    pass
+    if args.keep:
+        print(f"kept: '{shown(work)}'", file=sys.stderr)
     print(_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _work_folder(workdir: str | None) -> tuple[Path, list[Path]]:
+    """(work, made): a new folder of the bench's own inside workdir (or the temp folder), and the folders above it that
+    did not exist and were made for it (innermost first), so that only these are ever removed."""
+    parent = Path(workdir).expanduser() if workdir else Path(tempfile.gettempdir())
+    made = []
+    for folder in (parent, *parent.parents):
+        if folder.exists():
+            break
+        made.append(folder)
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="tinychar-bench-", dir=parent)), made
 
 
 def _measure(args: argparse.Namespace, work: Path, shakespeare: bytes) -> dict:
@@ -374,4 +406,8 @@ def _mb(value: float | None) -> str:
 
 
 if __name__ == "__main__":
+    if not __package__:
+        # run as a file (python data/bench.py): Python put data/ first on the path, where its modules would shadow
+        # any of the same name (config, cache, paths) and 'data' itself cannot be imported; the project root instead
+        sys.path[0] = str(ROOT)
     sys.exit(main())

@@ -1,0 +1,70 @@
+"""data/bench.py, the benchmark of the streaming pipeline: it runs as `python data/bench.py` as well as with -m, its
+table and JSON hold figures that make sense, and it removes only the folder it made, never what --workdir held."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SMALL_TEXT
+
+import data.bench as bench
+
+
+def test_the_work_folder_is_a_new_one_inside_workdir_and_only_made_folders_are_listed(tmp_path: Path) -> None:
+    (tmp_path / "mine").mkdir()
+    work, made = bench._work_folder(str(tmp_path / "mine"))
+    assert work.parent == tmp_path / "mine" and work.name.startswith("tinychar-bench-") and made == []
+    work, made = bench._work_folder(str(tmp_path / "new" / "deeper"))
+    assert work.parent == tmp_path / "new" / "deeper" and made == [tmp_path / "new" / "deeper", tmp_path / "new"]
+
+
+@pytest.mark.slow
+def test_run_by_its_path_it_reports_sane_figures_and_leaves_the_workdir_as_it_was(tmp_path: Path) -> None:
+    """`python data/bench.py` failed with ModuleNotFoundError, and --workdir DIR deleted DIR and all it held."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "precious.txt").write_text("not the bench's", encoding="utf-8")
+    report = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "data/bench.py", "--size-mb", "2", "--no-train", "--workdir", str(workdir), "--json", report],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in workdir.iterdir()] == ["precious.txt"]  # the bench's own sub-folder is gone, nothing else
+    assert (workdir / "precious.txt").read_text(encoding="utf-8") == "not the bench's"
+
+    r = json.loads(report.read_text(encoding="utf-8"))
+    big, small, again = r["prepare"]["big"], r["prepare"]["small"], r["prepare"]["big_again"]
+    assert Path(r["workdir"]).parent == workdir and "train" not in r
+    # 2 MB of bytes, some of them 3-byte CJK characters: fewer characters than bytes, every CJK one in the vocabulary
+    assert big["bytes"] == 2_000_000 and 1_900_000 < big["n_tokens"] < 2_000_000 and big["dtype"] == "uint16"
+    assert small["bytes"] == 1_000_000 and big["vocab"] >= small["vocab"] > bench.N_CJK
+    assert not big["cache_hit"] and again["cache_hit"] and again["n_tokens"] == big["n_tokens"]
+    for figures in (big, small, *r["batches"].values()):
+        assert 0 < figures["peak_rss_mb"] < 4000
+    assert r["get_batch_us"] and all(math.isfinite(us) and us > 0 for us in r["get_batch_us"].values())
+
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "| measurement | 2 MB corpus | 1 MB corpus |"
+    assert "| tokens, vocabulary, ids | " + f"{big['n_tokens']:,}, {big['vocab']}, uint16" in proc.stdout
+    assert all(line.startswith("|") and line.endswith("|") for line in lines if line)
+    assert "n/a" not in proc.stdout and "nan" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_train_row_times_a_real_train_py_to_its_first_step(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT * 20, encoding="utf-8")
+    t = bench._train(str(ROOT / "train.py"), corpus, tmp_path / "cache", tmp_path / "run", 6 << 30)
+    assert t["status"] == 0 and t["error"] is None
+    assert 0 < t["first_step_s"] <= t["total_s"] and 0 < t["peak_rss_mb"] < 4000
+    assert (tmp_path / "run" / "ckpt.pt").exists()
+    assert bench._first_step(t).startswith(f"{t['first_step_s']:.1f} s (20 steps: ")
