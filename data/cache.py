@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import secrets
 import stat
+import time
 import zlib
 from pathlib import Path
 from typing import BinaryIO
@@ -25,6 +27,10 @@ from .sources import FORMAT_VERSION
 # Bytes read at a time by checksum: 1 and 8 MB pieces read 200 MB cold in 0.12-0.19 s, 64 MB ones in 0.23-0.24 s
 # (measured on a 2-core machine); 8 MB of memory is nothing beside the corpus it checks.
 _CRC_PIECE = 8 << 20
+# The partial files open_part names: '.<stem>.<pid>.<8 hex digits><suffix>.part', suffix '.ids' or '.json'.
+_PART = re.compile(r"\.(?P<stem>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(?:ids|json)\.part")
+# How long a partial file must have gone unwritten before it may be reaped (see reap_parts for why an hour).
+STALE_PART_S = 3600.0
 
 
 def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[dict, Path, torch.Tensor] | None:
@@ -148,6 +154,55 @@ def open_part(
     raise DataError(
         f"{setting}: cannot write the encoded corpus to {'; nor to '.join(refused)}; set {setting} to a writable folder"
     )
+
+
+def reap_parts(folder: Path) -> list[Path]:
+    """Remove the partial files that encodings killed midway (kill -9, an OOM kill, a power cut) left in folder; the
+    paths removed. Nothing else ever removes them, and each is up to the size of its corpus's ids.
+
+    A partial file is removed only when both hold: the process its name gives is not alive on this machine, and the
+    file has not been written for STALE_PART_S (an hour). The pid alone is not enough: a cache folder may be shared
+    (NFS, a cluster's home folder) with other machines, whose pids mean nothing here, so a pid dead here may be a
+    live encoder there. Such an encoder writes its file a chunk at a time, every few seconds, until it renames it;
+    only the fsync and the read-back checksum at the end (about a second a GB) write nothing. An hour without a
+    write rules it out, with room to spare for clocks that disagree between machines. The age alone is not enough
+    either: an encoder on this machine that was stopped (Ctrl-Z, a suspended laptop) for an hour still owns its
+    file. A pid alive here keeps its file, even when it was reused by another program: the file goes once that
+    process has ended. Only names of open_part's exact form are touched, never anything else in the folder.
+    """
+    if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows, not look at it
+        return []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _PART.fullmatch(name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        path = folder / name
+        try:
+            if time.time() - os.lstat(path).st_mtime < STALE_PART_S:
+                continue
+            path.unlink()
+        except OSError:
+            continue  # gone already (another run reaped it), or not ours to remove
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id lives on this machine (or may: when it cannot be told, it counts as alive)."""
+    if pid <= 0 or pid == os.getpid():  # 0 and -1 would signal a group, not look at one process
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # EPERM: another user's process, alive
+        return True
+    return True
 
 
 def _why_not(folder: Path, e: OSError) -> str:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from configs.userinput import shown
 
-from .cache import checksum, find, map_ids, open_part, prune, settle
+from .cache import checksum, find, map_ids, open_part, prune, reap_parts, settle
 from .config import DataConfig
 from .corpus import shakespeare_path
 from .paths import LOG_PATH, DataError, quoted
@@ -193,6 +193,7 @@ def _encode(
     }
     lookup = lookup_table(kept, replaced, dtype)
     folder, out, part = open_part(folders, stem, ".ids", moved, setting)
+    reap_parts(folder)  # what killed encodings left there, before this one takes its own room
     ids_path, meta_path = folder / f"{stem}-{key}.ids", folder / f"{stem}-{key}.json"
     try:
         with _bar(inputs, "ids", progress) as bar, out:
@@ -203,7 +204,8 @@ def _encode(
         with part.open("rb") as f:  # read back rather than summed while written: the checksum is of what is stored
             info["crc32"] = checksum(f)
             ids = map_ids(f, dtype, info["n_tokens"])
-        # Atomic renames: a reader sees a whole entry or none, and a crash leaves at worst a hidden .part file.
+        # Atomic renames: a reader sees a whole entry or none, and a crash leaves at worst a hidden .part file,
+        # which a later encoding into the folder reaps (reap_parts).
         # The meta goes last because it is what find looks for.
         os.replace(part, ids_path)
         _, meta_out, meta_part = open_part([folder], stem, ".json", [])

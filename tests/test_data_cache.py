@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -311,3 +314,39 @@ def test_train_py_says_an_unknown_home_folder_in_one_line(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert err.startswith("error: data.cache_dir: '~no_such_user_of_tinychar/x' starts with the home folder of ")
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+# --- partial files left by killed encodings --------------------------------------------------------------------------
+
+
+def test_partial_files_of_dead_encoders_are_reaped_once_stale_and_nothing_else(tmp_path: Path, cache: Path) -> None:
+    """A killed encoding left '.<stem>.<pid>.<hex>.ids.part' in the cache folder for ever, up to the corpus's size."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead, alive = child.pid, os.getppid()  # a process just ended here, and one that lives (this one's parent)
+    hour_ago = time.time() - data.cache.STALE_PART_S - 60
+    names = {
+        "stale": f".t.txt.{dead}.0123abcd.ids.part",
+        "stale meta of another corpus": f".other.txt.{dead}.89abcdef.json.part",
+        "fresh": f".t.txt.{dead}.4567cdef.ids.part",  # may be a live encoder on another machine sharing the folder
+        "live": f".t.txt.{alive}.0a1b2c3d.ids.part",
+        "not ours": f".t.txt.{dead}.0123abcd.ids.part.keep",
+        "a user's": "notes.part",
+    }
+    cache.mkdir()
+    for label, name in names.items():
+        write(cache / name, b"\0" * 100)
+        if label != "fresh":
+            os.utime(cache / name, (hour_ago, hour_ago))
+    prepare(write(tmp_path / "t.txt", MIXED))
+    left = set(entries(cache))
+    assert names["stale"] not in left and names["stale meta of another corpus"] not in left
+    assert {names[k] for k in ("fresh", "live", "not ours", "a user's")} <= left
+    assert not [n for n in left if n.endswith(".part") and f".{os.getpid()}." in n]  # and this run left none
+
+
+def test_a_live_encoder_on_this_machine_keeps_its_partial_file_however_old(tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    part = write(folder / f".t.txt.{os.getpid()}.0123abcd.ids.part", b"\0")
+    os.utime(part, (0, 0))  # stopped for decades
+    assert data.cache.reap_parts(folder) == [] and part.exists()
