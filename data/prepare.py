@@ -289,6 +289,13 @@ def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tupl
         named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.skipped[:3])
         more = " ..." if len(inputs.skipped) > 3 else ""
         notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {named}{more}")
+    if inputs.runs:
+        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.runs[:3])
+        more = " ..." if len(inputs.runs) > 3 else ""
+        notes.append(
+            f"{inputs.label}: left out what {len(inputs.runs)} tinychar run(s) wrote there (a run's folder, or its "
+            f"config.yaml, is not training text): {named}{more}"
+        )
     if moved:
         notes.append(
             f"data: cannot write to the cache folder {moved[0]}, so the encoded corpus went to "

@@ -11,7 +11,8 @@ import json
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from configs.userinput import file_kind
@@ -27,6 +28,10 @@ CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, c
 _HASH_CHUNK = 1 << 20
 _SNIFF = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 _GLOB_MAGIC = frozenset("*?[")
+# A folder holding config.yaml beside any of these is a tinychar run's out_dir: training.outdir writes config.yaml and
+# .lock when a run claims the folder, the checkpoints when it saves. Each alone is too common a name to go by.
+_RUN_CONFIG = "config.yaml"
+_RUN_MARKS = frozenset({".lock", "ckpt.pt", "best.pt"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class Inputs:
     label: str  # the setting the inputs came from, for messages: "data.path" or "data.dataset=..."
     sources: list[Source]
     skipped: list[Path]  # binary files under a folder or glob, left out
+    # tinychar run folders under a folder or glob, left out; or the config.yaml of the run whose out_dir is the
+    # folder data.path names (its other files are binary)
+    runs: list[Path] = field(default_factory=list)
 
     @property
     def n_bytes(self) -> int:
@@ -55,10 +63,11 @@ class Inputs:
 def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     """The non-empty files that spec names, in the order they are joined; DataError if there is no text.
 
-    A file is taken as it is, unless it is binary. A folder gives every file under it (hidden ones and binary ones
-    left out), sorted by relative path. Anything else holding *, ? or [ is a glob (** reaches into sub-folders
-    without entering links to folders); folders it matches are walked like a folder. A pipe, device or socket is
-    refused by what it is, after a stat that never blocks.
+    A file is taken as it is, unless it is binary. A folder gives every file under it, sorted by relative path;
+    hidden ones, binary ones and tinychar run folders are left out (an out_dir inside data.path must not make its
+    config.yaml training text for the next run, nor a --resume's text differ from the run's). Anything else holding
+    *, ? or [ is a glob (** reaches into sub-folders without entering links to folders); folders it matches are
+    walked like a folder. A pipe, device or socket is refused by what it is, after a stat that never blocks.
     """
     text = str(spec)
     if "\0" in text:
@@ -67,16 +76,23 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     globbed = bool(_GLOB_MAGIC & set(text))
     st = _stat_or_glob(p, label) if globbed else stat_path(p, label)
     skipped: list[Path] = []
+    runs: list[Path] = []
     if st is None and globbed:
-        files = _glob(p, skipped, label)
+        files = _glob(p, skipped, runs, label)
         if not files:
-            raise DataError(f"{label}: no text file matches {quoted(text)}; check the pattern (** reaches sub-folders)")
+            raise DataError(
+                f"{label}: no text file matches {quoted(text)}{_runs_left_out(runs)}; check the pattern (** reaches "
+                "sub-folders)"
+            )
     elif st is None:
         raise DataError(f"{label}: no such file {quoted(text)}{_did_you_mean(p)}")
     elif stat.S_ISDIR(st.st_mode):
-        files = _walk(p, skipped, label)
+        files = _walk(p, skipped, runs, label, named=True)
         if not files:
-            raise DataError(f"{label}: {quoted(text)} is a folder with no text files in it; add some, or give a file")
+            raise DataError(
+                f"{label}: {quoted(text)} is a folder with no text files in it{_runs_left_out(runs)}; add some, or "
+                "give a file"
+            )
     elif (kind := file_kind(st.st_mode)) is not None:
         raise not_a_file(label, text, kind)
     elif not _is_text(p, label):
@@ -91,7 +107,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     if not sources:
         what = "is empty" if st is not None and stat.S_ISREG(st.st_mode) else "holds only empty files"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
-    return Inputs(text, label, sources, skipped)
+    return Inputs(text, label, sources, skipped, runs)
 
 
 def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
@@ -102,19 +118,45 @@ def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
         return None
 
 
-def _glob(pattern: Path, skipped: list[Path], label: str) -> list[Path]:
-    """The text files that pattern matches, in sorted order of the matches, folders walked in place."""
+def _runs_left_out(runs: list[Path]) -> str:
+    """' (tinychar run folders left out: ...)' naming the first few of runs, or '' when there are none."""
+    named = ", ".join(quoted(r.parent if r.name == _RUN_CONFIG else r) for r in runs[:2])
+    return f" (tinychar run folders left out: {named}{' ...' if len(runs) > 2 else ''})" if runs else ""
+
+
+def _is_run(names: Iterable[str]) -> bool:
+    """Whether a folder holding these names is a tinychar run's out_dir (config.yaml beside .lock or a checkpoint)."""
+    names = set(names)
+    return _RUN_CONFIG in names and not _RUN_MARKS.isdisjoint(names)
+
+
+def _in_run(folder: Path, known: dict[Path, bool]) -> bool:
+    """Whether folder is a tinychar run's out_dir; known remembers the answers (many matches share a folder)."""
+    if folder not in known:
+        try:
+            known[folder] = _is_run(os.listdir(folder))
+        except OSError:  # a folder that cannot be listed is no run of ours to leave out; reading the file says more
+            known[folder] = False
+    return known[folder]
+
+
+def _glob(pattern: Path, skipped: list[Path], runs: list[Path], label: str) -> list[Path]:
+    """The text files that pattern matches, in sorted order of the matches, folders walked in place; matches in or
+    of tinychar run folders left out (said in runs)."""
     matches = expand(pattern, label)
     folder = data_dir()
     if not matches and folder is not None and not pattern.is_absolute():
         matches = expand(folder / pattern, label)
     files: list[Path] = []
+    known: dict[Path, bool] = {}
     for m in matches:
         st = _regular_or_folder(m, label)
         if st is None:
             continue  # a pipe, device, socket or broken link matched by a wildcard: never opened
         if stat.S_ISDIR(st.st_mode):
-            files += _walk(m, skipped, label)
+            files += _walk(m, skipped, runs, label)
+        elif _in_run(m.parent, known):  # a run writes its files at the top of its out_dir
+            _add(runs, m.parent)
         else:
             (files if _is_text(m, label) else skipped).append(m)
     return files
@@ -134,11 +176,15 @@ def _sources(files: list[Path], label: str) -> list[Source]:
     return sources
 
 
-def _walk(folder: Path, skipped: list[Path], label: str) -> list[Path]:
+def _walk(folder: Path, skipped: list[Path], runs: list[Path], label: str, named: bool = False) -> list[Path]:
     """The text files under folder sorted by relative path; hidden files and folders (.git, .DS_Store) left out.
 
-    Links to folders are not entered (os.walk's default), so a link back up the tree cannot loop; a folder that
-    cannot be read is refused rather than skipped, which would train on part of the corpus without saying so.
+    A tinychar run folder (config.yaml beside .lock, ckpt.pt or best.pt) is left out whole and added to runs: what
+    a run writes, or what was put beside it (sample.py's output), is not the corpus. Except folder itself when it is
+    named (data.path=. with out_dir=.): the person chose it as the corpus, so only the run's config.yaml is left out,
+    its checkpoints and logs being binary. Links to folders are not entered (os.walk's default), so a link back up
+    the tree cannot loop; a folder that cannot be read is refused rather than skipped, which would train on part of
+    the corpus without saying so.
     """
 
     def refuse(e: OSError) -> None:
@@ -147,6 +193,13 @@ def _walk(folder: Path, skipped: list[Path], label: str) -> list[Path]:
 
     found = []
     for root, dirs, names in os.walk(folder, onerror=refuse):
+        if _is_run(names):
+            if not named or Path(root) != folder:
+                _add(runs, Path(root))
+                dirs[:] = []
+                continue
+            names = [n for n in names if n != _RUN_CONFIG]
+            runs.append(Path(root, _RUN_CONFIG))
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(root, n) for n in names if not n.startswith(".")]
     found.sort(key=lambda f: f.relative_to(folder).as_posix())
@@ -157,6 +210,11 @@ def _walk(folder: Path, skipped: list[Path], label: str) -> list[Path]:
             continue  # a socket, fifo or broken link; or a folder made since it was listed
         (text if _is_text(f, label) else skipped).append(f)
     return text
+
+
+def _add(runs: list[Path], run: Path) -> None:
+    if run not in runs:  # a glob reaches a run folder both as a match and inside a matched folder
+        runs.append(run)
 
 
 def _regular_or_folder(path: Path, label: str) -> os.stat_result | None:

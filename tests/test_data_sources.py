@@ -214,3 +214,81 @@ def test_a_folder_that_cannot_be_read_is_refused_not_skipped(tmp_path: Path, mon
         message = refusal(prepare, spec)
         assert message.startswith(f"data.path: cannot read the folder {quoted(locked)} (Permission denied); check its")
         assert "/books/locked' (" in message  # however long the temp folder, the message names the folder
+
+
+# --- tinychar run folders under data.path -----------------------------------------------------------------------------
+
+
+def a_run(folder: Path, *marks: str) -> Path:
+    """A folder as a tinychar run leaves it: config.yaml beside marks (.lock, ckpt.pt, best.pt), plus a sample."""
+    write(folder / "config.yaml", "out_dir: runs/tiny\nseed: 1337\n")
+    for mark in marks:
+        write(folder / mark, b"PK\x03\x04\0\0" if mark.endswith(".pt") else b"")
+    write(folder / "samples.txt", "what the model wrote, not the corpus\n")
+    return folder
+
+
+@pytest.mark.parametrize("marks", [(".lock",), ("ckpt.pt",), ("best.pt", ".lock")])
+def test_run_folders_under_a_data_folder_or_a_glob_are_left_out_with_a_note(tmp_path: Path, marks: tuple) -> None:
+    """An out_dir inside data.path made the run's config.yaml training text for every later run."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    write(novels / "b" / "c.txt", "gamma\n")
+    a_run(novels / "runs" / "tiny", *marks)
+    corpus = prepare(novels)
+    assert text_of(corpus) == "alpha\n\ngamma\n"
+    (note,) = [n for n in corpus.notes if "tinychar run" in n]
+    assert note == (
+        f"data.path: left out what 1 tinychar run(s) wrote there (a run's folder, or its config.yaml, is not training "
+        f"text): {quoted(novels / 'runs' / 'tiny', 133)}"
+    )
+    for pattern in ("**/*", "*"):
+        matched = resolve_inputs(f"{novels}/{pattern}")
+        assert all("runs" not in s.path.parts for s in matched.sources), pattern
+        assert matched.runs == [novels / "runs" / "tiny"], pattern
+    with pytest.raises(DataError, match=r"no text file matches .* \(tinychar run folders left out: '"):
+        resolve_inputs(f"{novels}/runs/*")  # every match is the run's: nothing is left, and the line says why
+
+
+def test_only_config_yaml_beside_a_mark_makes_a_run_folder(tmp_path: Path) -> None:
+    write(tmp_path / "c" / "notes" / "config.yaml", "a: 1\n")  # a config of the person's own, no run beside it
+    write(tmp_path / "c" / "other" / "ckpt.pt.txt", "text\n")
+    write(tmp_path / "c" / "other" / "best.txt", "text\n")
+    inputs = resolve_inputs(tmp_path / "c")
+    assert [s.path.name for s in inputs.sources] == ["config.yaml", "best.txt", "ckpt.pt.txt"] and inputs.runs == []
+
+
+def test_a_run_in_the_named_folder_itself_leaves_out_only_its_config(tmp_path: Path) -> None:
+    """data.path=. with out_dir=.: the folder is the corpus the person chose; the run's config.yaml is not."""
+    a_run(tmp_path / "c", ".lock", "ckpt.pt")
+    write(tmp_path / "c" / "book.txt", "the book\n")
+    inputs = resolve_inputs(tmp_path / "c")
+    assert [s.path.name for s in inputs.sources] == ["book.txt", "samples.txt"]
+    assert inputs.runs == [tmp_path / "c" / "config.yaml"]
+
+
+def test_a_folder_of_nothing_but_runs_says_so(tmp_path: Path) -> None:
+    a_run(tmp_path / "runs" / "tiny", ".lock")
+    with pytest.raises(DataError, match=r"is a folder with no text files in it \(tinychar run folders left out: '"):
+        resolve_inputs(tmp_path / "runs")
+
+
+@pytest.mark.slow
+def test_a_run_whose_out_dir_is_inside_its_data_folder_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The audit's case: cd novels; train.py data.path=. (out_dir runs/tiny), then --resume was refused for
+    'characters the model never saw' (those of config.yaml), and later runs trained on it."""
+    from conftest import SMALL_TEXT, tiny_overrides
+
+    import train
+
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", SMALL_TEXT)
+    monkeypatch.chdir(novels)
+    first = tiny_overrides(Path("."), Path("runs/tiny"), **{"train.sample_chars": 0, "train.tensorboard": "false"})
+    assert train.main(first, progress=False) == 0
+    assert train.main(["--resume", "--out-dir", "runs/tiny", "train.max_iters=30"], progress=False) == 0
+    said = capsys.readouterr()
+    assert "characters the model never saw" not in said.err
+    assert "left out what 1 tinychar run(s) wrote there" in said.out  # said at the resume, which found the run
