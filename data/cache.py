@@ -233,8 +233,9 @@ def _read_only(folder: Path) -> bool:
 
 
 def prune(folder: Path, stem: str, key: str, info: dict) -> None:
-    """Delete older entries made from the same files with the same settings: they are stale copies, and a
-    re-encoded 1 GB corpus would otherwise leave a 1 GB file behind at every edit."""
+    """Delete older entries made from the same files with the same settings, or of an older format (which nothing
+    reads any more): they are stale copies, and a re-encoded 1 GB corpus would otherwise leave a 1 GB file behind at
+    every edit."""
     paths = [s[0] for s in info["sources"]]
     try:
         metas = list(folder.glob(f"{stem}-*.json"))
@@ -245,7 +246,9 @@ def prune(folder: Path, stem: str, key: str, info: dict) -> None:
             continue
         try:
             old = json.loads(meta_path.read_text(encoding="utf-8"))
-            if [s[0] for s in old["sources"]] != paths or old["settings"] != info["settings"]:
+            if [s[0] for s in old["sources"]] != paths:
+                continue
+            if old.get("format") == FORMAT_VERSION and old["settings"] != info["settings"]:
                 continue
             meta_path.unlink()
             meta_path.with_suffix(".ids").unlink(missing_ok=True)

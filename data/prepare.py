@@ -6,6 +6,7 @@ only map the cached file, so they start at once and their memory does not grow w
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,10 +25,11 @@ from .cache import checksum, find, map_ids, open_part, prune, reap_parts, settle
 from .config import DataConfig
 from .corpus import shakespeare_path
 from .paths import LOG_PATH, DataError, quoted
-from .sources import FORMAT_VERSION, Inputs, Source, cache_dirs, cache_key, resolve_inputs
-from .stream import CHUNK_BYTES, UNKNOWN, cap_vocab, count_chars, ids_dtype, lookup_table, write_ids
+from .sources import FORMAT_VERSION, SNIFF_BYTES, Inputs, Source, cache_dirs, cache_key, resolve_inputs
+from .stream import CHUNK_BYTES, UNKNOWN, Oddities, cap_vocab, count_chars, ids_dtype, lookup_table, write_ids
 from .tokenizer import CharTokenizer
 
+BOM_CHAR = "\ufeff"  # the character a byte-order mark decodes to
 _SHOW_AT_MOST = 20  # unseen characters named in an error; beyond that the message stops being one line
 
 
@@ -77,30 +79,63 @@ def prepare_corpus(
     vocab: list[str] | None = None,
     *,
     chunk_bytes: int = CHUNK_BYTES,
+    trained_on: str | None = None,
 ) -> Corpus:
     """The corpus cfg names, encoded into the cache on first use and memory-mapped; DataError for what a person fixes.
 
     min_chars is the length of one training window (block_size + 1). With vocab (a resumed run's, or a model's),
     the ids follow that vocabulary; a character outside it is an error, unless the vocabulary holds UNKNOWN, which
     then stands for it. Without vocab, the vocabulary is every character of the text, or with data.max_vocab the
-    most frequent ones plus UNKNOWN. progress shows tqdm bars (bytes, MB/s) while encoding, on a terminal only, so
-    that logs and captured stderr stay free of them. chunk_bytes (how much is read at a time) never changes the
-    result.
+    most frequent ones plus UNKNOWN. A byte-order mark that starts a file is left out, with a note. progress shows
+    tqdm bars (bytes, MB/s) while encoding, on a terminal only, so that logs and captured stderr stay free of them.
+    chunk_bytes (how much is read at a time) never changes the result.
+
+    trained_on is a resumed run's fingerprint of its text. A run trained before tinychar left byte-order marks out
+    learnt U+FEFF from them: when the text has such marks, the run's vocabulary holds U+FEFF and the text read
+    without them is not the run's, the text is read with them kept, as then, and used if it is the run's.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     inputs, source = _inputs(cfg)
     if vocab is not None:
         CharTokenizer(vocab)  # refuses an unsorted or duplicated vocabulary before any work
-    folders, setting = cache_dirs(cfg.cache_dir)
+    cache = cache_dirs(cfg.cache_dir)
+    corpus, boms = _prepared(inputs, source, cfg, vocab, cache, min_chars, chunk_bytes, progress, strip_bom=True)
+    if trained_on is None or corpus.fingerprint == trained_on or not boms or BOM_CHAR not in (vocab or ()):
+        return corpus
+    older, _ = _prepared(inputs, source, cfg, vocab, cache, min_chars, chunk_bytes, progress, strip_bom=False)
+    if older.fingerprint != trained_on:
+        return corpus  # other text indeed: the resume's own check refuses it
+    note = (
+        f"{inputs.label}: read with the byte-order marks (U+FEFF) that start its files kept, as this run was trained "
+        "on them; tinychar now leaves them out, so a new run would not see them"
+    )
+    return dataclasses.replace(older, notes=(*older.notes, note))
+
+
+def _prepared(
+    inputs: Inputs,
+    source: str,
+    cfg: DataConfig,
+    vocab: list[str] | None,
+    cache: tuple[list[Path], str],
+    min_chars: int,
+    chunk_bytes: int,
+    progress: bool,
+    *,
+    strip_bom: bool,
+) -> tuple[Corpus, int]:
+    """(corpus, byte-order marks left out): prepare_corpus's work, with the leading byte-order marks of the files
+    left out (strip_bom) or kept as characters."""
+    folders = cache[0]
     stem = _stem(inputs)
     damaged: list[str] = []  # cached copies found damaged, so encoded again below
-    settings, key, found = _cached(inputs, cfg, vocab, folders, stem, damaged)
+    settings, key, found = _cached(inputs, cfg, vocab, folders, stem, damaged, "strip" if strip_bom else "keep")
     t0 = time.perf_counter()
     moved: list[str] = []  # cache folders that refused the new entry
     hit = found is not None
     if found is None:
-        found = _encode(inputs, cfg, settings, key, vocab, (folders, setting), stem, chunk_bytes, progress, moved)
+        found = _encode(inputs, cfg, settings, key, vocab, cache, stem, chunk_bytes, progress, moved)
     info, ids_path, ids = found
     n_tokens = info["n_tokens"]
     if n_tokens < min_chars:
@@ -115,24 +150,29 @@ def prepare_corpus(
         f"{len(info['chars'])} as {np.dtype(info['dtype']).name}; {how}: {shown(ids_path, LOG_PATH)})"
     )
     chars = list(info["chars"])
-    return Corpus(
-        ids, chars, description, n_tokens, notes, ids_path, hit, fingerprint=fingerprint(info["crc32"], n_tokens, chars)
-    )
+    print_ = fingerprint(info["crc32"], n_tokens, chars)
+    return Corpus(ids, chars, description, n_tokens, notes, ids_path, hit, fingerprint=print_), info["boms"]
 
 
 def _cached(
-    inputs: Inputs, cfg: DataConfig, vocab: list[str] | None, folders: list[Path], stem: str, damaged: list[str]
+    inputs: Inputs,
+    cfg: DataConfig,
+    vocab: list[str] | None,
+    folders: list[Path],
+    stem: str,
+    damaged: list[str],
+    bom: str,
 ) -> tuple[dict, str, tuple[dict, Path, torch.Tensor] | None]:
     """(settings, key, entry): the settings that make the ids, the cache key they give, and the cached entry for
-    that key if a whole one exists (damaged ones said in damaged)."""
-    settings = {"errors": cfg.errors, "max_vocab": cfg.max_vocab, "vocab": None}
+    that key if a whole one exists (damaged ones said in damaged). bom: 'strip' or 'keep' the leading marks."""
+    settings = {"errors": cfg.errors, "max_vocab": cfg.max_vocab, "vocab": None, "bom": bom}
     key = cache_key(inputs, settings)
     found = find(folders, stem, key, damaged)
     if vocab is not None and (found is None or found[0]["chars"] != list(vocab)):
         # a resumed run usually brings the vocabulary its text gave, so the entry above serves it; a different
         # vocabulary gives different ids, and an entry of its own
         digest = hashlib.blake2b("".join(vocab).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-        settings = {"errors": cfg.errors, "max_vocab": None, "vocab": digest}
+        settings = {"errors": cfg.errors, "max_vocab": None, "vocab": digest, "bom": bom}
         key = cache_key(inputs, settings)
         found = find(folders, stem, key, damaged)
     return settings, key, found
@@ -175,8 +215,10 @@ def _encode(
     """Both passes over the text, into a new cache entry in the first of cache's folders that takes it: its meta, its
     ids file and the ids mapped. cache is (folders, the setting that chose them), as cache_dirs gives."""
     folders, setting = cache
+    strip_bom = settings["bom"] == "strip"
+    seen = Oddities()
     with _bar(inputs, "vocabulary", progress) as bar:
-        counts = count_chars(inputs, cfg.errors, chunk_bytes, bar)
+        counts = count_chars(inputs, cfg.errors, chunk_bytes, bar, strip_bom=strip_bom, seen=seen)
     kept, replaced = _vocabulary(inputs, counts, cfg.max_vocab, vocab)
     dtype = ids_dtype(len(kept))
     info = {
@@ -188,6 +230,9 @@ def _encode(
         "chars": [chr(c) for c in kept],
         "replaced_chars": len(replaced),
         "replaced_occurrences": int(counts[replaced].sum()),
+        "boms": seen.boms,  # files whose leading byte-order mark was left out
+        "nul_files": len(seen.nuls),  # files holding NUL bytes (past the binary sniff), and the first few
+        "nuls": [[str(path), at] for path, at in seen.nuls[:3]],
         "settings": settings,
         "sources": [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources],
     }
@@ -197,7 +242,7 @@ def _encode(
     ids_path, meta_path = folder / f"{stem}-{key}.ids", folder / f"{stem}-{key}.json"
     try:
         with _bar(inputs, "ids", progress) as bar, out:
-            written = write_ids(inputs, cfg.errors, lookup, out, chunk_bytes, bar)
+            written = write_ids(inputs, cfg.errors, lookup, out, chunk_bytes, bar, strip_bom=strip_bom)
             settle(out)
         if written != info["n_tokens"] or any(_changed(s) for s in inputs.sources):
             raise DataError(f"{inputs.label}: {quoted(inputs.spec)} changed while it was being read; run again")
@@ -284,6 +329,19 @@ def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tupl
         notes.append(
             f"{why}: {info['replaced_chars']:,} rare character(s), {info['replaced_occurrences']:,} occurrences "
             f"({share:.3g}% of the text), map to the unknown symbol U+FFFD {UNKNOWN!r}"
+        )
+    if info["boms"]:
+        notes.append(
+            f"{inputs.label}: left out the byte-order mark (U+FEFF) that starts {info['boms']:,} file(s): it says how "
+            "a file was saved, it is not text"
+        )
+    if info["nul_files"]:
+        path, at = info["nuls"][0]
+        more = f" (and {info['nul_files'] - 1:,} more file(s))" if info["nul_files"] > 1 else ""
+        notes.append(
+            f"{inputs.label}: {quoted(path, LOG_PATH // 3)} holds a NUL byte at byte {at:,}{more}, past the first "
+            f"{SNIFF_BYTES:,} bytes that tell a binary file (left out); it is kept as a character (U+0000): if the "
+            "file is not text, remove it or leave it out of data.path"
         )
     if inputs.skipped:
         named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.skipped[:3])

@@ -22,11 +22,12 @@ from .globs import expand
 from .paths import DataError, expand_home, not_a_file, open_regular, os_failure, quoted, stat_path
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
-# CRC-32 of the ids, checked whenever the entry is opened.
-FORMAT_VERSION = 2
+# CRC-32 of the ids, checked whenever the entry is opened. 3: a byte-order mark that starts a file is left out (the
+# "bom" setting), and the meta counts the marks and the files holding NUL bytes.
+FORMAT_VERSION = 3
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
 _HASH_CHUNK = 1 << 20
-_SNIFF = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
+SNIFF_BYTES = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 _GLOB_MAGIC = frozenset("*?[")
 # A folder holding config.yaml beside any of these is a tinychar run's out_dir: training.outdir writes config.yaml and
 # .lock when a run claims the folder, the checkpoints when it saves. Each alone is too common a name to go by.
@@ -232,7 +233,7 @@ def _regular_or_folder(path: Path, label: str) -> os.stat_result | None:
 def _is_text(path: Path, label: str) -> bool:
     """False for a file with a NUL byte near its start (an image, an archive, UTF-16): no UTF-8 text has one."""
     with open_regular(path, label) as f:
-        return b"\0" not in f.read(_SNIFF)
+        return b"\0" not in f.read(SNIFF_BYTES)
 
 
 def _stat(path: Path, label: str) -> os.stat_result:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -25,10 +27,33 @@ N_CODE_POINTS = 0x110000
 # point; 1M keeps that at 8 MB and is about as fast per byte as whole 16 MB chunks (measured).
 _BLOCK = 1 << 20
 _SEPARATOR = b"\n"  # between two files, so one file's last line never runs into the next file's first
+BOM = codecs.BOM_UTF8  # U+FEFF as the first bytes of a file: a mark of the encoding some editors write, not text
 
 
-def pieces(inputs: Inputs, errors: str, chunk_bytes: int, bar: tqdm | None = None) -> Iterator[bytes | np.ndarray]:
+@dataclass
+class Oddities:
+    """What pass 1 met that a person should hear of: byte-order marks left out, NUL bytes kept."""
+
+    boms: int = 0  # files whose leading byte-order mark was left out
+    # files holding a NUL byte (all past the binary sniff at their start, or they would not be inputs): (path, offset
+    # of the first) for each
+    nuls: list[tuple[Path, int]] = field(default_factory=list)
+
+
+def pieces(
+    inputs: Inputs,
+    errors: str,
+    chunk_bytes: int,
+    bar: tqdm | None = None,
+    *,
+    strip_bom: bool = True,
+    seen: Oddities | None = None,
+) -> Iterator[bytes | np.ndarray]:
     """The text of inputs, files joined by newlines: each chunk as ASCII bytes, or else as uint32 code points.
+
+    With strip_bom, a byte-order mark that starts a file is left out: it says how the file was saved, and kept it
+    would be a character of the vocabulary, learnt after every file separator of a folder of such files. seen, if
+    given, collects the marks left out and the files holding NUL bytes.
 
     ASCII chunks stay bytes because most text is ASCII and bytes are 4x smaller and far quicker to count and map
     than code points (a latin-1-kind str encodes to UTF-32 at only ~300 MB/s). The incremental decoder carries a
@@ -40,8 +65,21 @@ def pieces(inputs: Inputs, errors: str, chunk_bytes: int, bar: tqdm | None = Non
         decoder = codecs.getincrementaldecoder("utf-8")(errors)
         done = 0  # bytes of this file read so far
         with open_regular(source.path, inputs.label) as f:
+            if strip_bom:
+                if f.read(len(BOM)) == BOM:  # read apart from the chunks, however small they are
+                    done = len(BOM)
+                    if seen is not None:
+                        seen.boms += 1
+                    if bar is not None:
+                        bar.update(done)
+                else:
+                    f.seek(0)
+            nul_seen = seen is None
             while True:
                 chunk = f.read(chunk_bytes)
+                if not nul_seen and (at := chunk.find(b"\0")) >= 0:  # memchr: no cost beside decoding
+                    seen.nuls.append((source.path, done + at))
+                    nul_seen = True
                 held = len(decoder.getstate()[0])  # bytes of an unfinished character kept from the last read
                 try:
                     text = decoder.decode(chunk, final=not chunk)
@@ -68,10 +106,19 @@ def _code_points(piece: bytes | np.ndarray) -> np.ndarray:
     return np.frombuffer(piece, dtype=np.uint8) if isinstance(piece, bytes) else piece
 
 
-def count_chars(inputs: Inputs, errors: str, chunk_bytes: int = CHUNK_BYTES, bar: tqdm | None = None) -> np.ndarray:
-    """Pass 1: how often each code point occurs in the corpus, as an int64 array indexed by code point."""
+def count_chars(
+    inputs: Inputs,
+    errors: str,
+    chunk_bytes: int = CHUNK_BYTES,
+    bar: tqdm | None = None,
+    *,
+    strip_bom: bool = True,
+    seen: Oddities | None = None,
+) -> np.ndarray:
+    """Pass 1: how often each code point occurs in the corpus, as an int64 array indexed by code point; seen (if
+    given) collects what else a person should hear of (see pieces)."""
     counts = np.zeros(N_CODE_POINTS, dtype=np.int64)
-    for piece in pieces(inputs, errors, chunk_bytes, bar):
+    for piece in pieces(inputs, errors, chunk_bytes, bar, strip_bom=strip_bom, seen=seen):
         codes = _code_points(piece)
         for start in range(0, len(codes), _BLOCK):
             # bincount over a few distinct values is a fast linear pass; np.unique would sort and collections.Counter
@@ -88,12 +135,15 @@ def write_ids(
     out: BinaryIO,
     chunk_bytes: int = CHUNK_BYTES,
     bar: tqdm | None = None,
+    *,
+    strip_bom: bool = True,
 ) -> int:
-    """Pass 2: write the id of every character to out, as lookup[code point] (lookup's dtype); the count written."""
+    """Pass 2: write the id of every character to out, as lookup[code point] (lookup's dtype); the count written.
+    strip_bom must be what pass 1 had."""
     # For one-byte ids an ASCII chunk maps through bytes.translate, some 6x faster than a numpy gather
     table = lookup[:256].tobytes() if lookup.dtype.itemsize == 1 else None
     n = 0
-    for piece in pieces(inputs, errors, chunk_bytes, bar):
+    for piece in pieces(inputs, errors, chunk_bytes, bar, strip_bom=strip_bom):
         if table is not None and isinstance(piece, bytes):
             out.write(piece.translate(table))
             n += len(piece)

@@ -111,7 +111,7 @@ def test_settings_that_change_the_ids_have_entries_of_their_own(tmp_path: Path) 
 
 
 def test_a_failed_encoding_leaves_no_file_behind(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def write_some_then_fail(inputs: object, errors: str, lookup: np.ndarray, out, *args: object) -> int:
+    def write_some_then_fail(inputs: object, errors: str, lookup: np.ndarray, out, *args: object, **kw: object) -> int:
         out.write(b"\0" * 10)
         raise KeyboardInterrupt
 
@@ -350,3 +350,56 @@ def test_a_live_encoder_on_this_machine_keeps_its_partial_file_however_old(tmp_p
     part = write(folder / f".t.txt.{os.getpid()}.0123abcd.ids.part", b"\0")
     os.utime(part, (0, 0))  # stopped for decades
     assert data.cache.reap_parts(folder) == [] and part.exists()
+
+
+# --- byte-order marks: entries and runs from before they were left out -----------------------------------------------
+
+
+def old_entry(folder: Path, f: Path, text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """The entry format 2 (before byte-order marks were left out) wrote for text in f: U+FEFF a character of it."""
+    inputs = data.sources.resolve_inputs(f)
+    settings = {"errors": "strict", "max_vocab": None, "vocab": None}
+    with monkeypatch.context() as m:
+        m.setattr(data.sources, "FORMAT_VERSION", 2)
+        key = data.sources.cache_key(inputs, settings)
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype="|u1").tobytes()
+    stem = data.prepare._stem(inputs)
+    meta = {
+        "format": 2, "key": key, "dtype": "|u1", "n_tokens": len(text), "crc32": zlib.crc32(ids), "chars": chars,
+        "replaced_chars": 0, "replaced_occurrences": 0, "settings": settings,
+        "sources": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    write(folder / f"{stem}-{key}.ids", ids)
+    write(folder / f"{stem}-{key}.json", json.dumps(meta))
+    return folder / f"{stem}-{key}.ids", folder / f"{stem}-{key}.json"
+
+
+def test_an_entry_encoded_before_byte_order_marks_were_left_out_is_not_served_and_is_pruned(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = write(tmp_path / "t.txt", "\ufeffhello world\n")
+    stale = old_entry(cache, f, "\ufeffhello world\n", monkeypatch)
+    corpus = prepare(f)
+    assert not corpus.cache_hit and text_of(corpus) == "hello world\n" and "\ufeff" not in corpus.chars
+    assert not any(p.exists() for p in stale)  # of an older format, for the same file: nothing reads it any more
+
+
+def test_a_run_trained_on_byte_order_marks_resumes_on_its_own_text(tmp_path: Path) -> None:
+    """A run trained before marks were left out knows U+FEFF, and its fingerprint is of the ids with the marks."""
+    text = "\ufeffhello world\n"
+    f = write(tmp_path / "t.txt", text)
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype="|u1")
+    then = data.prepare.fingerprint(zlib.crc32(ids.tobytes()), len(text), chars)
+
+    def resumed(trained_on: str | None) -> data.prepare.Corpus:
+        cfg = data.DataConfig(path=str(f))
+        return data.prepare_corpus(cfg, 2, progress=False, vocab=chars, trained_on=trained_on)
+
+    corpus = resumed(then)
+    assert corpus.fingerprint == then and text_of(corpus) == text
+    assert any("read with the byte-order marks (U+FEFF) that start its files kept" in n for n in corpus.notes)
+    for other in (None, "0123456789abcdef"):  # a new use of the vocabulary, or other text: read as tinychar now reads
+        assert text_of(resumed(other)) == "hello world\n"

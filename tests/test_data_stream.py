@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import data.prepare
@@ -91,6 +91,7 @@ def test_characters_split_across_read_chunks_are_decoded_whole(tmp_path: Path, c
     chunk_bytes=st.integers(1, 9),
 )
 def test_any_text_round_trips_at_any_chunk_size(tmp_path: Path, text: str, chunk_bytes: int) -> None:
+    assume(not text.startswith("\ufeff"))  # a byte-order mark, left out: test_a_leading_byte_order_mark_...
     corpus = prepare(write(tmp_path / "any.txt", text), chunk_bytes=chunk_bytes)
     assert text_of(corpus) == text and corpus.chars == sorted(set(text))
 
@@ -115,6 +116,42 @@ def test_missing_empty_binary_and_too_short_inputs_are_refused(tmp_path: Path) -
     with pytest.raises(DataError, match=r"has 5 characters.*block_size \+ 1 = 9") as info:
         prepare(tmp_path / "input.txt", min_chars=9)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 7, 1 << 16])
+def test_a_leading_byte_order_mark_is_left_out_of_each_file_with_a_note(tmp_path: Path, chunk_bytes: int) -> None:
+    """A file saved 'UTF-8 with BOM' made U+FEFF a vocabulary character, after every separator of a folder."""
+    books = tmp_path / "books"
+    write(books / "a.txt", "\ufeffalpha\n")
+    write(books / "b.txt", "\ufeffbeta \ufeff gamma")  # one inside the text is a character of it, and kept
+    write(books / "c.txt", "\ufeff")  # nothing but the mark: an empty file
+    write(books / "d.txt", "d\u00e9")
+    corpus = prepare(books, chunk_bytes=chunk_bytes)
+    assert text_of(corpus) == "alpha\n\nbeta \ufeff gamma\n\nd\u00e9"
+    assert "data.path: left out the byte-order mark (U+FEFF) that starts 3 file(s): it says how a file was saved, " \
+        "it is not text" in corpus.notes
+    one = prepare(write(tmp_path / "one.txt", b"\xef\xbb\xbfab\xffc"), chunk_bytes=chunk_bytes, errors="replace")
+    assert text_of(one) == "ab\ufffdc" and "\ufeff" not in one.chars
+    with pytest.raises(DataError, match=r"is not UTF-8 at byte 5;"):  # offsets still count the mark's 3 bytes
+        prepare(tmp_path / "one.txt", chunk_bytes=chunk_bytes)
+
+
+def test_a_nul_byte_past_the_binary_sniff_is_kept_and_said(tmp_path: Path) -> None:
+    """A NUL past the first 8,000 bytes entered the vocabulary with no word; one before them makes a file binary."""
+    text = "abc\n" * 2500  # 10,000 bytes
+    late = write(tmp_path / "c" / "late.txt", text[:9000] + "\0" + text[9000:])
+    write(tmp_path / "c" / "later.txt", text + "\0")
+    write(tmp_path / "c" / "early.txt", "\0" + text)
+    corpus = prepare(tmp_path / "c", chunk_bytes=4096)
+    assert "\0" in corpus.chars and text_of(corpus) == f"{text[:9000]}\0{text[9000:]}\n{text}\0"
+    (note,) = [n for n in corpus.notes if "NUL" in n]
+    assert note == (
+        f"data.path: {quoted(late, 133)} holds a NUL byte at byte 9,000 (and 1 more file(s)), past the first 8,000 "
+        "bytes that tell a binary file (left out); it is kept as a character (U+0000): if the file is not text, "
+        "remove it or leave it out of data.path"
+    )
+    assert any("left out 1 binary file" in n and "early.txt" in n for n in corpus.notes)
+    assert prepare(tmp_path / "c").notes == corpus.notes  # a cache hit says it too
 
 
 # --- folders and globs ----------------------------------------------------------------------------------------------

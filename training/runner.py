@@ -108,7 +108,8 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
     def read_corpus() -> Corpus:
         # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
         return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
-                              vocab=payload["vocab"] if payload is not None else None)
+                              vocab=payload["vocab"] if payload is not None else None,
+                              trained_on=payload.get("data_fingerprint") if payload is not None else None)
 
     # The first process on each machine reads the corpus (encoding it into the cache if need be) while the others
     # wait, then they map the cached file: not every process encoding the same text at once.
