@@ -27,6 +27,10 @@ from .paths import DataError, expand_home, not_a_file, open_regular, os_failure,
 FORMAT_VERSION = 3
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
 _HASH_CHUNK = 1 << 20
+# Larger inputs are keyed by SAMPLES blocks of SAMPLE_BYTES spread evenly across them, the first and last bytes
+# included: 4 MB read at most, whatever the size (measured on a 200 MB file: see cache_key).
+SAMPLES = 64
+SAMPLE_BYTES = 64 << 10
 SNIFF_BYTES = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 _GLOB_MAGIC = frozenset("*?[")
 # A folder holding config.yaml beside any of these is a tinychar run's out_dir: training.outdir writes config.yaml and
@@ -244,8 +248,13 @@ def _stat(path: Path, label: str) -> os.stat_result:
 
 
 def cache_key(inputs: Inputs, settings: dict) -> str:
-    """A hex digest naming the encoded corpus: inputs' paths, sizes and mtimes, the settings, and for small inputs
-    their content (an edit that keeps size and mtime, as some tools and copies do, still changes the key)."""
+    """A hex digest naming the encoded corpus: inputs' paths, sizes and mtimes, the settings, and their content, so
+    that an edit that keeps size and mtime (as some tools and copies do) still changes the key.
+
+    Inputs under CONTENT_HASH_BELOW are hashed whole. Larger ones are hashed by SAMPLES blocks spread evenly over
+    them (4 MB at most), which sees such an edit only where it touches a block. On a 200 MB file (2-core machine):
+    the blocks take 5-6 ms from the page cache and 13-18 ms from disk, a whole hash 0.25-0.5 s at every start.
+    """
     files = [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources]
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps({"format": FORMAT_VERSION, "settings": settings, "files": files}).encode())
@@ -254,7 +263,31 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
             with open_regular(s.path, inputs.label) as f:
                 while chunk := f.read(_HASH_CHUNK):
                     digest.update(chunk)
+    else:
+        for source, offsets in _samples(inputs.sources, SAMPLES, SAMPLE_BYTES):
+            with open_regular(source.path, inputs.label) as f:
+                for offset in offsets:
+                    f.seek(offset)
+                    digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def _samples(sources: list[Source], n: int, size: int) -> list[tuple[Source, list[int]]]:
+    """Where n blocks of size bytes, spread evenly over the files joined (the first at 0, the last at the end),
+    start: each file that holds one, with the offsets in it, in order."""
+    total = sum(s.size for s in sources)
+    starts = sorted({i * max(total - size, 0) // max(n - 1, 1) for i in range(n)})
+    found: list[tuple[Source, list[int]]] = []
+    base, i = 0, 0
+    for s in sources:
+        offsets = []
+        while i < len(starts) and starts[i] < base + s.size:
+            offsets.append(starts[i] - base)
+            i += 1
+        if offsets:
+            found.append((s, offsets))
+        base += s.size
+    return found
 
 
 def cache_dirs(configured: str | None) -> tuple[list[Path], str]:

@@ -90,16 +90,39 @@ def test_an_edit_keeping_size_and_mtime_is_caught_by_the_content_hash(tmp_path: 
     assert not again.cache_hit and text_of(again) == "hgfedcba" * 10
 
 
-def test_large_inputs_are_keyed_by_size_and_mtime_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.sources, "CONTENT_HASH_BELOW", 0)  # as if the file were large
-    f = write(tmp_path / "t.txt", "abcdefgh" * 10)
-    prepare(f)
+def edit_keeping_size_and_mtime(f: Path, at: int, byte: bytes) -> None:
+    """Overwrite one byte of f, then put its mtime back (as rsync -t or cp -p of an edited copy would)."""
     before = f.stat()
-    write(f, "hgfedcba" * 10)
+    with f.open("r+b") as out:
+        out.seek(at)
+        out.write(byte)
     os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert prepare(f).cache_hit  # not re-read: that is the point of keying large inputs by their metadata
-    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
-    assert text_of(prepare(f)) == "hgfedcba" * 10
+    assert f.stat().st_mtime_ns == before.st_mtime_ns and f.stat().st_size == before.st_size
+
+
+def test_large_inputs_are_keyed_by_blocks_sampled_across_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs of 64 MB or more were keyed by size and mtime alone: an edit keeping both was served from the stale
+    cache, and a --resume on it accepted, whatever the README promised."""
+    monkeypatch.setattr(data.sources, "CONTENT_HASH_BELOW", 0)  # as if the inputs were large
+    monkeypatch.setattr(data.sources, "SAMPLES", 3)  # blocks of 4 bytes at 0, 38 and 76 of the 80 bytes joined
+    monkeypatch.setattr(data.sources, "SAMPLE_BYTES", 4)
+    a, b = write(tmp_path / "c" / "a.txt", "abcdefgh" * 5), write(tmp_path / "c" / "b.txt", "ijklmnop" * 5)
+    first = prepare(tmp_path / "c")
+    for f, at in ((a, 0), (a, 39), (b, 36), (b, 39)):  # each in a block: a change the key sees
+        edit_keeping_size_and_mtime(f, at, b"Z")
+        again = prepare(tmp_path / "c")
+        assert not again.cache_hit and again.fingerprint != first.fingerprint and "Z" in again.chars, (f.name, at)
+        first = again
+    for f, at in ((a, 20), (b, 0)):  # between blocks (one never runs on into the next file): not seen, as README says
+        edit_keeping_size_and_mtime(f, at, b"Y")
+        assert prepare(tmp_path / "c").cache_hit
+
+
+def test_the_sampled_blocks_are_spread_evenly_and_read_at_most_samples_times_their_size() -> None:
+    files = [data.sources.Source(Path(name), size, 0) for name, size in (("a", 100), ("b", 1), ("c", 899))]
+    found = data.sources._samples(files, 5, 10)  # starts 0, 247, 495, 742, 990 of 1,000 bytes
+    assert [(s.path.name, offsets) for s, offsets in found] == [("a", [0]), ("c", [146, 394, 641, 889])]
+    assert data.sources._samples(files[:1], 64, 1 << 16) == [(files[0], [0])]  # smaller than a block: read once
 
 
 def test_settings_that_change_the_ids_have_entries_of_their_own(tmp_path: Path) -> None:
