@@ -18,7 +18,8 @@ class DataConfig:
 
     path: str | None = field(
         default=None,
-        metadata={"help": "UTF-8 text: a file, a folder or a glob (files joined by newlines); wins over dataset"},
+        metadata={"help": "UTF-8 text: a file, a folder or a glob (files joined by newlines); wins over a config "
+                         "file's dataset (one given on the command line wins over a file's path)"},
     )
     dataset: str | None = field(
         default="shakespeare_char",
