@@ -264,6 +264,38 @@ def test_two_processes_continue_a_one_process_run_and_a_bad_data_path_ends_both_
     assert time.monotonic() - started < 30
 
 
+# ------------------------------------------------------------------------------ joining the other processes
+
+
+def test_a_plain_run_in_a_stale_torchrun_environment_says_what_it_waits_for_and_stops_on_sigterm(tmp_path):
+    """RANK and WORLD_SIZE left over from another shell: the join waits for a partner that never comes. It says so,
+    and SIGTERM (or Ctrl-C) ends the wait at once, where it used to be held back for the 30-minute timeout."""
+    port = free_port()
+    env = {**child_env(), "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    err = tmp_path / "stderr.txt"
+    args = tiny_overrides(write_corpus(tmp_path), tmp_path / "out")
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "train.py", "--config", TINY, *args], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "waiting for" not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGTERM
+    assert err.read_text().splitlines() == [
+        f"rank 0: waiting for the other 1 process(es) of the run to join at 127.0.0.1:{port} (RANK=0, WORLD_SIZE=2); "
+        f"Ctrl-C stops; to train in one process, unset RANK and WORLD_SIZE",
+        "interrupted (SIGTERM) before training started; nothing was saved"]
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------- one torchrun process
 
 

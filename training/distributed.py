@@ -15,7 +15,9 @@ import datetime
 import os
 import re
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -31,6 +33,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 # How long a collective waits for the slowest process before it fails rather than hang. Generous, because some waits
 # are long and legitimate: the other processes wait while the first one on each machine encodes a large corpus.
 TIMEOUT = datetime.timedelta(minutes=30)
+# After this many seconds of waiting for the others to join, a process says what it is waiting for: torchrun starts
+# its processes together, so a longer wait means one of them is not coming (it failed, or was never started).
+JOIN_NOTICE_S = 5.0
 _MASK64 = 2**64 - 1
 # The streams of random numbers each process of a torchrun launch draws for itself (but rank 0, which uses the seed
 # as a lone process does): derived_seed(seed, stream, rank), and derived_seed(seed, stream, rank, step) after a
@@ -148,8 +153,7 @@ def joined(launch: Launch, backend: str, device: torch.device) -> Iterator[None]
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the collectives on objects (all_gather_object) use the current device
     try:
-        with signals_deferred():
-            dist.init_process_group(backend, timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
+        join_group(launch, backend, device)
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise LaunchError(f"cannot join the other {launch.world_size - 1} process(es) of the run with backend "
@@ -158,6 +162,53 @@ def joined(launch: Launch, backend: str, device: torch.device) -> Iterator[None]
         yield
     finally:
         dist.destroy_process_group()
+
+
+def join_group(launch: Launch, backend: str, device: torch.device) -> None:
+    """Collective: init_process_group, waited for in a way that Ctrl-C and SIGTERM can end at once.
+
+    The rendezvous blocks in C++ for up to TIMEOUT and takes no signal meanwhile, so it runs in a helper thread while
+    this one waits, and the signal handlers run here as usual. Cutting the wait short leaves nothing half-done: there
+    is no group yet (one that forms just then is torn down). After JOIN_NOTICE_S a line on stderr says what the
+    process is waiting for, such as a partner that failed before joining, or RANK and WORLD_SIZE left over in the
+    environment of a plain `python train.py`."""
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            dist.init_process_group(backend, timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
+            outcome.append(None)
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            outcome.append(e)
+
+    helper = threading.Thread(target=join, name="join-process-group", daemon=True)
+    helper.start()
+    notice_at = time.monotonic() + JOIN_NOTICE_S
+    try:
+        while helper.is_alive():
+            helper.join(0.25)  # short waits: the signal handlers run between them
+            if notice_at is not None and time.monotonic() >= notice_at and helper.is_alive():
+                notice_at = None
+                print(f"rank {launch.rank}: {join_wait_line(launch, os.environ)}", file=sys.stderr, flush=True)
+    except BaseException:
+        if not helper.is_alive() and outcome == [None]:
+            dist.destroy_process_group()  # formed as the signal came
+        raise
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def join_wait_line(launch: Launch, environ: Mapping[str, str]) -> str:
+    """What a process that has waited JOIN_NOTICE_S to join the others is waiting for, and what the person can do."""
+    where = f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
+    if "TORCHELASTIC_RUN_ID" in environ:  # started by torchrun, which starts them all: one has failed or is slow
+        hint = "a process that failed before joining says why in its own output; Ctrl-C stops"
+    else:
+        hint = "Ctrl-C stops; to train in one process, unset RANK and WORLD_SIZE"
+    return (f"waiting for the other {launch.world_size - 1} process(es) of the run to join at {where} "
+            f"(RANK={launch.rank}, WORLD_SIZE={launch.world_size}); {hint}")
 
 
 def lost_peer(e: BaseException) -> str | None:
