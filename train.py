@@ -37,7 +37,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training import distributed
     from training.checkpoints import load_run
     from training.config import DEFAULT_CONFIG, RunConfig
-    from training.errors import agree, exit_status, failure_line
+    from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
     from training.logger import say
     from training.runner import run
     from training.signals import InterruptSignals
@@ -95,16 +95,26 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
     except distributed.LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    args, refused, said = None, None, io.StringIO()
     with contextlib.ExitStack() as quiet:
-        if not launch.main:  # every process has the same command line: rank 0 answers --help or refuses a bad one
+        if not launch.main:  # rank 0 answers --help; a refusal is said by rank 0 once the processes have joined
             quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
-            quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
-        args = parse_args(argv)
+            quiet.enter_context(contextlib.redirect_stderr(said))
+        try:
+            args = parse_args(argv)
+        except SystemExit as e:
+            # The machines of a run may have been given different command lines: a process that refuses its own still
+            # joins the others, so that they stop too instead of waiting for it (rank 0 has already said why).
+            if not launch.torchrun or not e.code:
+                raise
+            refused = UsageError(said.getvalue().strip().removeprefix("error: ") or "bad command line")
     cfg = None
     try:
         with InterruptSignals():
             failure, payload, backend, device = None, None, "gloo", torch.device("cpu")
             try:
+                if refused is not None:
+                    raise refused
                 cfg, payload, changes = load_run(args.config, args.overrides, args.resume)
                 if launch.main:
                     for change in changes:
@@ -124,8 +134,13 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         line = failure_line(e, cfg, launch)
         if line is None:
             raise  # a bug
+        if refused is not None and isinstance(e, SharedFailure) and e.rank == 0:
+            line = ""  # rank 0's own refusal, said as argparse refused it
+        alone = refused is not None and not launch.main and not isinstance(e, SharedFailure)
+        if alone:  # the processes never agreed on it, so rank 0 cannot say it
+            line = f"error: rank {launch.rank}: {refused}"
         # Under torchrun every process gets here for a shared failure, a stop or a divergence; one line is enough.
-        if line and launch.main:
+        if line and (launch.main or alone):
             print(line, file=sys.stderr)
         return exit_status(e)
     return 0

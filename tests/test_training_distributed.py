@@ -36,6 +36,7 @@ from training.devices import DeviceError
 from training.distributed import (
     Launch,
     LaunchError,
+    check_same_run,
     derived_seed,
     launch_from_env,
     resolve_backend,
@@ -264,7 +265,78 @@ def test_two_processes_continue_a_one_process_run_and_a_bad_data_path_ends_both_
     assert time.monotonic() - started < 30
 
 
-# ------------------------------------------------------------------------------ joining the other processes
+# ------------------------------------------------------------- processes that were given different things
+
+
+# Runs train.py in a torchrun process; the arguments after --rank1 go to rank 1 only, as when two machines of a run
+# were given different command lines. Signals are ignored outside main, as train.py's own __main__ does.
+PER_RANK_ARGS = """
+import os, signal, sys
+sys.path[:0] = [os.getcwd()]
+import train
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_IGN)
+args = sys.argv[1:]
+mark = args.index("--rank1")
+sys.exit(train.main(args[:mark] + (args[mark + 1:] if os.environ["RANK"] == "1" else []), progress=False))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["setting", "text", "command line"])
+def test_processes_given_different_settings_text_or_command_lines_all_stop_with_one_line(tmp_path, case):
+    corpus = write_corpus(tmp_path)
+    other = tmp_path / "other.txt"  # the same characters in another order: the same vocabulary, another text
+    other.write_text(SMALL_TEXT[::-1], encoding="utf-8")
+    script = tmp_path / "per_rank.py"
+    script.write_text(PER_RANK_ARGS, encoding="utf-8")
+    out = tmp_path / "out"
+    rank1, expected = {
+        "setting": (["train.learning_rate=3e-3"], "error: the processes of this run were given different settings: "
+                    "train.learning_rate is 0.001 in rank 0 and 0.003 in rank 1; give every process the same command "
+                    "line and config file"),
+        "text": ([f"data.path={other}"], "error: the processes of this run read different text: data.path "
+                 "'...other.txt' in rank 1 is not the text of data.path '...corpus.txt' in rank 0; give every machine "
+                 "the same corpus"),
+        "command line": (["--resume", "--overwrite"], "error: rank 1: --resume and --overwrite contradict each other; "
+                         "choose one (see train.py --help)"),
+    }[case]
+    # out_dir and the thread count may differ between machines
+    result = torchrun("--config", TINY, *tiny_overrides(corpus, out, **{"train.learning_rate": 1e-3}), "--rank1",
+                      "train.threads=1", f"out_dir={tmp_path / 'elsewhere'}", *rank1, script=str(script))
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output
+    # long paths are quoted with their middle cut out
+    assert re.fullmatch(re.escape(expected).replace(r"'\.\.\.", "'.*"), errors[0]), output
+    assert re.findall(r"^\s*exitcode\s+: (-?\d+)", output, re.MULTILINE) == ["2", "2"], output
+    assert not our_traceback(output), output
+    assert not out.exists()  # refused before rank 0 claimed out_dir
+
+
+def test_the_settings_that_must_match_are_compared_and_the_per_machine_ones_are_not(tmp_path, monkeypatch):
+    cfg = load_config(TINY, tiny_overrides(tmp_path / "corpus.txt", tmp_path / "out"))
+    launch = Launch(rank=0, world_size=2, local_world_size=2, torchrun=True)
+
+    def check(other_cfg, *, resume: bool = False, fingerprint: str = "f0") -> None:
+        theirs = ({**training.distributed.settings_of(other_cfg), "--resume": resume}, fingerprint)
+        monkeypatch.setattr(training.distributed, "all_gather", lambda mine: [mine, theirs])
+        check_same_run(launch, cfg, False, "f0")
+
+    per_machine = ["out_dir=/elsewhere", "data.path=/elsewhere/corpus.txt", "data.cache_dir=/cache", "train.threads=3",
+                   "train.device=cpu", "train.tensorboard=false", "train.log_interval=7", "train.sample_chars=0"]
+    check(load_config(TINY, tiny_overrides(tmp_path / "corpus.txt", tmp_path / "out") + per_machine))
+    for override in ("model.n_embd=32", "seed=1", "train.max_iters=99", "train.learning_rate=0.5",
+                     "data.val_fraction=0.5", "train.compile=true"):
+        key = override.split("=")[0]
+        with pytest.raises(LaunchError, match=f"different settings: {re.escape(key)} is .* in rank 1;"):
+            check(load_config(TINY, tiny_overrides(tmp_path / "corpus.txt", tmp_path / "out") + [override]))
+    with pytest.raises(LaunchError, match="--resume is False in rank 0 and True in rank 1"):
+        check(cfg, resume=True)
+    with pytest.raises(LaunchError, match="read different text"):
+        check(cfg, fingerprint="f1")
+    monkeypatch.setattr(training.distributed, "all_gather", lambda mine: pytest.fail("a lone process gathers"))
+    check_same_run(Launch(), cfg, False, "f0")
 
 
 def test_a_plain_run_in_a_stale_torchrun_environment_says_what_it_waits_for_and_stops_on_sigterm(tmp_path):

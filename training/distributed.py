@@ -11,9 +11,11 @@ that called it wait for the others until the group's timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
+import reprlib
 import signal
 import sys
 import threading
@@ -36,6 +38,11 @@ TIMEOUT = datetime.timedelta(minutes=30)
 # After this many seconds of waiting for the others to join, a process says what it is waiting for: torchrun starts
 # its processes together, so a longer wait means one of them is not coming (it failed, or was never started).
 JOIN_NOTICE_S = 5.0
+# Settings that may differ between the processes of one run: where each machine keeps its files (the text itself is
+# compared by its fingerprint), each machine's hardware, and what only rank 0 does (the logs). Every other setting
+# changes the weights, the batches or the order of the collectives, and must be the same everywhere.
+PER_PROCESS_KEYS = frozenset({"out_dir", "data.path", "data.dataset", "data.cache_dir", "train.device",
+                              "train.threads", "train.tensorboard", "train.log_interval", "train.sample_chars"})
 _MASK64 = 2**64 - 1
 # The streams of random numbers each process of a torchrun launch draws for itself (but rank 0, which uses the seed
 # as a lone process does): derived_seed(seed, stream, rank), and derived_seed(seed, stream, rank, step) after a
@@ -228,6 +235,49 @@ def all_gather(obj: Any) -> list[Any]:
     with signals_deferred():
         dist.all_gather_object(out, obj)
     return out
+
+
+def settings_of(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A run's config (nested frozen dataclasses) as {dotted key: value}: {'train.learning_rate': 0.001, ...}."""
+    flat: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            flat.update(settings_of(value, f"{prefix}{f.name}."))
+        else:
+            flat[f"{prefix}{f.name}"] = value
+    return flat
+
+
+_shown = reprlib.Repr()
+_shown.maxstring = _shown.maxother = 60
+
+
+def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str) -> None:
+    """Collective under torchrun: refuse, in every process alike, a run whose processes were given different
+    settings (a stale config file on one machine, an override typed on one only) or read different text. Unchecked,
+    such replicas drift apart while the run reports success, or fail inside DDP with a traceback. PER_PROCESS_KEYS
+    may differ; the text is compared by the fingerprint of its token ids."""
+    if not launch.torchrun:
+        return
+    mine = {**settings_of(config), "--resume": resume}
+    everyone = all_gather((mine, fingerprint))
+    first, first_text = everyone[0]
+    for rank, (theirs, text) in enumerate(everyone[1:], start=1):
+        for key in [*first, *(k for k in theirs if k not in first)]:  # in the config's order, the same in every process
+            if key not in PER_PROCESS_KEYS and first.get(key) != theirs.get(key):
+                raise LaunchError(f"the processes of this run were given different settings: {key} is "
+                                  f"{_shown.repr(first.get(key))} in rank 0 and {_shown.repr(theirs.get(key))} in "
+                                  f"rank {rank}; give every process the same command line and config file")
+        if text != first_text:
+            raise LaunchError(f"the processes of this run read different text: {_text_source(theirs)} in rank {rank} "
+                              f"is not the text of {_text_source(first)} in rank 0; give every machine the same corpus")
+
+
+def _text_source(settings: Mapping[str, Any]) -> str:
+    if settings.get("data.path") is not None:
+        return f"data.path {_shown.repr(settings['data.path'])}"
+    return f"data.dataset={settings.get('data.dataset')}"
 
 
 def step_consensus(loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
