@@ -9,6 +9,7 @@ by length with and without attention instead.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -18,9 +19,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from configs.userinput import OneLineParser
+from configs.userinput import OneLineParser, shown
 from lab.heatmap import log_image, render_attention_map
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
+from training.memory import available_bytes
 
 MODELS = ("gru", "transformer")
 
@@ -64,8 +66,8 @@ class SortConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.digits < 2:
             raise ValueError(f"digits must be at least 2, got {self.digits}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
 
     def seq2seq(self) -> Seq2SeqConfig:
         return Seq2SeqConfig(digits=self.digits, length=self.length, n_embd=self.n_embd, score=self.score,
@@ -120,6 +122,30 @@ def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: objec
         if writer is not None and step % 10 == 0:
             writer.add_scalar("loss/train", losses[-1], step)
     return losses
+
+
+def memory_need(cfg: SortConfig) -> int:
+    """Bytes a run of cfg allocates at its peak, roughly and from above: what grows with the batch, the length and
+    the alphabet. Fitted to the peak memory measured for long sequences, wide alphabets and big batches (within a
+    factor of 1.2 above it); torch itself, a few hundred MB, is not counted."""
+    B, T, D, E, C = cfg.batch_size, cfg.length, cfg.digits, cfg.eval_size, cfg.n_embd
+    floats = 4 * (3 * D * C + 30 * C * C)  # weights, gradients and Adam's two moments
+    floats += 2 * B * T * D + E * D + 20 * (B + E) * T * C  # logits and their gradients; states and embeddings
+    if cfg.model == "transformer":
+        heads = cfg.seq2seq().n_head
+        floats += 12 * B * heads * T * T + 10 * E * heads * T * T  # attention weights: training, then greedy decoding
+    elif cfg.attention:  # each decoder step keeps its scores over all T encoder states for the backward pass
+        floats += (8 if cfg.score == "additive" else 5) * B * T * T * C + E * T * T
+    return 4 * floats
+
+
+def check_memory(cfg: SortConfig) -> None:
+    """ValueError, in one line, when a run of cfg would not fit in the memory this machine has free."""
+    need, free = memory_need(cfg), available_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise ValueError(f"a run of --length {cfg.length}, --digits {cfg.digits} and --batch-size {cfg.batch_size} "
+                         f"({describe(cfg)}) needs about {need / 1e9:,.1f} GB of memory and this machine has "
+                         f"{free / 1e9:,.1f} GB free; make them smaller")
 
 
 def held_out(cfg: SortConfig) -> Batch:
@@ -187,11 +213,18 @@ def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, fl
 
 
 def tensorboard_writer(logdir: str | None) -> object | None:
+    """A TensorBoard writer into logdir (created), or None; ValueError in one line when logdir cannot be used, so that
+    a bad --logdir is refused before training rather than after."""
     if logdir is None:
         return None
     from torch.utils.tensorboard import SummaryWriter  # imported only when asked for: it is slow to load
 
-    return SummaryWriter(logdir)
+    try:
+        return SummaryWriter(logdir)
+    except OSError as e:
+        where = shown(e.filename if e.filename is not None else logdir)
+        raise ValueError(f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}' ('{where}': "
+                         f"{e.strerror or type(e).__name__}); give a folder that can be created and written") from None
 
 
 def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:
@@ -243,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from(args)
         if args.bottleneck and min(args.lengths) < 1:
             raise ValueError(f"--lengths must be at least 1, got {min(args.lengths)}")
+        # before any allocation: the longest run, where the kernel would otherwise step in (or torch, in a traceback)
+        check_memory(replace(cfg, model="gru", length=max(args.lengths)) if args.bottleneck else cfg)
+        writer = None if args.bottleneck else tensorboard_writer(args.logdir)
     except ValueError as e:
         p.error(str(e))
     if args.bottleneck:
@@ -252,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         for length, with_attn, without in bottleneck_table(cfg, args.lengths):
             print(f"{length:>6}  {with_attn:>9.1%}  {without:>12.1%}", flush=True)
         return 0
-    writer = tensorboard_writer(args.logdir)
     result = run(cfg, writer)
     print(f"{describe(cfg)}, length {cfg.length}, digits 0-{cfg.digits - 1}: {cfg.steps} steps in "
           f"{result.seconds:.1f} s; exact-sequence accuracy {result.accuracy:.2%} on {cfg.eval_size} "

@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
+import lab.sort
 from lab.__main__ import main as lab_main
-from lab.sort import SortConfig, evaluate, held_out, main, new_model, run, sorting_batch, train
+from lab.sort import SortConfig, evaluate, held_out, main, memory_need, new_model, run, sorting_batch, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +90,9 @@ def test_no_attention_has_no_heatmap(tmp_path, capsys, monkeypatch):
         ["--model", "transformer", "--no-attention"],
         ["--bottleneck", "--lengths", "8", "0"],
         ["--frobnicate"],
+        ["--lr", "inf"],
+        ["--lr", "nan"],
+        ["--lr", "0"],
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(argv, capsys):
@@ -110,6 +114,45 @@ def test_unwritable_heatmap_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / "file" / "map.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the heatmap") and err.count("\n") == 1
+
+
+def no_training(*args, **kwargs):
+    pytest.fail("training started")
+
+
+@pytest.mark.parametrize("under", ["file", "file/sub"])
+def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, under):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(lab.sort, "run", no_training)
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "1", "--batch-size", "4", "--logdir", str(tmp_path / under)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --logdir: cannot write TensorBoard logs into '{tmp_path / under}'"), err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["--batch-size", "100000000"], ["--length", "10000000"], ["--digits", "1000000000"],
+                                  ["--model", "transformer", "--length", "5000"],
+                                  ["--bottleneck", "--lengths", "8", "100000"]])
+def test_a_run_too_big_for_the_memory_is_refused_in_one_line_before_allocating(argv, capsys, monkeypatch):
+    monkeypatch.setattr(lab.sort, "available_bytes", lambda device: 8 * 10**9)
+    monkeypatch.setattr(lab.sort, "run", no_training)
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "1", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: a run of --length ") and "GB of memory and this machine has 8.0 GB free" in err
+    assert err.count("\n") == 1
+
+
+def test_the_memory_estimate_lets_the_documented_runs_through_and_grows_with_every_size():
+    documented = [SortConfig(), SortConfig(score="dot"), SortConfig(model="transformer", learning_rate=1e-3),
+                  SortConfig(digits=50, length=16), SortConfig(digits=50, length=16, attention=False)]
+    assert max(memory_need(cfg) for cfg in documented) < 500 * 10**6  # any machine that runs torch has that
+    base = memory_need(SortConfig())
+    for bigger in ({"batch_size": 256}, {"length": 16}, {"digits": 20}, {"n_embd": 128}):
+        assert memory_need(SortConfig(**bigger)) > base, bigger
 
 
 def test_the_real_command_refuses_bad_options_in_one_line():
