@@ -3,7 +3,7 @@
     python bench.py --nanogpt ../nanoGPT                  # every row, ~25-30 minutes on 2 cores
     python bench.py --nanogpt ../nanoGPT --isa avx2       # as on a CPU without AVX-512 (libraries kept to AVX2)
     python bench.py --nanogpt ../nanoGPT --skip-quality   # training steps and sampling only
-    python bench.py --nanogpt ../nanoGPT --quick          # a smoke test of every row, tiny step counts
+    python bench.py --nanogpt ../nanoGPT --quick          # a smoke test of every row, short step counts
     python bench.py --nanogpt ../nanoGPT --gpu            # on a CUDA GPU: the baby GPT to nanoGPT's best loss
 
 Get nanoGPT with: git clone https://github.com/karpathy/nanoGPT
@@ -130,8 +130,13 @@ class Plan:
 
 FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, {"block8": (100, 5100), "block64": (20, 620)},
             (500, 5000), (1000, 40000), None, 1.0, 3, True)
-QUICK = Plan({"block8": (5, 25), "block64": (2, 8)}, {"block8": (5, 25), "block64": (2, 8)}, (20, 120), (20, 120), 20,
-             0.2, 1, False)
+# --quick: a smoke test of every row, whose cells must still be numbers. The lengths differ by a few seconds of work per
+# program (the process start-up and a compile from the cache vary by a second or two), and one warm-up run of each
+# program goes first, or the short compiled run would pay the cold compile that the long one is spared, and come out
+# slower (NaN, printed n/a). The time-to-quality runs are 60 steps with a 6-step warmup (see shortened). Measured on a
+# 2-core Zen 4 EPYC, 2026-11-26: every cell a number, 6.5 minutes in all (5 vs 2 and 20 steps: n/a in most rows).
+QUICK = Plan({"block8": (50, 850), "block64": (5, 65)}, {"block8": (50, 2050), "block64": (5, 205)}, (50, 850),
+             (50, 8050), 60, 0.2, 1, True)
 
 
 @dataclass
@@ -431,11 +436,12 @@ def wait_for_helpers(cache: Path, limit: float = 600.0) -> None:
 
 
 def shortened(iters: int | None, form: str) -> list[str]:
-    """--quick's short quality runs: max_iters, lr_decay_iters and eval_interval, each written as form says."""
+    """--quick's short quality runs: max_iters, lr_decay_iters, eval_interval and warmup_iters, each written as form
+    says. The configs' 100-step warmups would outlast such a run, and leave the learning rate near zero throughout."""
     if iters is None:
         return []
     return [form.format(k, v) for k, v in (("max_iters", iters), ("lr_decay_iters", iters),
-                                           ("eval_interval", max(1, iters // 2)))]
+                                           ("eval_interval", max(1, iters // 2)), ("warmup_iters", iters // 10))]
 
 
 def evaluations(run: Run) -> list[tuple[float, int, float]]:
@@ -453,8 +459,13 @@ def tinychar_to(p: Programs, config: str, target: float, iters: int | None, extr
         if when == "repeated run":
             wait_for_helpers(cache)
         note(f"time to quality: tinychar {config}, {when} ...")
-        run = p.tinychar("train.py", ["--config", config, f"train.device={device}", *shortened(iters, "train.{}={}"),
-                                      *extra], cache=cache, stop_at=target)
+        # --quick: tinychar may take three times nanoGPT's steps, evaluating as often (it stops at the target): a
+        # config tuned for its full length (tiny.yaml's weight average spans ~100 steps) lags in so short a race,
+        # which would leave the row "not reached" on any machine and so test nothing.
+        quick = [] if iters is None else [f"train.max_iters={3 * iters}", f"train.lr_decay_iters={3 * iters}",
+                                          f"train.eval_interval={iters // 2}", f"train.warmup_iters={iters // 10}"]
+        run = p.tinychar("train.py", ["--config", config, f"train.device={device}", *quick, *extra], cache=cache,
+                         stop_at=target)
         reached = next((t for t, _, val in run.evals if val <= target), math.nan)
         out.append((when, reached, min((e[2] for e in run.evals), default=math.nan)))
     return out
@@ -519,6 +530,11 @@ def cell(value: float, unit: str) -> str:
     return {"ms/step": f"{value:.2f}", "chars/s": f"{value:,.0f}"}.get(unit, f"{value:.1f}")
 
 
+def ratio_cell(value: float | None) -> str:
+    """A ratio as the table prints it; n/a where it could not be measured (NaN, or None as JSON holds it)."""
+    return f"{value:.2f}x" if value is not None and math.isfinite(value) else "n/a"
+
+
 NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio of "
          "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
          "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each; "
@@ -548,7 +564,8 @@ def markdown(report: dict) -> str:
              + (f"; limited to {report['isa'].upper()} (" + ", ".join(f"{k}={v}" for k, v in limits.items()) + ")"
                 if limits else "")
              + (f"; GPU: {report['gpu']}" if report.get("gpu") else "")
-             + (" (--quick: smoke-test lengths, not figures to quote)" if report.get("quick") else ""), ""]
+             + (" (--quick: smoke-test lengths, not figures to quote; n/a: the longer run was not the slower, the "
+                "difference lost in the machine's noise)" if report.get("quick") else ""), ""]
     if "matmul_gflops" in report:
         c = report["matmul_gflops"]
         ceiling = f"float32 {c['float32']:.0f} GFLOP/s, bfloat16 {c['bfloat16']:.0f} GFLOP/s"
@@ -556,7 +573,7 @@ def markdown(report: dict) -> str:
             ceiling += f"; float32 through oneDNN {c['float32_onednn']:.0f} GFLOP/s"
         lines += [f"Matmul ceiling (1024x1024): {ceiling}.", ""]
     if report.get("products"):
-        parts = [f"{p['label']} {p['ms']:.2f} ms ({p['bound']:.2f}x)" for p in report["products"].values()]
+        parts = [f"{p['label']} {p['ms']:.2f} ms ({ratio_cell(p['bound'])})" for p in report["products"].values()]
         lines += ["Float32 linear products of one training step, each timed alone through PyTorch's default BLAS, and "
                   "nanoGPT's float32 step over them, the most a step on that BLAS can gain on it: "
                   + "; ".join(parts) + ".", ""]
@@ -565,7 +582,7 @@ def markdown(report: dict) -> str:
         tiny = cell(row["tinychar"], row["unit"])
         if "target" in row and not math.isfinite(row["tinychar"]):
             tiny = f"not reached (best {row['tinychar_best']:.4f})"
-        ratio = f"{row['ratio']:.2f}x" if math.isfinite(row["ratio"]) else "n/a"
+        ratio = ratio_cell(row["ratio"])
         spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}x" if row["spread"] else "-"
         lines.append(f"| {row['label']} | {row['unit']} | {cell(row['nanogpt'], row['unit'])} | {tiny} | {ratio} | "
                      f"{spread} |")
@@ -642,7 +659,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds per row (default 3; --quick 1)")
     p.add_argument("--skip-quality", action="store_true", help="skip the time-to-quality rows (minutes)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results to this JSON file")
-    p.add_argument("--quick", action="store_true", help="tiny step counts: a smoke test, not figures to quote")
+    p.add_argument("--quick", action="store_true", help="short step counts: a smoke test of every row")
     p.add_argument("--gpu", action="store_true",
                    help="on a CUDA GPU, only the time from launch to nanoGPT's best loss on its baby GPT (one round "
                         "unless --rounds; minutes: nanoGPT's whole run and four of tinychar's to its loss)")

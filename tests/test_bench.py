@@ -120,8 +120,10 @@ def test_nanogpt_is_told_tiny_yaml_in_the_types_its_configurator_demands():
 
 def test_quick_quality_runs_are_shortened_alike_for_both_programs():
     assert bench.shortened(None, "--{}={}") == []
-    assert bench.shortened(20, "--{}={}") == ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=10"]
-    assert bench.shortened(1, "train.{}={}") == ["train.max_iters=1", "train.lr_decay_iters=1", "train.eval_interval=1"]
+    assert bench.shortened(20, "--{}={}") == ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=10",
+                                              "--warmup_iters=2"]
+    assert bench.shortened(1, "train.{}={}") == ["train.max_iters=1", "train.lr_decay_iters=1", "train.eval_interval=1",
+                                                 "train.warmup_iters=0"]
 
 
 @pytest.mark.parametrize("shape", [*bench.STEP_SHAPES.values(), *bench.SAMPLE_SHAPES.values()])
@@ -273,3 +275,50 @@ def test_compiled_step_rows_run_long_enough_for_the_compile_noise_to_cancel():
     # that reads a fifth above the true 2 ms a step at most (over the eager runs' 1,000 it would read 4 ms).
     noisy = 2.0 + 2000 / (long - short)
     assert compiled["rounds"]["tinychar"] == pytest.approx([noisy, noisy]) and noisy <= 1.2 * 2.0
+
+
+class ColdCompilePrograms(StepPrograms):
+    """StepPrograms whose first compiled run finds tinychar's compile cache empty and compiles for 20 s."""
+
+    def run(self, who: str, steps: int, start: float) -> bench.Run:
+        cold = who == "compiled" and not any(w == "compiled" for w, _ in self.runs)
+        return super().run(who, steps, start + (20.0 if cold else 0.0))
+
+
+@pytest.mark.parametrize("name", sorted(bench.STEP_SHAPES))
+def test_quick_step_rows_are_numbers_though_the_first_compile_is_cold(name):
+    """--quick used to difference its first, cold-compiling run against a warm one: the longer run came out faster,
+    and the cell read n/a on every machine."""
+    rows = bench.step_rows(ColdCompilePrograms(), name, bench.QUICK, rounds=1, bf16=True)
+    for row in rows:
+        assert math.isfinite(row["nanogpt"]) and math.isfinite(row["tinychar"]) and math.isfinite(row["ratio"]), row
+
+
+def test_quick_lengths_outlast_the_noise_of_starting_a_process():
+    """The quick step rows' extra steps take seconds at block 8's speeds (a few ms a step), so that the second or so
+    by which a process start or a compile from the cache varies cannot make the longer run the faster one."""
+    for who, per_step in SECONDS_PER_STEP.items():
+        short, long = (bench.QUICK.compiled_steps if who == "compiled" else bench.QUICK.steps)["block8"]
+        assert (long - short) * per_step >= 3.0, who
+    short, long = bench.QUICK.chars
+    assert long - short >= 500  # sampling runs at hundreds to thousands of characters a second
+
+
+def test_quick_quality_races_let_tinychar_run_three_times_nanogpts_steps():
+    fake = FakePrograms(drift=0.0)
+    bench.race(fake, "test", ["--x"], lambda evals: evals[-1], "final (step {step})", [("configs/tiny.yaml", [], "")],
+               60, rounds=1)
+    for args, _ in fake.tiny_runs:
+        assert {"train.max_iters=180", "train.lr_decay_iters=180", "train.eval_interval=30",
+                "train.warmup_iters=6"} <= set(args), args
+
+
+def test_a_ratio_that_could_not_be_measured_reads_n_a_never_nanx():
+    report = {"date": "2025-01-02", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2, "torch": "2.13.0",
+              "threads": 2, "rounds": 1, "quick": True, "rows": [],
+              "products": {"block64": {"label": "block 64", "ms": 18.46, "bound": math.nan},
+                           "block8": {"label": "block 8", "ms": 0.5, "bound": None}}}  # None: NaN read back from JSON
+    text = bench.markdown(report)
+    assert "block 64 18.46 ms (n/a); block 8 0.50 ms (n/a)." in text
+    assert "nan" not in text.lower().replace("nanogpt", "")
+    assert "n/a: the longer run was not the slower" in text.splitlines()[0]
