@@ -14,7 +14,7 @@ from typing import NoReturn
 
 # Characters of a value quoted in a message: enough to recognise it, never enough to flood a terminal.
 QUOTE_LIMIT = 80
-ERROR_LIMIT = 240  # the most of an argparse error line quoted (its own message, with the value it refused)
+ERROR_LIMIT = 400  # the most of an argparse error line quoted (its own message, with the value it refused)
 
 _repr = reprlib.Repr()
 _repr.maxstring = QUOTE_LIMIT

@@ -222,9 +222,11 @@ def tensorboard_writer(logdir: str | None) -> object | None:
     try:
         return SummaryWriter(logdir)
     except OSError as e:
-        where = shown(e.filename if e.filename is not None else logdir)
-        raise ValueError(f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}' ('{where}': "
-                         f"{e.strerror or type(e).__name__}); give a folder that can be created and written") from None
+        reason = e.strerror or type(e).__name__
+        if e.filename is not None and str(e.filename) != str(logdir):  # a folder above it, say
+            reason = f"'{shown(e.filename)}': {reason}"
+        raise ValueError(f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}' ({reason}); give a folder "
+                         f"that can be created and written") from None
 
 
 def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:

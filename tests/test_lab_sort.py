@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 import lab.sort
+from configs.userinput import shown
 from lab.__main__ import main as lab_main
 from lab.sort import SortConfig, evaluate, held_out, main, memory_need, new_model, run, sorting_batch, train
 
@@ -128,7 +129,7 @@ def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, cap
         main(["--steps", "1", "--batch-size", "4", "--logdir", str(tmp_path / under)])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --logdir: cannot write TensorBoard logs into '{tmp_path / under}'"), err
+    assert err.startswith(f"error: --logdir: cannot write TensorBoard logs into '{shown(str(tmp_path / under))}'"), err
     assert err.count("\n") == 1
 
 
