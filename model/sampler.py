@@ -52,10 +52,10 @@ class WindowSampler:
     ``graph=True`` draws ``chunk`` characters a call from buffers that stay on the device (``Unrolled``), on CUDA as
     one replay of a CUDA graph captured at the first call (or ``warm_up``), for the batch size of that call; with
     ``compile`` too, the graph holds the compiled character's kernels. The weights must stay where they are in
-    memory while the sampler is used (the graph reads them there). For a process that samples, not one that trains:
-    a capture begins by releasing PyTorch's cached GPU memory (torch.cuda.empty_cache), and between the compiled
-    training steps of configs/shakespeare_char.yaml that alone broke the run (an H200, torch 2.11; see
-    training.logger.sample_text and the README's "On a GPU").
+    memory while the sampler is used (the graph reads them there). A capture begins by releasing PyTorch's cached GPU
+    memory (torch.cuda.empty_cache), which broke compiled training steps taken after it until inductor's mix-order
+    reduction was turned off (training.compile_cache.CUDA_OPTIONS; the README's "On a GPU"); training's own samples
+    still take GPT.generate (training.logger.sample_text).
 
     A model in eval mode has its first block's projections looked up (``GPT.first_projections``, up to
     MAX_FIRST_PROJECTIONS values), as they are when the sampler is made: make another after changing the weights.

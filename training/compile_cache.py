@@ -34,9 +34,29 @@ _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 COMPILE_OPTIONS = {"cpp_wrapper": True}
 
 
+# Inductor's mix-order reduction (torch 2.10 and later) sums a layer norm's weight and bias gradients over a
+# workspace of which its kernel may leave rows unwritten: measured on an H100 (torch 2.11,
+# configs/shakespeare_char.yaml, 2026-11-26), the compiled step with it trained to val 1.748 at step 500 against
+# 1.721 without (two runs without: 1.7212 and 1.7226, their losses alike to 3 decimals). Once PyTorch's cache was
+# released, those rows held whatever the memory held: a test's NaN (the step then skips its update), or in training
+# garbage (the loss from 2.07 to 3.5 in two steps after a CUDA graph's capture; README, "On a GPU"). Off, both pass,
+# and the step is as fast (2.27-2.43M tokens/s either way). A torch without the option has no such reduction.
+CUDA_OPTIONS = {"triton.mix_order_reduction": False}
+
+
 def compile_options(device: torch.device) -> dict:
     """Inductor's options for the compiled step and sampler on this device (see COMPILE_OPTIONS)."""
-    return dict(COMPILE_OPTIONS) if device.type == "cpu" else {}
+    if device.type == "cpu":
+        return dict(COMPILE_OPTIONS)
+    known = inductor_settings()
+    return {k: v for k, v in CUDA_OPTIONS.items() if k in known}
+
+
+def inductor_settings() -> set[str]:
+    """The names of the settings this torch's inductor has (torch.compile refuses an option it does not know)."""
+    import torch._inductor.config as inductor
+
+    return set(inductor.get_config_copy())
 
 
 def compile_cache_dir() -> Path:

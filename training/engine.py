@@ -147,46 +147,6 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
     return True, f"{remaining_steps:,} steps win back compiling with a {state} cache"
 
 
-def cache_releases(device: torch.device) -> int:
-    """How often PyTorch's CUDA caching allocator has handed memory back to the driver in this process: its cudaFree
-    calls (torch.cuda.empty_cache(), a CUDA graph's capture, which empties the cache first) and its allocations
-    retried after freeing the cache because the GPU ran short. 0 off CUDA."""
-    if device.type != "cuda":
-        return 0
-    stats = torch.cuda.memory_stats(device)
-    # segments freed: in every torch version's stats; the cudaFree count where the version has it (they move together)
-    return sum(int(stats.get(key, 0)) for key in ("num_device_free", "segment.all.freed", "num_alloc_retries"))
-
-
-class CacheReleaseWatch:
-    """Says once, in a line, that the cache was released (cache_releases) since the compiled CUDA step began.
-
-    On a lent H200 (torch 2.11, configs/shakespeare_char.yaml) the compiled step's first update after such a release
-    went wrong in every run that made one (the training loss from 2.07 to 3.5 in two steps; torch.cuda.empty_cache()
-    alone was enough, eager training was not affected; see the README's "On a GPU"). Why is not yet known, so a run
-    cannot avoid it; tinychar releases nothing during a run, and this line tells when something else did."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.start = cache_releases(device)
-        self.said = False
-
-    @classmethod
-    def for_run(cls, device: torch.device, compiled: bool) -> CacheReleaseWatch | None:
-        """A watch for a run whose whole step is compiled on CUDA; None for every other run."""
-        return cls(device) if compiled and device.type == "cuda" else None
-
-    def check(self, step: int) -> str | None:
-        """The line to print, the first time a release is seen (by step `step`); None otherwise."""
-        if self.said or cache_releases(self.device) == self.start:
-            return None
-        self.said = True
-        return (f"engine: PyTorch released its cached GPU memory by step {step:,} (torch.cuda.empty_cache(), a CUDA "
-                f"graph's capture, or the GPU running short of memory), after which the compiled step's next update "
-                f"has gone wrong (README, \"On a GPU\"): if the loss jumped there, train with train.compile=false "
-                f"(best.pt keeps the best weights so far)")
-
-
 def sampling_graphs(device: torch.device) -> bool:
     """Does sampling on this device replay a CUDA graph (model.sampler.WindowSampler's graph=True)? On CUDA, where a
     character's forward pass is some hundred kernels too small to keep the GPU busy, so that launching them sets the

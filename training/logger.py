@@ -268,11 +268,11 @@ def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, d
     was_training = model.training
     model.eval()
     # Not from a CUDA graph, as sample.py samples on a GPU: a capture begins by releasing PyTorch's cached GPU memory
-    # (torch.cuda.empty_cache), and between compiled training steps that breaks the run (an H200, torch 2.11,
-    # configs/shakespeare_char.yaml: the training loss went from 2.06 at step 250 to 3.0-3.5 in the next steps, in
-    # each of 15 runs that captured a graph, any graph, or called empty_cache alone; 2.01-2.07 in those that did not
-    # or trained eagerly). What in the compiled step depends on the cache is not yet found. The graph would save 0.23
-    # of the 0.48 s that these 200 characters take there.
+    # (torch.cuda.empty_cache), and between compiled training steps that broke the run (an H200, torch 2.11,
+    # configs/shakespeare_char.yaml: the training loss from 2.06 at step 250 to 3.0-3.5 in the next steps) until
+    # inductor's mix-order reduction was turned off (training.compile_cache.CUDA_OPTIONS; a release no longer harms
+    # the run, tested on an H100). A graph here would save 0.23 of the 0.48 s that these 200 characters take there,
+    # not measured in training since.
     out = model.generate(idx, n_chars, temperature=1.0, top_k=None, generator=gen)
     model.train(was_training)
     return tokenizer.decode(out[0].tolist())

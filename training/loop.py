@@ -33,7 +33,6 @@ from .checkpoints import (
 from .config import RunConfig
 from .devices import autocast_context
 from .distributed import EVALUATION, Launch, derived_seed
-from .engine import CacheReleaseWatch
 from .errors import Diverged, SaveError, agreeing
 from .logger import Logger, Throughput, sample_text
 from .optim import lr_at
@@ -129,7 +128,6 @@ class Trainer:
         # path taken, which a checkpoint records so that a resumed `auto` run takes the same one.
         self.compiled_step: Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
         self.compiled_step = None
-        self.cache_watch: CacheReleaseWatch | None = None  # for a compiled step on CUDA, set when fit starts
         self.engine = "eager"
         self.step, self.best_val = step, best_val
         self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
@@ -269,7 +267,6 @@ class Trainer:
         Raises Stopped after saving when a signal (or a closed output) asked the run to stop."""
         tc = self.tc
         self.model.train()
-        self.cache_watch = CacheReleaseWatch.for_run(self.device, self.compiled_step is not None)
         # The handlers stay until the end of the run, so a signal while the logs are closed cannot cut that short.
         with self.stop:
             try:
@@ -316,8 +313,6 @@ class Trainer:
         if not log.progress:
             log.info(f"step {self.step}/{self.tc.max_iters}: loss {loss_value:.4f}, lr {lr:.2e}, "
                      f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%}")
-        if self.cache_watch is not None and (line := self.cache_watch.check(self.step)) is not None:
-            log.info(line)
 
     # ------------------------------------------------------------------------------ evaluating and saving
 
