@@ -605,7 +605,7 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
     cpuinfo = Path("/proc/cpuinfo")
     cpu, flags = cpu_info(cpuinfo.read_text(encoding="utf-8", errors="replace") if cpuinfo.exists() else "")
     flags = usable_flags(flags, args.isa)
-    rounds = args.rounds or plan.rounds
+    rounds = args.rounds or (1 if args.gpu else plan.rounds)  # --gpu: each round is minutes of the GPU's time
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_flags": flags, "isa": args.isa,
               "cores": os.cpu_count(),
               "torch": torch.__version__, "threads": args.threads, "rounds": rounds, "quick": args.quick,
@@ -615,7 +615,7 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
         report["gpu"] = torch.cuda.get_device_name()
         note("nanoGPT: copying and preparing its data ...")
         p = Programs(Path(args.nanogpt).resolve(), scratch, args.threads)
-        report["rows"] = gpu_quality_rows(p, plan.quality_iters, args.rounds or 1)
+        report["rows"] = gpu_quality_rows(p, plan.quality_iters, rounds)
         return report
     note("matmul ceilings ...")
     report["matmul_gflops"] = matmul_gflops(args.threads, plan.ceiling_seconds)

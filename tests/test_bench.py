@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import subprocess
 import sys
@@ -218,6 +219,17 @@ def test_the_gpu_rows_race_nanogpts_gpu_recipe_against_the_baby_gpt_compiled_and
     table = bench.markdown(report)
     assert table.splitlines()[0].endswith("rounds: 1; GPU: NVIDIA H200")
     assert "compile=True, bfloat16" in table and "compile=False, as its README's CPU command" not in table
+
+
+def test_gpu_mode_runs_one_round_unless_told_and_its_header_says_how_many(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100")
+    monkeypatch.setattr(bench, "Programs", lambda *args: FakePrograms(drift=0.0))
+    for given, rounds in ((None, 1), (2, 2)):
+        args = argparse.Namespace(gpu=True, rounds=given, isa="native", quick=False, threads=16, nanogpt=str(tmp_path))
+        report = bench.measure(args, bench.FULL, tmp_path)
+        assert report["rounds"] == rounds
+        assert all(len(row["rounds"]["nanogpt"]) == rounds for row in report["rows"])
+        assert f"rounds: {rounds}; GPU: NVIDIA H100" in bench.markdown(report).splitlines()[0]
 
 
 def test_gpu_mode_needs_a_cuda_gpu_and_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
