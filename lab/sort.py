@@ -10,6 +10,7 @@ by length with and without attention instead.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -203,6 +204,24 @@ def save_heatmap(image: object, path: str | Path) -> Path:
     return path
 
 
+def check_heatmap(path: str | Path) -> None:
+    """ValueError in one line when the heatmap could not be written at path (a folder there, a file where a folder
+    must be, a folder that cannot be written), so that it is refused before training rather than after."""
+    path = Path(path)
+    refuse = f"--heatmap: cannot write the heatmap '{shown(str(path))}'"
+    if path.is_dir():
+        raise ValueError(f"{refuse}: it is a folder; give a file name such as {path / 'sort.png'}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{refuse}: the file there cannot be written; give another path")
+    above = path.parent
+    while not above.exists() and above != above.parent:  # save_heatmap creates the missing folders
+        above = above.parent
+    if not above.is_dir():
+        raise ValueError(f"{refuse}: '{shown(str(above))}' is a file, not a folder; give another path")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{refuse}: the folder '{shown(str(above))}' cannot be written; give another path")
+
+
 def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, float, float]]:
     """(length, accuracy with attention, accuracy without) for each length, same budget for both."""
     rows = []
@@ -280,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--lengths must be at least 1, got {min(args.lengths)}")
         # before any allocation: the longest run, where the kernel would otherwise step in (or torch, in a traceback)
         check_memory(replace(cfg, model="gru", length=max(args.lengths)) if args.bottleneck else cfg)
+        if not args.bottleneck and not args.no_attention:  # the runs that draw a heatmap
+            check_heatmap(args.heatmap or default_heatmap(cfg))
         writer = None if args.bottleneck else tensorboard_writer(args.logdir)
     except ValueError as e:
         p.error(str(e))

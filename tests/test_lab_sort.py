@@ -110,9 +110,32 @@ def test_unknown_command_is_one_line_and_exit_2(capsys):
     assert "unknown command 'shuffle'" in err and err.count("\n") == 1
 
 
-def test_unwritable_heatmap_is_one_line_and_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("where, says", [("file/map.png", "is a file, not a folder"),
+                                         ("file/sub/map.png", "is a file, not a folder"),
+                                         ("folder", "it is a folder")])
+def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, where, says):
     (tmp_path / "file").write_text("")
-    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / "file" / "map.png")]) == 2
+    (tmp_path / "folder").mkdir()
+    monkeypatch.setattr(lab.sort, "run", no_training)
+    with pytest.raises(SystemExit) as e:
+        main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / where)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --heatmap: cannot write the heatmap '{shown(str(tmp_path / where))}'"), err
+    assert says in err and err.count("\n") == 1
+
+
+def test_a_run_without_attention_draws_no_heatmap_so_its_path_is_not_checked(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["--steps", "1", "--batch-size", "4", "--no-attention", "--heatmap", str(tmp_path / "file/x.png")]) == 0
+
+
+def test_a_heatmap_that_cannot_be_written_after_training_is_still_one_line(tmp_path, capsys, monkeypatch):
+    def failing(image, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(lab.sort, "save_heatmap", failing)
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / "map.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the heatmap") and err.count("\n") == 1
 
