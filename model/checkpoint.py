@@ -21,6 +21,9 @@ from torch import nn
 from .baselines import build_model
 from .config import GPTConfig
 
+# Where --overwrite keeps the old run until the new one has a checkpoint (training.outdir), and so where a run killed
+# before then leaves it: a resume continues it from there, and sample.py --out-dir points to it.
+ASIDE = ".replaced"
 FORMAT = "tinychar-checkpoint"  # the "format" entry of every checkpoint, checked on loading
 VERSION = 1
 
@@ -54,6 +57,11 @@ def find_checkpoint(out_dir: str | Path) -> Path:
     for name in ("best.pt", "ckpt.pt"):
         if (out_dir / name).exists():
             return out_dir / name
+    for name in ("best.pt", "ckpt.pt"):  # an --overwrite run stopped before its first checkpoint, or still before it
+        if (out_dir / ASIDE / name).exists():
+            raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt of its own: the run that an "
+                                  f"--overwrite replaced waits in {quoted(out_dir / ASIDE)}; sample from it with "
+                                  f"--checkpoint {quoted(out_dir / ASIDE / name)}")
     raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt; train first with `python train.py`")
 
 

@@ -341,6 +341,13 @@ def _empty_folder(run_dir: Path, tmp_path: Path) -> list[str]:
     return ["--out-dir", str(tmp_path / "empty")]
 
 
+def _left_aside(run_dir: Path, tmp_path: Path) -> list[str]:
+    """A folder as an --overwrite run killed before its first checkpoint leaves it: the old run in .replaced/."""
+    (tmp_path / "replacing" / ".replaced").mkdir(parents=True)
+    shutil.copyfile(run_dir / "best.pt", tmp_path / "replacing" / ".replaced" / "best.pt")
+    return ["--out-dir", str(tmp_path / "replacing")]
+
+
 BAD_REQUESTS = [
     ("empty-prompt", lambda r, t: ["--prompt", ""], "prompt is empty"),
     ("negative-max-new-tokens", lambda r, t: ["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
@@ -352,6 +359,8 @@ BAD_REQUESTS = [
     ("zero-samples", lambda r, t: ["--num-samples", "0"], "--num-samples must be >= 1"),
     ("missing-out-dir", lambda r, t: ["--out-dir", str(t / "no_such_run")], "no run folder"),
     ("out-dir-without-checkpoints", _empty_folder, "holds no best.pt or ckpt.pt"),
+    ("out-dir-replaced-midway", _left_aside, "holds no best.pt or ckpt.pt of its own: the run that an --overwrite "
+     "replaced waits in"),
     ("missing-checkpoint", lambda r, t: ["--checkpoint", str(t / "nope.pt")], "no checkpoint at"),
     ("truncated-checkpoint", _truncated, "truncated or not a checkpoint"),
     ("missing-prompt-file", lambda r, t: ["--prompt-file", str(t / "nope.txt")], "no such file"),

@@ -16,7 +16,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import FORMAT, VERSION, error_reasons
+from model.checkpoint import ASIDE, FORMAT, VERSION, error_reasons
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -24,9 +24,6 @@ from .errors import UsageError
 from .lock import RunLock, in_use
 from .memory import check_fits, model_need
 
-# Where --overwrite keeps the old run until the new one has a checkpoint (see training.outdir), and so where a resume
-# finds a run that an --overwrite killed midway left there.
-ASIDE = ".replaced"
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
