@@ -294,11 +294,14 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
         return 2
 
     model.to(device).eval()
+    ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
+    if not finite_output(model, ids[:, -config.block_size:]):
+        print(f"error: {OVERFLOW.format(path=shown(str(path)))}", file=sys.stderr)
+        return 2
     step = payload.get("step")  # an int in every checkpoint train.py writes; anything else is not quoted
     step = number(step) if isinstance(step, int) and not isinstance(step, bool) else "?"
     print(f"{shown(str(path), LOG_PATH)}: {model.num_params() / 1e6:.2f}M parameters, step {step}, "
           f"vocabulary {len(vocab)}", file=sys.stderr)
-    ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
     if args.attention_map is not None:
         from lab.heatmap import save_attention_map
 
@@ -314,6 +317,20 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
             return 2
         print(f"attention map: {shown(str(saved), LOG_PATH)}", file=sys.stderr)
     return model, ids, prompt, vocab
+
+
+# A checkpoint whose weights are finite but so large (up to float32's 3.4e38) that the model's output overflows:
+# load_checkpoint refuses weights that are not finite themselves, not these.
+OVERFLOW = ("'{path}': the model's output is not a finite number (its weights are so large that float32 overflows); "
+            "sample from another checkpoint")
+
+
+@torch.no_grad()
+def finite_output(model: GPT, window: torch.Tensor) -> bool:
+    """Whether the model's next-character logits after window are all finite numbers: without this, sampling would
+    draw from NaN probabilities (a traceback on one path, a text of the vocabulary's first character on others)."""
+    logits, _ = model(window)
+    return bool(torch.isfinite(logits[:, -1]).all())
 
 
 def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,

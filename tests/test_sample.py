@@ -331,6 +331,15 @@ def _truncated(run_dir: Path, tmp_path: Path) -> list[str]:
     return ["--checkpoint", str(tmp_path / "cut.pt")]
 
 
+def _overflowing(run_dir: Path, tmp_path: Path) -> list[str]:
+    """A checkpoint of finite weights that overflow float32 in the forward pass (3e38, float32's largest is 3.4e38)."""
+    payload = torch.load(run_dir / "best.pt", weights_only=True)
+    for name in ("transformer.ln_f.weight", "lm_head.weight"):
+        payload["model"][name] = torch.full_like(payload["model"][name], 3e38)
+    torch.save(payload, tmp_path / "huge.pt")
+    return ["--checkpoint", str(tmp_path / "huge.pt")]
+
+
 def _file(tmp_path: Path, name: str, content: bytes) -> str:
     (tmp_path / name).write_bytes(content)
     return str(tmp_path / name)
@@ -363,6 +372,9 @@ BAD_REQUESTS = [
      "replaced waits in"),
     ("missing-checkpoint", lambda r, t: ["--checkpoint", str(t / "nope.pt")], "no checkpoint at"),
     ("truncated-checkpoint", _truncated, "truncated or not a checkpoint"),
+    ("overflowing-weights", _overflowing, "huge.pt': the model's output is not a finite number"),
+    ("overflowing-weights-no-cache", lambda r, t: [*_overflowing(r, t), "--no-cache"], "not a finite number"),
+    ("overflowing-weights-greedy", lambda r, t: [*_overflowing(r, t), "--temperature", "0"], "not a finite number"),
     ("missing-prompt-file", lambda r, t: ["--prompt-file", str(t / "nope.txt")], "no such file"),
     ("unknown-device", lambda r, t: ["--device", "abacus"], "unknown device 'abacus'"),
     ("empty-prompt-file", lambda r, t: ["--prompt-file", _file(t, "empty.txt", b"")],
