@@ -98,7 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="sampling temperature; 0 = greedy (always the likeliest character) (default 0.8)")
     p.add_argument("--top-k", type=integer, default=None, help="sample only from the k likeliest characters")
     p.add_argument("--top-p", type=real, default=None, help="sample from the smallest set with probability >= p")
-    p.add_argument("--seed", type=integer, default=1337, help="random seed; the same seed gives the same text")
+    p.add_argument("--seed", type=integer, default=1337,
+                   help="random seed; the same seed gives the same text (torch keeps its low 32 bits: seeds 2**32 "
+                        "apart give the same text)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--no-cache", action="store_true",
                    help="the plain path: a forward pass over the whole context per character, no fixed-shape window")

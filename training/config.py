@@ -114,7 +114,9 @@ class RunConfig:
 
     out_dir: str | None = field(default=None, metadata={
         "help": "folder for checkpoints, config.yaml and TensorBoard logs (default runs/<config file name>)"})
-    seed: int = field(default=1337, metadata={"help": "seed for initialisation, batches and dropout"})
+    seed: int = field(default=1337, metadata={
+        "help": "seed for initialisation, batches and dropout (torch keeps its low 32 bits: seeds 2**32 apart give "
+                "the same run)"})
     data: DataConfig = field(default_factory=DataConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
