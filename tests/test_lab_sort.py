@@ -110,19 +110,30 @@ def test_unknown_command_is_one_line_and_exit_2(capsys):
     assert "unknown command 'shuffle'" in err and err.count("\n") == 1
 
 
+def no_training(*args, **kwargs):
+    pytest.fail("training started")
+
+
+def refused_before_training(argv: list[str], monkeypatch, capsys) -> str:
+    """The one error line main(argv) exits 2 with, failing the test if it starts training first."""
+    monkeypatch.setattr(lab.sort, "run", no_training)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
 @pytest.mark.parametrize("where, says", [("file/map.png", "is a file, not a folder"),
                                          ("file/sub/map.png", "is a file, not a folder"),
                                          ("folder", "it is a folder")])
 def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, where, says):
     (tmp_path / "file").write_text("")
     (tmp_path / "folder").mkdir()
-    monkeypatch.setattr(lab.sort, "run", no_training)
-    with pytest.raises(SystemExit) as e:
-        main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / where)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
+    err = refused_before_training(["--steps", "1", "--heatmap", str(tmp_path / where)], monkeypatch, capsys)
     assert err.startswith(f"error: --heatmap: cannot write the heatmap '{shown(str(tmp_path / where))}'"), err
-    assert says in err and err.count("\n") == 1
+    assert says in err
 
 
 def test_a_run_without_attention_draws_no_heatmap_so_its_path_is_not_checked(tmp_path, capsys):
@@ -140,20 +151,11 @@ def test_a_heatmap_that_cannot_be_written_after_training_is_still_one_line(tmp_p
     assert err.startswith("error: cannot write the heatmap") and err.count("\n") == 1
 
 
-def no_training(*args, **kwargs):
-    pytest.fail("training started")
-
-
 @pytest.mark.parametrize("under", ["file", "file/sub"])
 def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, under):
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(lab.sort, "run", no_training)
-    with pytest.raises(SystemExit) as e:
-        main(["--steps", "1", "--batch-size", "4", "--logdir", str(tmp_path / under)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
+    err = refused_before_training(["--steps", "1", "--logdir", str(tmp_path / under)], monkeypatch, capsys)
     assert err.startswith(f"error: --logdir: cannot write TensorBoard logs into '{shown(str(tmp_path / under))}'"), err
-    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv", [["--batch-size", "100000000"], ["--length", "10000000"], ["--digits", "1000000000"],
@@ -161,13 +163,8 @@ def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, cap
                                   ["--bottleneck", "--lengths", "8", "100000"]])
 def test_a_run_too_big_for_the_memory_is_refused_in_one_line_before_allocating(argv, capsys, monkeypatch):
     monkeypatch.setattr(lab.sort, "available_bytes", lambda device: 8 * 10**9)
-    monkeypatch.setattr(lab.sort, "run", no_training)
-    with pytest.raises(SystemExit) as e:
-        main(["--steps", "1", *argv])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
+    err = refused_before_training(["--steps", "1", *argv], monkeypatch, capsys)
     assert err.startswith("error: a run of --length ") and "GB of memory and this machine has 8.0 GB free" in err
-    assert err.count("\n") == 1
 
 
 def test_the_memory_estimate_lets_the_documented_runs_through_and_grows_with_every_size():
