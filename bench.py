@@ -138,6 +138,9 @@ FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, {"block8": (100, 5100
 QUICK = Plan({"block8": (50, 850), "block64": (5, 65)}, {"block8": (50, 2050), "block64": (5, 205)}, (50, 850),
              (50, 8050), 60, 0.2, 1, True)
 
+# One evaluation line of a run: (seconds from launch, step, val loss).
+Eval = tuple[float, int, float]
+
 
 @dataclass
 class Run:
@@ -145,7 +148,7 @@ class Run:
     evaluation line it printed."""
 
     seconds: float
-    evals: list[tuple[float, int, float]]
+    evals: list[Eval]
 
 
 def note(message: str) -> None:
@@ -254,7 +257,7 @@ class Programs:
 def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None = None) -> Run:
     """Run cmd to its end, timestamping each evaluation line as it arrives. With stop_at, the run is stopped (SIGTERM)
     at its first val loss at or below it: the time to get there is all that is wanted of it."""
-    evals: list[tuple[float, int, float]] = []
+    evals: list[Eval] = []
     stopped = False
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
         start = time.perf_counter()
@@ -366,6 +369,33 @@ NANOGPT_BLOCK8_RUN = {
 }
 
 
+# What a race times the programs to: a function that picks the target evaluation from nanoGPT's first run, and the
+# row's words for it ("{step}": that evaluation's step).
+Goal = tuple[Callable[[list[Eval]], Eval], str]
+WHENS = ("empty caches", "repeated run")
+
+
+def nanogpt_best(evals: list[Eval]) -> Eval:
+    return min(evals, key=lambda e: e[2])
+
+
+def nanogpt_final(evals: list[Eval]) -> Eval:
+    return evals[-1]
+
+
+# The GPU race's second target: the best loss lies at the bottom of both programs' curves, where a run's evaluations
+# differ by a few thousandths from one run to the next, so whether a run gets below it at all is partly chance (H100,
+# 2026-11-26: tinychar's four runs' best 1.4648-1.4698 against nanoGPT's 1.4674). Within 2% of it the curves still
+# fall by about 0.01-0.06 an evaluation, so the time to it measures speed rather than luck.
+NEAR_BEST = 0.02
+
+
+def nanogpt_near_best(evals: list[Eval]) -> Eval:
+    """nanoGPT's first evaluation within NEAR_BEST of its best val."""
+    bar = (1 + NEAR_BEST) * nanogpt_best(evals)[2]
+    return next(e for e in evals if e[2] <= bar)
+
+
 def quality_rows(p: Programs, iters: int | None, bf16: bool = False, rounds: int = 1) -> list[dict]:
     """Time from launch to nanoGPT's best val on the block-8 reference run, and to its final val on its README's CPU
     run: nanoGPT's first run sets each target, then tinychar runs the matching config with its defaults, from empty
@@ -376,53 +406,66 @@ def quality_rows(p: Programs, iters: int | None, bf16: bool = False, rounds: int
     block8 = ["config/train_shakespeare_char.py", *common, *nanogpt_flags(NANOGPT_BLOCK8_RUN)]
     what = "nanoGPT's best (step {step}) training tiny.yaml's model, block 8"
     rows = race(p, "nanoGPT on tiny.yaml's model, the reference recipe", [*block8, *shortened(iters, "--{}={}")],
-                lambda evals: min(evals, key=lambda e: e[2]), what, [("configs/tiny.yaml", [], "")], iters, rounds)
+                [(nanogpt_best, what)], [("configs/tiny.yaml", [], "")], iters, rounds)
     in_float32 = ", tinychar in float32 (train.dtype=float32)"
     float32 = [("configs/shakespeare_char_cpu.yaml", ["train.dtype=float32"], in_float32)] if bf16 else []
-    rows += race(p, "nanoGPT's CPU config", [*NANOGPT_CPU_RUN, *shortened(iters, "--{}={}")], lambda evals: evals[-1],
-                 "nanoGPT's final (step {step}) on its CPU config, block 64",
+    rows += race(p, "nanoGPT's CPU config", [*NANOGPT_CPU_RUN, *shortened(iters, "--{}={}")],
+                 [(nanogpt_final, "nanoGPT's final (step {step}) on its CPU config, block 64")],
                  [("configs/shakespeare_char_cpu.yaml", [], ""), *float32], iters, rounds)
     return rows
 
 
 def gpu_quality_rows(p: Programs, iters: int | None, rounds: int = 1) -> list[dict]:
     """--gpu: time from launch to nanoGPT's best val on its baby GPT recipe (config/train_shakespeare_char.py, as its
-    README runs it on a GPU: compiled, bfloat16), against configs/shakespeare_char.yaml as it is (compiled) and
-    trained eagerly, each from empty caches and repeated."""
+    README runs it on a GPU: compiled, bfloat16), and to its first val within NEAR_BEST of that, against
+    configs/shakespeare_char.yaml as it is (compiled) and trained eagerly, each from empty caches and repeated."""
     nano = ["config/train_shakespeare_char.py", "--always_save_checkpoint=False", "--wandb_log=False",
             *shortened(iters, "--{}={}")]
     contenders = [("configs/shakespeare_char.yaml", [], ""),
                   ("configs/shakespeare_char.yaml", ["train.compile=false"], ", tinychar eager (train.compile=false)")]
-    return race(p, "nanoGPT's baby GPT on the GPU", nano, lambda evals: min(evals, key=lambda e: e[2]),
-                "nanoGPT's best (step {step}) on its baby GPT, block 256, on the GPU", contenders, iters, rounds,
-                device="cuda")
+    where = "on its baby GPT, block 256, on the GPU"
+    goals = [(nanogpt_best, f"nanoGPT's best (step {{step}}) {where}"),
+             (nanogpt_near_best, f"nanoGPT's first within {NEAR_BEST:.0%} of its best (step {{step}}) {where}")]
+    return race(p, "nanoGPT's baby GPT on the GPU", nano, goals, contenders, iters, rounds, device="cuda")
 
 
-def race(p: Programs, name: str, nano_args: list[str], pick: Callable[[list[tuple[float, int, float]]], tuple],
-         what: str, contenders: list[tuple[str, list[str], str]], iters: int | None, rounds: int,
-         device: str = "cpu") -> list[dict]:
-    """Rows for each tinychar (config, overrides, label suffix) in contenders reaching the val that pick chooses from
-    nanoGPT's first run (seconds, step, val), from empty caches and repeated, over rounds that alternate the two
-    programs: nanoGPT's time in each round is when that round's run first reached the target."""
-    nano: list[float] = []
-    tiny: dict[tuple[int, str], list[float]] = {}
-    best: dict[tuple[int, str], float] = {}
-    target, step = math.nan, 0
+
+def race(p: Programs, name: str, nano_args: list[str], goals: list[Goal], contenders: list[tuple[str, list[str], str]],
+         iters: int | None, rounds: int, device: str = "cpu") -> list[dict]:
+    """Rows for each goal and each tinychar (config, overrides, label suffix) in contenders reaching the val that the
+    goal picks from nanoGPT's first run, from empty caches and repeated, over rounds that alternate the two programs:
+    nanoGPT's time in each round is when that round's run first reached the target. tinychar's runs stop at the
+    lowest target; the others are read from the same runs' evaluations."""
+    nano: dict[int, list[float]] = {}
+    tiny: dict[tuple[int, int, str], list[float]] = {}
+    best: dict[tuple[int, int, str], float] = {}
+    targets: list[Eval] = []
     for r in range(rounds):
         note(f"time to quality: {name}, round {r + 1}/{rounds} ...")
         evals = evaluations(p.nanogpt("train.py", nano_args))
         if r == 0:
-            _, step, target = pick(evals)
-        nano.append(next((t for t, _, val in evals if val <= target), math.nan))
+            targets = [pick(evals) for pick, _ in goals]
+        for g, (_, _, target) in enumerate(targets):
+            nano.setdefault(g, []).append(first_at(evals, target))
+        lowest = min(val for _, _, val in targets)
         for i, (config, extra, _) in enumerate(contenders):
-            for when, seconds, low in tinychar_to(p, config, target, iters, extra, device):
-                tiny.setdefault((i, when), []).append(seconds)
-                best[i, when] = min(best.get((i, when), math.inf), low)
+            for when, run in tinychar_to(p, config, lowest, iters, extra, device):
+                low = min((val for _, _, val in run), default=math.nan)
+                for g, (_, _, target) in enumerate(targets):
+                    tiny.setdefault((g, i, when), []).append(first_at(run, target))
+                    best[g, i, when] = min(best.get((g, i, when), math.inf), low)
     rows = []
-    for (i, when), seconds in tiny.items():
-        label = f"launch to val <= {target:.4f}, {what.format(step=step)}{contenders[i][2]}; tinychar {when}"
-        rows.append({**compare(label, "s", nano, seconds), "target": target, "tinychar_best": best[i, when]})
+    for g, i, when in sorted(tiny, key=lambda k: (k[0], k[1], WHENS.index(k[2]))):
+        _, step, target = targets[g]
+        label = f"launch to val <= {target:.4f}, {goals[g][1].format(step=step)}{contenders[i][2]}; tinychar {when}"
+        rows.append({**compare(label, "s", nano[g], tiny[g, i, when]), "target": target,
+                     "tinychar_best": best[g, i, when]})
     return rows
+
+
+def first_at(evals: list[Eval], target: float) -> float:
+    """Seconds from launch to the first evaluation at or below target; NaN if none got there."""
+    return next((t for t, _, val in evals if val <= target), math.nan)
 
 
 def wait_for_helpers(cache: Path, limit: float = 600.0) -> None:
@@ -444,18 +487,18 @@ def shortened(iters: int | None, form: str) -> list[str]:
                                            ("eval_interval", max(1, iters // 2)), ("warmup_iters", iters // 10))]
 
 
-def evaluations(run: Run) -> list[tuple[float, int, float]]:
+def evaluations(run: Run) -> list[Eval]:
     if not run.evals:
         raise BenchError("nanoGPT's train.py printed no evaluation line")
     return run.evals
 
 
 def tinychar_to(p: Programs, config: str, target: float, iters: int | None, extra: list[str],
-                device: str = "cpu") -> list[tuple[str, float, float]]:
+               device: str = "cpu") -> list[tuple[str, list[Eval]]]:
     """tinychar's config (with the overrides in extra) run to val <= target from empty caches, then repeated: (when,
-    seconds from launch, lowest val seen) for each, seconds NaN where it never got there."""
+    the run's evaluations) for each."""
     cache, out = p.fresh("cache"), []
-    for when in ("empty caches", "repeated run"):
+    for when in WHENS:
         if when == "repeated run":
             wait_for_helpers(cache)
         note(f"time to quality: tinychar {config}, {when} ...")
@@ -466,8 +509,7 @@ def tinychar_to(p: Programs, config: str, target: float, iters: int | None, extr
                                           f"train.eval_interval={iters // 2}", f"train.warmup_iters={iters // 10}"]
         run = p.tinychar("train.py", ["--config", config, f"train.device={device}", *quick, *extra], cache=cache,
                          stop_at=target)
-        reached = next((t for t, _, val in run.evals if val <= target), math.nan)
-        out.append((when, reached, min((e[2] for e in run.evals), default=math.nan)))
+        out.append((when, run.evals))
     return out
 
 
@@ -550,9 +592,10 @@ NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); s
 GPU_NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest "
              "ratio of the rounds. --gpu: time from launch to the evaluation line, as the line arrives. nanoGPT runs "
              "its baby GPT recipe as its README does on a GPU (compile=True, bfloat16), and its first run sets the "
-             "target; tinychar runs configs/shakespeare_char.yaml as it is (compile: true, dtype auto: bfloat16) and "
-             "with train.compile=false, each from a fresh cache folder and again with that folder as the first run "
-             "left it, each stopped at the target.")
+             "targets: its best val, and its first val within 2% of that (the best lies where runs differ by "
+             "chance; the curves still fall steeply there); tinychar runs configs/shakespeare_char.yaml as it is "
+             "(compile: true, dtype auto: bfloat16) and with train.compile=false, each from a fresh cache folder and "
+             "again with that folder as the first run left it, each stopped at the lower target.")
 
 
 def markdown(report: dict) -> str:
