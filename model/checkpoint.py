@@ -26,6 +26,9 @@ from .config import GPTConfig
 ASIDE = ".replaced"
 FORMAT = "tinychar-checkpoint"  # the "format" entry of every checkpoint, checked on loading
 VERSION = 1
+# The model config's keys that every checkpoint has held since the first: keys added later may be missing from an
+# older one and take their defaults, these not. n_head above all: a wrong head count fits every weight's shape.
+DESCRIBING = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
 
 
 class CheckpointError(ValueError):
@@ -162,6 +165,10 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
         raise CheckpointError(f"checkpoint {quoted(path)} has a malformed vocabulary: {problem}")
     if not isinstance(payload["model_config"], dict):
         raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: not a mapping")
+    missing = [key for key in DESCRIBING if key not in payload["model_config"]]
+    if missing:  # a default in their place could build a model that fits the weights and computes something else
+        raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: it lacks "
+                              f"{', '.join(missing)}, which every checkpoint tinychar writes holds")
     try:
         config = GPTConfig(**payload["model_config"])
     except (TypeError, ValueError) as e:

@@ -311,6 +311,10 @@ def test_a_vocabulary_that_does_not_match_the_weights_is_refused(saved, tmp_path
          "malformed vocabulary: '!' is in it twice (characters 1 and 2)"),
         (lambda p: p["model_config"].update(n_head=3), "unusable model config"),
         (lambda p: p["model_config"].update(colour="blue"), "unusable model config"),
+        # n_head's default (4) fits the weights of a model of 2 heads: it would have loaded and computed otherwise
+        (lambda p: p["model_config"].pop("n_head"), "unusable model config: it lacks n_head, which every checkpoint"),
+        (lambda p: [p["model_config"].pop(k) for k in ("n_layer", "block_size")],
+         "unusable model config: it lacks block_size, n_layer"),
         (lambda p: p["model"].pop("lm_head.weight"), "weights do not match"),
     ],
 )
