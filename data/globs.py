@@ -30,13 +30,20 @@ def expand(pattern: Path, label: str) -> list[Path]:
     stands for that folder and every real (not linked) folder under it, hidden ones left out, as in glob.
     """
     parts = pattern.parts
-    first = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
-    base = Path(*parts[:first]) if first else Path()
+    base = fixed_part(pattern)
+    first = len(base.parts) if base != Path() else 0
     st = stat_path(base, label)  # the fixed part of the pattern: any failure but absence is the person's to fix
     if st is None or not stat.S_ISDIR(st.st_mode):
         return []
     found = set(_match(base, parts[first:], set(), label))
     return sorted(found, key=str)
+
+
+def fixed_part(pattern: Path) -> Path:
+    """The folders of pattern before its first wildcard ('.' when it starts with one)."""
+    parts = pattern.parts
+    first = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    return Path(*parts[:first]) if first else Path()
 
 
 def _match(folder: Path, parts: tuple[str, ...], seen: set[tuple[str, int]], label: str) -> Iterator[Path]:

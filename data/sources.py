@@ -18,7 +18,7 @@ from pathlib import Path
 from configs.userinput import file_kind
 
 from .corpus import _did_you_mean, data_dir, locate
-from .globs import expand
+from .globs import expand, fixed_part
 from .paths import DataError, expand_home, not_a_file, open_regular, os_failure, quoted, stat_path
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
@@ -151,7 +151,9 @@ def _glob(pattern: Path, skipped: list[Path], runs: list[Path], label: str) -> l
     matches = expand(pattern, label)
     folder = data_dir()
     if not matches and folder is not None and not pattern.is_absolute():
-        matches = expand(folder / pattern, label)
+        pattern = folder / pattern
+        matches = expand(pattern, label)
+    base = fixed_part(pattern)
     files: list[Path] = []
     known: dict[Path, bool] = {}
     for m in matches:
@@ -160,11 +162,23 @@ def _glob(pattern: Path, skipped: list[Path], runs: list[Path], label: str) -> l
             continue  # a pipe, device, socket or broken link matched by a wildcard: never opened
         if stat.S_ISDIR(st.st_mode):
             files += _walk(m, skipped, runs, label)
-        elif _in_run(m.parent, known):  # a run writes its files at the top of its out_dir
-            _add(runs, m.parent)
+        elif (run := _run_above(m, base, known)) is not None:
+            _add(runs, run)
         else:
             (files if _is_text(m, label) else skipped).append(m)
     return files
+
+
+def _run_above(match: Path, base: Path, known: dict[Path, bool]) -> Path | None:
+    """The tinychar run folder that match lies in, looking up from its folder to base (the pattern's fixed part,
+    which a person named), as walking a matched folder leaves out a run's whole tree; None if it lies in none."""
+    folder = match.parent
+    while True:
+        if _in_run(folder, known):
+            return folder
+        if folder == base or base not in folder.parents:
+            return None
+        folder = folder.parent
 
 
 def _sources(files: list[Path], label: str) -> list[Source]:

@@ -250,6 +250,20 @@ def test_run_folders_under_a_data_folder_or_a_glob_are_left_out_with_a_note(tmp_
         resolve_inputs(f"{novels}/runs/*")  # every match is the run's: nothing is left, and the line says why
 
 
+def test_a_glob_leaves_out_files_deep_inside_a_run_folder_as_walking_does(tmp_path: Path) -> None:
+    """A glob's match was checked against its own folder only: a text in a folder inside a run's was training text
+    under '**/*.txt', though walking the folder (data.path=novels) leaves the run's whole tree out."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    write(a_run(novels / "runs" / "tiny", "ckpt.pt") / "samples" / "more.txt", "the model's again\n")
+    walked, matched = resolve_inputs(novels), resolve_inputs(f"{novels}/**/*.txt")
+    assert [s.path for s in matched.sources] == [s.path for s in walked.sources] == [novels / "a.txt"]
+    assert matched.runs == walked.runs == [novels / "runs" / "tiny"]
+    for pattern in ("runs/**/*.txt", "*/*/*/*.txt"):  # every match is in the run
+        with pytest.raises(DataError, match=r"no text file matches .* \(tinychar run folders left out: '"):
+            resolve_inputs(f"{novels}/{pattern}")
+
+
 def test_only_config_yaml_beside_a_mark_makes_a_run_folder(tmp_path: Path) -> None:
     write(tmp_path / "c" / "notes" / "config.yaml", "a: 1\n")  # a config of the person's own, no run beside it
     write(tmp_path / "c" / "other" / "ckpt.pt.txt", "text\n")
