@@ -37,6 +37,7 @@ from training_runs import (
 )
 
 import training.checkpoints
+import training.loop
 from configs.userinput import shown
 from model import GPT, find_checkpoint, load_checkpoint
 from training.checkpoints import save_checkpoint
@@ -282,9 +283,34 @@ def test_a_best_pt_that_cannot_be_written_is_named_and_the_line_says_what_out_di
         assert {k: v[0] for k, v in snapshot(out).items()} == {k: v[0] for k, v in before.items()}
     else:
         assert one_line(err) == (f"error: cannot write best.pt into '{shown(out)}' (No space left on device); ckpt.pt "
-                                 f"there holds step 10, and there is no best.pt. Free some space or choose another "
-                                 f"out_dir")
+                                 f"there holds step 10, the best, and there is no best.pt (--resume copies ckpt.pt "
+                                 f"into it). Free some space or choose another out_dir")
         assert load_checkpoint(out / "ckpt.pt")["step"] == 10 and not (out / "best.pt").exists()
+        # the space is back: the resume puts step 10, the best, into best.pt before training on
+        monkeypatch.undo()
+        saved = snapshot(out)["ckpt.pt"]
+        repaired: list[bytes] = []
+        real_fit = training.loop.Trainer.fit
+        monkeypatch.setattr(training.loop.Trainer, "fit",
+                            lambda self: repaired.append((out / "best.pt").read_bytes()) or real_fit(self))
+        status, stdout, err = call(train_main, ["--resume", "--out-dir", str(out)], capsys)
+        assert status == 0, err
+        assert repaired == [saved[0]]  # best.pt as fit() found it: step 10's checkpoint
+        assert "best.pt: step 10's weights, the best, copied from ckpt.pt" in stdout + err
+
+
+def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    payload = {"step": 10, "is_best": True}
+    for name in ("ckpt.pt", "best.pt"):
+        (out / name).write_bytes(b"the same bytes")
+    assert training.checkpoints.restore_best(out, payload) is None
+    assert training.checkpoints.restore_best(out, {**payload, "is_best": False}) is None
+    (out / "best.pt").write_bytes(b"an earlier best")
+    assert training.checkpoints.restore_best(out, {**payload, "is_best": False}) is None  # step 10 was not the best
+    assert "copied from ckpt.pt" in training.checkpoints.restore_best(out, payload)
+    assert (out / "best.pt").read_bytes() == b"the same bytes"
 
 
 def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path, capsys):

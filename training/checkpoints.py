@@ -3,8 +3,10 @@ checks and restore that a resume goes through."""
 
 from __future__ import annotations
 
+import filecmp
 import io
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +100,21 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def restore_best(out_dir: Path, payload: dict) -> str | None:
+    """Copy ckpt.pt into best.pt where the checkpoint a resume continues was the run's best (its "is_best") but
+    best.pt does not hold it: a save that wrote ckpt.pt and then failed to write best.pt (a full disk). A line saying
+    so, or None when best.pt is as it should be."""
+    ckpt, best = out_dir / "ckpt.pt", out_dir / "best.pt"
+    if payload.get("is_best") is not True or not ckpt.is_file():
+        return None
+    if best.is_file() and filecmp.cmp(ckpt, best, shallow=False):
+        return None
+    with open(ckpt, "rb") as source:
+        write_atomic(best, lambda f: shutil.copyfileobj(source, f))
+    return (f"best.pt: step {payload['step']}'s weights, the best, copied from ckpt.pt (the save that wrote ckpt.pt "
+            f"could not write best.pt)")
 
 
 def rank_rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:

@@ -367,8 +367,8 @@ class Trainer:
         best = (self.out_dir / "best.pt").exists()
         if written:  # ckpt.pt is this step's; best.pt could not follow
             kept = "best.pt still holds an earlier best" if best else "there is no best.pt"
-            return (f"cannot write best.pt into '{where}' ({reason}); ckpt.pt there holds step {self.step}, and "
-                    f"{kept}. {advice}")
+            return (f"cannot write best.pt into '{where}' ({reason}); ckpt.pt there holds step {self.step}, the best, "
+                    f"and {kept} (--resume copies ckpt.pt into it). {advice}")
         if self.saved_step is None:
             return f"cannot write a checkpoint into '{where}' ({reason}); this run has saved none yet. {advice}"
         intact = f"ckpt.pt (step {self.saved_step})" + (" and best.pt there are" if best else " there is")
@@ -387,6 +387,7 @@ class Trainer:
                 state["training_weights"], state["model"] = state["model"], self.average.state_dict()
             state["data_fingerprint"] = self.data_fingerprint
             state["engine"] = self.engine
+            state["is_best"] = improved  # so that a resume can put it into a best.pt that failed to follow it
             # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
             # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
             # The attention picture drawn in the background may come later: a run killed before it is logged lacks

@@ -16,6 +16,7 @@ from data import Corpus, prepare_corpus, split_ids
 from model import build_model
 
 from . import distributed
+from .checkpoints import restore_best
 from .config import RunConfig
 from .devices import matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -96,6 +97,8 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
     trainer.ceiling = matmul_ceiling(start.device, start.dtype, seconds=0.2) * launch.world_size
     if replaced is not None:
         log.info(replaced)
+    if launch.main and payload is not None and (repaired := restore_best(Path(cfg.out_dir), payload)):
+        log.info(repaired)
     announce(trainer, start, payload, resume)
     start_engine(trainer, engine, log.info)
     return trainer.fit()
