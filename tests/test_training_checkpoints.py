@@ -299,7 +299,7 @@ def test_a_best_pt_that_cannot_be_written_is_named_and_the_line_says_what_out_di
         assert "best.pt: step 10's weights, the best, copied from ckpt.pt" in stdout + err
 
 
-def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path):
+def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     payload = {"step": 10, "is_best": True}
@@ -309,6 +309,15 @@ def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path):
     assert training.checkpoints.restore_best(out, {**payload, "is_best": False}) is None
     (out / "best.pt").write_bytes(b"an earlier best")
     assert training.checkpoints.restore_best(out, {**payload, "is_best": False}) is None  # step 10 was not the best
+
+    def disk_full(path, write):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(training.checkpoints, "write_atomic", disk_full)
+    assert training.checkpoints.restore_best(out, payload) == (
+        "best.pt: cannot copy step 10's weights, the best, from ckpt.pt into it (No space left on device); it holds "
+        "an earlier best, or is missing")
+    monkeypatch.undo()
     assert "copied from ckpt.pt" in training.checkpoints.restore_best(out, payload)
     assert (out / "best.pt").read_bytes() == b"the same bytes"
 

@@ -111,8 +111,12 @@ def restore_best(out_dir: Path, payload: dict) -> str | None:
         return None
     if best.is_file() and filecmp.cmp(ckpt, best, shallow=False):
         return None
-    with open(ckpt, "rb") as source:
-        write_atomic(best, lambda f: shutil.copyfileobj(source, f))
+    try:
+        with open(ckpt, "rb") as source:
+            write_atomic(best, lambda f: shutil.copyfileobj(source, f))
+    except OSError as e:  # still no space, say: the run goes on, and its next save says the same if it fails too
+        return (f"best.pt: cannot copy step {payload['step']}'s weights, the best, from ckpt.pt into it "
+                f"({e.strerror or e}); it holds an earlier best, or is missing")
     return (f"best.pt: step {payload['step']}'s weights, the best, copied from ckpt.pt (the save that wrote ckpt.pt "
             f"could not write best.pt)")
 
