@@ -246,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             write_samples(model, ids, prompt, vocab, args, asked)
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
         discard_stdout()  # so the exit-time flush cannot fail too
+    except RuntimeError as e:  # torch.multinomial on probabilities that overflowed after the prompt (see OVERFLOW)
+        if "probability tensor contains" not in str(e):
+            raise
+        print("\nerror: the model's output stopped being a finite number partway through the text (its weights are "
+              "so large that float32 overflows); sample from another checkpoint", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C while the text streams out: what was printed stays, nothing else to do
         print("\ninterrupted (SIGINT); stopped sampling", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -395,6 +395,25 @@ def test_a_bad_request_is_one_line_and_exit_2(run, run_dir, tmp_path, make, frag
     assert fragment in one_error_line(run(*make(run_dir, tmp_path)))
 
 
+def test_probabilities_that_overflow_partway_through_are_one_line_and_exit_2(run, monkeypatch):
+    """Finite for the prompt (which the probe checks) but not later in the text: torch.multinomial's refusal of NaN
+    probabilities was a traceback."""
+    real, draws = torch.multinomial, []
+
+    def overflowing_after_three(probs, *args, **kwargs):
+        draws.append(1)
+        if len(draws) > 3:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", overflowing_after_three)
+    code, out, err = run("--max-new-tokens", "20", "--stream")
+    assert code == 2 and len(out) > 3  # the prompt and the characters drawn before stay printed
+    assert err.splitlines()[-1] == ("error: the model's output stopped being a finite number partway through the text "
+                                    "(its weights are so large that float32 overflows); sample from another checkpoint")
+    assert "Traceback" not in err and len(draws) == 4
+
+
 HUGE = "9" * 4000
 
 
