@@ -31,7 +31,15 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
 
     from configs.userinput import OneLineParser, read_user_file, shown
     from data.paths import LOG_PATH
-    from model import GPT, CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
+    from model import (
+        GPT,
+        CheckpointError,
+        NonFiniteLogits,
+        checkpoint_config,
+        find_checkpoint,
+        load_checkpoint,
+        model_from_checkpoint,
+    )
     from model.config import GPTConfig
     from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
     from training import compile_cache, engine
@@ -246,9 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             write_samples(model, ids, prompt, vocab, args, asked)
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
         discard_stdout()  # so the exit-time flush cannot fail too
-    except RuntimeError as e:  # torch.multinomial on probabilities that overflowed after the prompt (see OVERFLOW)
-        if "probability tensor contains" not in str(e):
-            raise
+    except NonFiniteLogits:  # finite for the prompt (see OVERFLOW) but not for a later window: the text so far stays
         print("\nerror: the model's output stopped being a finite number partway through the text (its weights are "
               "so large that float32 overflows); sample from another checkpoint", file=sys.stderr)
         return 2

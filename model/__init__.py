@@ -4,7 +4,7 @@ from .attention import CausalSelfAttention, KVCache, masked_attention
 from .baselines import Bigram, GRUModel, build_model
 from .checkpoint import CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
 from .config import GPTConfig
-from .gpt import GPT, sample_next
+from .gpt import GPT, NonFiniteLogits, sample_next
 
 __all__ = [
     "GPT",
@@ -14,6 +14,7 @@ __all__ = [
     "GPTConfig",
     "GRUModel",
     "KVCache",
+    "NonFiniteLogits",
     "build_model",
     "checkpoint_config",
     "find_checkpoint",

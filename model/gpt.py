@@ -14,6 +14,15 @@ from .config import GPTConfig
 from .linear import Linear
 
 
+class NonFiniteLogits(ArithmeticError):
+    """The model's next-character logits are not all finite numbers, so there is no distribution to draw from: its
+    weights are finite but so large that float32 overflows in the forward pass. Every sampling path raises it at the
+    first such character, having yielded the ones before."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's output is not a finite number (its weights are so large that float32 overflows)")
+
+
 class MLP(nn.Module):
     """The feed-forward layer: widen 4x, GELU, project back."""
 
@@ -277,7 +286,9 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Draw one id per row of logits (B, vocab) -> (B, 1)."""
+    """Draw one id per row of logits (B, vocab) -> (B, 1); NonFiniteLogits if any of them is not a finite number."""
+    if not torch.isfinite(logits).all():
+        raise NonFiniteLogits()
     if temperature == 0.0:
         return logits.argmax(dim=-1, keepdim=True)
     scaled = logits / temperature

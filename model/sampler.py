@@ -21,7 +21,7 @@ import torch
 from torch._higher_order_ops import while_loop
 
 from .config import GPTConfig
-from .gpt import GPT, check_request, check_sampling, filtered_probs
+from .gpt import GPT, NonFiniteLogits, check_request, check_sampling, filtered_probs
 
 # The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
 # CPU config's table is 1.6M values, made in 3-5 ms (2 threads, Zen 4 EPYC); shakespeare_char.yaml's would be 19M.
@@ -103,10 +103,12 @@ class WindowSampler:
 
     def _draw(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
               noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk)."""
+        """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk), or -1
+        there where the row's logits are not all finite numbers (see checked_ids)."""
         block_size = window.size(1)
         x = self.model.hidden_at(window, n - 1, self.first)  # (B, C)
         logits = self.model.lm_head(x).float()  # (B, vocab)
+        finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
         if noise is None:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -116,7 +118,7 @@ class WindowSampler:
         # not full: write the character after the last one; full: slide by one and put it at the end
         placed = window.index_copy(1, n.clamp(max=block_size - 1), next_id)
         window = torch.where(full, torch.cat([window[:, 1:], next_id], dim=1), placed)
-        return k + 1, window, n + (~full).long(), drawn.index_copy(1, k, next_id)
+        return k + 1, window, n + (~full).long(), drawn.index_copy(1, k, torch.where(finite, next_id, -1))
 
     @torch.inference_mode()
     def warm_up(self, batch: int, device: torch.device) -> None:
@@ -166,8 +168,7 @@ class WindowSampler:
                 for k in range(wanted):
                     noise[k].exponential_(1, generator=generator)
             ids, window, count = self.step(window, count, torch.tensor([wanted], device=idx.device), noise)
-            for k in range(wanted):
-                yield ids[:, k : k + 1]
+            yield from checked_ids(ids, wanted)
 
     def _unrolled(self, batch: int, device: torch.device) -> Unrolled:
         """The chunk runner for this batch size on this device, made (and on CUDA captured) at its first use."""
@@ -197,9 +198,7 @@ class WindowSampler:
                 # characters past the end that nobody reads (their noise is stale), and the generator does not move
                 for k in range(wanted):
                     u.noise[k].exponential_(1, generator=generator)
-            ids = u()
-            for k in range(wanted):
-                yield ids[:, k : k + 1]
+            yield from checked_ids(u(), wanted)
 
     def _slide(self, idx: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None
                ) -> Iterator[torch.Tensor]:
@@ -212,6 +211,8 @@ class WindowSampler:
         for end in range(T, T + max_new_tokens):
             window = context[:, max(0, end - block_size) : end]
             logits = self.model.lm_head(self.model.hidden_at(window, first=self.first)).float()  # (B, vocab)
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogits()
             if self.temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -219,6 +220,17 @@ class WindowSampler:
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             context[:, end : end + 1] = next_id
             yield next_id
+
+
+def checked_ids(ids: torch.Tensor, wanted: int) -> Iterator[torch.Tensor]:
+    """The first `wanted` characters (B, 1) of a chunk's ids (B, chunk), one at a time, up to the first at which a
+    row's logits were not finite (-1, from WindowSampler._draw): there NonFiniteLogits, as GPT.generate raises it."""
+    marks = (ids[:, :wanted] < 0).any(dim=0).tolist()  # one read of the chunk from the device, not one a character
+    good = marks.index(True) if True in marks else wanted
+    for k in range(good):
+        yield ids[:, k : k + 1]
+    if good < wanted:
+        raise NonFiniteLogits()
 
 
 class Unrolled:

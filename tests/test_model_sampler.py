@@ -4,13 +4,14 @@ longer than the window, a batch of samples, eager and compiled."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
 import torch
 from conftest import needs_cpu_compile
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from training.compile_cache import COMPILE_OPTIONS
@@ -156,6 +157,49 @@ def test_a_vanishing_temperature_is_left_to_the_plain_path(model):
         WindowSampler(model, MIN_FAST_TEMPERATURE / 10, None, None)
 
 
+def overflowing_after(model: GPT, prompt: torch.Tensor) -> GPT:
+    """A copy of model whose logits are finite after prompt (1, T) but not one character later: a character's
+    embedding (tied to its row of the head) set along the prompt's last final state so that its logit there is 1e38,
+    drawn for sure at any temperature, and its embedding then overflows float32 in the next window. Not character 0:
+    the fixed-shape window pads with it, so there its overflow would show one character sooner."""
+    late = copy.deepcopy(model)
+    with torch.no_grad():
+        state = late.hidden(prompt)[0][0, -1]
+        char = next(c for c in range(1, late.config.vocab_size) if c not in prompt[0].tolist())
+        late.transformer.wte.weight[char] = state / state.norm() ** 2 * 1e38
+    assert torch.isfinite(late(prompt)[0][:, -1]).all()  # what sample.py's probe checks: finite for the prompt
+    return late
+
+
+def drawn_until_overflow(characters) -> list[int]:
+    """The ids a sampling iterator yields before it raises NonFiniteLogits (which it must)."""
+    got = []
+    with pytest.raises(NonFiniteLogits, match="not a finite number"):
+        for c in characters:
+            got.append(c.tolist())
+    return got
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("path", ["cache", "no cache", "slide", "chunk of 3", "unrolled chunk of 4"])
+def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_characters(model, temperature, path):
+    # The fixed-shape paths drew from NaN probabilities without a word (the argmax of NaNs: the vocabulary's first
+    # character, or the overflowing one, over and over), as did GPT.generate greedily or without its cache.
+    prompt = torch.tensor([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]])
+    late = overflowing_after(model, prompt[:1])
+    gen = torch.Generator().manual_seed(1)
+    if path in ("cache", "no cache"):
+        characters = late.generate_iter(prompt[:1], 10, temperature, None, None, gen, use_cache=path == "cache")
+    else:
+        chunk = {"slide": 1, "chunk of 3": 3, "unrolled chunk of 4": 4}[path]
+        sampler = WindowSampler(late, temperature, None, None, chunk=chunk, graph=path.startswith("unrolled"))
+        characters = sampler.generate_iter(prompt[:1], 10, gen)
+    assert len(drawn_until_overflow(characters)) == 1  # the overflowing character itself, then the error
+    # in a batch, one row's overflow stops them all, at the same character
+    sampler = WindowSampler(late, temperature, None, None, chunk=3)
+    assert len(drawn_until_overflow(sampler.generate_iter(prompt, 10, torch.Generator().manual_seed(1)))) == 1
+
+
 @needs_cpu_compile
 @pytest.mark.slow
 def test_the_compiled_window_gives_the_plain_paths_characters(model):
@@ -173,6 +217,21 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
     # a short prompt: the window fills inside the compiled loop
     got, _ = windowed(sampler, prompt[:, :2], 50, seed=4)
     assert torch.equal(got, plain(model, prompt[:, :2], 50, 0.9, 6, None, seed=4)[0])
+    # Logits that overflow after the prompt stop the compiled loop too: the same compiled code (not compiled again, 15
+    # s), on the weights changed in place and the first block's table made again from them, then both put back.
+    window = prompt[:, -8:]  # a batch of 2, as compiled: one row's overflow stops both
+    late = overflowing_after(model, window[:1])
+    wte, first = model.transformer.wte.weight, sampler.first
+    kept = wte.clone(), first.clone()
+    try:
+        with torch.no_grad():
+            wte.copy_(late.transformer.wte.weight)
+            first.copy_(model.first_projections())
+        assert len(drawn_until_overflow(sampler.generate_iter(window, 40, torch.Generator()))) == 1
+    finally:
+        with torch.no_grad():
+            wte.copy_(kept[0])
+            first.copy_(kept[1])
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS[:5])

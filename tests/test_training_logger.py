@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, tiny_overrides
 from test_train import read_events
 
@@ -16,6 +17,8 @@ import train
 import training.logger
 import training.loop
 from configs.userinput import shown
+from data import CharTokenizer
+from model import GPT, GPTConfig
 from training.logger import Logger, Throughput
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -233,3 +236,16 @@ def test_a_model_too_large_for_any_picture_logs_none_and_says_so_once(tmp_path, 
     log.close()
     assert said == [f"attention map: a picture of 2 layers x 2 heads is over {one.width * one.height - 1:,} pixels "
                     f"even for one character; not logged to TensorBoard"]
+
+
+def test_a_sample_whose_logits_overflow_is_logged_as_none_and_the_model_left_as_it_was() -> None:
+    """The training loop's own sample: GPT.generate now raises where the logits stop being finite numbers (it drew
+    from the argmax of NaNs before); that must not end the run, whose losses and checkpoints are what matter."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=3, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    with torch.no_grad():
+        model.lm_head.weight.fill_(3e38)  # finite weights whose logits overflow float32 from the first character
+    text = training.logger.sample_text(model, CharTokenizer(["\n", "a", "b"]), 20, 1, torch.device("cpu"))
+    assert text == "(no sample: the model's output is not a finite number (its weights are so large that float32 " \
+                   "overflows))"
+    assert model.training  # put back in training mode, as it came

@@ -88,7 +88,7 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
     parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
              "threads": torch.get_num_threads(), "onednn": onednn_min_macs(), "model": asdict(model_cfg),
              "batch": batch,
-             "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK}
+             "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK, "checks": "finite"}
     return cache_key("sample", parts)
 
 

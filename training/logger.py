@@ -18,7 +18,7 @@ from configs import flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from lab.heatmap import attention_weights, characters_shown, log_image, render_attention_grid, too_large
-from model import GPT
+from model import GPT, NonFiniteLogits
 
 from .config import RunConfig
 from .errors import LogError
@@ -273,6 +273,10 @@ def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, d
     # inductor's mix-order reduction was turned off (training.compile_cache.CUDA_OPTIONS; a release no longer harms
     # the run, tested on an H100). A graph here would save 0.23 of the 0.48 s that these 200 characters take there,
     # not measured in training since.
-    out = model.generate(idx, n_chars, temperature=1.0, top_k=None, generator=gen)
-    model.train(was_training)
+    try:
+        out = model.generate(idx, n_chars, temperature=1.0, top_k=None, generator=gen)
+    except NonFiniteLogits as e:  # logged in its place: a sample is no reason to stop the run
+        return f"(no sample: {e})"
+    finally:
+        model.train(was_training)
     return tokenizer.decode(out[0].tolist())
