@@ -21,6 +21,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
+from configs.userinput import shown
+
 # Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
 COLOUR_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 EMPTY_COLOUR = (228, 228, 228)  # the masked future: light grey, far from every colour of the map
@@ -407,32 +409,70 @@ def image_format(path: str | Path) -> str:
     return name
 
 
+def picture_target(path: str | Path) -> tuple[Path, str]:
+    """Where a picture named path is written, and in which format (image_format): the file a symbolic link leads to,
+    so that the link stays a link. ValueError, in words, where writing would lose something: a folder there, or
+    anything but a picture or an empty file (a checkpoint, a run's .lock, a device such as /dev/null, a pipe),
+    which the rename that writes it would replace; or a loop of symbolic links on the way."""
+    kind = image_format(path)
+    try:
+        target = Path(path).resolve()
+    except (RuntimeError, OSError):  # Python 3.11 says RuntimeError for a loop, later ones OSError
+        raise ValueError("a loop of symbolic links is on the way there; give another path") from None
+    if target.is_dir():
+        raise ValueError(f"it is a folder; give a file name such as {shown(str(target / 'attention.png'))}")
+    if target.exists():
+        if not target.is_file():
+            raise ValueError("it is not a plain file (a device, a pipe or a socket), which the picture would "
+                             "replace; give a file name")
+        if target.stat().st_size and not is_picture(target):
+            raise ValueError("a file that is not a picture is there, which the picture would replace; give another "
+                             "name (or remove that file first)")
+    return target, kind
+
+
+def is_picture(path: Path) -> bool:
+    """Whether Pillow recognises the file at path as a picture (from its first bytes)."""
+    try:
+        with Image.open(path):
+            return True
+    except Image.DecompressionBombError:  # a picture all the same, only a large one
+        return True
+    except (OSError, ValueError, SyntaxError):  # UnidentifiedImageError is an OSError; some plugins raise the others
+        return False
+
+
+def write_picture(image: Image.Image, path: str | Path) -> Path:
+    """Write image where picture_target says (ValueError if nowhere), through a temporary file beside it renamed over
+    it once complete, so that an interrupted or failed write leaves no half picture. Returns the path written."""
+    target, kind = picture_target(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        image.save(part, format=kind)
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return target
+
+
 def save_attention_map(
     model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None
 ) -> Path:
     """Render the attention of model on the last block_size ids and write it to path, in the format its extension
     names (image_format; PNG without one): on as many of the last of them as a picture of MAX_MAP_PIXELS shows
-    (characters_shown). ValueError when not even one character fits, or Pillow cannot write that format.
+    (characters_shown). ValueError when not even one character fits, or the path is refused (picture_target).
 
-    The picture goes to a temporary file beside path, renamed over it once complete: an interrupted or failed write
-    leaves no half picture. chars is the vocabulary (id -> character), as stored in checkpoints. Returns the path
-    written."""
-    path = Path(path)
-    kind = image_format(path)
+    Written by write_picture: no half picture. chars is the vocabulary (id -> character), as stored in checkpoints.
+    Returns the path written."""
+    picture_target(path)  # refused before the work of drawing
     window = _last_window(ids, model.config.block_size)
     shown = characters_shown(model.config.n_layer, model.config.n_head, [chars[i] for i in window], title)
     if shown == 0:
         raise ValueError(too_large(model.config.n_layer, model.config.n_head))
     window = window[len(window) - shown :]
     image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        image.save(part, format=kind)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
-    return path
+    return write_picture(image, path)
 
 
 def log_image(writer: object, tag: str, image: Image.Image, step: int) -> None:

@@ -9,6 +9,7 @@ by length with and without attention instead.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
@@ -21,11 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from configs.userinput import OneLineParser, shown
-from lab.heatmap import log_image, render_attention_map
+from lab.heatmap import log_image, picture_target, render_attention_map, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
+from training.logger import discard_stdout
 from training.memory import available_bytes
 
 MODELS = ("gru", "transformer")
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +56,11 @@ class SortConfig:
     eval_size: int = 2000
     """Held-out sequences the accuracy is measured on."""
     seed: int = 0
-    """Seeds the weights, the training batches and (seed + 1) the held-out sequences."""
+    """Seeds the weights, the training batches and (seed + 1, held_out_seed) the held-out sequences."""
+
+    def held_out_seed(self) -> int:
+        """seed + 1, wrapped around within the signed 64-bit seeds (the largest one's successor is the smallest)."""
+        return (self.seed + 1 + 2**63) % 2**64 - 2**63
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -69,6 +76,11 @@ class SortConfig:
             raise ValueError(f"digits must be at least 2, got {self.digits}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
+        if self.learning_rate > FLOAT32_MAX:  # Adam keeps it as a float32 number
+            raise ValueError(f"learning_rate must be at most float32's largest number, {FLOAT32_MAX:.4g}, got "
+                             f"{self.learning_rate:g}")
+        if not -(2**63) <= self.seed < 2**63:  # what torch.manual_seed takes without an overflow
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
 
     def seq2seq(self) -> Seq2SeqConfig:
         return Seq2SeqConfig(digits=self.digits, length=self.length, n_embd=self.n_embd, score=self.score,
@@ -151,7 +163,7 @@ def check_memory(cfg: SortConfig) -> None:
 
 def held_out(cfg: SortConfig) -> Batch:
     """The evaluation sequences: their own generator, so they are the same whatever the training did."""
-    return sorting_batch(cfg.eval_size, cfg.length, cfg.digits, torch.Generator().manual_seed(cfg.seed + 1))
+    return sorting_batch(cfg.eval_size, cfg.length, cfg.digits, torch.Generator().manual_seed(cfg.held_out_seed()))
 
 
 def evaluate(model: GRUSeq2Seq | TransformerSeq2Seq, batch: Batch) -> tuple[float, torch.Tensor | None]:
@@ -197,24 +209,21 @@ def heatmap_of(result: SortResult, cfg: SortConfig) -> object:
     return render_attention_map(result.weights, outputs, inputs, title=title, rows="sorted output", columns="input")
 
 
-def save_heatmap(image: object, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="PNG")
-    return path
-
-
 def check_heatmap(path: str | Path) -> None:
-    """ValueError in one line when the heatmap could not be written at path (a folder there, a file where a folder
-    must be, a folder that cannot be written), so that it is refused before training rather than after."""
-    path = Path(path)
+    """ValueError in one line when the heatmap could not be written at path (a name Pillow cannot write, a folder
+    there, a file it must not replace, a file where a folder must be, a folder that cannot be written), so that it
+    is refused before training rather than after."""
     refuse = f"--heatmap: cannot write the heatmap '{shown(str(path))}'"
-    if path.is_dir():
-        raise ValueError(f"{refuse}: it is a folder; give a file name such as {path / 'sort.png'}")
+    if not str(path):
+        raise ValueError("--heatmap is empty; give the picture's file name, such as sort.png (or leave it out)")
+    try:
+        path, _ = picture_target(path)
+    except ValueError as e:
+        raise ValueError(f"{refuse}: {e}") from None
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{refuse}: the file there cannot be written; give another path")
     above = path.parent
-    while not above.exists() and above != above.parent:  # save_heatmap creates the missing folders
+    while not above.exists() and above != above.parent:  # write_picture creates the missing folders
         above = above.parent
     if not above.is_dir():
         raise ValueError(f"{refuse}: '{shown(str(above))}' is a file, not a folder; give another path")
@@ -258,26 +267,54 @@ def log_result(writer: object, result: SortResult, image: object | None, cfg: So
 def parser() -> OneLineParser:
     p = OneLineParser(prog="python -m lab sort", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gru", help="gru (default) or transformer")
-    p.add_argument("--score", default="additive", help="GRU attention score: additive (default) or dot")
+    p.add_argument("--score", default=None, help="GRU attention score: additive (default) or dot")
     p.add_argument("--no-attention", action="store_true", help="GRU without attention: the bottleneck")
-    p.add_argument("--length", type=int, default=8, help="digits per sequence (default 8)")
+    p.add_argument("--length", type=int, default=None, help="digits per sequence (default 8)")
     p.add_argument("--digits", type=int, default=10, help="alphabet size (default 10: digits 0-9)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 400 GRU, 600 transformer)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heatmap", default=None, help="PNG to write (default sort_<model>_<attention>.png)")
+    p.add_argument("--heatmap", default=None,
+                   help="the picture to write, in the format its extension names, PNG without one (default "
+                        "sort_<model>_<attention>.png)")
     p.add_argument("--logdir", default=None, help="also log loss, accuracy and the heatmap to TensorBoard here")
     p.add_argument("--bottleneck", action="store_true",
                    help="print accuracy by length with and without attention (GRU) instead of one run")
-    p.add_argument("--lengths", type=int, nargs="+", default=[8, 16], help="lengths for --bottleneck")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for --bottleneck (default 8 16)")
     return p
+
+
+def contradiction(args: object) -> str | None:
+    """What in the options asks for something the run would not do (a flag it would ignore), in words; or None."""
+    given = {name for name in ("score", "length", "lengths", "heatmap", "logdir") if getattr(args, name) is not None}
+    if args.bottleneck:
+        if args.model == "transformer":
+            return "--bottleneck compares the GRU with and without attention; leave out --model transformer"
+        if args.no_attention:
+            return "--bottleneck runs the GRU both with and without attention; leave out --no-attention"
+        for name, why in (("length", "takes its lengths from --lengths"), ("heatmap", "prints a table and draws no "
+                          "heatmap"), ("logdir", "prints a table and logs nothing to TensorBoard")):
+            if name in given:
+                return f"--bottleneck {why}; leave out --{name}"
+        return None
+    if "lengths" in given:
+        return "--lengths is for --bottleneck's table; give one run its length with --length"
+    if "score" in given and args.model == "transformer":
+        return ("--score is the GRU's attention score, and the transformer's attention is its own (scaled dot "
+                "product); leave out --score")
+    if "score" in given and args.no_attention:
+        return "--score scores the GRU's attention, which --no-attention leaves out; give one of them"
+    if "heatmap" in given and args.no_attention:
+        return "--no-attention has no attention to draw a heatmap of; leave out --heatmap"
+    return None
 
 
 def config_from(args: object) -> SortConfig:
     transformer = args.model == "transformer"
     return SortConfig(
-        model=args.model, length=args.length, digits=args.digits, score=args.score,
+        model=args.model, length=args.length if args.length is not None else 8, digits=args.digits,
+        score=args.score if args.score is not None else "additive",
         attention=not args.no_attention, batch_size=args.batch_size, seed=args.seed,
         steps=args.steps if args.steps is not None else (600 if transformer else 400),
         learning_rate=args.lr if args.lr is not None else (1e-3 if transformer else 3e-3),
@@ -294,21 +331,44 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
+        if (wrong := contradiction(args)) is not None:
+            raise ValueError(wrong)
+        if args.logdir == "":
+            raise ValueError("--logdir is empty; give the folder for TensorBoard's logs (or leave it out)")
         cfg = config_from(args)
-        if args.bottleneck and min(args.lengths) < 1:
-            raise ValueError(f"--lengths must be at least 1, got {min(args.lengths)}")
+        lengths = args.lengths if args.lengths is not None else [8, 16]
+        if args.bottleneck and min(lengths) < 1:
+            raise ValueError(f"--lengths must be at least 1, got {min(lengths)}")
         # before any allocation: the longest run, where the kernel would otherwise step in (or torch, in a traceback)
-        check_memory(replace(cfg, model="gru", length=max(args.lengths)) if args.bottleneck else cfg)
+        check_memory(replace(cfg, model="gru", length=max(lengths)) if args.bottleneck else cfg)
+        heatmap = args.heatmap if args.heatmap is not None else default_heatmap(cfg)
         if not args.bottleneck and not args.no_attention:  # the runs that draw a heatmap
-            check_heatmap(args.heatmap or default_heatmap(cfg))
+            check_heatmap(heatmap)
         writer = None if args.bottleneck else tensorboard_writer(args.logdir)
     except ValueError as e:
         p.error(str(e))
+    try:
+        code = report(args, cfg, lengths, heatmap, writer)
+        sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
+        return code
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as command-line tools do
+        discard_stdout()
+        return 0
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF) or e.filename is not None:  # not stdout's
+            raise
+        discard_stdout()
+        print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
+        return 1
+
+
+def report(args: object, cfg: SortConfig, lengths: list[int], heatmap: str, writer: object | None) -> int:
+    """Run what args ask (a table for --bottleneck, or one run, its heatmap and its logs) and print the results."""
     if args.bottleneck:
         print(f"exact-sequence accuracy on {cfg.eval_size} held-out sequences of digits 0-{cfg.digits - 1}, "
               f"GRU, {cfg.steps} steps of {cfg.batch_size}, {cfg.score} attention vs the final state alone")
         print("length  attention  no attention")
-        for length, with_attn, without in bottleneck_table(cfg, args.lengths):
+        for length, with_attn, without in bottleneck_table(cfg, lengths):
             print(f"{length:>6}  {with_attn:>9.1%}  {without:>12.1%}", flush=True)
         return 0
     result = run(cfg, writer)
@@ -318,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     image = heatmap_of(result, cfg) if result.weights is not None else None
     if image is not None:
         try:
-            path = save_heatmap(image, args.heatmap or default_heatmap(cfg))
-        except OSError as e:
-            print(f"error: cannot write the heatmap '{e.filename}' ({e.strerror}); give another --heatmap path",
+            path = write_picture(image, heatmap)
+        except (OSError, ValueError) as e:  # what changed there since the check before training
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"error: cannot write the heatmap '{shown(heatmap)}' ({reason}); give another --heatmap path",
                   file=sys.stderr)
             return 2
         print(f"heatmap: {path}")

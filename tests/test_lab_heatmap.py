@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from lab.heatmap import (
     grid_layout,
     image_format,
     log_image,
+    picture_target,
     render_attention_grid,
     save_attention_map,
 )
@@ -276,3 +279,45 @@ def test_a_failed_write_leaves_no_half_picture(tmp_path: Path):
     with pytest.raises(OSError, match="cannot write mode RGB as XBM"):
         save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / "a.xbm")
     assert list(tmp_path.iterdir()) == []
+
+
+def _loop(folder: Path) -> Path:
+    (folder / "loop1").symlink_to(folder / "loop2")
+    (folder / "loop2").symlink_to(folder / "loop1")
+    return folder / "loop1"
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda t: (t / "ckpt.png").write_bytes(b"PK\x03\x04 a checkpoint"), "a file that is not a picture is there"),
+    (lambda t: (t / "no_extension").write_text("12345\n"), "a file that is not a picture is there"),  # a run's .lock
+    (lambda t: os.mkfifo(t / "fifo.png"), "it is not a plain file (a device, a pipe or a socket)"),
+    (lambda t: (t / "folder.png").mkdir(), "it is a folder; give a file name such as"),
+    (lambda t: _loop(t), "a loop of symbolic links is on the way there"),
+])
+def test_a_picture_never_replaces_what_is_not_a_picture(tmp_path: Path, make, says):
+    # The picture is renamed over its path: over a checkpoint or a run's .lock named by a slip of the command line,
+    # or over /dev/null itself for a run as root, which sample.py --attention-map and lab sort --heatmap both did.
+    make(tmp_path)
+    before = {p.name: (p.is_symlink(), p.is_file() and p.read_bytes()) for p in tmp_path.iterdir()}
+    (name,) = before if len(before) == 1 else ["loop1"]
+    target = tmp_path / name / "x.png" if name == "loop1" else tmp_path / name
+    with pytest.raises(ValueError, match=re.escape(says)):
+        picture_target(target)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        save_attention_map(tiny(), ids_of("hear me"), VOCAB, target)
+    assert {p.name: (p.is_symlink(), p.is_file() and p.read_bytes()) for p in tmp_path.iterdir()} == before
+
+
+def test_a_picture_replaces_a_picture_or_an_empty_file_and_writes_through_a_link(tmp_path: Path):
+    Image.new("RGB", (2, 2)).save(tmp_path / "old.png")
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "link.png").symlink_to(tmp_path / "old.png")
+    for name in ("old.png", "empty.png"):
+        assert save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name) == tmp_path / name
+        with Image.open(tmp_path / name) as image:
+            assert image.size != (2, 2)
+    Image.new("RGB", (2, 2)).save(tmp_path / "old.png")
+    assert save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / "link.png") == tmp_path / "old.png"
+    assert (tmp_path / "link.png").is_symlink()  # the link stays; the picture it leads to is the new one
+    with Image.open(tmp_path / "link.png") as image:
+        assert image.size != (2, 2)

@@ -136,16 +136,81 @@ def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, 
     assert says in err
 
 
-def test_a_run_without_attention_draws_no_heatmap_so_its_path_is_not_checked(tmp_path, capsys):
-    (tmp_path / "file").write_text("")
-    assert main(["--steps", "1", "--batch-size", "4", "--no-attention", "--heatmap", str(tmp_path / "file/x.png")]) == 0
+def test_a_run_without_attention_draws_no_heatmap(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--steps", "1", "--batch-size", "4", "--no-attention"]) == 0
+    assert "heatmap" not in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--bottleneck", "--model", "transformer"], "--bottleneck compares the GRU with and without attention; leave out "
+                                                 "--model transformer"),
+    (["--bottleneck", "--no-attention"], "leave out --no-attention"),
+    (["--bottleneck", "--length", "4"], "--bottleneck takes its lengths from --lengths; leave out --length"),
+    (["--bottleneck", "--heatmap", "x.png"], "--bottleneck prints a table and draws no heatmap; leave out --heatmap"),
+    (["--bottleneck", "--logdir", "logs"], "leave out --logdir"),
+    (["--lengths", "3", "4"], "--lengths is for --bottleneck's table; give one run its length with --length"),
+    (["--model", "transformer", "--score", "dot"], "--score is the GRU's attention score"),
+    (["--no-attention", "--score", "dot"], "--score scores the GRU's attention, which --no-attention leaves out"),
+    (["--no-attention", "--heatmap", "x.png"], "--no-attention has no attention to draw a heatmap of"),
+    (["--logdir", ""], "--logdir is empty"),
+    (["--heatmap", ""], "--heatmap is empty"),
+    (["--seed", str(2**64)], "seed must fit in a signed 64-bit integer, got 18446744073709551616"),
+    (["--seed", str(-(2**63) - 1)], "seed must fit in a signed 64-bit integer"),
+    (["--lr", "1e39"], "learning_rate must be at most float32's largest number"),
+])
+def test_options_the_run_would_ignore_or_cannot_take_are_one_line_before_training(argv, says, capsys, monkeypatch,
+                                                                                   tmp_path):
+    # Each was ignored without a word (a GRU measured where a transformer was asked for, an empty --logdir taken as
+    # TensorBoard's default folder), or a traceback (a seed or learning rate that overflows inside torch).
+    monkeypatch.chdir(tmp_path)
+    err = refused_before_training(["--steps", "1", *argv], monkeypatch, capsys)
+    assert says in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_largest_seed_runs_its_held_out_seed_wrapping_around(tmp_path):
+    cfg = SortConfig(seed=2**63 - 1)
+    assert cfg.held_out_seed() == -(2**63) and SortConfig(seed=5).held_out_seed() == 6
+    argv = ["--steps", "1", "--batch-size", "4", "--seed", str(2**63 - 1), "--heatmap", str(tmp_path / "h.png")]
+    assert main(argv) == 0  # it trained, then failed in held_out with an overflow
+
+
+def test_the_heatmap_is_written_in_its_names_format_and_never_over_a_file_that_is_not_a_picture(tmp_path, capsys,
+                                                                                                monkeypatch):
+    # It was PNG bytes whatever the name (a .jpg, a .txt, a checkpoint's best.pt), written straight over the path.
+    (tmp_path / "model").write_bytes(b"PK\x03\x04 a checkpoint without an extension")
+    err = refused_before_training(["--steps", "1", "--heatmap", str(tmp_path / "model")], monkeypatch, capsys)
+    assert "a file that is not a picture is there" in err
+    assert (tmp_path / "model").read_bytes() == b"PK\x03\x04 a checkpoint without an extension"
+    err = refused_before_training(["--steps", "1", "--heatmap", str(tmp_path / "best.pt")], monkeypatch, capsys)
+    assert "Pillow cannot write '.pt' pictures" in err
+    monkeypatch.undo()
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / "h.jpg")]) == 0
+    with Image.open(tmp_path / "h.jpg") as image:
+        assert image.format == "JPEG"
+
+
+@pytest.mark.parametrize("reader", ["closed early", "a full disk"])
+def test_a_stdout_that_goes_away_or_fills_up_is_not_a_traceback(tmp_path, reader):
+    command = [sys.executable, "-m", "lab", "sort", "--steps", "1", "--batch-size", "4", "--heatmap",
+               str(tmp_path / "h.png")]
+    if reader == "a full disk":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert done.returncode == 1 and done.stderr == "error: cannot write to stdout (No space left on device)\n"
+        return
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.close()  # as `| head -c 0` does: the results have no reader
+    assert child.wait(timeout=120) == 0
+    assert child.stderr.read() == ""
 
 
 def test_a_heatmap_that_cannot_be_written_after_training_is_still_one_line(tmp_path, capsys, monkeypatch):
     def failing(image, path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(lab.sort, "save_heatmap", failing)
+    monkeypatch.setattr(lab.sort, "write_picture", failing)
     assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(tmp_path / "map.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the heatmap") and err.count("\n") == 1

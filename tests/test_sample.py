@@ -278,6 +278,25 @@ def test_an_attention_map_is_written_in_the_format_its_name_says(run, tmp_path):
     assert line.endswith("map.xyz': Pillow cannot write '.xyz' pictures; name it .png (or .jpg, .webp, .gif, ...)")
 
 
+def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, run_dir, tmp_path):
+    # Written to a temporary file renamed over its path, the picture replaced whatever was there: the checkpoint being
+    # sampled (named without an extension, so as PNG), a run's .lock, a named pipe, a device, a symbolic link.
+    shutil.copyfile(run_dir / "best.pt", tmp_path / "model")
+    os.mkfifo(tmp_path / "pipe")
+    for name, says in (("model", "a file that is not a picture is there"), ("pipe", "it is not a plain file")):
+        line = one_error_line(run("--checkpoint", str(tmp_path / "model"), "--attention-map", str(tmp_path / name)))
+        assert f"--attention-map '{tmp_path / name}': {says}" in line
+    assert (tmp_path / "model").read_bytes() == (run_dir / "best.pt").read_bytes() and (tmp_path / "pipe").is_fifo()
+    # a link to a picture stays a link: the picture it leads to is written
+    Image.new("RGB", (2, 2)).save(tmp_path / "old.png")
+    (tmp_path / "map.png").symlink_to(tmp_path / "old.png")
+    code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "0", "--attention-map", str(tmp_path / "map.png"))
+    assert code == 0, err
+    assert (tmp_path / "map.png").is_symlink()
+    with Image.open(tmp_path / "old.png") as image:
+        assert image.size != (2, 2)
+
+
 def test_an_attention_map_too_large_for_one_character_is_refused_before_the_model_is_built(run, monkeypatch,
                                                                                            tmp_path):
     import lab.heatmap
