@@ -46,7 +46,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training.config import COMPILE
     from training.devices import DeviceError, resolve_device
     from training.errors import UsageError, path_error, path_message
-    from training.logger import discard_stdout
+    from training.logger import discard_stdout, stderr_kept_open
     from training.memory import MemoryNeed, check_fits, model_need, text_bytes
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -236,6 +236,7 @@ def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_char
 
 
 def main(argv: list[str] | None = None) -> int:
+    stderr_kept_open()
     args = parse_args(argv)
     if sys.stdout is None:  # started with stdout closed (`>&-`): the samples would go nowhere
         print("error: stdout is closed, and the samples are written there; redirect it to a file (> out.txt) or to "

@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {given}; the commands are: {', '.join(COMMANDS)} (see python -m lab --help)", file=sys.stderr)
         return 2
     from lab import sort  # imported only when run: torch and the models are slow to load for --help
+    from training.logger import stderr_kept_open
 
+    stderr_kept_open()
     return sort.main(argv[1:])
 
 

@@ -537,3 +537,13 @@ def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_n
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before  # Python's own handling is back
+
+
+def test_a_closed_stderr_keeps_the_messages_out_of_the_samples(run_dir):
+    # Started with stderr closed (`2>&-`), Python leaves sys.stderr None, and print(file=None) writes to stdout: the
+    # checkpoint's line went into the samples. Now the messages go to /dev/null and stdout holds only the text.
+    done = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--out-dir", str(run_dir), "--device", "cpu",
+                           "--prompt", "the", "--max-new-tokens", "30"], stdout=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.close(2), timeout=120, check=False)
+    assert done.returncode == 0
+    assert done.stdout.startswith("the") and len(done.stdout) == len("the") + 30 + 1  # the text and its newline

@@ -85,6 +85,25 @@ def _quiet_tensorboard_thread(hook: Callable) -> Callable:
     return quiet
 
 
+def stderr_kept_open() -> None:
+    """For a process started with stderr closed (`2>&-`): point descriptor 2 and sys.stderr at /dev/null. Python
+    leaves sys.stderr None there, and print(file=None) writes to stdout: sample.py's messages went into the samples.
+    Left closed, descriptor 2 would also be the next file opened (an attention map being written, say), and whatever
+    the libraries write to stderr would go into it."""
+    try:
+        os.fstat(2)
+        closed = False
+    except OSError:
+        closed = True
+    if closed:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 2:
+            os.dup2(devnull, 2)
+            os.close(devnull)
+    if closed or sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's own stderr, open until it ends
+
+
 def discard_stdout() -> None:
     """Point stdout at /dev/null, so that nothing written later, nor the flush at exit, fails on a closed pipe."""
     devnull = os.open(os.devnull, os.O_WRONLY)
