@@ -88,6 +88,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     CheckpointError."""
     path = Path(path)
     if not path.exists():
+        if path.is_symlink():  # exists() follows the link: it leads nowhere, or round in a loop
+            raise CheckpointError(f"{quoted(path)} is a symbolic link that leads to no file (its target is missing, or "
+                                  f"the links go round in a loop); give the checkpoint's own path")
         raise CheckpointError(f"no checkpoint at {quoted(path)}; train one first with `python train.py`")
     if path.is_dir():
         raise CheckpointError(f"{quoted(path)} is a directory, not a checkpoint file")
@@ -113,8 +116,12 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"refusing to load {quoted(path)}: it holds Python objects, not just plain data (tensors, numbers, "
             f"strings, lists, dicts); only load checkpoints tinychar wrote") from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        detail = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__  # a bare KeyError reads '101'
+        text = str(e).strip()
+        if "legacy .tar format" in text:  # torch's advice about weights_only and its old format, for any non-zip bytes
+            detail = "it is not a zip archive, as torch.save writes one"
+        else:
+            first = first_sentence(text.splitlines()[0]) if text else ""
+            detail = f"{type(e).__name__}: {first}" if first else type(e).__name__  # a bare KeyError reads '101'
         raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): "
                               f"{detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -130,6 +137,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         if key not in payload:
             raise CheckpointError(f"checkpoint {quoted(path)} lacks '{key}'; it is damaged or from another program")
     return payload
+
+
+def first_sentence(text: str, limit: int = 160) -> str:
+    """text up to the end of its first sentence, and at most limit characters of it, cut at a word ('...')."""
+    end = text.find(". ")
+    text = text if end < 0 else text[: end + 1]
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def check_archive(path: Path) -> None:

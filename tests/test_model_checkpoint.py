@@ -327,3 +327,31 @@ def test_a_damaged_description_is_refused(saved, tmp_path, change, fragment):
     path = tmp_path / "damaged.pt"
     save_checkpoint(payload, path)
     assert fragment in refusal(path)
+
+
+def test_a_link_that_leads_nowhere_is_named_as_such_not_as_a_missing_checkpoint(tmp_path):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "dangling.pt").symlink_to(tmp_path / "gone.pt")
+    for name in ("loop1", "dangling.pt"):
+        with pytest.raises(CheckpointError, match="is a symbolic link that leads to no file"):
+            load_checkpoint(tmp_path / name)
+
+
+def test_a_file_of_zeros_is_not_sent_to_torchs_advice_about_its_legacy_format(tmp_path):
+    (tmp_path / "zeros.pt").write_bytes(bytes(4096))  # as a sparse file of zeros reads
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "zeros.pt")
+    assert str(e.value).endswith("(truncated or not a checkpoint): it is not a zip archive, as torch.save writes one")
+
+
+def test_torchs_long_reasons_are_cut_at_their_first_sentence(saved, monkeypatch):
+    # a truncated archive's reason, as torch gives it: it was cut at 160 characters, mid-word
+    reason = ("PytorchStreamReader failed reading zip archive: failed reading file data. This is an internal miniz "
+              "error. If you are seeing this error, there is a high chance that your checkpoint file is corrupted")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(reason)))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(saved[1])
+    assert str(e.value).endswith("RuntimeError: PytorchStreamReader failed reading zip archive: failed reading file "
+                                 "data.")
+    assert checkpoint_module.first_sentence("word " * 50) == ("word " * 32).strip() + " ..."  # 160 characters, at a word
