@@ -48,6 +48,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training.errors import UsageError, path_error, path_message
     from training.logger import discard_stdout, stderr_kept_open
     from training.memory import MemoryNeed, check_fits, model_need, text_bytes
+    from training.signals import interrupting
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -456,6 +457,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         try:
             sampler.warm_up(len(batch), device)
         except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
+            if (stop := interrupting(e)) is not None:  # Ctrl-C while compiling, which the compiler reported as its own
+                raise stop from None
             why = engine.compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({engine.one_line(e)})"
             print(f"{why}; sampling eagerly", file=sys.stderr)
             sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)

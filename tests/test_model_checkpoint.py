@@ -354,4 +354,5 @@ def test_torchs_long_reasons_are_cut_at_their_first_sentence(saved, monkeypatch)
         load_checkpoint(saved[1])
     assert str(e.value).endswith("RuntimeError: PytorchStreamReader failed reading zip archive: failed reading file "
                                  "data.")
-    assert checkpoint_module.first_sentence("word " * 50) == ("word " * 32).strip() + " ..."  # 160 characters, at a word
+    # at most 160 characters, cut at a word
+    assert checkpoint_module.first_sentence("word " * 50) == ("word " * 32).strip() + " ..."

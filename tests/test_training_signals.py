@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, needs_cpu_compile, tiny_overrides
 from test_train import bitwise_equal, child_env, logged_losses, weights
 from training_runs import (
     RESUME_KEYS,
@@ -155,6 +155,33 @@ def test_a_signal_stops_a_real_run_promptly_with_a_checkpoint_and_a_resume_line(
                                  env=child_env(), capture_output=True, text=True, timeout=120, check=False)
         assert resumed.returncode == 0, resumed.stderr
         assert load_checkpoint(out / "ckpt.pt")["step"] == step + 2
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_step_compiles_stops_the_run_instead_of_training_on(tmp_path, signum):
+    # Raised inside torch.compile, the signal's exception came back as a compiler failure ("cannot compile here
+    # (InductorError: Interrupted: signal 15); training without compiling") and the run trained to its last step,
+    # exit 0; or inductor swallowed it whole (raised in a weak reference's callback, printed as "Exception ignored")
+    # and went on compiling and training.
+    out, log, cache = tmp_path / "out", tmp_path / "log.txt", tmp_path / "cache"
+    env = {**child_env(), "XDG_CACHE_HOME": str(cache), "TINYCHAR_CACHE_DIR": str(cache)}  # cold: seconds to compile
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **SIGNAL_KEYS), "train.compile=true"]
+    with log.open("w", encoding="utf-8") as f:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
+    wait_for(log, r"^engine: compiling the training step", proc)
+    time.sleep(2)
+    proc.send_signal(signum)
+    code = proc.wait(timeout=120)  # at the latest when compiling ends (if the compiler swallowed the signal)
+    text = log.read_text(encoding="utf-8")
+    assert code == 128 + signum, text
+    name = signal.Signals(signum).name
+    assert text.splitlines()[-1] == f"interrupted ({name}) before training started; nothing was saved", text
+    assert "Traceback" not in text and "Exception ignored" not in text and "cannot compile" not in text, text
+    assert not (out / "ckpt.pt").exists() and not (out / "best.pt").exists()
 
 
 def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):

@@ -37,6 +37,7 @@ from .compile_cache import (
 from .compiled_step import CompiledStep
 from .config import TrainConfig
 from .errors import UsageError
+from .signals import interrupting
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -285,8 +286,12 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     try:
         seconds = step.warm_up(xs, ys)
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
+        if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
+            raise stop from None
         say(f"engine: {compile_failed(e)}; training without compiling")
         return
+    if (stop := interrupting()) is not None:  # a signal the compiler swallowed: it compiled to the end regardless
+        raise stop
     remember_compile(key, seconds, cold=before is None)
     trainer.compiled_step, trainer.engine = step, "compiled"
     say(f"engine: compiled in {seconds:.1f} s (compile cache: {folder})")

@@ -4,6 +4,7 @@ before the loop at once."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Any, Self
 
@@ -61,4 +62,44 @@ class InterruptSignals(StopSignals):
     that SIGTERM there ends the run with a line and status 143 as it does during training."""
 
     def _handle(self, signum: int, frame: object) -> None:
+        InterruptSignals.received = signum
         raise Interrupted(signum)
+
+    received: int | None = None  # the last signal that interrupted, for interrupting() to find behind a library
+
+    def __enter__(self) -> Self:
+        InterruptSignals.received = None
+        # Raised inside a callback Python calls on its own (a weak reference's, as torch.compile's caches keep), the
+        # exception cannot stop anything and Python prints it as "Exception ignored in ...", a traceback: leave it
+        # unsaid, the signal is in `received`.
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._quiet_about_interrupts
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        InterruptSignals.received = None  # what it received belongs to the work it guarded
+        sys.unraisablehook = self._unraisable
+        super().__exit__(*exc)
+
+    def _quiet_about_interrupts(self, unraisable: sys.UnraisableHookArgs) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            self._unraisable(unraisable)
+
+
+def interrupting(e: BaseException | None = None) -> BaseException | None:
+    """The stop that e stands for, or None: e itself, or what it was raised from or while handling, when that is
+    Interrupted or a KeyboardInterrupt. A library may catch the exception a signal raised inside it and raise its own
+    (torch.compile reports "BackendCompilerFailed: ... Interrupted: signal 15"), which must not pass for a failure of
+    that library: the person asked the program to stop. A library may also swallow it whole (inductor, waiting on its
+    compiling processes when the signal came, compiled on and returned): so a signal InterruptSignals received since
+    it was entered counts as well, with e or without."""
+    seen: set[int] = set()
+    link: BaseException | None = e
+    while link is not None and id(link) not in seen:
+        if isinstance(link, Interrupted | KeyboardInterrupt):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    if InterruptSignals.received is not None:
+        return Interrupted(InterruptSignals.received)
+    return None
