@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if (why := compile_cache.user_cache_problem()) is not None:  # where sampling compiles, and where it looks
+        raise UsageError(why)
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {number(args.num_samples)}")
     if args.max_new_tokens < 0:

@@ -187,6 +187,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "x\\ny' holds no best.pt or ckpt.pt"),
     ("resume-without-a-run-newline-in-path", "train", lambda c: ["--resume", "--out-dir", str(_folder(c, "x\ny"))],
      "nothing to resume: no '"),
+    # --- an empty --config (`--config "$CFG"`, CFG unset) trained on configs/tiny.yaml
+    ("config-empty", "train", lambda c: ["--config", "", f"out_dir={c.run}"], "--config is empty; give a config file"),
 ]
 
 

@@ -121,3 +121,22 @@ def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
     compile_cache.prepare_compile()
     assert inductor_config.cpp.vec_isa_ok is False
+
+
+def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_out_dir_is_touched(monkeypatch, tmp_path,
+                                                                                                  capsys):
+    # It was a 30-line traceback (Path.expanduser's "Could not determine home directory"), with the fresh out_dir
+    # already claimed, holding .lock and config.yaml; sample.py failed the same way.
+    import sample
+    import train
+
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", "~nosuchuser-of-tinychar/cache")
+    line = ("error: TORCHINDUCTOR_CACHE_DIR='~nosuchuser-of-tinychar/cache' starts with ~nosuchuser-of-tinychar, the "
+            "home of a user this machine does not know; give the folder's full path, or unset it\n")
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    assert train.main(["--config", tiny, f"out_dir={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err == line and not (tmp_path / "out").exists()
+    assert sample.main(["--checkpoint", str(tmp_path / "any.pt")]) == 2
+    assert capsys.readouterr().err == line
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "cache"))
+    assert compile_cache.user_cache_problem() is None

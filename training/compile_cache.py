@@ -67,6 +67,9 @@ def compile_cache_dir() -> Path:
     tag = machine_tag(torch.backends.cpu.get_cpu_capability(), cpu_vector_flags())
     explicit = _USER_CACHE
     if explicit:
+        why = user_cache_problem()
+        if why is not None:
+            raise ValueError(why)
         # A folder shared by machines of different CPUs (a home folder on a cluster's file system, say) must not mix
         # their code, any more than tinychar's own: see VECTOR_FLAG_PREFIXES.
         folder = Path(explicit).expanduser()
@@ -76,6 +79,20 @@ def compile_cache_dir() -> Path:
     except (RuntimeError, KeyError):  # no home at all
         base = Path(tempfile.gettempdir())
     return base / "tinychar" / "compiled" / tag
+
+
+def user_cache_problem() -> str | None:
+    """Why $TORCHINDUCTOR_CACHE_DIR cannot name a folder, in words (for one line, before a run touches its out_dir),
+    or None: a ~user whose home this machine does not know, which Path.expanduser meets with a RuntimeError."""
+    if not _USER_CACHE:
+        return None
+    try:
+        Path(_USER_CACHE).expanduser()
+    except RuntimeError:
+        user = _USER_CACHE.split("/", 1)[0]
+        return (f"TORCHINDUCTOR_CACHE_DIR={_USER_CACHE!r} starts with {user}, the home of a user this machine does "
+                f"not know; give the folder's full path, or unset it")
+    return None
 
 
 # Inductor's cache does not tell code built for one vector instruction set from code built for another: measured

@@ -131,6 +131,8 @@ class RunConfig:
 
 def load_config(config_path: str | None, overrides: list[str], base: dict | None = None) -> RunConfig:
     """Config file (or ``base``, a saved run config) plus dotted overrides -> validated RunConfig."""
+    if config_path == "":  # `--config "$CFG"` with CFG unset: not a request for the default config
+        raise ConfigError(f"--config is empty; give a config file, such as {DEFAULT_CONFIG} (or leave --config out)")
     path = config_path or DEFAULT_CONFIG
     if config_path is None and not Path(path).exists():  # run from another folder: the one beside this script
         path = str(_PROJECT / DEFAULT_CONFIG)

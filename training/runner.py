@@ -17,6 +17,7 @@ from model import build_model
 
 from . import distributed
 from .checkpoints import restore_best
+from .compile_cache import user_cache_problem
 from .config import RunConfig
 from .devices import matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -122,6 +123,8 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
         device = distributed.rank_device(tc.device, launch)
         dtype = resolve_dtype(tc.dtype, device, cfg.model.n_embd)
         warm_enabled()  # a bad TINYCHAR_WARM_CACHE is one line before out_dir is touched
+        if (why := user_cache_problem()) is not None:  # and so is a TORCHINDUCTOR_CACHE_DIR that names no folder
+            raise UsageError(why)
         if tc.threads:
             torch.set_num_threads(tc.threads)
         elif launch.torchrun:  # torchrun gives each process one thread unless OMP_NUM_THREADS says otherwise
