@@ -74,6 +74,15 @@ def _weights_only(payload: dict) -> None:
         payload.pop(key)
 
 
+def _nan_training_weights(payload: dict) -> None:
+    payload["training_weights"] = {k: torch.full_like(v, float("nan")) for k, v in payload["model"].items()}
+
+
+def _only_best(c: Case) -> list[str]:
+    (c.run / "ckpt.pt").unlink()  # train.py without --resume refuses the folder, which holds a run (best.pt)
+    return ["--resume", "--out-dir", str(c.run)]
+
+
 def _foreign(path: Path) -> None:
     torch.save({"state_dict": {"weight": torch.zeros(2, 2)}, "epoch": 3}, path)
 
@@ -159,6 +168,15 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-vocab-not-the-weights", "train", lambda c: c.resume(_shrink_vocab), "is inconsistent"),
     ("resume-weights-only", "train", lambda c: c.resume(_weights_only), "holds weights only"),
     ("resume-lost-rng", "train", lambda c: c.resume(lambda p: p.pop("rng")), "lacks rng"),
+    # a ZeroDivisionError after restore_best had copied the checkpoint over best.pt; an AttributeError; a divergence
+    ("resume-negative-step", "train", lambda c: c.resume(lambda p: p.update(step=-5)), "has a damaged step (-5"),
+    ("resume-optimizer-not-a-mapping", "train", lambda c: c.resume(lambda p: p.update(optimizer="x")),
+     "has a damaged optimizer state"),
+    ("resume-nan-training-weights", "train", lambda c: c.resume(_nan_training_weights), "has damaged training weights"),
+    ("resume-unknown-key-saved", "train", lambda c: c.resume(lambda p: p["config"]["train"].update(foo=1)),
+     "unknown config key 'train.foo' (in the config saved in '"),
+    ("resume-only-best-pt", "train", lambda c: _only_best(c), "only best.pt, the run's best step; to continue from "
+     "that step, copy it: cp "),
     ("resume-changed-data", "train", lambda c: c.resume(None, "data.val_fraction=0.2"), "data.val_fraction"),
     ("resume-changed-model", "train", lambda c: c.resume(None, "model.dropout=0.3"), "model.dropout"),
     # --- prompts and sampling options

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 import torch
 
 from configs import apply_overrides, flatten, to_dict
-from configs.userinput import shown
+from configs.userinput import shell_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
 from model.checkpoint import ASIDE, FORMAT, VERSION, error_reasons
@@ -169,6 +169,21 @@ def check_training_state(payload: dict, path: Path) -> None:
     rng = payload["rng"]
     if not isinstance(payload["config"], dict) or not isinstance(rng, dict) or not {"torch", "batches"} <= set(rng):
         raise CheckpointError(f"'{shown(str(path))}' has a damaged run config or RNG state; it cannot be resumed")
+    # Checked here, before anything is written: a step of -5 divided by zero in the weight average's warm-up after
+    # restore_best had already copied the checkpoint over best.pt, and an optimizer state that is no dict was an
+    # AttributeError from torch.
+    step = payload["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"'{shown(str(path))}' has a damaged step ({shown(repr(step)[:40])}: not a count of "
+                              f"steps); it cannot be resumed")
+    if not isinstance(payload["optimizer"], dict):
+        raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state (not a mapping); it cannot be "
+                              f"resumed")
+    trained = payload.get("training_weights")
+    if trained is not None and (not isinstance(trained, dict) or not all(
+            isinstance(t, torch.Tensor) and bool(torch.isfinite(t).all()) for t in trained.values())):
+        raise CheckpointError(f"'{shown(str(path))}' has damaged training weights (the weights its average was taken "
+                              f"of: not all finite numbers); it cannot be resumed")
 
 
 # What a checkpoint that does not fit the run it describes makes torch or the code below raise.
@@ -265,11 +280,15 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
         # claim_out_dir puts it back in place, under the run's lock, before this run writes anything.
         ckpt = aside
     if not ckpt.exists():
+        best = out_dir / "best.pt"
+        if best.is_file():  # a train.py without --resume would refuse the folder for holding a run: say what will do
+            raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
+                             f"continue from that step, copy it: cp {shell_word(str(best))} {shell_word(str(ckpt))}")
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
     payload = load_checkpoint(ckpt)
     check_training_state(payload, ckpt)
     if config is None:  # no config named: continue with the saved one
-        cfg = load_config(None, overrides, base=payload["config"])
+        cfg = load_config(None, overrides, base=payload["config"], origin=f"the config saved in '{shown(str(ckpt))}'")
     changes = check_resume_config(payload["config"], cfg)
     if recovered:
         changes.insert(0, f"the run that an interrupted --overwrite left in {ASIDE}/ is put back and continued")

@@ -129,15 +129,17 @@ class RunConfig:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
 
 
-def load_config(config_path: str | None, overrides: list[str], base: dict | None = None) -> RunConfig:
-    """Config file (or ``base``, a saved run config) plus dotted overrides -> validated RunConfig."""
+def load_config(config_path: str | None, overrides: list[str], base: dict | None = None,
+                origin: str | None = None) -> RunConfig:
+    """Config file (or ``base``, a saved run config, which origin names in messages) plus dotted overrides ->
+    validated RunConfig."""
     if config_path == "":  # `--config "$CFG"` with CFG unset: not a request for the default config
         raise ConfigError(f"--config is empty; give a config file, such as {DEFAULT_CONFIG} (or leave --config out)")
     path = config_path or DEFAULT_CONFIG
     if config_path is None and not Path(path).exists():  # run from another folder: the one beside this script
         path = str(_PROJECT / DEFAULT_CONFIG)
     mapping = base if base is not None else load_yaml(path)
-    where = "" if base is not None else f" (in {path})"
+    where = f" (in {path})" if base is None else f" (in {origin})" if origin else ""
     # A misspelt key or a wrong type in the file is the file's, whatever the overrides: reported before them. The
     # checks that tie values together run on the merged config only, since a file may leave a value to the command
     # line (data.path in a template) or have one fixed there (model.n_head); their messages say where each came from.
