@@ -175,6 +175,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-nan-training-weights", "train", lambda c: c.resume(_nan_training_weights), "has damaged training weights"),
     ("resume-unknown-key-saved", "train", lambda c: c.resume(lambda p: p["config"]["train"].update(foo=1)),
      "unknown config key 'train.foo' (in the config saved in '"),
+    ("resume-below-the-step", "train", lambda c: c.resume(None, "train.max_iters=1"),
+     "train.max_iters=1 is below step "),
     ("resume-only-best-pt", "train", lambda c: _only_best(c), "only best.pt, the run's best step; to continue from "
      "that step, copy it: cp "),
     ("resume-changed-data", "train", lambda c: c.resume(None, "data.val_fraction=0.2"), "data.val_fraction"),

@@ -279,8 +279,9 @@ def test_a_resume_without_a_config_checks_its_overrides_against_the_saved_run(tm
     assert load_checkpoint(run / "ckpt.pt")["config"]["train"]["min_lr"] == 0.05
     # checked against the saved run, a bad value is blamed on the command line and the saved config
     assert train.main(["--resume", "--out-dir", str(run), "train.min_lr=0.5"], progress=False) == 2
-    assert one_error_line(capsys.readouterr().err).endswith(
-        "(command line: train.min_lr=0.5; train.learning_rate as configured)")
+    line = one_error_line(capsys.readouterr().err)
+    assert "(command line: train.min_lr=0.5; train.learning_rate in the config saved in '" in line
+    assert line.endswith("/out/ckpt.pt')")
     # and a misspelt key is refused before anything is looked for
     assert train.main(["--resume", "--out-dir", str(tmp_path / "none"), "train.min_l=0.5"], progress=False) == 2
     assert "did you mean 'train.min_lr'" in one_error_line(capsys.readouterr().err)
@@ -432,3 +433,12 @@ def test_a_run_saved_with_both_data_path_and_dataset_resumes_on_its_data_path():
     saved = to_dict(cfg)
     saved["data"]["dataset"] = "shakespeare_char"  # as a run given data.dataset= over a file's data.path once saved
     assert check_resume_config(saved, cfg) == []
+
+
+def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):
+    # runs/a and runs/a/ were refused as contradicting each other
+    args = train.parse_args(["--out-dir", "runs/a", "out_dir=runs/a/", "out_dir=./runs/a"])
+    assert args.overrides[-1] == "out_dir=runs/a"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out-dir", "runs/a", "out_dir=runs/b"])
+    assert "contradict each other" in capsys.readouterr().err

@@ -290,6 +290,9 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if config is None:  # no config named: continue with the saved one
         cfg = load_config(None, overrides, base=payload["config"], origin=f"the config saved in '{shown(str(ckpt))}'")
     changes = check_resume_config(payload["config"], cfg)
+    if cfg.train.max_iters < payload["step"]:  # it would only evaluate and save the same step again, without a word
+        raise UsageError(f"train.max_iters={cfg.train.max_iters:,} is below step {payload['step']:,}, where "
+                         f"'{shown(str(ckpt))}' is; to train on, give a larger train.max_iters")
     if recovered:
         changes.insert(0, f"the run that an interrupted --overwrite left in {ASIDE}/ is put back and continued")
     return cfg, payload, changes
