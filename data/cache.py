@@ -1,6 +1,7 @@
 """The files of the encoded-corpus cache: an entry is `<stem>-<key>.ids` (the token ids) and `<stem>-<key>.json` (its
-meta: vocabulary, dtype, count, and the CRC-32 of the ids). An entry is trusted only once its ids file has the size
-and the checksum its meta says; written atomically (hidden partial files, renamed into place); pruned when stale.
+meta: vocabulary, dtype, count, the CRC-32 of the ids, and the CRC-32 of the rest of the meta). An entry is trusted
+only once its meta agrees with its own checksum, its ids file has the size and the checksum its meta says, and every
+id is one of its vocabulary; written atomically (hidden partial files, renamed into place); pruned when stale.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import secrets
 import stat
 import time
 import zlib
+from itertools import pairwise
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,8 +38,10 @@ STALE_PART_S = 3600.0
 def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[dict, Path, torch.Tensor] | None:
     """(meta, ids file, ids) of the first entry for key that is whole, its ids mapped; None when there is none.
 
-    An entry whose meta is sound but whose ids are not (the wrong size or checksum: a disk error, a stray write, a
-    copy cut short) is removed where possible, and said in damaged, so that it is encoded again, not trusted.
+    An entry of this format whose meta disagrees with itself (its own checksum, or a vocabulary that is no sorted
+    list of characters) or whose ids are not sound (the wrong size or checksum, or an id past the vocabulary: a disk
+    error, a stray write, a copy cut short) is removed where possible, and said in damaged, so that it is encoded
+    again, not trusted: a wrong vocabulary would give every id the wrong character, or an id no embedding has.
     """
     for folder in folders:
         meta_path, ids_path = folder / f"{stem}-{key}.json", folder / f"{stem}-{key}.ids"
@@ -49,11 +53,14 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
             continue
         if not sound:
             continue
-        mapped, why = _open_checked(ids_path, dtype, n_tokens, info["crc32"])
-        if mapped is not None:
-            return info, ids_path, mapped
+        damaged_path, why = meta_path, _meta_damage(info, dtype)
+        if not why:
+            mapped, why = _open_checked(ids_path, dtype, n_tokens, info["crc32"], len(info["chars"]))
+            if mapped is not None:
+                return info, ids_path, mapped
+            damaged_path = ids_path
         damaged.append(
-            f"data: the cached copy {quoted(ids_path, LOG_PATH)} was damaged ({why}); it has been encoded again"
+            f"data: the cached copy {quoted(damaged_path, LOG_PATH)} was damaged ({why}); it has been encoded again"
         )
         for path in (meta_path, ids_path):  # the meta first: without it, no one trusts the ids
             try:
@@ -63,8 +70,37 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
     return None
 
 
-def _open_checked(path: Path, dtype: np.dtype, n_tokens: int, crc: int) -> tuple[torch.Tensor | None, str]:
-    """(the ids, '') if the file at path holds n_tokens ids of dtype whose CRC-32 is crc; else (None, why not).
+def meta_checksum(info: dict) -> int:
+    """The CRC-32 of a meta, less its own "meta_crc32": the same for the dict written and the dict read back, as JSON
+    gives back the same strings, integers and lists it was given."""
+    rest = {name: value for name, value in info.items() if name != "meta_crc32"}
+    return zlib.crc32(json.dumps(rest, sort_keys=True).encode("ascii"))  # \u-escaped: ASCII whatever the paths
+
+
+def _meta_damage(info: dict, dtype: np.dtype) -> str:
+    """Why a meta of this format cannot be what the encoder wrote, in words; '' when nothing says so.
+
+    Entries written before metas carried "meta_crc32" have no checksum of their vocabulary, and are still read:
+    their vocabulary must be a sorted list of distinct characters, as every encoder wrote it, and _open_checked
+    then finds every id within it.
+    """
+    chars = info.get("chars")
+    if "meta_crc32" in info and info["meta_crc32"] != meta_checksum(info):
+        return "its meta does not match its own checksum"
+    if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+        return "its vocabulary is not a list of characters"
+    if any(a >= b for a, b in pairwise(chars)):
+        return "its vocabulary is not sorted, or holds a character twice"
+    if dtype.kind != "u":
+        return f"its ids are said to be {dtype.str}, not unsigned integers"
+    return ""
+
+
+def _open_checked(
+    path: Path, dtype: np.dtype, n_tokens: int, crc: int, n_chars: int
+) -> tuple[torch.Tensor | None, str]:
+    """(the ids, '') if the file at path holds n_tokens ids of dtype whose CRC-32 is crc, each below n_chars (the
+    size of the vocabulary); else (None, why not).
 
     The checksum is taken on the same open file that is then mapped, so what was checked is what is used.
     """
@@ -80,33 +116,49 @@ def _open_checked(path: Path, dtype: np.dtype, n_tokens: int, crc: int) -> tuple
         if st.st_size != expected:
             return None, f"it holds {st.st_size:,} bytes, not {expected:,}"
         try:
-            found = checksum(f)
+            found, top = scan(f, dtype)
             if found != crc:
                 return None, f"its CRC-32 is {found:08x}, not {crc:08x}"
+            if top >= n_chars:
+                return None, f"it holds id {top:,}, past the {n_chars:,} characters of the vocabulary in its meta"
             return map_ids(f, dtype, n_tokens), ""
         except OSError as e:
             return None, e.strerror or type(e).__name__
 
 
 def checksum(f: BinaryIO) -> int:
-    """The CRC-32 of the whole file f, read from its start; the file is then dropped from the page cache.
+    """The CRC-32 of the whole file f, read from its start; the file is then dropped from the page cache (see scan)."""
+    return scan(f)[0]
 
-    Cheap enough for every start: on a 200 MB ids file (tiny Shakespeare repeated), on a 2-core machine, this took
-    0.12-0.14 s with the file out of the page cache and 0.09-0.11 s with it in, and a whole cached prepare_corpus
-    0.13-0.15 s; zlib.crc32 alone runs at ~4 GB/s there (0.05 s for 200 MB in memory). Dropped from the page cache
-    afterwards because reading leaves the file there in large folios, and a memory map over large folios maps a
-    whole folio at each fault: 3,000 random windows of that file then made 182 MB resident instead of 12 MB
-    (measured, Linux 6.18); see settle.
+
+def scan(f: BinaryIO, dtype: np.dtype | None = None) -> tuple[int, int]:
+    """(CRC-32, largest id) of the whole file f, read from its start as ids of dtype; the file is then dropped from
+    the page cache. The largest id is -1 without a dtype, or for a file of no ids.
+
+    Cheap enough for every start: on a 200 MB ids file (tiny Shakespeare repeated), on a 2-core machine, the CRC-32
+    took 0.12-0.14 s with the file out of the page cache and 0.09-0.11 s with it in, and a whole cached
+    prepare_corpus 0.13-0.15 s; zlib.crc32 alone runs at ~4 GB/s there (0.05 s for 200 MB in memory). The largest id
+    is found in the same pass, on the pieces already read, for 0.02 s more (numpy's max over 200 MB of uint8 ids in
+    8 MB pieces, in memory, on the same machine). Dropped from the page cache afterwards because reading
+    leaves the file there in large folios, and a memory map over large folios maps a whole folio at each fault:
+    3,000 random windows of that file then made 182 MB resident instead of 12 MB (measured, Linux 6.18); see settle.
     """
     f.seek(0)
     buffer = bytearray(_CRC_PIECE)
     view = memoryview(buffer)
-    crc = 0
+    crc, top = 0, -1
+    rest = b""  # the bytes of an id that a read cut in two (a short read, or a piece size no multiple of the id's)
     while n := f.readinto(buffer):
         crc = zlib.crc32(view[:n], crc)
+        if dtype is not None:
+            piece = rest + view[:n] if rest else view[:n]
+            whole = len(piece) - len(piece) % dtype.itemsize
+            if whole:
+                top = max(top, int(np.frombuffer(piece, dtype, count=whole // dtype.itemsize).max()))
+            rest = bytes(piece[whole:])
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return crc
+    return crc, top
 
 
 def map_ids(f: BinaryIO, dtype: np.dtype, n_tokens: int) -> torch.Tensor:

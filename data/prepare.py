@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from configs.userinput import shown
 
-from .cache import checksum, find, map_ids, open_part, prune, reap_parts, settle
+from .cache import checksum, find, map_ids, meta_checksum, open_part, prune, reap_parts, settle
 from .config import DataConfig
 from .corpus import shakespeare_path
 from .paths import LOG_PATH, DataError, quoted
@@ -96,10 +96,10 @@ def prepare_corpus(
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    inputs, source = _inputs(cfg)
+    cache = cache_dirs(cfg.cache_dir)
+    inputs, source = _inputs(cfg, cache[0])
     if vocab is not None:
         CharTokenizer(vocab)  # refuses an unsorted or duplicated vocabulary before any work
-    cache = cache_dirs(cfg.cache_dir)
     corpus, boms = _prepared(inputs, source, cfg, vocab, cache, min_chars, chunk_bytes, progress, strip_bom=True)
     if trained_on is None or corpus.fingerprint == trained_on or not boms or BOM_CHAR not in (vocab or ()):
         return corpus
@@ -184,10 +184,10 @@ def fingerprint(crc32: int, n_tokens: int, chars: list[str]) -> str:
     return hashlib.blake2b(described.encode("ascii"), digest_size=8).hexdigest()
 
 
-def _inputs(cfg: DataConfig) -> tuple[Inputs, str]:
-    """The files cfg names, and how the log names them."""
+def _inputs(cfg: DataConfig, caches: list[Path]) -> tuple[Inputs, str]:
+    """The files cfg names, and how the log names them; caches (the cache folders) are never among them."""
     if cfg.path is not None:
-        return resolve_inputs(cfg.path, "data.path"), cfg.path
+        return resolve_inputs(cfg.path, "data.path", caches), cfg.path
     if cfg.dataset == "shakespeare_char":
         path = shakespeare_path()
         return resolve_inputs(path, "data.dataset=shakespeare_char"), f"tiny Shakespeare ({path})"
@@ -249,6 +249,7 @@ def _encode(
         with part.open("rb") as f:  # read back rather than summed while written: the checksum is of what is stored
             info["crc32"] = checksum(f)
             ids = map_ids(f, dtype, info["n_tokens"])
+        info["meta_crc32"] = meta_checksum(info)  # last: of everything else in the meta, the vocabulary included
         # Atomic renames: a reader sees a whole entry or none, and a crash leaves at worst a hidden .part file,
         # which a later encoding into the folder reaps (reap_parts).
         # The meta goes last because it is what find looks for.
@@ -353,6 +354,13 @@ def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tupl
         notes.append(
             f"{inputs.label}: left out what {len(inputs.runs)} tinychar run(s) wrote there (a run's folder, or its "
             f"config.yaml, is not training text): {named}{more}"
+        )
+    if inputs.caches:
+        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.caches[:3])
+        more = " ..." if len(inputs.caches) > 3 else ""
+        notes.append(
+            f"{inputs.label}: left out the encoded corpora tinychar caches in {len(inputs.caches)} folder(s) there "
+            f"(their ids and meta files are not training text): {named}{more}"
         )
     if moved:
         notes.append(

@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable
@@ -23,7 +24,8 @@ from .paths import DataError, expand_home, not_a_file, open_regular, os_failure,
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
 # CRC-32 of the ids, checked whenever the entry is opened. 3: a byte-order mark that starts a file is left out (the
-# "bom" setting), and the meta counts the marks and the files holding NUL bytes.
+# "bom" setting), and the meta counts the marks and the files holding NUL bytes. The meta's checksum of itself
+# ("meta_crc32") came without a bump: entries written before it have no other difference, and are still read.
 FORMAT_VERSION = 3
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
 _HASH_CHUNK = 1 << 20
@@ -37,6 +39,10 @@ _GLOB_MAGIC = frozenset("*?[")
 # .lock when a run claims the folder, the checkpoints when it saves. Each alone is too common a name to go by.
 _RUN_CONFIG = "config.yaml"
 _RUN_MARKS = frozenset({".lock", "ckpt.pt", "best.pt"})
+# The files of an encoded-corpus cache entry (data/cache.py): '<stem>-<key>.ids' and '<stem>-<key>.json', the key 32
+# hex digits (cache_key) and the stem made of these characters (prepare._stem). A folder holding such a pair is a
+# cache folder even when no setting names it any more (a run with another data.cache_dir put it there).
+_CACHE_ENTRY = re.compile(r"[A-Za-z0-9._-]+-[0-9a-f]{32}\.(?:ids|json)")
 
 
 @dataclass(frozen=True)
@@ -59,20 +65,25 @@ class Inputs:
     # tinychar run folders under a folder or glob, left out; or the config.yaml of the run whose out_dir is the
     # folder data.path names (its other files are binary)
     runs: list[Path] = field(default_factory=list)
+    # folders of tinychar's encoded-corpus cache under a folder or glob, left out whole; or the folder data.path
+    # names, when it holds cache entries (those files alone are left out)
+    caches: list[Path] = field(default_factory=list)
 
     @property
     def n_bytes(self) -> int:
         return sum(s.size for s in self.sources)
 
 
-def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
+def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[Path] = ()) -> Inputs:
     """The non-empty files that spec names, in the order they are joined; DataError if there is no text.
 
     A file is taken as it is, unless it is binary. A folder gives every file under it, sorted by relative path;
-    hidden ones, binary ones and tinychar run folders are left out (an out_dir inside data.path must not make its
-    config.yaml training text for the next run, nor a --resume's text differ from the run's). Anything else holding
-    *, ? or [ is a glob (** reaches into sub-folders without entering links to folders); folders it matches are
-    walked like a folder. A pipe, device or socket is refused by what it is, after a stat that never blocks.
+    hidden ones, binary ones, tinychar run folders and cache folders are left out (an out_dir inside data.path must
+    not make its config.yaml training text for the next run, nor a --resume's text differ from the run's; a cache
+    folder inside it, its meta files). caches are the folders encoded corpora are cached in (cache_dirs); a folder
+    holding a cache entry counts as one too. Anything else holding *, ? or [ is a glob (** reaches into sub-folders
+    without entering links to folders); folders it matches are walked like a folder. A pipe, device or socket is
+    refused by what it is, after a stat that never blocks.
     """
     text = str(spec)
     if "\0" in text:
@@ -80,23 +91,20 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     p = locate(text)
     globbed = bool(_GLOB_MAGIC & set(text))
     st = _stat_or_glob(p, label) if globbed else stat_path(p, label)
-    skipped: list[Path] = []
-    runs: list[Path] = []
+    out = _LeftOut(label, frozenset(filter(None, map(_identity, caches))))
     if st is None and globbed:
-        files = _glob(p, skipped, runs, label)
+        files = _glob(p, out)
         if not files:
             raise DataError(
-                f"{label}: no text file matches {quoted(text)}{_runs_left_out(runs)}; check the pattern (** reaches "
-                "sub-folders)"
+                f"{label}: no text file matches {quoted(text)}{out.said()}; check the pattern (** reaches sub-folders)"
             )
     elif st is None:
         raise DataError(f"{label}: no such file {quoted(text)}{_did_you_mean(p)}")
     elif stat.S_ISDIR(st.st_mode):
-        files = _walk(p, skipped, runs, label, named=True)
+        files = _walk(p, out, named=True)
         if not files:
             raise DataError(
-                f"{label}: {quoted(text)} is a folder with no text files in it{_runs_left_out(runs)}; add some, or "
-                "give a file"
+                f"{label}: {quoted(text)} is a folder with no text files in it{out.said()}; add some, or give a file"
             )
     elif (kind := file_kind(st.st_mode)) is not None:
         raise not_a_file(label, text, kind)
@@ -112,7 +120,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path") -> Inputs:
     if not sources:
         what = "is empty" if st is not None and stat.S_ISREG(st.st_mode) else "holds only empty files"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
-    return Inputs(text, label, sources, skipped, runs)
+    return Inputs(text, label, sources, out.skipped, out.runs, out.caches)
 
 
 def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
@@ -123,10 +131,32 @@ def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
         return None
 
 
-def _runs_left_out(runs: list[Path]) -> str:
-    """' (tinychar run folders left out: ...)' naming the first few of runs, or '' when there are none."""
-    named = ", ".join(quoted(r.parent if r.name == _RUN_CONFIG else r) for r in runs[:2])
-    return f" (tinychar run folders left out: {named}{' ...' if len(runs) > 2 else ''})" if runs else ""
+@dataclass
+class _LeftOut:
+    """What a folder or glob holds that is not the corpus, gathered while its files are listed."""
+
+    label: str
+    cache_ids: frozenset[tuple[int, int]]  # (device, inode) of the cache folders that exist
+    skipped: list[Path] = field(default_factory=list)  # binary files
+    runs: list[Path] = field(default_factory=list)  # run folders, or the named folder's run config.yaml
+    caches: list[Path] = field(default_factory=list)  # cache folders
+    known: dict[Path, str | None] = field(default_factory=dict)  # _owner's answers: many matches share a folder
+
+    def add(self, owner: str, folder: Path) -> None:
+        found = self.runs if owner == "run" else self.caches
+        if folder not in found:  # a glob reaches a folder both as a match and inside a matched folder
+            found.append(folder)
+
+    def said(self) -> str:
+        """' (tinychar run folders left out: ...)', and the like for cache folders, naming the first few of each; ''
+        when nothing was left out for being tinychar's."""
+        runs = [r.parent if r.name == _RUN_CONFIG else r for r in self.runs]
+        parts = [
+            f"{what} left out: {', '.join(map(quoted, folders[:2]))}{' ...' if len(folders) > 2 else ''}"
+            for what, folders in (("tinychar run folders", runs), ("tinychar cache folders", self.caches))
+            if folders
+        ]
+        return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _is_run(names: Iterable[str]) -> bool:
@@ -135,19 +165,48 @@ def _is_run(names: Iterable[str]) -> bool:
     return _RUN_CONFIG in names and not _RUN_MARKS.isdisjoint(names)
 
 
-def _in_run(folder: Path, known: dict[Path, bool]) -> bool:
-    """Whether folder is a tinychar run's out_dir; known remembers the answers (many matches share a folder)."""
-    if folder not in known:
+def _is_cache(folder: Path, names: Iterable[str], cache_ids: frozenset[tuple[int, int]]) -> bool:
+    """Whether folder, holding these names, is one that encoded corpora are cached in: a folder the settings name
+    (cache_ids), or one holding an entry, an ids file beside its meta, that a run with other settings left there."""
+    if any(n.endswith(".json") for n in _entries(names)):
+        return True
+    return bool(cache_ids) and _identity(folder) in cache_ids
+
+
+def _entries(names: Iterable[str]) -> set[str]:
+    """The names of cache entries' files among names: each meta beside its ids file, and each ids file (one alone is
+    what an encoder killed before it wrote the meta leaves). A meta alone may be a person's JSON of a like name."""
+    names = set(names)
+    ids = {n for n in names if n.endswith(".ids") and _CACHE_ENTRY.fullmatch(n)}
+    return ids | {f"{n[:-4]}.json" for n in ids if f"{n[:-4]}.json" in names}
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """(device, inode) of folder, which names it however it is reached (links, '..'); None if it is not there."""
+    try:
+        st = os.stat(folder)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _owner(folder: Path, out: _LeftOut) -> str | None:
+    """'run' if folder is a tinychar run's out_dir, 'cache' if it holds encoded corpora, else None."""
+    if folder not in out.known:
         try:
-            known[folder] = _is_run(os.listdir(folder))
-        except OSError:  # a folder that cannot be listed is no run of ours to leave out; reading the file says more
-            known[folder] = False
-    return known[folder]
+            names = os.listdir(folder)
+        except OSError:  # a folder that cannot be listed is nothing of ours to leave out; reading the file says more
+            out.known[folder] = None
+        else:
+            owner = "run" if _is_run(names) else "cache" if _is_cache(folder, names, out.cache_ids) else None
+            out.known[folder] = owner
+    return out.known[folder]
 
 
-def _glob(pattern: Path, skipped: list[Path], runs: list[Path], label: str) -> list[Path]:
+def _glob(pattern: Path, out: _LeftOut) -> list[Path]:
     """The text files that pattern matches, in sorted order of the matches, folders walked in place; matches in or
-    of tinychar run folders left out (said in runs)."""
+    of tinychar run and cache folders left out (said in out)."""
+    label = out.label
     matches = expand(pattern, label)
     folder = data_dir()
     if not matches and folder is not None and not pattern.is_absolute():
@@ -155,30 +214,31 @@ def _glob(pattern: Path, skipped: list[Path], runs: list[Path], label: str) -> l
         matches = expand(pattern, label)
     base = fixed_part(pattern)
     files: list[Path] = []
-    known: dict[Path, bool] = {}
     for m in matches:
         st = _regular_or_folder(m, label)
         if st is None:
             continue  # a pipe, device, socket or broken link matched by a wildcard: never opened
-        if stat.S_ISDIR(st.st_mode):
-            files += _walk(m, skipped, runs, label)
-        elif (run := _run_above(m, base, known)) is not None:
-            _add(runs, run)
+        if (above := _owner_above(m, base, out)) is not None:
+            out.add(*above)
+        elif stat.S_ISDIR(st.st_mode):
+            files += _walk(m, out)
         else:
-            (files if _is_text(m, label) else skipped).append(m)
+            (files if _is_text(m, label) else out.skipped).append(m)
     return files
 
 
-def _run_above(match: Path, base: Path, known: dict[Path, bool]) -> Path | None:
-    """The tinychar run folder that match lies in, looking up from its folder to base (the pattern's fixed part,
-    which a person named), as walking a matched folder leaves out a run's whole tree; None if it lies in none."""
+def _owner_above(match: Path, base: Path, out: _LeftOut) -> tuple[str, Path] | None:
+    """('run' or 'cache', the folder) for the tinychar run or cache folder that match lies in, looking up from its
+    folder to base (the pattern's fixed part, which a person named), as walking a matched folder leaves out such a
+    folder's whole tree; None if it lies in none."""
     folder = match.parent
-    while True:
-        if _in_run(folder, known):
-            return folder
-        if folder == base or base not in folder.parents:
+    while folder == base or base in folder.parents:  # never above base: a '**' that ends the pattern matches base
+        if (owner := _owner(folder, out)) is not None:
+            return owner, folder
+        if folder == base:
             return None
         folder = folder.parent
+    return None
 
 
 def _sources(files: list[Path], label: str) -> list[Source]:
@@ -195,16 +255,18 @@ def _sources(files: list[Path], label: str) -> list[Source]:
     return sources
 
 
-def _walk(folder: Path, skipped: list[Path], runs: list[Path], label: str, named: bool = False) -> list[Path]:
+def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
     """The text files under folder sorted by relative path; hidden files and folders (.git, .DS_Store) left out.
 
-    A tinychar run folder (config.yaml beside .lock, ckpt.pt or best.pt) is left out whole and added to runs: what
-    a run writes, or what was put beside it (sample.py's output), is not the corpus. Except folder itself when it is
-    named (data.path=. with out_dir=.): the person chose it as the corpus, so only the run's config.yaml is left out,
-    its checkpoints and logs being binary. Links to folders are not entered (os.walk's default), so a link back up
-    the tree cannot loop; a folder that cannot be read is refused rather than skipped, which would train on part of
-    the corpus without saying so.
+    A tinychar run folder (config.yaml beside .lock, ckpt.pt or best.pt) is left out whole and added to out.runs:
+    what a run writes, or what was put beside it (sample.py's output), is not the corpus. So is a cache folder (added
+    to out.caches): its meta files are JSON text, and each run would add one more to the next run's text. Except
+    folder itself when it is named (data.path=. with out_dir=. or data.cache_dir=.): the person chose it as the
+    corpus, so only the run's config.yaml and the cache's entries are left out, the rest of a run's files being
+    binary. Links to folders are not entered (os.walk's default), so a link back up the tree cannot loop; a folder
+    that cannot be read is refused rather than skipped, which would train on part of the corpus without saying so.
     """
+    label = out.label
 
     def refuse(e: OSError) -> None:
         if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # not removed while being listed
@@ -212,13 +274,23 @@ def _walk(folder: Path, skipped: list[Path], runs: list[Path], label: str, named
 
     found = []
     for root, dirs, names in os.walk(folder, onerror=refuse):
+        here = Path(root)
+        whole = not named or here != folder
         if _is_run(names):
-            if not named or Path(root) != folder:
-                _add(runs, Path(root))
+            if whole:
+                out.add("run", here)
                 dirs[:] = []
                 continue
             names = [n for n in names if n != _RUN_CONFIG]
-            runs.append(Path(root, _RUN_CONFIG))
+            out.runs.append(here / _RUN_CONFIG)
+        if _is_cache(here, names, out.cache_ids):
+            if whole:
+                out.add("cache", here)
+                dirs[:] = []
+                continue
+            if entries := _entries(names):
+                out.caches.append(here)
+                names = [n for n in names if n not in entries]
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(root, n) for n in names if not n.startswith(".")]
     found.sort(key=lambda f: f.relative_to(folder).as_posix())
@@ -227,13 +299,8 @@ def _walk(folder: Path, skipped: list[Path], runs: list[Path], label: str, named
         st = _regular_or_folder(f, label)
         if st is None or stat.S_ISDIR(st.st_mode):
             continue  # a socket, fifo or broken link; or a folder made since it was listed
-        (text if _is_text(f, label) else skipped).append(f)
+        (text if _is_text(f, label) else out.skipped).append(f)
     return text
-
-
-def _add(runs: list[Path], run: Path) -> None:
-    if run not in runs:  # a glob reaches a run folder both as a match and inside a matched folder
-        runs.append(run)
 
 
 def _regular_or_folder(path: Path, label: str) -> os.stat_result | None:

@@ -1,8 +1,8 @@
 """data/prepare.py and data/sources.py, the cache of encoded corpora: a second run maps the cached ids without
 reading the text, changed inputs are encoded again and their old entries pruned, the key follows content (or size and
 mtime for large inputs) and the settings that change the ids, an unwritable cache folder falls back or is refused
-in one line, a damaged entry (its checksum or size wrong) is encoded again and said, and the fingerprint names the
-ids and vocabulary wherever they are cached."""
+in one line, a damaged entry (its checksum or size wrong, a meta that disagrees with its own checksum or ids past its
+vocabulary) is encoded again and said, and the fingerprint names the ids and vocabulary wherever they are cached."""
 
 from __future__ import annotations
 
@@ -238,6 +238,69 @@ def test_an_entry_without_a_checksum_is_not_trusted(tmp_path: Path) -> None:
     first.path.write_bytes(b"\0" * first.path.stat().st_size)
     again = prepare(f)
     assert not again.cache_hit and text_of(again) == MIXED
+
+
+def rewrite_meta(ids_path: Path, change: str) -> None:
+    """Change a cached entry's meta as a disk error or a stray edit would; "old" first makes it a meta from before
+    metas carried their own checksum (the entries tinychar wrote until then), and the change follows the "+"."""
+    meta_path = ids_path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    old, _, change = change.rpartition("+")
+    if old:
+        meta.pop("meta_crc32", None)
+    if change == "vocabulary cut short":  # the ids reach past it: an embedding lookup failed in the middle of training
+        meta["chars"] = meta["chars"][:-5]
+    elif change == "another character":  # as many characters, one of them wrong: every 'h' read as 'z', silently
+        meta["chars"] = [*meta["chars"][:-1], "z"]
+    elif change == "two characters swapped":
+        meta["chars"][0], meta["chars"][1] = meta["chars"][1], meta["chars"][0]
+    meta_path.write_text(json.dumps(meta), encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("vocabulary cut short", "its meta does not match its own checksum"),
+        ("another character", "its meta does not match its own checksum"),
+        ("old+vocabulary cut short", "it holds id 7, past the 3 characters of the vocabulary in its meta"),
+        ("old+two characters swapped", "its vocabulary is not sorted, or holds a character twice"),
+    ],
+)
+def test_a_damaged_meta_is_encoded_again_and_said(tmp_path: Path, cache: Path, change: str, why: str) -> None:
+    """Only the ids were checksummed: a meta with a wrong vocabulary was served as cached, and training either
+    stopped with IndexError in the embedding or learnt the text with the wrong characters."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    rewrite_meta(first.path, change)
+    again = prepare(tmp_path / "t.txt")
+    assert not again.cache_hit and text_of(again) == text and again.chars == first.chars
+    assert again.fingerprint == first.fingerprint
+    damaged = first.path if change.startswith("old+vocabulary") else first.path.with_suffix(".json")
+    assert again.notes == (f"data: the cached copy '{damaged}' was damaged ({why}); it has been encoded again",)
+    assert prepare(tmp_path / "t.txt").cache_hit  # and the new copy is trusted
+    assert entries(cache) == [first.path.name, first.path.with_suffix(".json").name]
+
+
+def test_an_entry_from_before_metas_carried_a_checksum_is_still_served(tmp_path: Path) -> None:
+    f = write(tmp_path / "t.txt", MIXED)
+    first = prepare(f)
+    assert "meta_crc32" in json.loads(first.path.with_suffix(".json").read_text(encoding="utf-8"))
+    rewrite_meta(first.path, "old+")
+    again = prepare(f)
+    assert again.cache_hit and again.notes == () and text_of(again) == MIXED
+    assert again.fingerprint == first.fingerprint
+
+
+def test_the_largest_id_is_found_in_the_checksums_pass_whatever_the_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = np.arange(1000, dtype="<u2")[::-1].copy()
+    ids[517] = 4321
+    path = write(tmp_path / "ids", ids.tobytes())
+    monkeypatch.setattr(data.cache, "_CRC_PIECE", 7)  # every other piece cuts an id in two
+    with path.open("rb", buffering=0) as f:
+        assert data.cache.scan(f, np.dtype("<u2")) == (zlib.crc32(ids.tobytes()), 4321)
+        assert data.cache.scan(f) == (zlib.crc32(ids.tobytes()), -1)
 
 
 def test_the_checksum_is_of_the_whole_file_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

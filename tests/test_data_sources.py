@@ -287,6 +287,80 @@ def test_a_folder_of_nothing_but_runs_says_so(tmp_path: Path) -> None:
         resolve_inputs(tmp_path / "runs")
 
 
+# --- tinychar's cache of encoded corpora under data.path -------------------------------------------------------------
+
+
+def cache_inside(novels: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, Path]:
+    """(settings for prepare, the cache folder): a cache folder inside novels, chosen by the setting how names."""
+    if how == "data.cache_dir":
+        return {"cache_dir": str(novels / "cache")}, novels / "cache"
+    if how == "TINYCHAR_CACHE_DIR":
+        monkeypatch.setenv("TINYCHAR_CACHE_DIR", str(novels / "cache"))
+        return {}, novels / "cache"
+    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(novels / "xdg"))
+    return {}, novels / "xdg" / "tinychar" / "encoded"
+
+
+@pytest.mark.parametrize("how", ["data.cache_dir", "TINYCHAR_CACHE_DIR", "XDG_CACHE_HOME"])
+def test_a_cache_folder_inside_the_data_folder_is_left_out_with_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The cache's meta files are JSON text: each run trained on those of the runs before it (a new vocabulary, a
+    new entry, one more meta file for the next run), and a --resume blamed the corpus for characters it lacked."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    write(novels / "b" / "c.txt", "gamma\n")
+    settings, cache = cache_inside(novels, how, monkeypatch)
+    first = prepare(novels, **settings)
+    assert first.path.parent == cache and text_of(first) == "alpha\n\ngamma\n"
+    again = prepare(novels, **settings)
+    assert again.cache_hit and text_of(again) == text_of(first) and again.fingerprint == first.fingerprint
+    (note,) = [n for n in again.notes if "tinychar caches" in n]
+    assert note == (
+        "data.path: left out the encoded corpora tinychar caches in 1 folder(s) there (their ids and meta files are "
+        f"not training text): {quoted(cache, 133)}"
+    )
+    assert len(list(cache.glob("*.json"))) == 1  # no entry of a corpus holding the cache itself
+
+
+def test_a_glob_leaves_out_the_cache_folder_and_any_folder_holding_cache_entries(tmp_path: Path) -> None:
+    """A glob's matches inside the cache folder were training text too; and a cache folder that no setting names
+    any more (a run with another data.cache_dir left it) is told by the entries it holds."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    write(novels / "notes" / "page-0123456789abcdef0123456789abcdef.json", '{"a person\'s": "file"}\n')  # no .ids
+    cache = prepare(novels, cache_dir=str(novels / "cache")).path.parent
+    texts = [novels / "a.txt", novels / "notes" / "page-0123456789abcdef0123456789abcdef.json"]
+    for spec in (novels, f"{novels}/**/*", f"{novels}/**", f"{novels}/*"):
+        told_by_its_entries = resolve_inputs(spec)
+        assert [s.path for s in told_by_its_entries.sources] == texts and told_by_its_entries.caches == [cache], spec
+        named_by_the_settings = resolve_inputs(spec, "data.path", [cache])
+        assert [s.path for s in named_by_the_settings.sources] == texts and named_by_the_settings.caches == [cache]
+    for pattern in ("c*/*.json", "cache/*", "**/*.ids"):  # every match is the cache's
+        with pytest.raises(DataError, match=r"no text file matches .* \(tinychar cache folders left out: '"):
+            resolve_inputs(f"{novels}/{pattern}")
+
+
+def test_a_cache_folder_that_is_the_data_folder_itself_leaves_out_only_its_entries(tmp_path: Path) -> None:
+    """data.path=. with data.cache_dir=.: the folder is the corpus the person chose; the cache's files are not (a
+    JSON file of the person's own, named like a meta but with no ids beside it, is)."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    write(novels / "page-0123456789abcdef0123456789abcdef.json", "[1]\n")
+    first = prepare(novels, cache_dir=str(novels))
+    write(novels / "b.txt", "beta\n")
+    second = prepare(novels, cache_dir=str(novels))
+    assert text_of(first) == "alpha\n\n[1]\n" and text_of(second) == "alpha\n\nbeta\n\n[1]\n"
+    inputs = resolve_inputs(novels)
+    assert [s.path.name for s in inputs.sources] == ["a.txt", "b.txt", "page-0123456789abcdef0123456789abcdef.json"]
+    assert inputs.caches == [novels]
+    for entry in (second.path, second.path.with_suffix(".json")):
+        write(tmp_path / "only" / entry.name, entry.read_bytes())
+    with pytest.raises(DataError, match=r"is a folder with no text files in it \(tinychar cache folders left out: '"):
+        resolve_inputs(tmp_path / "only")
+
+
 @pytest.mark.slow
 def test_a_run_whose_out_dir_is_inside_its_data_folder_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
