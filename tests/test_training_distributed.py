@@ -6,6 +6,7 @@ with one line; and the pieces of training/distributed.py on their own."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import os
 import re
@@ -36,6 +37,7 @@ from training.devices import DeviceError
 from training.distributed import (
     Launch,
     LaunchError,
+    check_master_addr,
     check_same_run,
     derived_seed,
     launch_from_env,
@@ -437,6 +439,51 @@ def test_a_bad_torchrun_environment_is_one_line(monkeypatch, capsys):
     assert train.main(["--help"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: inconsistent torchrun environment: RANK=2, WORLD_SIZE=2")
+
+
+UNRESOLVED = ("MASTER_ADDR='no.such.host.invalid' is not a host name or address this machine can resolve (Name or "
+              "service not known); set MASTER_ADDR to the address of the machine of rank 0, or unset RANK and "
+              "WORLD_SIZE to run one process")
+
+
+def names_that_end_in_invalid_do_not_resolve(monkeypatch) -> None:
+    """RFC 6761: a name under .invalid never resolves. Said here, without asking a name server (the tests reach no
+    other machine); addresses such as 127.0.0.1 still resolve, which needs no network."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if str(host).endswith(".invalid"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_master_addr_that_does_not_resolve_is_refused_and_one_that_does_is_not(monkeypatch):
+    names_that_end_in_invalid_do_not_resolve(monkeypatch)
+    with pytest.raises(LaunchError) as info:
+        check_master_addr({"MASTER_ADDR": "no.such.host.invalid", "MASTER_PORT": "29500"})
+    assert str(info.value) == UNRESOLVED
+    with pytest.raises(LaunchError, match=r"^MASTER_ADDR='a+\.\.\.a+\.com' is not a host name .*label"):
+        check_master_addr({"MASTER_ADDR": "a" * 64 + ".com"})  # longer than a DNS label may be: refused unasked
+    check_master_addr({"MASTER_ADDR": "127.0.0.1"})
+    check_master_addr({})  # unset: init_process_group says so itself, in one line too
+
+
+def test_a_run_whose_master_addr_does_not_resolve_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):
+    """It used to wait in the rendezvous for its 30-minute timeout, a name-resolution warning every few seconds."""
+    names_that_end_in_invalid_do_not_resolve(monkeypatch)
+    # Were the name left to the rendezvous, the test fails after these seconds instead of waiting for half an hour.
+    monkeypatch.setattr(training.distributed, "TIMEOUT", datetime.timedelta(seconds=5))
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "no.such.host.invalid", "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    out = tmp_path / "out"
+    code = train.main(["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], progress=False)
+    assert (code, capsys.readouterr().err) == (2, f"error: {UNRESOLVED}\n")
+    assert not out.exists() and not torch.distributed.is_initialized()
 
 
 def test_derived_seeds_differ_by_rank_stream_and_step_and_suit_a_generator():

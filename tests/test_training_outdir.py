@@ -3,10 +3,14 @@ which keeps the old run until the new one has its first checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -182,6 +186,110 @@ def test_a_run_that_reaches_the_claim_second_is_refused_with_the_lock_s_own_line
         assert RunLock(tmp_path / "out").busy() is not None  # still held by the first
     finally:
         lock.release()
+
+
+# ------------------------------------------------------------------------------------- a .lock no run made
+
+PRECIOUS = "a file of the user's, outside out_dir\n"
+NOT_A_FILE = {"link": "a symbolic link", "dangling link": "a symbolic link", "pipe": "a named pipe",
+              "folder": "a folder", "socket": "a socket"}
+
+
+def put_in_place_of_the_lock(kind: str, lock: Path, outside: Path) -> None:
+    """A .lock of the given kind: what a mistake or a hostile folder may hold (a device needs root, so is left out)."""
+    if kind == "link":
+        lock.symlink_to(outside)
+    elif kind == "dangling link":
+        lock.symlink_to(outside.with_name("made-by-the-run"))
+    elif kind == "pipe":
+        os.mkfifo(lock)
+    elif kind == "folder":
+        lock.mkdir()
+    else:  # bound by its short name: a socket's full path may be longer than the 108 bytes a socket name allows
+        with contextlib.chdir(lock.parent), socket.socket(socket.AF_UNIX) as s:
+            s.bind(lock.name)
+
+
+@contextlib.contextmanager
+def no_waiting(seconds: float) -> Iterator[None]:
+    """The block fails after seconds instead of waiting for ever, as opening a named pipe for reading does: SIGALRM
+    interrupts the open, and its handler raises."""
+    def give_up(signum: int, frame: object) -> None:
+        raise AssertionError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def without_the_lock(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.name != LOCK}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_small_run(tmp_path_factory.mktemp("finished"), **{"train.max_iters": 0})
+
+
+@pytest.mark.parametrize("mode", ["resume", "overwrite", "new run"])
+@pytest.mark.parametrize("kind", list(NOT_A_FILE))
+def test_a_lock_that_is_not_a_file_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, finished_run,
+                                                                                   kind, mode) -> None:
+    """A link named .lock once had the run write its pid into the file it named, outside out_dir; a named pipe had it
+    wait for ever; a folder or a socket gave a line that did not name it. Each is refused, naming it, and neither
+    out_dir nor anything outside it changes."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text(PRECIOUS, encoding="utf-8")
+    corpus = write_corpus(tmp_path)
+    run = tmp_path / "run"
+    if mode == "new run":
+        run.mkdir()
+    else:
+        shutil.copytree(finished_run, run)
+        (run / LOCK).unlink()
+    put_in_place_of_the_lock(kind, run / LOCK, outside)
+    before = without_the_lock(run)
+    args = {"resume": ["--resume", "--out-dir", str(run)],
+            "overwrite": ["--config", TINY, "--overwrite", *tiny_overrides(corpus, run)],
+            "new run": ["--config", TINY, *tiny_overrides(corpus, run)]}[mode]
+    with no_waiting(30):
+        code, _, err = call(train_main, args, capsys)
+    assert code == 2, err
+    assert err == (f"error: '{shown(run / LOCK)}' is {NOT_A_FILE[kind]}, not a lock file that tinychar made; remove "
+                   f"it (a run makes its own .lock), or choose another out_dir\n")
+    assert without_the_lock(run) == before
+    assert outside.read_text(encoding="utf-8") == PRECIOUS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "precious.txt", "run"]  # no link's target made
+
+
+@pytest.mark.parametrize("kind", ["link", "pipe"])
+def test_a_lock_swapped_after_it_was_looked_at_is_neither_followed_nor_waited_on(tmp_path, monkeypatch, kind) -> None:
+    """Another .lock may take the place of the one looked at before it is opened: the opening itself neither follows
+    a link nor waits for a pipe's writer, and the refusal is the same."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text(PRECIOUS, encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    put_in_place_of_the_lock(kind, out / LOCK, outside)
+    real_lstat = os.lstat
+    looks = []
+
+    def lstat(path, *args, **kwargs):
+        if Path(path) == out / LOCK and not looks:  # the first look, just before the swap: nothing there yet
+            looks.append(path)
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    lock = RunLock(out)
+    opening = lock.busy if kind == "pipe" else lock.acquire  # busy reads, which waits on a pipe; acquire writes
+    with no_waiting(30), pytest.raises(UsageError, match=f"is {NOT_A_FILE[kind]}, not a lock file that tinychar made"):
+        opening()
+    assert looks and outside.read_text(encoding="utf-8") == PRECIOUS
 
 
 USERS_CONFIG = ("# my experiment: careful notes here\nmodel:\n  n_layer: 2\n  n_head: 2\n  n_embd: 16\n"

@@ -17,6 +17,7 @@ import os
 import re
 import reprlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -161,6 +162,8 @@ def joined(launch: Launch, backend: str, device: torch.device) -> Iterator[None]
         torch.cuda.set_device(device)  # the collectives on objects (all_gather_object) use the current device
     try:
         join_group(launch, backend, device)
+    except LaunchError:  # already one line for a person
+        raise
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise LaunchError(f"cannot join the other {launch.world_size - 1} process(es) of the run with backend "
@@ -183,6 +186,7 @@ def join_group(launch: Launch, backend: str, device: torch.device) -> None:
 
     def join() -> None:
         try:
+            check_master_addr(os.environ)
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
             dist.init_process_group(backend, timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
@@ -205,6 +209,23 @@ def join_group(launch: Launch, backend: str, device: torch.device) -> None:
         raise
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def check_master_addr(environ: Mapping[str, str]) -> None:
+    """LaunchError unless MASTER_ADDR, when set, names a host this machine can find. The rendezvous would otherwise
+    retry a name that never resolves until TIMEOUT, 30 minutes, saying only that it waits. Unset, it is left to
+    init_process_group, which says so itself. Runs in join_group's helper thread: a slow name server is waited for
+    there, where Ctrl-C can end the wait."""
+    host = environ.get("MASTER_ADDR")
+    if host is None:
+        return
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # UnicodeError: not a name DNS can carry (a label over 63 characters)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise LaunchError(f"MASTER_ADDR={_shown.repr(host)} is not a host name or address this machine can resolve "
+                          f"({reason}); set MASTER_ADDR to the address of the machine of rank 0, or unset RANK and "
+                          f"WORLD_SIZE to run one process") from None
 
 
 def join_wait_line(launch: Launch, environ: Mapping[str, str]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 
 from configs.userinput import shown
@@ -13,6 +14,9 @@ from configs.userinput import shown
 from .errors import UsageError
 
 LOCK = ".lock"  # held (flock) by the process training in out_dir; holds its pid and host, for the message
+# .lock is opened without following a link, which would have the run write its pid into the file the link names,
+# outside out_dir, and without waiting, which opening a named pipe for reading would do until a writer came.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 class RunLock:
@@ -26,7 +30,7 @@ class RunLock:
     def busy(self) -> str | None:
         """Who holds the lock ('process 123 on host'), or None when no live run does. Takes nothing."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = self._open(os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):  # no folder there: no run in it either
             return None
         try:
@@ -39,7 +43,7 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or UsageError naming the live run that holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open(os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -55,6 +59,29 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
 
+    def _open(self, flags: int) -> int:
+        """.lock opened with flags, or UsageError if it is anything but a regular file. Looked at before it is
+        opened, so that a device is never opened, and again once open, in case another was put in its place."""
+        self._refuse_unless_a_file()
+        try:
+            fd = os.open(self.path, flags | _OPEN_FLAGS, 0o644)
+        except OSError:
+            self._refuse_unless_a_file()  # a link (ELOOP), a socket (ENXIO) or a folder (EISDIR) put there meanwhile
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise not_a_lock(self.path, mode)
+        return fd
+
+    def _refuse_unless_a_file(self) -> None:
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:  # acquire makes it; for busy there is no run
+            return
+        if not stat.S_ISREG(mode):
+            raise not_a_lock(self.path, mode)
+
     @staticmethod
     def _holder(fd: int) -> str:
         try:
@@ -67,3 +94,13 @@ class RunLock:
 def in_use(out_dir: Path, holder: str) -> UsageError:
     return UsageError(f"'{shown(str(out_dir))}' is in use by a run that is still going ({holder}); wait for it to "
                       f"end or stop it, or choose another out_dir")
+
+
+def not_a_lock(path: Path, mode: int) -> UsageError:
+    """The refusal of a .lock that is not a regular file: no run made it, and using it could hang the run or write
+    outside out_dir."""
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+    return UsageError(f"'{shown(str(path))}' is {kind}, not a lock file that tinychar made; remove it (a run makes "
+                      f"its own .lock), or choose another out_dir")
