@@ -442,3 +442,30 @@ def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--out-dir", "runs/a", "out_dir=runs/b"])
     assert "contradict each other" in capsys.readouterr().err
+
+
+def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_full_path(tmp_path, capsys,
+                                                                                          monkeypatch):
+    # The advice was a dead end: from another folder the relative path names no file, and its full path was refused
+    # as "a changed data.path". The text's fingerprint is what a resume must keep, and it is checked.
+    started, elsewhere, out = tmp_path / "started", tmp_path / "elsewhere", tmp_path / "out"
+    started.mkdir()
+    elsewhere.mkdir()
+    (started / "corpus.txt").write_text(SMALL_TEXT, encoding="utf-8")
+    monkeypatch.chdir(started)
+    assert train.main(["--config", TINY, *tiny_overrides(Path("corpus.txt"), out, **{"train.max_iters": 4})],
+                      progress=False) == 0
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(
+        "this run was started on that path relative to the folder it ran in: resume from that folder, or give its "
+        "full path (data.path=/.../corpus.txt), which a resume takes")
+    full = str(started / "corpus.txt")
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={full}"],
+                      progress=False) == 0
+    assert f"resume: data.path: 'corpus.txt' -> '{full}'" in capsys.readouterr().out
+    (elsewhere / "other.txt").write_text(SMALL_TEXT[::-1], encoding="utf-8")  # the same characters, another text
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=8", f"data.path={elsewhere / 'other.txt'}"],
+                      progress=False) == 2
+    assert "is not the text this run was trained on" in one_error_line(capsys.readouterr().err)

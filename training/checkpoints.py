@@ -239,8 +239,12 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
         raise damaged(path, e) from None
 
 
-def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
-    """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused."""
+def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False) -> list[str]:
+    """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused.
+
+    fingerprinted: the checkpoint records its text's fingerprint, which the resume compares with the text it reads
+    (runner.check_same_text): then data.path may change too, since the text may not. A run started on a relative
+    data.path and resumed from another folder needs that, to name the same file by a path that works from there."""
     old, new = flatten(saved), flatten(to_dict(cfg))
     if old.get("data.path") is not None and old.get("data.dataset") is not None:
         old["data.dataset"] = None  # a run saved with both (as runs once were) read its data.path (see one_text)
@@ -248,7 +252,8 @@ def check_resume_config(saved: dict, cfg: RunConfig) -> list[str]:
     defaults = flatten(to_dict(RunConfig()))
     old.update({k: defaults[k] for k in set(new) - set(old) if k in defaults and k != "out_dir"})
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    refused = [k for k in changed if k not in RESUMABLE_CHANGES]
+    refused = [k for k in changed if k not in RESUMABLE_CHANGES and not (fingerprinted and k == "data.path"
+                                                                          and new.get(k) is not None)]
     if refused:
         shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
         raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "
@@ -289,7 +294,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     check_training_state(payload, ckpt)
     if config is None:  # no config named: continue with the saved one
         cfg = load_config(None, overrides, base=payload["config"], origin=f"the config saved in '{shown(str(ckpt))}'")
-    changes = check_resume_config(payload["config"], cfg)
+    changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
     if cfg.train.max_iters < payload["step"]:  # it would only evaluate and save the same step again, without a word
         raise UsageError(f"train.max_iters={cfg.train.max_iters:,} is below step {payload['step']:,}, where "
                          f"'{shown(str(ckpt))}' is; to train on, give a larger train.max_iters")

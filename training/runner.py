@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from configs.userinput import shell_word, shown
-from data import Corpus, prepare_corpus, split_ids
+from data import Corpus, DataError, prepare_corpus, split_ids
 from model import build_model
 
 from . import distributed
@@ -112,9 +112,18 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
 
     def read_corpus() -> Corpus:
         # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
-        return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
-                              vocab=payload["vocab"] if payload is not None else None,
-                              trained_on=payload.get("data_fingerprint") if payload is not None else None)
+        try:
+            return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
+                                  vocab=payload["vocab"] if payload is not None else None,
+                                  trained_on=payload.get("data_fingerprint") if payload is not None else None)
+        except DataError as e:
+            path = cfg.data.path
+            if payload is None or path is None or Path(path).expanduser().is_absolute() or Path(path).exists():
+                raise
+            # A run started on a relative data.path, resumed from another folder: say how to name the file from here
+            raise DataError(f"{e}; this run was started on that path relative to the folder it ran in: resume from "
+                            f"that folder, or give its full path (data.path=/.../{shell_word(Path(path).name)}), "
+                            f"which a resume takes") from None
 
     # The first process on each machine reads the corpus (encoding it into the cache if need be) while the others
     # wait, then they map the cached file: not every process encoding the same text at once.
