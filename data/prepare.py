@@ -348,6 +348,11 @@ def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tupl
         named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.skipped[:3])
         more = " ..." if len(inputs.skipped) > 3 else ""
         notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {named}{more}")
+    if inputs.others:
+        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.others[:3])
+        more = " ..." if len(inputs.others) > 3 else ""
+        notes.append(f"{inputs.label}: left out {len(inputs.others)} entries that are no file to read (a named pipe, "
+                     f"a socket, a device or a link that leads nowhere): {named}{more}")
     if inputs.runs:
         named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.runs[:3])
         more = " ..." if len(inputs.runs) > 3 else ""

@@ -68,6 +68,8 @@ class Inputs:
     # folders of tinychar's encoded-corpus cache under a folder or glob, left out whole; or the folder data.path
     # names, when it holds cache entries (those files alone are left out)
     caches: list[Path] = field(default_factory=list)
+    # entries under a folder or glob that are no file to read: a named pipe, a socket, a device, a broken link
+    others: list[Path] = field(default_factory=list)
 
     @property
     def n_bytes(self) -> int:
@@ -120,7 +122,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
     if not sources:
         what = "is empty" if st is not None and stat.S_ISREG(st.st_mode) else "holds only empty files"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
-    return Inputs(text, label, sources, out.skipped, out.runs, out.caches)
+    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others)
 
 
 def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
@@ -138,6 +140,7 @@ class _LeftOut:
     label: str
     cache_ids: frozenset[tuple[int, int]]  # (device, inode) of the cache folders that exist
     skipped: list[Path] = field(default_factory=list)  # binary files
+    others: list[Path] = field(default_factory=list)  # pipes, sockets, devices, broken links: never opened
     runs: list[Path] = field(default_factory=list)  # run folders, or the named folder's run config.yaml
     caches: list[Path] = field(default_factory=list)  # cache folders
     known: dict[Path, str | None] = field(default_factory=dict)  # _owner's answers: many matches share a folder
@@ -216,8 +219,9 @@ def _glob(pattern: Path, out: _LeftOut) -> list[Path]:
     files: list[Path] = []
     for m in matches:
         st = _regular_or_folder(m, label)
-        if st is None:
-            continue  # a pipe, device, socket or broken link matched by a wildcard: never opened
+        if st is None:  # a pipe, device, socket or broken link matched by a wildcard: never opened
+            out.others.append(m)
+            continue
         if (above := _owner_above(m, base, out)) is not None:
             out.add(*above)
         elif stat.S_ISDIR(st.st_mode):
@@ -297,8 +301,11 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
     text = []
     for f in found:
         st = _regular_or_folder(f, label)
-        if st is None or stat.S_ISDIR(st.st_mode):
-            continue  # a socket, fifo or broken link; or a folder made since it was listed
+        if st is None:  # a socket, fifo, device or broken link (or a file removed since it was listed)
+            out.others.append(f)
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue  # a folder made since it was listed
         (text if _is_text(f, label) else out.skipped).append(f)
     return text
 

@@ -380,3 +380,20 @@ def test_a_run_whose_out_dir_is_inside_its_data_folder_resumes(
     said = capsys.readouterr()
     assert "characters the model never saw" not in said.err
     assert "left out what 1 tinychar run(s) wrote there" in said.out  # said at the resume, which found the run
+
+
+def test_a_pipe_or_a_broken_link_under_a_data_folder_or_a_glob_is_left_out_with_a_note(tmp_path: Path) -> None:
+    """They were skipped without a word, where a binary file gets a note: a link whose target moved left a file out
+    of the corpus unsaid."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    os.mkfifo(novels / "pipe.txt")
+    (novels / "moved.txt").symlink_to(tmp_path / "gone.txt")
+    for spec in (novels, str(novels / "*.txt")):
+        corpus = prepare(spec)
+        assert text_of(corpus) == "alpha\n"
+        (note,) = [n for n in corpus.notes if "no file to read" in n]
+        assert note == (
+            f"data.path: left out 2 entries that are no file to read (a named pipe, a socket, a device or a link that "
+            f"leads nowhere): {quoted(novels / 'moved.txt', 133)}, {quoted(novels / 'pipe.txt', 133)}"
+        )
