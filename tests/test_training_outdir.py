@@ -326,3 +326,28 @@ def test_the_config_yaml_a_run_wrote_is_known_as_a_runs_own(tmp_path, capsys) ->
     (run / "best.pt").unlink(missing_ok=True)
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(corpus, run, **{"train.max_iters": 0})], capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize(("entry", "make", "flags"), [
+    ("config.yaml", lambda p: p.mkdir(), []),
+    (".replaced", lambda p: p.write_text("a file where --overwrite puts the old run aside"), ["--overwrite"]),
+])
+def test_an_entry_of_out_dir_in_the_way_is_named(tmp_path, capsys, entry, make, flags):
+    # The line said only "(Is a directory)" or "(File exists)", naming no entry of the folder.
+    out = tmp_path / "out"
+    if flags:
+        (tmp_path / "runs").mkdir()
+        train_small_run(tmp_path / "runs")
+        shutil.copytree(tmp_path / "runs" / "out", out)
+    else:
+        out.mkdir()
+    make(out / entry)
+
+    def files() -> dict:  # what is there but the lock, which any run takes and writes its process id into
+        return {p.name: p.is_dir() or p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+
+    before = files()
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out), *flags], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"cannot write into out_dir '{shown(str(out))}' ('{shown(str(out / entry))}': " in err
+    assert files() == before

@@ -83,6 +83,10 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
     except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
         lock.release()
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        # which entry: a folder named config.yaml, a file named .replaced (a rename's target is its filename2)
+        entry = getattr(e, "filename2", None) or getattr(e, "filename", None)
+        if entry is not None and Path(os.fsdecode(entry)) != out_dir:
+            reason = f"'{shown(os.fsdecode(entry))}': {reason}"
         raise UsageError(
             f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}); choose another out_dir") from None
     return lock, replaced
