@@ -171,7 +171,9 @@ def coerce(value: Any, tp: Any, key: str, from_text: bool = False) -> Any:
 
 def _coerce_union(value: Any, tp: Any, key: str, from_text: bool) -> Any:
     options = typing.get_args(tp)
-    is_null = value is None or (from_text and str(value).lower() in ("null", "none", "~"))
+    # On the command line null is spelt null or none; not ~, YAML's third spelling, which the shell leaves alone in
+    # out_dir=~ and which the README promises is the home folder there (it was the default out_dir, runs/tiny)
+    is_null = value is None or (from_text and str(value).lower() in ("null", "none"))
     if is_null and type(None) in options:
         return None
     for option in options:

@@ -232,3 +232,10 @@ def test_a_long_alias_name_in_a_yaml_error_is_cut_short(here):
 
 def test_deep_nesting_is_refused_in_one_line(tmp_path):
     assert "nested too deeply" in refused(write_yaml(tmp_path, "seed: " + "[" * 5000 + "]" * 5000 + "\n"))
+
+
+def test_a_tilde_on_the_command_line_is_the_home_folder_and_null_still_unsets():
+    # out_dir=~ was YAML's null, so the run went to the default runs/tiny, though "~ is your home" (README)
+    assert load_config(TINY, ["out_dir=~"]).out_dir == os.path.expanduser("~")
+    assert load_config(TINY, ["data.path=x.txt", "data.path=null"]).data.path is None
+    assert load_config(TINY, ["data.path=x.txt", "data.path=none"]).data.path is None
