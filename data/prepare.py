@@ -322,6 +322,11 @@ def _read_ids(
     return out
 
 
+def _first_few(paths: list[Path]) -> str:
+    """The first three of paths as a note names them, and ' ...' after them if there are more."""
+    return ", ".join(quoted(p, LOG_PATH // 3) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+
 def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tuple[str, ...]:
     notes = []
     if info["replaced_chars"]:
@@ -345,27 +350,19 @@ def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tupl
             "file is not text, remove it or leave it out of data.path"
         )
     if inputs.skipped:
-        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.skipped[:3])
-        more = " ..." if len(inputs.skipped) > 3 else ""
-        notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {named}{more}")
+        notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {_first_few(inputs.skipped)}")
     if inputs.others:
-        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.others[:3])
-        more = " ..." if len(inputs.others) > 3 else ""
         notes.append(f"{inputs.label}: left out {len(inputs.others)} entries that are no file to read (a named pipe, "
-                     f"a socket, a device or a link that leads nowhere): {named}{more}")
+                     f"a socket, a device or a link that leads nowhere): {_first_few(inputs.others)}")
     if inputs.runs:
-        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.runs[:3])
-        more = " ..." if len(inputs.runs) > 3 else ""
         notes.append(
             f"{inputs.label}: left out what {len(inputs.runs)} tinychar run(s) wrote there (a run's folder, or its "
-            f"config.yaml, is not training text): {named}{more}"
+            f"config.yaml, is not training text): {_first_few(inputs.runs)}"
         )
     if inputs.caches:
-        named = ", ".join(quoted(p, LOG_PATH // 3) for p in inputs.caches[:3])
-        more = " ..." if len(inputs.caches) > 3 else ""
         notes.append(
             f"{inputs.label}: left out the encoded corpora tinychar caches in {len(inputs.caches)} folder(s) there "
-            f"(their ids and meta files are not training text): {named}{more}"
+            f"(their ids and meta files are not training text): {_first_few(inputs.caches)}"
         )
     if moved:
         notes.append(

@@ -111,16 +111,22 @@ def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
     monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    folder = compile_cache.prepare_compile()
-    assert folder.parent == tmp_path / "tinychar" / "compiled" and folder.is_dir()
-    assert compile_cache.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
-    assert inductor_config.cpp.vec_isa_ok is True
-    # the user's own setting wins
-    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
-    compile_cache.prepare_compile()
-    assert inductor_config.cpp.vec_isa_ok is False
+    # Set and put back by hand, not by monkeypatch: pytest 9.2 reads a torch config setting as missing, and so
+    # deletes it when it undoes the patch, after which every compile in the process fails ("does not exist").
+    kept = inductor_config.cpp.vec_isa_ok
+    try:
+        inductor_config.cpp.vec_isa_ok = None
+        folder = compile_cache.prepare_compile()
+        assert folder.parent == tmp_path / "tinychar" / "compiled" and folder.is_dir()
+        assert compile_cache.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+        assert inductor_config.cpp.vec_isa_ok is True
+        # the user's own setting wins
+        monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+        inductor_config.cpp.vec_isa_ok = False
+        compile_cache.prepare_compile()
+        assert inductor_config.cpp.vec_isa_ok is False
+    finally:
+        inductor_config.cpp.vec_isa_ok = kept
 
 
 def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_out_dir_is_touched(monkeypatch, tmp_path,
