@@ -12,7 +12,7 @@ import difflib
 import os
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -252,9 +252,13 @@ def _build(cls: type, mapping: Any, prefix: str, origin: _Origin, construct: boo
         raise origin.refuse(shown(str(e), limit=CHECK_LIMIT)) from None
 
 
-def load_yaml(path: str | Path) -> dict:
+def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dict:
     """A YAML config file as a mapping (empty file -> {}). Only plain data: safe_load, no Python tags. A regular
-    file of at most MAX_CONFIG_BYTES, and a key given twice in one mapping is refused, not silently dropped."""
+    file of at most MAX_CONFIG_BYTES, and a key given twice in one mapping is refused, not silently dropped.
+
+    as_written: dotted keys whose values are text (text_keys), which keep an unquoted number as it is written: YAML
+    reads `out_dir: 001` as the number 1 and `0123` as 83 (octal), and their text as a folder name was another
+    folder's."""
     name = shown(str(path))
     kind = _kind_of(path)
     if kind is not None:
@@ -265,7 +269,8 @@ def load_yaml(path: str | Path) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"cannot read config file '{name}': it is not UTF-8 text (byte {e.start:,} is "
                           f"{raw[e.start]:#04x}); save it as UTF-8") from None
-    duplicate = first_duplicate(_parsed(lambda: yaml.compose(text, Loader=yaml.SafeLoader), name))
+    root = _parsed(lambda: yaml.compose(text, Loader=yaml.SafeLoader), name)
+    duplicate = first_duplicate(root)
     if duplicate is not None:
         first, second = duplicate.first_line, duplicate.second_line
         lines = f"lines {first} and {second}" if first != second else f"both on line {first}"
@@ -277,7 +282,41 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{name}' must hold a mapping of sections (data:, model:, train:), "
                           f"got {type(data).__name__}")
+    for keys, written in _numbers_as_written(root, as_written):
+        section = data
+        for key in keys[:-1]:
+            section = section.get(key) if isinstance(section, dict) else None
+        if isinstance(section, dict) and keys[-1] in section:
+            section[keys[-1]] = written
     return data
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _numbers_as_written(node: Any, wanted: frozenset[str], prefix: str = "") -> Iterator[tuple[list[str], str]]:
+    """(key path, text as written) of each unquoted number in the composed YAML node whose dotted key is wanted."""
+    if not wanted or not isinstance(node, yaml.MappingNode):
+        return
+    for key_node, value in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue
+        dotted = prefix + key_node.value
+        if isinstance(value, yaml.MappingNode):
+            for keys, written in _numbers_as_written(value, wanted, dotted + "."):
+                yield [key_node.value, *keys], written
+        elif (isinstance(value, yaml.ScalarNode) and dotted in wanted and value.tag in _NUMBER_TAGS
+              and value.style is None):
+            yield [key_node.value], value.value
+
+
+def text_keys(cls: type) -> frozenset[str]:
+    """The dotted keys of cls whose values are text (str, or str or None): paths and names."""
+    def is_text(tp: Any) -> bool:
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            return set(typing.get_args(tp)) == {str, type(None)}
+        return tp is str
+    return frozenset(key for key, tp in _flat_hints(cls).items() if is_text(tp))
 
 
 def _kind_of(path: str | Path) -> str | None:

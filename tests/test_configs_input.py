@@ -239,3 +239,13 @@ def test_a_tilde_on_the_command_line_is_the_home_folder_and_null_still_unsets():
     assert load_config(TINY, ["out_dir=~"]).out_dir == os.path.expanduser("~")
     assert load_config(TINY, ["data.path=x.txt", "data.path=null"]).data.path is None
     assert load_config(TINY, ["data.path=x.txt", "data.path=none"]).data.path is None
+
+
+def test_a_path_written_as_a_number_in_the_file_is_the_text_as_written(tmp_path):
+    # YAML reads unquoted digits as a number: out_dir: 001 trained into the folder '1', and 0123 (octal) into '83'.
+    # The keys that are text keep what is written; the numbers stay numbers.
+    text = "out_dir: 001\ndata:\n  path: 0123\n  cache_dir: 1_000\ntrain:\n  max_iters: 5_000\n  eval_interval: 0x10\n"
+    cfg = load_config(str(write_yaml(tmp_path, text)), [])
+    assert (cfg.out_dir, cfg.data.path, cfg.data.cache_dir) == ("001", "0123", "1_000")
+    assert (cfg.train.max_iters, cfg.train.eval_interval) == (5000, 16)
+    assert load_config(str(write_yaml(tmp_path, "out_dir: '001'\n", "quoted.yaml")), []).out_dir == "001"
