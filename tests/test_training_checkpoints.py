@@ -28,11 +28,12 @@ from training_runs import (
     assert_continues_the_straight_run,
     call,
     check_after_a_crash,
+    checkpoint_identity,
     launch,
     one_line,
     temporary_files,
     train_main,
-    wait_for,
+    wait_for_a_new_checkpoint,
     write_corpus,
 )
 
@@ -139,12 +140,14 @@ def test_kill_9_at_random_moments_never_breaks_a_checkpoint_and_the_run_ends_as_
     for attempt in range(5):
         resume = ["--resume"] if (out / "ckpt.pt").exists() else []
         log = tmp_path / f"log{attempt}.txt"
+        before = checkpoint_identity(out)
         proc = launch([*resume, *args], log)
         if attempt % 5 == 2:  # now and then anywhere in start-up: imports, reading the data, building the model
             time.sleep(rng.uniform(0.2, 1.2))
         else:  # otherwise while it trains: a step and a checkpoint take a few milliseconds each
-            wait_for(log, r"^global batch: ", proc)  # printed just before the first step
-            time.sleep(rng.uniform(0.03, 0.25))
+            # after its first save, not a fixed time after start-up, which a loaded machine may not have finished
+            wait_for_a_new_checkpoint(out, before, log, proc)
+            time.sleep(rng.uniform(0.0, 0.2))
         proc.kill()
         assert proc.wait(timeout=30) == -signal.SIGKILL
         steps.append(check_after_a_crash(out))

@@ -117,6 +117,27 @@ def wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 6
     raise AssertionError(f"no {pattern!r} in {timeout}s: {log.read_text(encoding='utf-8')}")
 
 
+def checkpoint_identity(out: Path) -> int | None:
+    """The inode of out/ckpt.pt, or None: a save renames a new file into place, so a new checkpoint is a new inode."""
+    try:
+        return (out / "ckpt.pt").stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def wait_for_a_new_checkpoint(out: Path, before: int | None, log: Path, proc: subprocess.Popen,
+                              timeout: float = 60.0) -> None:
+    """Until the run has saved a checkpoint other than `before`: proof that it is training, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if checkpoint_identity(out) not in (None, before):
+            return
+        assert proc.poll() is None, log.read_text(encoding="utf-8")
+        time.sleep(0.002)
+    proc.kill()
+    raise AssertionError(f"no new checkpoint in {timeout}s: {log.read_text(encoding='utf-8')}")
+
+
 def check_after_a_crash(out: Path) -> int:
     """Whatever a killed run left: ckpt.pt and best.pt are whole (if there), nothing else passes for a checkpoint,
     and config.yaml is whole. Returns the step of ckpt.pt (0 if none)."""
