@@ -163,6 +163,8 @@ def scan(f: BinaryIO, dtype: np.dtype | None = None) -> tuple[int, int]:
 
 def map_ids(f: BinaryIO, dtype: np.dtype, n_tokens: int) -> torch.Tensor:
     """The open ids file as a 1-D tensor over a private, copy-on-write memory map: nothing is read until it is used."""
+    if not n_tokens:  # an empty file cannot be mapped: a text of nothing but a byte-order mark has no ids
+        return torch.from_numpy(np.zeros(0, dtype=dtype))
     mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     if hasattr(mapped, "madvise"):
         # Training reads windows at random: without this, each page fault reads ahead ~128 KB around it, which in

@@ -134,6 +134,9 @@ def test_a_leading_byte_order_mark_is_left_out_of_each_file_with_a_note(tmp_path
     assert text_of(one) == "ab\ufffdc" and "\ufeff" not in one.chars
     with pytest.raises(DataError, match=r"is not UTF-8 at byte 5;"):  # offsets still count the mark's 3 bytes
         prepare(tmp_path / "one.txt", chunk_bytes=chunk_bytes)
+    # nothing but the mark: no ids at all, which an empty cache file holds (mmap refused it: a ValueError traceback)
+    with pytest.raises(DataError, match=r"has 0 characters, but one training window needs at least"):
+        prepare(books / "c.txt", chunk_bytes=chunk_bytes, min_chars=9)
 
 
 def test_a_nul_byte_past_the_binary_sniff_is_kept_and_said(tmp_path: Path) -> None:
