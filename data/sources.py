@@ -110,7 +110,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
             )
     elif (kind := file_kind(st.st_mode)) is not None:
         raise not_a_file(label, text, kind)
-    elif not _is_text(p, label):
+    elif not _is_text(p, label, st):
         # said plainly: NUL bytes are valid UTF-8, so a UTF-16 file would otherwise become a corpus of garbage
         raise DataError(
             f"{label}: {quoted(text)} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
@@ -227,7 +227,7 @@ def _glob(pattern: Path, out: _LeftOut) -> list[Path]:
         elif stat.S_ISDIR(st.st_mode):
             files += _walk(m, out)
         else:
-            (files if _is_text(m, label) else out.skipped).append(m)
+            (files if _is_text(m, label, st) else out.skipped).append(m)
     return files
 
 
@@ -306,7 +306,7 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
             continue
         if stat.S_ISDIR(st.st_mode):
             continue  # a folder made since it was listed
-        (text if _is_text(f, label) else out.skipped).append(f)
+        (text if _is_text(f, label, st) else out.skipped).append(f)
     return text
 
 
@@ -322,8 +322,14 @@ def _regular_or_folder(path: Path, label: str) -> os.stat_result | None:
     return st if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) else None
 
 
-def _is_text(path: Path, label: str) -> bool:
-    """False for a file with a NUL byte near its start (an image, an archive, UTF-16): no UTF-8 text has one."""
+def _is_text(path: Path, label: str, st: os.stat_result) -> bool:
+    """False for a file with a NUL byte near its start (an image, an archive, UTF-16): no UTF-8 text has one.
+
+    An empty file (st: path's status) is not opened: it adds nothing to a corpus (_sources leaves it out), and some
+    files that say they are empty never end (/proc/kmsg, whose read waits for the kernel's next message: forever).
+    """
+    if not st.st_size:
+        return True
     with open_regular(path, label) as f:
         return b"\0" not in f.read(SNIFF_BYTES)
 

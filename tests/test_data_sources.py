@@ -18,8 +18,9 @@ from typing import TypeVar
 import pytest
 from test_data_stream import prepare, text_of, write
 
+import data.sources
 from data import DataError, read_text
-from data.paths import quoted
+from data.paths import open_regular, quoted
 from data.sources import resolve_inputs
 
 T = TypeVar("T")
@@ -132,6 +133,25 @@ def test_a_shell_process_substitution_is_refused_as_a_pipe() -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_file_that_says_it_is_empty_is_never_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc/kmsg says it is empty, and a read of it waits for the kernel's next message: the sniff for NUL bytes hung
+    data.path=/proc/kmsg, and any folder or glob reaching it, forever. An empty file adds nothing: it is not opened."""
+    books = tmp_path / "books"
+    write(books / "a.txt", "alpha")
+    write(books / "empty.txt", "")
+    opened = []
+
+    def recording(path: Path, label: str) -> object:
+        opened.append(Path(path).name)
+        return open_regular(path, label)
+
+    monkeypatch.setattr(data.sources, "open_regular", recording)
+    assert sources_of(books) == sources_of(books / "*.txt") == [str(books / "a.txt")]
+    assert refusal(resolve_inputs, str(books / "empty.txt")) == f"data.path: {quoted(books / 'empty.txt')} is empty; " \
+        "give UTF-8 text with at least one training window"
+    assert "a.txt" in opened and "empty.txt" not in opened
 
 
 def test_devices_are_refused_by_kind() -> None:
