@@ -23,7 +23,7 @@ import torch
 
 from configs.userinput import file_kind
 
-from .paths import LOG_PATH, DataError, quoted
+from .paths import LOG_PATH, DataError, open_regular, quoted
 from .sources import FORMAT_VERSION
 
 # Bytes read at a time by checksum: 1 and 8 MB pieces read 200 MB cold in 0.12-0.19 s, 64 MB ones in 0.23-0.24 s
@@ -46,7 +46,7 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
     for folder in folders:
         meta_path, ids_path = folder / f"{stem}-{key}.json", folder / f"{stem}-{key}.ids"
         try:
-            info = json.loads(meta_path.read_text(encoding="utf-8"))
+            info = _read_meta(meta_path)
             dtype, n_tokens = np.dtype(info["dtype"]), int(info["n_tokens"])
             sound = info["format"] == FORMAT_VERSION and info["key"] == key and isinstance(info["crc32"], int)
         except (OSError, ValueError, KeyError, TypeError):  # absent, or not a meta file of this version
@@ -68,6 +68,19 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
             except OSError:
                 pass  # a read-only cache folder: the entry stays, and is checked (and refused) again next time
     return None
+
+
+def _read_meta(path: Path) -> dict:
+    """The JSON of the meta file at path; OSError or ValueError (DataError among them) when it cannot be one.
+
+    Opened as data.path is, without blocking and only if it is a regular file: a meta that is a pipe waited forever,
+    one linked to /dev/zero filled the memory, and JSON nested past Python's recursion limit was a traceback.
+    """
+    with open_regular(path, "data.cache_dir") as f:
+        try:
+            return json.loads(f.read().decode("utf-8"))
+        except RecursionError:
+            raise ValueError(f"{path} is JSON nested too deep to be a meta") from None
 
 
 def meta_checksum(info: dict) -> int:
@@ -299,7 +312,7 @@ def prune(folder: Path, stem: str, key: str, info: dict) -> None:
         if meta_path.name == f"{stem}-{key}.json":
             continue
         try:
-            old = json.loads(meta_path.read_text(encoding="utf-8"))
+            old = _read_meta(meta_path)
             if [s[0] for s in old["sources"]] != paths:
                 continue
             if old.get("format") == FORMAT_VERSION and old["settings"] != info["settings"]:

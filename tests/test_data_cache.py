@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_data_sources import within
 from test_data_stream import MIXED, prepare, text_of, write
 
 import data.cache
@@ -279,6 +280,26 @@ def test_a_damaged_meta_is_encoded_again_and_said(tmp_path: Path, cache: Path, c
     assert again.notes == (f"data: the cached copy '{damaged}' was damaged ({why}); it has been encoded again",)
     assert prepare(tmp_path / "t.txt").cache_hit  # and the new copy is trusted
     assert entries(cache) == [first.path.name, first.path.with_suffix(".json").name]
+
+
+@pytest.mark.parametrize("what", ["a pipe", "JSON nested past the recursion limit", "another entry's meta, a pipe"])
+def test_a_meta_that_is_no_json_file_is_passed_over_not_read_forever(tmp_path: Path, what: str) -> None:
+    """A meta was read as any file: one that was a pipe waited forever (when looked up, or pruned as another entry
+    of the same text), one linked to /dev/zero filled the memory, and '[' * 100,000 was a RecursionError."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    meta_path = first.path.with_suffix(".json")
+    if what == "another entry's meta, a pipe":  # an older entry of the same text: the new one prunes it
+        meta_path = meta_path.with_name(f"t.txt-{'0' * 32}.json")
+        first.path.with_suffix(".json").unlink()
+    meta_path.unlink(missing_ok=True)
+    if what.startswith("JSON"):
+        meta_path.write_text("[" * 100_000, encoding="utf-8")
+    else:
+        os.mkfifo(meta_path)
+    again = within(prepare, tmp_path / "t.txt")
+    assert not again.cache_hit and text_of(again) == text and again.fingerprint == first.fingerprint
+    assert within(prepare, tmp_path / "t.txt").cache_hit  # the new meta took the place of what was there
 
 
 def test_an_entry_from_before_metas_carried_a_checksum_is_still_served(tmp_path: Path) -> None:
