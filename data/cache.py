@@ -121,11 +121,12 @@ def _open_checked(
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         return None, "it is missing" if isinstance(e, FileNotFoundError) else e.strerror or type(e).__name__
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with an OSError naming the fd ('3')
+        os.close(fd)
+        return None, f"it is {file_kind(st.st_mode)}"
     with os.fdopen(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
         expected = n_tokens * dtype.itemsize
-        if not stat.S_ISREG(st.st_mode):
-            return None, f"it is {file_kind(st.st_mode)}"
         if st.st_size != expected:
             return None, f"it holds {st.st_size:,} bytes, not {expected:,}"
         try:

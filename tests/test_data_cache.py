@@ -228,6 +228,18 @@ def test_a_damaged_cache_entry_is_encoded_again_and_said(tmp_path: Path, how: st
     assert prepare(tmp_path / "t.txt").cache_hit  # and the new copy is trusted
 
 
+def test_an_ids_file_that_is_a_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    """fdopen refused the folder with an OSError naming its descriptor: 'error: cannot use '3' (Is a directory)'."""
+    first = prepare(write(tmp_path / "t.txt", "abcdefgh" * 64))
+    first.path.unlink()
+    first.path.mkdir()
+    refusal = r"^TINYCHAR_CACHE_DIR: cannot write the encoded corpus to .*\(Is a directory\)"
+    with pytest.raises(DataError, match=refusal):
+        prepare(tmp_path / "t.txt")  # the folder cannot be replaced by the new ids
+    first.path.rmdir()  # once it is gone, the text is encoded again
+    assert text_of(prepare(tmp_path / "t.txt")) == "abcdefgh" * 64
+
+
 def test_an_entry_without_a_checksum_is_not_trusted(tmp_path: Path) -> None:
     f = write(tmp_path / "t.txt", MIXED)
     first = prepare(f)
