@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .paths import os_failure, stat_path
+from .paths import os_failure, stat_path, walk
 
 _GONE = (errno.ENOENT, errno.ENOTDIR)  # removed while listed, or a file where the pattern wants a folder
 
@@ -84,7 +84,7 @@ def _real_folders(top: Path, label: str) -> Iterator[Path]:
         if e.errno not in _GONE:
             raise os_failure(label, e.filename, e, "cannot read the folder") from None
 
-    for root, dirs, _ in os.walk(top, onerror=refuse):  # followlinks=False: a link to a folder is not entered
+    for root, dirs, _ in walk(top, refuse):  # a link to a folder is not entered
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         yield Path(root)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -104,6 +104,30 @@ def stat_path(path: Path, label: str) -> os.stat_result | None:
         raise DataError(
             f"{label}: {quoted(path)} is not a usable path (it holds a character no file name can); check the path"
         ) from None
+
+
+def walk(top: Path, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk(top, onerror=onerror): top-down, links to folders listed but not entered, dirs pruned in place; without
+    recursion, where Python 3.11's os.walk recursed once a level, so that a tree some 1,000 folders deep was a
+    RecursionError (a traceback) instead of a corpus."""
+    stack = [os.fspath(top)]
+    while stack:
+        root = stack.pop()
+        dirs, names = [], []
+        try:
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    (dirs if is_dir else names).append(entry.name)
+        except OSError as e:
+            onerror(e)
+            continue
+        yield root, dirs, names
+        below = (os.path.join(root, d) for d in reversed(dirs))
+        stack.extend(path for path in below if not os.path.islink(path))
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from configs.userinput import file_kind
 
 from .corpus import _did_you_mean, data_dir, locate
 from .globs import expand, fixed_part
-from .paths import DataError, expand_home, not_a_file, open_regular, os_failure, quoted, stat_path
+from .paths import DataError, expand_home, not_a_file, open_regular, os_failure, quoted, stat_path, walk
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
 # CRC-32 of the ids, checked whenever the entry is opened. 3: a byte-order mark that starts a file is left out (the
@@ -267,7 +267,7 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
     to out.caches): its meta files are JSON text, and each run would add one more to the next run's text. Except
     folder itself when it is named (data.path=. with out_dir=. or data.cache_dir=.): the person chose it as the
     corpus, so only the run's config.yaml and the cache's entries are left out, the rest of a run's files being
-    binary. Links to folders are not entered (os.walk's default), so a link back up the tree cannot loop; a folder
+    binary. Links to folders are not entered (as by os.walk), so a link back up the tree cannot loop; a folder
     that cannot be read is refused rather than skipped, which would train on part of the corpus without saying so.
     """
     label = out.label
@@ -277,7 +277,7 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
             raise os_failure(label, e.filename, e, "cannot read the folder") from None
 
     found = []
-    for root, dirs, names in os.walk(folder, onerror=refuse):
+    for root, dirs, names in walk(folder, refuse):
         here = Path(root)
         whole = not named or here != folder
         if _is_run(names):

@@ -212,6 +212,23 @@ def test_paths_with_newlines_or_of_any_length_stay_on_one_line(tmp_path: Path) -
     assert "new\\nline" in refusal(prepare, tmp_path / "new\nline" / "t.txt")
 
 
+def test_a_tree_a_thousand_folders_deep_is_walked(tmp_path: Path) -> None:
+    """Python 3.11's os.walk recursed once a level: 1,100 levels were a RecursionError, for a folder and for '**'."""
+    deep = tmp_path / "deep"
+    write(deep / "top.txt", "top")
+    bottom = deep
+    for _ in range(1100):  # one at a time: mkdir(parents=True) recurses too
+        bottom /= "d"
+        bottom.mkdir()
+    write(bottom / "bottom.txt", "bottom")
+    try:
+        assert sources_of(deep) == sources_of(deep / "**") == [str(bottom / "bottom.txt"), str(deep / "top.txt")]
+    finally:  # removed one at a time too: shutil.rmtree, which pytest cleans up with, recurses
+        (bottom / "bottom.txt").unlink()
+        for folder in [bottom, *bottom.parents][:1100]:
+            folder.rmdir()
+
+
 def test_a_folder_that_cannot_be_read_is_refused_not_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write(tmp_path / "books" / "a.txt", "text")
     locked = tmp_path / "books" / "locked"
