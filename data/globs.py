@@ -46,35 +46,45 @@ def fixed_part(pattern: Path) -> Path:
     return Path(*parts[:first]) if first else Path()
 
 
-def _match(folder: Path, parts: tuple[str, ...], seen: set[tuple[str, int]], label: str) -> Iterator[Path]:
-    """The paths under folder that match parts, visiting each (real folder, rest of the pattern) once."""
-    if not parts:
-        yield folder
-        return
-    visit = (os.path.realpath(folder), len(parts))
-    if visit in seen:  # reached again through a link: the same real folder gives the same matches
-        return
-    seen.add(visit)
-    head, rest = parts[0], parts[1:]
-    if head == "**":
-        if not rest:
+def _match(folder: Path, parts: tuple[str, ...], seen: set[tuple[int, int, int]], label: str) -> Iterator[Path]:
+    """The paths under folder that match parts, visiting each (real folder, rest of the pattern) once.
+
+    A stack of the (folder, part) pairs left to visit, not recursion, which a pattern of a thousand wildcard parts
+    ran out of; a real folder is known by its device and inode (os.path.realpath took a system call for each folder
+    above it, so a deep tree took time in the square of its depth).
+    """
+    stack = [(folder, 0)]
+    while stack:
+        folder, at = stack.pop()
+        if at == len(parts):
             yield folder
-            return
-        for sub in _real_folders(folder, label):
-            yield from _match(sub, rest, seen, label)
-    elif glob.has_magic(head):
-        for name in _names(folder, label):
-            if (name.startswith(".") and not head.startswith(".")) or not fnmatch.fnmatchcase(name, head):
-                continue
-            if not rest:
-                yield folder / name
-            elif _is_dir(folder / name, label):
-                yield from _match(folder / name, rest, seen, label)
-    elif not rest:
-        if _status(folder / head, label, os.lstat) is not None:
-            yield folder / head
-    elif _is_dir(folder / head, label):
-        yield from _match(folder / head, rest, seen, label)
+            continue
+        st = _status(folder, label, os.stat)
+        if st is None:  # gone since it was listed
+            continue
+        visit = (st.st_dev, st.st_ino, len(parts) - at)
+        if visit in seen:  # reached again through a link: the same real folder gives the same matches
+            continue
+        seen.add(visit)
+        head, last = parts[at], at + 1 == len(parts)
+        if head == "**":
+            if last:
+                yield folder
+            else:
+                stack += [(sub, at + 1) for sub in _real_folders(folder, label)]
+        elif glob.has_magic(head):
+            for name in _names(folder, label):
+                if (name.startswith(".") and not head.startswith(".")) or not fnmatch.fnmatchcase(name, head):
+                    continue
+                if last:
+                    yield folder / name
+                elif _is_dir(folder / name, label):
+                    stack.append((folder / name, at + 1))
+        elif last:
+            if _status(folder / head, label, os.lstat) is not None:
+                yield folder / head
+        elif _is_dir(folder / head, label):
+            stack.append((folder / head, at + 1))
 
 
 def _real_folders(top: Path, label: str) -> Iterator[Path]:

@@ -235,13 +235,13 @@ def _owner_above(match: Path, base: Path, out: _LeftOut) -> tuple[str, Path] | N
     """('run' or 'cache', the folder) for the tinychar run or cache folder that match lies in, looking up from its
     folder to base (the pattern's fixed part, which a person named), as walking a matched folder leaves out such a
     folder's whole tree; None if it lies in none."""
-    folder = match.parent
-    while folder == base or base in folder.parents:  # never above base: a '**' that ends the pattern matches base
+    if base not in match.parents:  # a '**' that ends the pattern matches base itself: never look above base
+        return None
+    for folder in match.parents:  # (not 'base in folder.parents' at each: time in the cube of the depth)
         if (owner := _owner(folder, out)) is not None:
             return owner, folder
         if folder == base:
-            return None
-        folder = folder.parent
+            break
     return None
 
 

@@ -11,7 +11,7 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -212,21 +212,34 @@ def test_paths_with_newlines_or_of_any_length_stay_on_one_line(tmp_path: Path) -
     assert "new\\nline" in refusal(prepare, tmp_path / "new\nline" / "t.txt")
 
 
-def test_a_tree_a_thousand_folders_deep_is_walked(tmp_path: Path) -> None:
-    """Python 3.11's os.walk recursed once a level: 1,100 levels were a RecursionError, for a folder and for '**'."""
-    deep = tmp_path / "deep"
+@pytest.fixture
+def deep_tree(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """(deep, bottom): deep/top.txt, and bottom/bottom.txt 1,100 folders below deep; made and removed a folder at a
+    time, as mkdir(parents=True) and shutil.rmtree (pytest's clean-up) recurse too."""
+    deep = bottom = tmp_path / "deep"
     write(deep / "top.txt", "top")
-    bottom = deep
-    for _ in range(1100):  # one at a time: mkdir(parents=True) recurses too
+    for _ in range(1100):
         bottom /= "d"
         bottom.mkdir()
     write(bottom / "bottom.txt", "bottom")
-    try:
-        assert sources_of(deep) == sources_of(deep / "**") == [str(bottom / "bottom.txt"), str(deep / "top.txt")]
-    finally:  # removed one at a time too: shutil.rmtree, which pytest cleans up with, recurses
-        (bottom / "bottom.txt").unlink()
-        for folder in [bottom, *bottom.parents][:1100]:
-            folder.rmdir()
+    yield deep, bottom
+    (bottom / "bottom.txt").unlink()
+    for folder in [bottom, *bottom.parents][:1100]:
+        folder.rmdir()
+
+
+def test_a_tree_a_thousand_folders_deep_is_walked(deep_tree: tuple[Path, Path]) -> None:
+    """Python 3.11's os.walk recursed once a level: 1,100 levels were a RecursionError, for a folder and for '**'."""
+    deep, bottom = deep_tree
+    assert sources_of(deep) == sources_of(deep / "**") == [str(bottom / "bottom.txt"), str(deep / "top.txt")]
+
+
+def test_a_glob_of_a_thousand_wildcard_parts_is_matched_at_once(deep_tree: tuple[Path, Path]) -> None:
+    """Matching recursed once a part of the pattern: 1,100 '?' parts were a RecursionError; '**/*.txt' over the tree
+    took 15 s (a realpath of each folder, and the folders above each match looked up in the square of the depth)."""
+    deep, bottom = deep_tree
+    assert sources_of(Path(deep, *["?"] * 1100, "*.txt")) == [str(bottom / "bottom.txt")]
+    assert sources_of(deep / "**" / "*.txt") == [str(bottom / "bottom.txt"), str(deep / "top.txt")]
 
 
 def test_a_folder_that_cannot_be_read_is_refused_not_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
