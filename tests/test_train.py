@@ -435,6 +435,18 @@ def test_a_run_saved_with_both_data_path_and_dataset_resumes_on_its_data_path():
     assert check_resume_config(saved, cfg) == []
 
 
+def test_a_resume_on_a_data_path_in_an_unknown_users_home_is_one_line(tmp_path):
+    # The hint for a run started on a relative data.path asked pathlib whether the path was absolute, and its
+    # expanduser raised RuntimeError for '~nouser': `--resume data.path=~nouser/corpus.txt` was a traceback.
+    from data import DataError
+    from training.distributed import Launch
+    from training.runner import prepare
+
+    cfg = load_config(TINY, ["data.path=~no_such_user_of_tinychar/corpus.txt", f"out_dir={tmp_path / 'out'}"])
+    with pytest.raises(DataError, match=r"^data.path: no such file '~no_such_user_of_tinychar/corpus.txt'$"):
+        prepare(cfg, resume=True, overwrite=False, progress=False, payload={"vocab": ["a", "b"]}, launch=Launch())
+
+
 def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):
     # runs/a and runs/a/ were refused as contradicting each other
     args = train.parse_args(["--out-dir", "runs/a", "out_dir=runs/a/", "out_dir=./runs/a"])

@@ -3,6 +3,7 @@ restore the model and optimizer, claim out_dir, and hand the state to a Trainer.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -118,7 +119,9 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
                                   trained_on=payload.get("data_fingerprint") if payload is not None else None)
         except DataError as e:
             path = cfg.data.path
-            if payload is None or path is None or Path(path).expanduser().is_absolute() or Path(path).exists():
+            # '~' starts a home folder, not a path relative to the folder the run started in (pathlib's expanduser
+            # raised RuntimeError for '~nouser'); os.path.exists never raises (Path.exists: ValueError for NUL)
+            if payload is None or path is None or path.startswith("~") or os.path.isabs(path) or os.path.exists(path):
                 raise
             # A run started on a relative data.path, resumed from another folder: say how to name the file from here
             raise DataError(f"{e}; this run was started on that path relative to the folder it ran in: resume from "
