@@ -240,6 +240,7 @@ def _encode(
     folder, out, part = open_part(folders, stem, ".ids", moved, setting)
     reap_parts(folder)  # what killed encodings left there, before this one takes its own room
     ids_path, meta_path = folder / f"{stem}-{key}.ids", folder / f"{stem}-{key}.json"
+    meta_part = None
     try:
         with _bar(inputs, "ids", progress) as bar, out:
             written = write_ids(inputs, cfg.errors, lookup, out, chunk_bytes, bar, strip_bom=strip_bom)
@@ -252,11 +253,12 @@ def _encode(
         info["meta_crc32"] = meta_checksum(info)  # last: of everything else in the meta, the vocabulary included
         # Atomic renames: a reader sees a whole entry or none, and a crash leaves at worst a hidden .part file,
         # which a later encoding into the folder reaps (reap_parts).
-        # The meta goes last because it is what find looks for.
-        os.replace(part, ids_path)
+        # The meta goes last because it is what find looks for; it is written before either rename, so that a disk
+        # too full for it leaves no ids file that no meta names (as large as the corpus's ids, and never pruned).
         _, meta_out, meta_part = open_part([folder], stem, ".json", [])
         with meta_out:
             meta_out.write(json.dumps(info).encode("utf-8"))
+        os.replace(part, ids_path)
         os.replace(meta_part, meta_path)
     except OSError as e:
         raise DataError(
@@ -265,6 +267,8 @@ def _encode(
         ) from e
     finally:
         part.unlink(missing_ok=True)
+        if meta_part is not None:
+            meta_part.unlink(missing_ok=True)
     prune(folder, stem, key, info)
     return info, ids_path, ids
 

@@ -6,6 +6,7 @@ vocabulary) is encoded again and said, and the fingerprint names the ids and voc
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -143,6 +144,28 @@ def test_a_failed_encoding_leaves_no_file_behind(tmp_path: Path, cache: Path, mo
     with pytest.raises(KeyboardInterrupt):
         prepare(write(tmp_path / "t.txt", MIXED))
     assert entries(cache) == []  # neither a final name nor a partial file
+
+
+def test_a_disk_too_full_for_the_meta_leaves_no_file_behind(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ids were renamed into place before the meta was written: a full disk left them there, as large as the
+    corpus's ids, with no meta to find or prune them by, and the meta's partial file beside them."""
+    open_part = data.prepare.open_part
+
+    def no_space(_: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_for_the_meta(folders: list[Path], stem: str, suffix: str, *args: object) -> tuple:
+        folder, out, part = open_part(folders, stem, suffix, *args)
+        if suffix == ".json":
+            out.write = no_space
+        return folder, out, part
+
+    monkeypatch.setattr(data.prepare, "open_part", full_for_the_meta)
+    with pytest.raises(DataError, match=r"cannot write the encoded corpus to .* \(No space left on device\); free"):
+        prepare(write(tmp_path / "t.txt", MIXED))
+    assert entries(cache) == []
 
 
 def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
