@@ -331,7 +331,19 @@ def _is_text(path: Path, label: str, st: os.stat_result) -> bool:
     if not st.st_size:
         return True
     with open_regular(path, label) as f:
-        return b"\0" not in f.read(SNIFF_BYTES)
+        return b"\0" not in f.read(SNIFF_BYTES) and not _has_hole(f.fileno(), st.st_size)
+
+
+def _has_hole(fd: int, size: int) -> bool:
+    """Whether the open file of size bytes has a hole (a sparse file: a disk image, a download not yet written): bytes
+    never written, which read as NUL bytes however many there are. `truncate -s 1T` after a line of text took hours
+    to read, and its ids filled the cache's disk."""
+    if not hasattr(os, "SEEK_HOLE"):
+        return False
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError:  # a file system that cannot tell
+        return False
 
 
 def _stat(path: Path, label: str) -> os.stat_result:

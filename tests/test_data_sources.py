@@ -154,6 +154,20 @@ def test_a_file_that_says_it_is_empty_is_never_opened(tmp_path: Path, monkeypatc
     assert "a.txt" in opened and "empty.txt" not in opened
 
 
+def test_a_sparse_file_is_binary_not_read_to_its_end(tmp_path: Path) -> None:
+    """A line of text and `truncate -s 1T` after it: its NUL bytes came past the sniff, so all of them were read (at
+    a few GB a minute) and encoded, into an ids file as large as the disk allowed."""
+    sparse = write(tmp_path / "books" / "sparse.txt", "a line of text\n" * 1000)
+    os.truncate(sparse, 1 << 40)
+    with sparse.open("rb") as f:
+        if os.lseek(f.fileno(), 0, getattr(os, "SEEK_HOLE", os.SEEK_END)) == 1 << 40:
+            pytest.skip("this file system keeps no holes")
+    write(tmp_path / "books" / "text.txt", "text")
+    assert refusal(prepare, sparse).startswith(f"data.path: {quoted(sparse)} is a binary file (it holds NUL bytes")
+    corpus = within(prepare, tmp_path / "books")
+    assert text_of(corpus) == "text" and any("left out 1 binary file" in n and "sparse.txt" in n for n in corpus.notes)
+
+
 def test_devices_are_refused_by_kind() -> None:
     assert refusal(prepare, "/dev/zero").startswith("data.path: '/dev/zero' is a character device, not a file")
     assert refusal(read_text, "/dev/zero").startswith("data.path: '/dev/zero' is a character device")
