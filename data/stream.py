@@ -28,6 +28,8 @@ N_CODE_POINTS = 0x110000
 _BLOCK = 1 << 20
 _SEPARATOR = b"\n"  # between two files, so one file's last line never runs into the next file's first
 BOM = codecs.BOM_UTF8  # U+FEFF as the first bytes of a file: a mark of the encoding some editors write, not text
+# The marks that start UTF-16 text (Windows's "Unicode"), never UTF-8: no UTF-8 character has the bytes FF or FE
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
 @dataclass
@@ -65,15 +67,20 @@ def pieces(
         decoder = codecs.getincrementaldecoder("utf-8")(errors)
         done = 0  # bytes of this file read so far
         with open_regular(source.path, inputs.label) as f:
-            if strip_bom:
-                if f.read(len(BOM)) == BOM:  # read apart from the chunks, however small they are
-                    done = len(BOM)
-                    if seen is not None:
-                        seen.boms += 1
-                    if bar is not None:
-                        bar.update(done)
-                else:
-                    f.seek(0)
+            head = f.read(len(BOM))  # read apart from the chunks, however small they are
+            if head.startswith(_UTF16_BOMS):  # (with NUL bytes, as most UTF-16 has, it was refused as binary)
+                raise DataError(
+                    f"{inputs.label}: {quoted(source.path)} is UTF-16 text (it starts with UTF-16's byte-order mark), "
+                    "not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"
+                )
+            if strip_bom and head == BOM:
+                done = len(BOM)
+                if seen is not None:
+                    seen.boms += 1
+                if bar is not None:
+                    bar.update(done)
+            else:
+                f.seek(0)
             nul_seen = seen is None
             while True:
                 chunk = f.read(chunk_bytes)

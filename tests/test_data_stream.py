@@ -230,6 +230,19 @@ def test_replace_mode_puts_fffd_where_the_bytes_were_bad(tmp_path: Path, chunk_b
     assert text_of(corpus).count(UNKNOWN) == 5 and UNKNOWN in corpus.chars
 
 
+@pytest.mark.parametrize("errors", ["strict", "replace"])
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_without_nul_bytes_is_refused_with_the_conversion(tmp_path: Path, errors: str, encoding: str) -> None:
+    """Chinese saved as UTF-16 (Windows's "Unicode") has no NUL byte to call it binary: strict said 'not UTF-8 at
+    byte 0; ... or set data.errors=replace', and replace trained on the bytes read as UTF-8, garbage."""
+    path = write(tmp_path / "zh.txt", ("\ufeff" + "中文文本训练数据" * 40).encode(encoding))
+    assert b"\0" not in path.read_bytes()
+    with pytest.raises(DataError) as info:
+        prepare(path, errors=errors)
+    assert str(info.value) == f"data.path: {quoted(path)} is UTF-16 text (it starts with UTF-16's byte-order mark), " \
+        "not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"
+
+
 # --- vocabulary ------------------------------------------------------------------------------------------------------
 
 
