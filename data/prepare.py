@@ -306,7 +306,7 @@ def _changed(source: Source) -> bool:
         st = source.path.stat()
     except OSError:
         return True
-    return (st.st_size, st.st_mtime_ns) != (source.size, source.mtime_ns)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (source.size, source.mtime_ns, source.ctime_ns)
 
 
 def _read_ids(

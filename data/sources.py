@@ -52,6 +52,9 @@ class Source:
     path: Path  # as the user's data.path reaches it, for messages
     size: int
     mtime_ns: int
+    # when its status last changed, which no one can set back as mtime can be (touch -d, cp -p, rsync -t): an edit
+    # that keeps size and mtime is still seen while the file is encoded (the cache key needs no more: its content)
+    ctime_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ def _sources(files: list[Path], label: str) -> list[Source]:
         seen.add(key)
         st = _stat(f, label)
         if st.st_size:  # an empty file adds nothing, not even a separating newline
-            sources.append(Source(f, st.st_size, st.st_mtime_ns))
+            sources.append(Source(f, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return sources
 
 

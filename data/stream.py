@@ -190,7 +190,7 @@ def lookup_table(kept: np.ndarray, replaced: np.ndarray, dtype: np.dtype) -> np.
     """The code point -> id table: kept[i] -> i, each replaced code point -> the id of UNKNOWN, the rest 0.
 
     Code points absent from the corpus get 0: pass 1 saw every character, and a file changed between the passes is
-    caught by its size and mtime afterwards.
+    caught by its size and times afterwards.
     """
     table = np.zeros(N_CODE_POINTS, dtype=dtype)
     table[kept] = np.arange(len(kept))

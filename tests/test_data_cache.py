@@ -146,6 +146,32 @@ def test_a_failed_encoding_leaves_no_file_behind(tmp_path: Path, cache: Path, mo
     assert entries(cache) == []  # neither a final name nor a partial file
 
 
+@pytest.mark.parametrize("keeps_mtime", [False, True])
+def test_a_file_changed_between_the_two_passes_is_refused(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, keeps_mtime: bool
+) -> None:
+    """Rewritten between counting its characters and writing their ids, as an rsync -t or a cp -p of a new copy of
+    the same size does (mtime set back): only size and mtime were compared, so every character the count never saw
+    became id 0, and the run trained on 'aaaa...' for 'zzzz...', silently."""
+    f = write(tmp_path / "t.txt", "abcdefgh" * 64)
+    count_chars = data.prepare.count_chars
+
+    def count_then_rewrite(*args: object, **kwargs: object) -> np.ndarray:
+        counts = count_chars(*args, **kwargs)
+        st = f.stat()
+        while f.stat().st_ctime_ns == st.st_ctime_ns:  # (a file system whose clock ticks coarsely: again, later)
+            time.sleep(0.01)
+            f.write_text("z" * st.st_size, encoding="utf-8")
+            if keeps_mtime:
+                os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return counts
+
+    monkeypatch.setattr(data.prepare, "count_chars", count_then_rewrite)
+    with pytest.raises(DataError, match=r"t\.txt' changed while it was being read; run again$"):
+        prepare(f)
+    assert entries(cache) == []
+
+
 def test_a_disk_too_full_for_the_meta_leaves_no_file_behind(
     tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
