@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -35,7 +36,7 @@ _STEP_LINE = re.compile(rb"^step \d+")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mb", type=float, default=100, help="size of the big corpus in MB (1e6 bytes)")
+    parser.add_argument("--size-mb", type=_positive, default=100, help="size of the big corpus in MB (1e6 bytes)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument(
         "--workdir",
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", action="store_true", help="drop the corpus from the page cache before preparing")
     parser.add_argument(
         "--train-memory-cap-gb",
-        type=float,
+        type=_positive,
         default=6.0,
         help=(
             "address-space limit for the train.py children, so a train.py that still reads the whole text into memory "
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=3, metavar=("MODE", "CORPUS", "CACHE"), help=argparse.SUPPRESS)
     parser.add_argument("--train-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.size_mb * 1e6 < (least := len(_cjk_slice(0)) + 2):
+        parser.error(f"argument --size-mb: the corpus holds a CJK slice of {least - 2:,} bytes, so it must be at least "
+                     f"{least / 1e6:g}")
     if args.child:
         return _child(*args.child)
     if args.train_child:
@@ -80,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --workdir: cannot make a folder in '{shown(args.workdir)}' ({why})", file=sys.stderr)
         return 2
     try:
+        if args.size_mb * 1e6 > (free := shutil.disk_usage(work).free):
+            print(f"error: --size-mb {args.size_mb:g} is more than the {free / 1e6:,.0f} MB free in "
+                  f"'{shown(work.parent)}'; ask for less, or give another --workdir", file=sys.stderr)
+            return 2
         results = _measure(args, work, shakespeare)
     finally:
         if not args.keep:
@@ -94,8 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kept: '{shown(work)}'", file=sys.stderr)
     print(_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        try:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        except OSError as e:  # the table above is all there is of the figures then
+            print(f"error: --json: cannot write '{shown(args.json)}' ({e.strerror or e})", file=sys.stderr)
+            return 2
     return 0
+
+
+def _positive(text: str) -> float:
+    """argparse's type for --size-mb and --train-memory-cap-gb: a finite number above 0 (nan, inf and 0 were
+    tracebacks once the bench had begun)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
+    return value
 
 
 def _work_folder(workdir: str | None) -> tuple[Path, list[Path]]:
@@ -147,11 +171,7 @@ def _generate(path: Path, size: int, shakespeare: bytes) -> Path:
     """size bytes of UTF-8: tiny Shakespeare repeated, with a CJK slice (1% of the size, every one of the N_CJK
     characters at least once) in the middle, 80 characters a line."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    n_cjk = max(N_CJK, size // 100 // 3)
-    codes = np.concatenate([rng.permutation(N_CJK), rng.integers(0, N_CJK, n_cjk - N_CJK)]) + CJK_FIRST
-    lines = [codes[i : i + 80].astype("<u4").tobytes().decode("utf-32-le") for i in range(0, len(codes), 80)]
-    cjk = ("\n".join(lines) + "\n").encode("utf-8")
+    cjk = _cjk_slice(size)
     if size < len(cjk) + 2:
         raise ValueError(f"--size-mb is too small for the CJK slice of {len(cjk)} bytes")
     ascii_bytes = size - len(cjk)
@@ -162,6 +182,15 @@ def _generate(path: Path, size: int, shakespeare: bytes) -> Path:
         f.flush()
         os.fsync(f.fileno())  # written out, so that --cold can drop it from the page cache
     return path
+
+
+def _cjk_slice(size: int) -> bytes:
+    """The CJK slice of a corpus of size bytes: every one of the N_CJK characters at least once, 1% of the size."""
+    rng = np.random.default_rng(0)
+    n_cjk = max(N_CJK, size // 100 // 3)
+    codes = np.concatenate([rng.permutation(N_CJK), rng.integers(0, N_CJK, n_cjk - N_CJK)]) + CJK_FIRST
+    lines = [codes[i : i + 80].astype("<u4").tobytes().decode("utf-32-le") for i in range(0, len(codes), 80)]
+    return ("\n".join(lines) + "\n").encode("utf-8")
 
 
 def _repeat(f, text: bytes, n_bytes: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, SMALL_TEXT
 
 import data.bench as bench
+from configs.userinput import shown
 
 
 def test_the_work_folder_is_a_new_one_inside_workdir_and_only_made_folders_are_listed(tmp_path: Path) -> None:
@@ -21,6 +22,32 @@ def test_the_work_folder_is_a_new_one_inside_workdir_and_only_made_folders_are_l
     assert work.parent == tmp_path / "mine" and work.name.startswith("tinychar-bench-") and made == []
     work, made = bench._work_folder(str(tmp_path / "new" / "deeper"))
     assert work.parent == tmp_path / "new" / "deeper" and made == [tmp_path / "new" / "deeper", tmp_path / "new"]
+
+
+@pytest.mark.parametrize(
+    "args", [["--size-mb", "nan"], ["--size-mb", "inf"], ["--size-mb", "-1"], ["--size-mb", "many"],
+             ["--size-mb", "0.01"], ["--train-memory-cap-gb", "nan"]]
+)
+def test_sizes_no_bench_can_have_are_refused_before_it_begins(args: list[str], capsys) -> None:
+    # nan and inf were tracebacks from int(), and 0 or 0.01 one from inside the bench, once it had made its folder
+    with pytest.raises(SystemExit) as info:
+        bench.main(args)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"python -m data.bench: error: argument {args[0]}: ")
+
+
+def test_a_size_beyond_the_free_disk_or_a_json_it_cannot_write_is_one_line(tmp_path: Path, monkeypatch, capsys):
+    # --size-mb 1e15 was a MemoryError traceback, and a --json that could not be written one after the whole bench
+    monkeypatch.setattr(bench, "_measure", lambda args, work, shakespeare: {})
+    monkeypatch.setattr(bench, "_table", lambda results: "| the table |")
+    assert bench.main(["--workdir", str(tmp_path), "--size-mb", "1e15"]) == 2
+    assert capsys.readouterr().err.startswith("error: --size-mb 1e+15 is more than the ")
+    assert bench.main(["--workdir", str(tmp_path), "--json", str(tmp_path / "none" / "b.json")]) == 2
+    out, err = capsys.readouterr()
+    json_path = shown(str(tmp_path / "none" / "b.json"))  # as messages show a path: cut in its middle past 80
+    assert out == "| the table |\n"
+    assert err == f"error: --json: cannot write '{json_path}' (No such file or directory)\n"
+    assert list(tmp_path.iterdir()) == []  # the bench's folder removed, as ever
 
 
 @pytest.mark.slow
