@@ -278,7 +278,10 @@ def _why_not(folder: Path, e: OSError) -> str:
     try:
         kind = file_kind(os.stat(folder).st_mode)
     except OSError:
-        kind = "a folder"
+        try:  # a link to nowhere, or in a loop: mkdir said only 'File exists'
+            return f"it is a symbolic link to {quoted(os.readlink(folder))}, which leads to no folder"
+        except OSError:
+            kind = "a folder"
     if kind != "a folder":
         return f"it is {kind or 'a file'}, not a folder"
     return e.strerror or type(e).__name__

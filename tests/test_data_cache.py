@@ -421,12 +421,16 @@ def test_the_fingerprint_names_the_text_and_vocabulary_not_where_they_are(tmp_pa
         ("file", "(it is a file, not a folder)"),
         ("file/under", "(Not a directory)"),
         ("new\nline/" + "y" * 300, "(File name too long)"),
+        ("dangling", "(it is a symbolic link to 'nowhere', which leads to no folder)"),  # both were 'File exists'
+        ("loop", "(it is a symbolic link to 'loop', which leads to no folder)"),
     ],
 )
 def test_a_cache_folder_that_cannot_be_one_is_refused_in_one_line(tmp_path: Path, folder: str, why: str) -> None:
     f = write(tmp_path / "t.txt", MIXED)
     os.mkfifo(tmp_path / "fifo")
     write(tmp_path / "file", "a file")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(DataError) as info:
         prepare(f, cache_dir=str(tmp_path / folder))
     message = str(info.value)
