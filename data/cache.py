@@ -219,6 +219,8 @@ def open_part(
             return folder, part.open("xb"), part
         except OSError as e:
             refused.append(f"{quoted(folder)} ({_why_not(folder, e)})")
+        except ValueError:  # a config's "\0" or "\ud800": a ValueError or UnicodeEncodeError traceback
+            refused.append(f"{quoted(folder)} (it holds a character no file name can)")
     raise DataError(
         f"{setting}: cannot write the encoded corpus to {'; nor to '.join(refused)}; set {setting} to a writable folder"
     )

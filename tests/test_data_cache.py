@@ -423,6 +423,8 @@ def test_the_fingerprint_names_the_text_and_vocabulary_not_where_they_are(tmp_pa
         ("new\nline/" + "y" * 300, "(File name too long)"),
         ("dangling", "(it is a symbolic link to 'nowhere', which leads to no folder)"),  # both were 'File exists'
         ("loop", "(it is a symbolic link to 'loop', which leads to no folder)"),
+        ("nul\0", "(it holds a character no file name can)"),  # a config file's "\0": a traceback
+        ("surrogate\ud800", "(it holds a character no file name can)"),
     ],
 )
 def test_a_cache_folder_that_cannot_be_one_is_refused_in_one_line(tmp_path: Path, folder: str, why: str) -> None:
