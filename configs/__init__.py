@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -136,7 +137,10 @@ def _to_float(value: Any, from_text: bool) -> float:
     if isinstance(value, bool):
         raise _NotOfType
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range (YAML's 400 digits): infinite, as '1e400' is
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         try:
             return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here

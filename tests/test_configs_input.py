@@ -249,3 +249,12 @@ def test_a_path_written_as_a_number_in_the_file_is_the_text_as_written(tmp_path)
     assert (cfg.out_dir, cfg.data.path, cfg.data.cache_dir) == ("001", "0123", "1_000")
     assert (cfg.train.max_iters, cfg.train.eval_interval) == (5000, 16)
     assert load_config(str(write_yaml(tmp_path, "out_dir: '001'\n", "quoted.yaml")), []).out_dir == "001"
+
+
+@pytest.mark.parametrize("key", ["train.learning_rate", "train.beta1", "model.dropout"])
+def test_an_integer_past_floats_range_for_a_number_is_refused_in_one_line(tmp_path, key):
+    # YAML reads 400 digits as an int, which float() refuses with an OverflowError: that was a traceback
+    section, name = key.split(".")
+    message = refused(write_yaml(tmp_path, f"{section}:\n  {name}: 1{'0' * 400}\n"))
+    assert message.startswith(f"{key} must be") and "inf" in message and len(message) < SHORT
+    assert refused(TINY, [f"{key}=1{'0' * 400}"]).startswith(f"{key} must be")
