@@ -40,6 +40,8 @@ class GPTConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
+            if value > 2**63 - 1:  # beyond any memory; 400 digits made the corpus's message 400 digits long
+                raise ValueError(f"model.{name} must be at most 2**63 - 1, got {value}")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd must be divisible by model.n_head, got {self.n_embd} and {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:

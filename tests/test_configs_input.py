@@ -258,3 +258,22 @@ def test_an_integer_past_floats_range_for_a_number_is_refused_in_one_line(tmp_pa
     message = refused(write_yaml(tmp_path, f"{section}:\n  {name}: 1{'0' * 400}\n"))
     assert message.startswith(f"{key} must be") and "inf" in message and len(message) < SHORT
     assert refused(TINY, [f"{key}=1{'0' * 400}"]).startswith(f"{key} must be")
+
+
+@pytest.mark.parametrize("key", ["train.max_iters", "train.warmup_iters", "train.lr_decay_iters", "train.eval_iters",
+                                 "model.block_size", "model.n_embd"])
+def test_a_count_past_64_bits_is_refused_in_one_line(tmp_path, key):
+    # YAML reads 400 digits as an int: max_iters, warmup_iters and lr_decay_iters of that size were an OverflowError
+    # from TensorBoard's hyperparameters after the run had written config.yaml, and a block_size a line of 400 digits
+    section, name = key.split(".")
+    huge = f"1{'0' * 400}"
+    message = refused(write_yaml(tmp_path, f"{section}:\n  {name}: {huge}\n"))
+    assert message.startswith(f"{key} must be at most 2**63 - 1, got 1") and len(message) < SHORT
+    assert refused(TINY, [f"{key}={huge}"]).startswith(f"{key} must be at most 2**63 - 1")
+    assert refused(TINY, [f"{key}=9223372036854775808"]).startswith(f"{key} must be at most 2**63 - 1")
+    saved = to_dict(load_config(TINY, []))
+    saved[section][name] = int(huge)
+    with pytest.raises(ConfigError, match=f"{key} must be at most"):
+        load_config(None, [], base=saved, origin="a checkpoint")
+    if section == "train":  # the largest is taken
+        assert getattr(load_config(TINY, [f"{key}=9223372036854775807"]).train, name) == 2**63 - 1

@@ -133,13 +133,17 @@ def test_a_need_too_large_for_a_float_is_said_in_bounded_words(monkeypatch) -> N
         check_fits(MemoryNeed(weights=0, masks=0, activations=50 * 10**6), cpu, processes=500)
 
 
-@pytest.mark.parametrize("override", [f"model.n_layer={10**400}", f"train.batch_size={10**400}"],
-                         ids=["n_layer", "batch_size"])
-def test_a_config_of_astronomical_size_is_one_short_line(tmp_path, capsys, override):
+@pytest.mark.parametrize(("override", "says"), [
+    (f"model.n_layer={2**63 - 1}", "this run needs more than 1,000,000,000,000,000.0 GB "),
+    (f"train.batch_size={2**63 - 1}", "this run needs about "),
+    (f"model.n_layer={10**400}", "model.n_layer must be at most 2**63 - 1, got 1"),  # past 64 bits: the config's
+    (f"train.batch_size={10**400}", "train.batch_size must be at most 2**63 - 1, got 1"),
+], ids=["n_layer", "batch_size", "n_layer-past-64-bits", "batch_size-past-64-bits"])
+def test_a_config_of_astronomical_size_is_one_short_line(tmp_path, capsys, override, says):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("all the world's a stage\n" * 1000, encoding="utf-8")
     out = tmp_path / "out"
     assert train.main(["--config", TINY, *tiny_overrides(corpus, out), override], progress=False) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: this run needs more than 1,000,000,000,000,000.0 GB "), err
+    assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
     assert len(err[0]) < 300 and not out.exists()

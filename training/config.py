@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from configs import ConfigError, apply_overrides, build, check_keys, load_yaml, text_keys
@@ -27,6 +27,10 @@ MAX_THREADS = 4096
 # The longest sample logged at each evaluation. GPT.generate holds it as 8-byte ids: 10**10 characters asked 80 GB at
 # the first evaluation, and the run ended there in a traceback, its steps since the last checkpoint lost.
 MAX_SAMPLE_CHARS = 100_000
+# Past 64 bits a count is none a run can reach, and TensorBoard's hyperparameters and the learning-rate schedule (float
+# arithmetic) take none past float's range: a YAML file's 400-digit max_iters was an OverflowError traceback after the
+# run had written its config.yaml.
+MAX_COUNT = 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +81,10 @@ class TrainConfig:
         for name in ("max_iters", "warmup_iters", "sample_chars", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
+                raise ValueError(f"train.{f.name} must be at most 2**63 - 1, got {value}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"train.threads must be at most {MAX_THREADS} (0 = torch's default), got {self.threads}")
         if self.sample_chars > MAX_SAMPLE_CHARS:
