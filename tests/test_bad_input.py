@@ -142,6 +142,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "train.optimizer must be one of adamw, muon; got 'sgd'"),
     ("override-seed-too-big", "train", lambda c: c.train(seed=2**64), "seed must fit"),
     ("override-threads-absurd", "train", lambda c: c.train(**{"train.threads": 10**6}), "must be at most 4096"),
+    ("override-learning-rate-past-float32-for-muon", "train",  # a RuntimeError from torch at step 1
+     lambda c: c.train(**{"train.learning_rate": 1e39, "train.optimizer": "muon"}), "is too large for Muon"),
     ("n_embd-not-divisible-by-n_head", "train", lambda c: c.train(**{"model.n_embd": 30, "model.n_head": 4}),
      "must be divisible by model.n_head, got 30 and 4"),
     ("flags-contradict", "train", lambda c: c.train("--resume"), "contradict"),

@@ -11,12 +11,14 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from .config import TrainConfig
+from .errors import UsageError
 
 # Muon's constants. The Newton-Schulz polynomial a x + b x^3 + c x^5 is the one Keller Jordan tuned for Muon (2024):
 # five steps take every singular value of a normalised matrix into roughly [0.7, 1.2], quickly rather than exactly.
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 NEWTON_SCHULZ_STEPS = 5
 MUON_MOMENTUM = 0.95
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -171,8 +173,15 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
     # The fused kernel updates every parameter in one call: fewer kernel launches on CPU and CUDA alike.
     fused = device.type in ("cpu", "cuda")
     if cfg.optimizer == "muon":
-        groups.append({"params": [p for p in params if id(p) in matrices], "weight_decay": cfg.weight_decay,
-                       "muon": True})
+        muon = [p for p in params if id(p) in matrices]
+        # Muon steps by learning_rate x muon_lr_scale, a float32 number: past float32's largest, torch refuses the
+        # step with a traceback at step 1 (AdamW's steps overflow to infinity and the run stops as diverged).
+        scale = max((muon_lr_scale(p.shape) for p in muon), default=0.0)
+        if cfg.learning_rate * scale > FLOAT32_MAX:
+            raise UsageError(f"train.learning_rate={cfg.learning_rate:g} is too large for Muon: scaled by up to "
+                             f"{scale:.3g} for this model's matrices, its steps pass float32's largest number; give a "
+                             f"learning rate below {FLOAT32_MAX / scale:.3g}")
+        groups.append({"params": muon, "weight_decay": cfg.weight_decay, "muon": True})
         return Muon(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused,
                     orthogonal_dtype=orthogonal_dtype(dtype))
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
