@@ -45,3 +45,21 @@ def test_cpu_flags_come_from_the_first_processor_and_are_empty_without_any():
     assert linear_module.cpu_flags("") == set()
     assert linear_module.cpu_flags("processor\t: 0\nvendor_id\t: AuthenticAMD\n") == set()
     assert not devices.cpu_has_native_bf16("")  # no /proc/cpuinfo (macOS, Windows): no bfloat16 by default
+
+
+def test_a_cuda_index_must_be_a_gpu_of_this_machine(monkeypatch):
+    # cuda:7 on a one-GPU machine passed to torch, which failed in a traceback when the run measured free memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert devices.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert devices.resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(devices.DeviceError, match=r"device cuda:2 asked for, but this machine has 2 CUDA GPU\(s\)"):
+        devices.resolve_device("cuda:2")
+    assert devices.resolve_device("cuda:7", any_index=True) == torch.device("cuda", 7)  # torchrun picks the GPU
+
+
+@pytest.mark.parametrize("name", ["cpu:0", "cpu:1", "mps:0"])
+def test_only_cuda_takes_an_index(name):
+    # torch takes cpu:1 as the CPU: sample.py --device cpu:1 sampled on the CPU, where train.device=cpu:1 is refused
+    with pytest.raises(devices.DeviceError, match="only cuda takes an index"):
+        devices.resolve_device(name)

@@ -21,8 +21,9 @@ def _mps_available() -> bool:
     return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here. TINYCHAR_ONEDNN, which decides
+def resolve_device(name: str, any_index: bool = False) -> torch.device:
+    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here (cuda:N, a GPU this machine has,
+    unless any_index: under torchrun each process takes the GPU of its local rank). TINYCHAR_ONEDNN, which decides
     how the model multiplies on a CPU, must be a value model/linear.py knows."""
     try:
         onednn_min_macs()
@@ -36,8 +37,15 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise DeviceError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.index is not None and device.type != "cuda":  # torch takes cpu:1 as the CPU: not what was written
+        raise DeviceError(f"unsupported device {name!r}: only cuda takes an index; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device {name} asked for, but CUDA is not available here; use cpu or auto")
+    if device.type == "cuda" and device.index is not None and not any_index:
+        count = torch.cuda.device_count()  # cuda:7 on a one-GPU machine failed deep inside torch, in a traceback
+        if device.index >= count:
+            raise DeviceError(f"device {name} asked for, but this machine has {count} CUDA GPU(s), cuda:0 to "
+                              f"cuda:{count - 1}; use one of them, or cuda")
     if device.type == "mps" and not _mps_available():
         raise DeviceError("device mps asked for, but MPS is not available here; use cpu or auto")
     if device.type not in ("cpu", "cuda", "mps"):

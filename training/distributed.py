@@ -101,7 +101,7 @@ def rank_device(name: str, launch: Launch) -> torch.device:
         return resolve_device(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = resolve_device(name)
+    device = resolve_device(name, any_index=True)
     if device.type == "mps":
         raise DeviceError("multi-process training runs on CPUs or CUDA GPUs, not mps; set train.device=cpu")
     if device.type == "cuda":
