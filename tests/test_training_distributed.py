@@ -431,6 +431,9 @@ def test_launch_comes_from_torchruns_variables():
         launch_from_env({**env, "RANK": "three"})
     with pytest.raises(LaunchError, match="inconsistent"):
         launch_from_env({**env, "RANK": "4"})
+    for world in (2**31, 10**20):  # a TypeError traceback from the rendezvous's store, which counts in a C int
+        with pytest.raises(LaunchError, match=f"WORLD_SIZE={world} is more processes than torch.distributed takes"):
+            launch_from_env({**env, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "2"})
 
 
 def test_a_bad_torchrun_environment_is_one_line(monkeypatch, capsys):

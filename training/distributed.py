@@ -49,6 +49,9 @@ _MASK64 = 2**64 - 1
 # as a lone process does): derived_seed(seed, stream, rank), and derived_seed(seed, stream, rank, step) after a
 # resume with another number of processes.
 BATCHES, DROPOUT, EVALUATION = range(3)
+# The most processes torch.distributed's rendezvous takes (its store counts them in a C int): a WORLD_SIZE of 2**31
+# was a TypeError traceback from the store's constructor.
+MAX_WORLD_SIZE = 2**31 - 1
 
 
 class LaunchError(ValueError):
@@ -87,6 +90,10 @@ def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
         shown = ", ".join(f"{k}={v!r}" for k, v in raw.items())
         raise LaunchError(f"torchrun's environment variables are not whole numbers ({shown}); start the run with "
                           f"torchrun, or unset RANK and WORLD_SIZE to run one process") from None
+    if world > MAX_WORLD_SIZE:
+        raise LaunchError(f"torchrun's WORLD_SIZE={world} is more processes than torch.distributed takes (at most "
+                          f"{MAX_WORLD_SIZE:,}); start the run with torchrun, or unset RANK and WORLD_SIZE to run one "
+                          f"process")
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise LaunchError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK="
                           f"{local_rank}, LOCAL_WORLD_SIZE={local_world}; start the run with torchrun, or unset RANK "
