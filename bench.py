@@ -36,6 +36,7 @@ import torch
 
 from configs.userinput import OneLineParser
 from model.linear import onednn_min_macs
+from training.config import MAX_THREADS
 from training.devices import onednn_linear_nobias
 
 ROOT = Path(__file__).resolve().parent
@@ -710,8 +711,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="avx2: keep both programs' libraries to AVX2, to measure as on a CPU without AVX-512 "
                         "(default native: all the CPU offers)")
     args = p.parse_args(argv)
-    if args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
+    if not 1 <= args.threads <= MAX_THREADS:  # torch.set_num_threads(10**20) was a traceback
+        p.error(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}")
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.gpu and not torch.cuda.is_available():
@@ -720,6 +721,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--isa limits the CPU's libraries; it has no meaning with --gpu")
     if args.gpu and args.skip_quality:
         p.error("--gpu runs only the time-to-quality race, which --skip-quality leaves out; use one of them")
+    if args.json is not None and (args.json == "" or Path(args.json).is_dir()):  # found only at the end, in a traceback
+        p.error(f"--json: '{args.json}' is {'empty' if args.json == '' else 'a folder'}; give a file name, such as "
+                f"bench.json")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json: no folder '{Path(args.json).parent}' to write '{args.json}' into")
     return args

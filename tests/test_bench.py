@@ -149,6 +149,13 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
     with pytest.raises(SystemExit) as exited:
         bench.main(["--nanogpt", str(tmp_path), "--threads", "0"])
     assert exited.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    # measured only after a checkout is copied, or written at the end of the run: a traceback there
+    for extra, says in ((["--threads", str(10**20)], "--threads must be from 1 to"),
+                        (["--json", str(tmp_path)], "is a folder"), (["--json", ""], "is empty")):
+        with pytest.raises(SystemExit) as exited:
+            bench.main(["--nanogpt", str(tmp_path), *extra])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1 and says in err
 
 
 def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
