@@ -74,6 +74,16 @@ def _weights_only(payload: dict) -> None:
         payload.pop(key)
 
 
+def _optimizer_entry(payload: dict, key: str, value: object) -> None:
+    """Set key of the first stepped weight's optimizer state that has it: torch loads the state without a look."""
+    next(state for state in payload["optimizer"]["state"].values() if key in state)[key] = value
+
+
+def _nan_like_first_moment(payload: dict) -> torch.Tensor:
+    return torch.full_like(next(st for st in payload["optimizer"]["state"].values() if "exp_avg" in st)["exp_avg"],
+                           float("nan"))
+
+
 def _nan_training_weights(payload: dict) -> None:
     payload["training_weights"] = {k: torch.full_like(v, float("nan")) for k, v in payload["model"].items()}
 
@@ -175,6 +185,23 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-optimizer-not-a-mapping", "train", lambda c: c.resume(lambda p: p.update(optimizer="x")),
      "has a damaged optimizer state"),
     ("resume-nan-training-weights", "train", lambda c: c.resume(_nan_training_weights), "has damaged training weights"),
+    # the optimizer's state, which torch loads unchecked: a crash of the process in the fused AdamW kernel (a
+    # segmentation fault, after config.yaml and best.pt were rewritten), tracebacks, or NaNs blamed on the learning rate
+    ("resume-optimizer-moment-of-another-shape", "train",
+     lambda c: c.resume(lambda p: _optimizer_entry(p, "exp_avg", torch.zeros(3, 3))), "has a damaged training state"),
+    ("resume-optimizer-step-not-a-tensor", "train", lambda c: c.resume(lambda p: _optimizer_entry(p, "step", 5)),
+     "the optimizer's step of the weight of shape"),
+    ("resume-optimizer-momentum-of-another-shape", "train",
+     lambda c: c.resume(lambda p: _optimizer_entry(p, "momentum_buffer", torch.zeros(2, 2))), "momentum_buffer"),
+    ("resume-optimizer-nan-moment", "train",
+     lambda c: c.resume(lambda p: _optimizer_entry(p, "exp_avg_sq", _nan_like_first_moment(p))),
+     "is not all finite numbers"),
+    ("resume-nan-best-loss", "train", lambda c: c.resume(lambda p: p.update(best_val_loss=float("nan"))),
+     "its best validation loss is nan"),
+    ("resume-vocabulary-out-of-order", "train",  # a ValueError traceback from the tokenizer
+     lambda c: c.resume(lambda p: p.update(vocab=[p["vocab"][1], p["vocab"][0], *p["vocab"][2:]])), "out of order"),
+    ("resume-saved-by-no-processes", "train", lambda c: c.resume(lambda p: p.update(world_size=0)),
+     "saved by 0 processes"),
     ("resume-unknown-key-saved", "train", lambda c: c.resume(lambda p: p["config"]["train"].update(foo=1)),
      "unknown config key 'train.foo' (in the config saved in '"),
     ("resume-below-the-step", "train", lambda c: c.resume(None, "train.max_iters=1"),

@@ -122,6 +122,23 @@ def test_resume_takes_changed_schedule_and_logging_keys_and_says_so(straight, tm
     assert sorted(logged_losses(stdout)) == [24]  # log_interval 4 from step 20
 
 
+def test_a_resume_steps_with_the_runs_own_optimizer_settings_not_the_checkpoints_copies(straight, tmp_path, capsys):
+    # The groups' settings come from the config, which a resume may not change; torch took the checkpoint's copies,
+    # and damaged ones were tracebacks at the first step (betas that are no numbers; a group taken for Muon's, a
+    # KeyError) or silently another optimizer (eps of -1).
+    out = Path(shutil.copytree(straight[0], tmp_path / "out"))
+    payload = load_checkpoint(out / "ckpt.pt")
+    own = [{k: v for k, v in g.items() if k != "params"} for g in payload["optimizer"]["param_groups"]]
+    for group in payload["optimizer"]["param_groups"]:
+        group.update(betas=(5.0, "x"), weight_decay="x", eps=-1.0, muon=True)
+    save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")}, out / "ckpt.pt")
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=21"], capsys)
+    assert code == 0, err
+    groups = load_checkpoint(out / "ckpt.pt")["optimizer"]["param_groups"]
+    assert [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in groups] == [
+        {k: v for k, v in g.items() if k != "lr"} for g in own]
+
+
 # ------------------------------------------------------------------------------------------ kill -9
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import filecmp
 import io
+import math
 import os
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import shell_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE, FORMAT, VERSION, error_reasons
+from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, error_reasons
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -157,7 +158,10 @@ def checkpoint_payload(model: GPT, optimizer: torch.optim.Optimizer, scaler: tor
 def check_training_state(payload: dict, path: Path) -> None:
     """Refuse, in one line, a checkpoint that cannot be continued: weights only, or damaged in a way that would
     otherwise surface as a traceback halfway through setting the run up."""
-    config, _ = checkpoint_config(payload, path)  # validated like a config file, vocabulary included
+    config, vocab = checkpoint_config(payload, path)  # validated like a config file, vocabulary included
+    if vocab != sorted(vocab):  # a run's ids are positions in its sorted vocabulary: this was a ValueError traceback
+        raise CheckpointError(f"'{shown(str(path))}' has its vocabulary out of order (a run keeps it sorted, its ids "
+                              f"being positions in it); it is damaged and cannot be resumed")
     check_fits(model_need(config), torch.device("cpu"), what=f"loading checkpoint '{shown(str(path))}'",
                advice="it describes a model too large for this machine")
     model_from_checkpoint(payload, path)  # and its weights fit the config
@@ -200,12 +204,53 @@ def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: P
     the trained ones: "training_weights" where the run kept an average of them in "model" (train.ema_decay)."""
     try:
         model.load_state_dict(payload.get("training_weights", payload["model"]))
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         optimizer.load_state_dict(payload["optimizer"])
+        # The groups' settings are the run's, which its config fixes and a resume may not change: the checkpoint's
+        # copies, when damaged, were tracebacks at the first step (betas that are no numbers, a group taken for Muon).
+        for group, own in zip(optimizer.param_groups, settings, strict=True):
+            group.update(own)
         if scaler is not None and payload.get("scaler"):
             scaler.load_state_dict(payload["scaler"])
-        return int(payload["step"]), float(payload["best_val_loss"])
+        step, best_val = int(payload["step"]), float(payload["best_val_loss"])
     except DAMAGED as e:
         raise damaged(path, e) from None
+    # torch loads an optimizer's state without looking at it: a moment of another shape crashed the process in the
+    # fused AdamW kernel (a segmentation fault), and a NaN stopped the run as diverged, blaming the learning rate.
+    problem = optimizer_state_problem(optimizer)
+    if problem is None and (math.isnan(best_val) or best_val == -math.inf):  # no evaluation would ever beat it
+        problem = f"its best validation loss is {best_val}"
+    if problem is not None:
+        raise CheckpointError(f"'{shown(str(path))}' has a damaged training state ({problem}); it cannot be resumed")
+    return step, best_val
+
+
+def optimizer_state_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """What is wrong with an optimizer's loaded state, in words, or None: each weight's entries are those of its
+    group's method (AdamW's step and moments, or Muon's momentum), tensors of the weight's shape (the step: one
+    number), finite, and a step and second moment that are not negative."""
+    for group in optimizer.param_groups:
+        expected = {"momentum_buffer"} if group.get("muon") else {"step", "exp_avg", "exp_avg_sq"}
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:  # a weight that has not been stepped yet
+                continue
+            weight = f"the weight of shape {tuple(p.shape)}"
+            if set(state) != expected:
+                held = ", ".join(sorted(str(k) for k in state))[:80]
+                return f"{weight} has optimizer entries {held}, not {', '.join(sorted(expected))}"
+            for key, value in state.items():
+                shape = () if key == "step" else p.shape
+                if not isinstance(value, torch.Tensor) or value.shape != shape or not value.is_floating_point():
+                    what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    return f"the optimizer's {key} of {weight} is {what}"
+                flat = value.detach().reshape(-1)
+                if not all(bool(chunk.isfinite().all()) for chunk in flat.split(FINITE_CHUNK)):
+                    return f"the optimizer's {key} of {weight} is not all finite numbers"
+                if key in ("step", "exp_avg_sq") and not all(bool((chunk >= 0).all()) for chunk in
+                                                             flat.split(FINITE_CHUNK)):
+                    return f"the optimizer's {key} of {weight} is negative"
+    return None
 
 
 def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: torch.device, seed: int,
@@ -215,6 +260,8 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
     dropout from (seed, rank, step) instead, so the run goes on reproducibly but not as it would have (False)."""
     try:
         saved_world = int(payload.get("world_size", 1))
+        if saved_world < 1:
+            raise ValueError(f"saved by {saved_world} processes")
         rng = payload["rng"]
         if saved_world != launch.world_size:
             step = int(payload["step"])
