@@ -114,6 +114,34 @@ def test_resuming_without_the_batch_generator_state_changes_the_losses(straight,
     assert not bitwise_equal(weights(out / "ckpt.pt"), weights(straight[0] / "ckpt.pt"))
 
 
+def test_a_signal_between_micro_batches_leaves_the_step_untaken_and_resuming_is_exact(tmp_path, capsys, monkeypatch):
+    # The step in flight used to finish first: one of train.grad_accum_steps=10**18 micro-batches never did, and
+    # neither Ctrl-C nor SIGTERM ended the run. Now the step stops between two micro-batches, untaken, its random
+    # state put back, so that the resumed run ends on the weights of the run that never stopped.
+    corpus = write_corpus(tmp_path)
+    keys = {**RESUME_KEYS, "train.grad_accum_steps": 3, "train.max_iters": 8, "train.eval_interval": 10}
+    whole = tmp_path / "whole"
+    assert call(train_main, ["--config", TINY, *tiny_overrides(corpus, whole, **keys)], capsys)[0] == 0
+    out = tmp_path / "out"
+    real, drawn = training.loop.get_batch, []
+
+    def get_batch(*args, **kwargs):  # no evaluation before step 8: every batch until then is a step's
+        drawn.append(1)
+        if len(drawn) == 5 * 3 + 2:  # the second micro-batch of step 6
+            send(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training.loop, "get_batch", get_batch)
+    code, stdout, err = call(train_main, ["--config", TINY, *tiny_overrides(corpus, out, **keys)], capsys)
+    assert code == 143 and one_line(err) == stop_line(out, 5)
+    assert len(drawn) == 17 and load_checkpoint(out / "ckpt.pt")["step"] == 5
+    monkeypatch.undo()
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out)], capsys)
+    assert code == 0, err
+    for key in ("model", "training_weights"):
+        assert bitwise_equal(load_checkpoint(out / "ckpt.pt")[key], load_checkpoint(whole / "ckpt.pt")[key])
+
+
 # ------------------------------------------------------------------------------------------ Ctrl-C, SIGTERM
 
 SIGNAL_KEYS = {"train.max_iters": 100_000, "train.eval_interval": 1000, "train.log_interval": 1}

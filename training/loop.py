@@ -38,6 +38,9 @@ from .logger import Logger, Throughput, sample_text
 from .optim import lr_at
 from .signals import Stopped, StopSignals
 
+# Under torchrun, how often (in micro-batches) the processes of a step of many ask together whether to stop.
+MICRO_STOP_EVERY = 16
+
 
 @torch.no_grad()
 def estimate_loss(
@@ -179,8 +182,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- one step
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over grad_accum_steps micro-batches: (mean loss, gradient norm, learning rate)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """One optimizer step over grad_accum_steps micro-batches: (mean loss, gradient norm, learning rate); None
+        when a stop came between two of its micro-batches, and the step was not taken."""
         tc, block_size = self.tc, self.cfg.model.block_size
         lr = lr_at(self.step, tc)
         for group in self.optimizer.param_groups:
@@ -188,7 +192,17 @@ class Trainer:
         if self.compiled_step is not None:
             return self.compiled_train_step(lr)
         loss_sum = torch.zeros((), device=self.device)
+        # A step of many micro-batches (train.grad_accum_steps=10**18 never ended) stops between two of them when asked:
+        # the step is not taken, and the random state goes back to where it began, so the run resumes exactly.
+        start = rank_rng_state(self.gen, self.device) if tc.grad_accum_steps > 1 else None
         for micro in range(tc.grad_accum_steps):
+            if micro and self.stop_between_micro_batches(micro):
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.set_rng_state(start["torch"])
+                self.gen.set_state(start["batches"])
+                if "cuda" in start:
+                    torch.cuda.set_rng_state(start["cuda"], self.device)
+                return None
             x, y = get_batch(self.splits["train"], block_size, tc.batch_size, self.gen, self.device)
             # Under DDP, backward all-reduces the gradients only on the last micro-batch of a step: the earlier
             # ones accumulate in each process, and the last all-reduce carries their sum.
@@ -255,6 +269,13 @@ class Trainer:
         # the others, who would then wait for it in vain.
         return self.agreed_stop if self.launch.torchrun else self.stop.signal is not None
 
+    def stop_between_micro_batches(self, micro: int) -> bool:
+        """Whether a stop ends the step before its micro-batch micro. Under torchrun the processes ask together (an
+        all-reduce each time), every MICRO_STOP_EVERY micro-batches so that a step of a few pays nothing."""
+        if self.launch.torchrun:
+            return micro % MICRO_STOP_EVERY == 0 and self.stop_asked()
+        return self.stop.signal is not None
+
     def stop_asked(self) -> bool:
         """Whether to stop now, between two batches of an evaluation (collective under torchrun: every process asks
         as often, after the same batches, so all of them stop at the same one)."""
@@ -272,7 +293,10 @@ class Trainer:
             try:
                 self.throughput.resume()
                 while self.step < tc.max_iters and not self.stopping():
-                    loss, grad_norm, lr = self.train_step()
+                    taken = self.train_step()
+                    if taken is None:  # stopped between two micro-batches
+                        break
+                    loss, grad_norm, lr = taken
                     self.throughput.count()
                     if self.step % tc.log_interval == 0 or self.step == tc.max_iters:
                         self.log_step(loss, grad_norm, lr)
