@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -280,6 +281,13 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dic
         lines = f"lines {first} and {second}" if first != second else f"both on line {first}"
         raise ConfigError(f"config file '{name}' sets '{shown(duplicate.key)}' twice ({lines}); keep one, since "
                           f"YAML would silently use only the last")
+    misread = _first_misread_number(root, as_written)
+    if misread is not None:
+        key, node, value = misread
+        how = "an octal number" if ":" not in node.value else "a base-60 number"
+        raise ConfigError(f"config file '{name}' sets '{shown(key)}' to {shown(node.value)} (line "
+                          f"{node.start_mark.line + 1}), which YAML reads as {how}, {shown(str(value))}; write the "
+                          f"number you mean in decimal, without a leading 0 or a ':'")
     data = _parsed(lambda: yaml.safe_load(text), name)
     if data is None:
         return {}
@@ -312,6 +320,33 @@ def _numbers_as_written(node: Any, wanted: frozenset[str], prefix: str = "") -> 
         elif (isinstance(value, yaml.ScalarNode) and dotted in wanted and value.tag in _NUMBER_TAGS
               and value.style is None):
             yield [key_node.value], value.value
+
+
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+
+
+def _first_misread_number(root: Any, as_written: frozenset[str]) -> tuple[str, yaml.ScalarNode, int | float] | None:
+    """(dotted key, node, value) of the first unquoted number of a config's keys and sections that YAML 1.1 reads as
+    other than it looks: octal (`batch_size: 010` is 8, where train.batch_size=010 on the command line is 10) or base
+    60 (`1:30` is 90). Hexadecimal (0x10) says what it is. Keys in as_written keep their text (load_yaml)."""
+    if not isinstance(root, yaml.MappingNode):
+        return None
+    seen: set[int] = set()  # a mapping aliased many times is looked at once
+    entries = [(k, v, "") for k, v in root.value]
+    while entries:
+        key, value, prefix = entries.pop(0)
+        if not isinstance(key, yaml.ScalarNode):
+            continue
+        dotted = prefix + key.value
+        if isinstance(value, yaml.MappingNode) and not prefix and id(value) not in seen:
+            seen.add(id(value))
+            entries.extend((k, v, dotted + ".") for k, v in value.value)
+        elif (isinstance(value, yaml.ScalarNode) and value.tag in _NUMBER_TAGS and value.style is None
+              and dotted not in as_written):
+            digits = value.value.replace("_", "")
+            if ":" in digits or (_OCTAL.fullmatch(value.value) and int(digits, 8) != int(digits, 10)):
+                return dotted, value, yaml.safe_load(value.value)
+    return None
 
 
 def text_keys(cls: type) -> frozenset[str]:

@@ -277,3 +277,24 @@ def test_a_count_past_64_bits_is_refused_in_one_line(tmp_path, key):
         load_config(None, [], base=saved, origin="a checkpoint")
     if section == "train":  # the largest is taken
         assert getattr(load_config(TINY, [f"{key}=9223372036854775807"]).train, name) == 2**63 - 1
+
+
+@pytest.mark.parametrize(("text", "read"), [("train:\n  batch_size: 010\n", "an octal number, 8"),
+                                            ("seed: 0123\n", "an octal number, 83"),
+                                            ("train:\n  max_iters: -0_10\n", "an octal number, -8"),
+                                            ("train:\n  batch_size: 1:30\n", "a base-60 number, 90"),
+                                            ("train:\n  learning_rate: 1:30.5\n", "a base-60 number, 90.5")])
+def test_a_number_yaml_reads_otherwise_than_it_looks_is_refused(tmp_path, text, read):
+    # YAML 1.1 reads a leading 0 as octal and a ':' as base 60: batch_size: 010 trained with 8 sequences, where
+    # train.batch_size=010 on the command line is 10
+    message = refused(write_yaml(tmp_path, text))
+    assert f"which YAML reads as {read}; write the number you mean in decimal" in message
+
+
+def test_numbers_that_read_as_they_look_are_taken(tmp_path):
+    text = "seed: 07\ntrain:\n  batch_size: 08\n  max_iters: '010'\n  eval_interval: 0x10\n  eval_iters: 00\n"
+    with pytest.raises(ConfigError, match="train.eval_iters must be >= 1, got 0"):  # 00 is 0 either way
+        load_config(str(write_yaml(tmp_path, text)), [])
+    cfg = load_config(str(write_yaml(tmp_path, text.replace("00", "0_1"))), [])
+    assert (cfg.seed, cfg.train.batch_size, cfg.train.max_iters, cfg.train.eval_interval) == (7, 8, 10, 16)
+    assert cfg.train.eval_iters == 1
