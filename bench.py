@@ -732,6 +732,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = checkout_problem(Path(args.nanogpt)) if args.nanogpt else f"--nanogpt DIR is required; {CLONE_HINT}"
+    try:
+        onednn_min_macs()  # TINYCHAR_ONEDNN, which the matmul ceilings read after the checkout is copied
+    except ValueError as e:
+        problem = problem or str(e)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

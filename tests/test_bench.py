@@ -158,6 +158,18 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
         assert exited.value.code == 2 and err.count("\n") == 1 and says in err
 
 
+def test_a_bad_onednn_setting_is_one_line_before_anything_runs(tmp_path: Path, capsys, monkeypatch):
+    # read first by the matmul ceilings, once the run had begun: a ValueError traceback
+    for name in bench.NANOGPT_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("", encoding="utf-8")
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "garbage")
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a bad TINYCHAR_ONEDNN"))
+    assert bench.main(["--nanogpt", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: TINYCHAR_ONEDNN must be one of auto, 0, 1")
+
+
 def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
     done = subprocess.run([sys.executable, str(ROOT / "bench.py")], capture_output=True, text=True, cwd=tmp_path,
                           timeout=60, check=False)
