@@ -220,11 +220,15 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
     model = build_model(config)
     weights = payload["model"]
     if isinstance(weights, dict):
-        # load_state_dict would keep the real part of a complex tensor, with a warning on stderr
-        name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor) and v.is_complex()), None)
+        # load_state_dict would keep the real part of a complex tensor, with a warning on stderr, and take integers or
+        # booleans as the numbers they are (True as 1.0), without a word: no model tinychar builds holds either
+        name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor)
+                     and (v.is_complex() or not v.is_floating_point())), None)
         if name is not None:
-            raise CheckpointError(f"checkpoint {quoted(path)} holds complex numbers as weights ({quoted(str(name))}); "
-                                  f"it is damaged or from another program")
+            kind = ("complex numbers" if weights[name].is_complex() else "booleans" if weights[name].dtype == torch.bool
+                    else "integers")
+            raise CheckpointError(f"checkpoint {quoted(path)} holds {kind} as weights ({quoted(str(name))}); it is "
+                                  f"damaged or from another program")
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError, TypeError) as e:

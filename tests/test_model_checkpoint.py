@@ -248,6 +248,20 @@ def test_complex_weights_are_refused_not_cut_to_their_real_part(saved, tmp_path)
                                   "another program")
 
 
+@pytest.mark.parametrize(("dtype", "kind"), [(torch.bool, "booleans"), (torch.int64, "integers"),
+                                             (torch.uint8, "integers")])
+def test_integer_or_boolean_weights_are_refused_not_taken_as_numbers(saved, tmp_path, dtype, kind):
+    # load_state_dict copied them into the float weights without a word (True as 1.0), and sample.py sampled from them
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = dict(payload["model"])
+    payload["model"]["transformer.ln_f.bias"] = torch.ones(16, dtype=dtype)
+    path = tmp_path / "integers.pt"
+    save_checkpoint(payload, path)
+    assert refusal(path).endswith(f"holds {kind} as weights ('transformer.ln_f.bias'); it is damaged or from another "
+                                  f"program")
+
+
 @pytest.mark.parametrize(("version", "fragment"), [
     (2, "is in format version 2, newer than this tinychar reads (1); load it with the tinychar that wrote it"),
     (10**400, "is in format version a far later one, newer than this tinychar reads (1)"),
