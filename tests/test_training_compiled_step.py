@@ -1,18 +1,17 @@
-"""The compiled training step (training.compiled_step): left untouched by a step that is not finite, traced and run
-under deterministic kernels, the guards dynamo keeps before each call and the settings that stand in for the others,
-and AdamW's update with shared or per-parameter step counts. The models are test_training_compiled_step.py's shape, so
-that a session that ran those runs reuses their compiled code."""
+"""The compiled training step (training.compiled_step): traced and run under deterministic kernels, the guards dynamo
+keeps before each call and the settings that stand in for the others, and AdamW's update with shared or per-parameter
+step counts. That a step whose loss is not finite leaves everything untouched is tested in test_training_engine.py,
+after its compiled runs, whose compiled code it reuses."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import SMALL_TEXT, needs_cpu_compile, tiny_overrides
-from test_training_engine import ENGINE_KEYS
+from test_training_engine import ENGINE_KEYS, step_of_the_runs
 from torch import nn
 from training_runs import write_corpus
 
@@ -24,36 +23,6 @@ from training.compiled_step import CompiledStep
 from training.optim import make_optimizer
 
 CPU = torch.device("cpu")
-
-
-def step_of_the_runs(tmp_path: Path) -> tuple[GPT, torch.optim.Optimizer, CompiledStep, torch.Tensor]:
-    """A CompiledStep of the runs above (their shapes: their compiled code), its model and optimizer, and a batch."""
-    cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **ENGINE_KEYS))
-    vocab = CharTokenizer.from_text(SMALL_TEXT).vocab_size
-    torch.manual_seed(0)
-    model = GPT(replace(cfg.model, vocab_size=vocab))
-    optimizer = make_optimizer(model, cfg.train, CPU)
-    step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)
-    return model, optimizer, step, torch.randint(0, vocab, (2, cfg.train.batch_size, 8))
-
-
-@needs_cpu_compile
-@pytest.mark.slow
-def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as above
-    model, optimizer, step, xs = step_of_the_runs(tmp_path)
-    loss, norm = step(xs, xs.clone(), 1e-3)
-    assert torch.isfinite(loss) and torch.isfinite(norm)
-    with torch.no_grad():
-        model.transformer.wte.weight[3] = float("inf")  # any batch holding character 3 now has a NaN loss
-    xs[0, 0, 0] = 3
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    state_before = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
-    loss, norm = step(xs, xs.clone(), 1e-3)
-    assert not torch.isfinite(loss)
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(torch.equal(state_before[k], v) for k, v in optimizer.state_dict()["state"][0].items())
 
 
 @needs_cpu_compile

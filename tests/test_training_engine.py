@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_cpu_compile, tiny_overrides
+from conftest import SMALL_TEXT, needs_cpu_compile, tiny_overrides
 from test_train import bitwise_equal, logged_losses
 from training_runs import call, train_main, write_corpus
 
+from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
 from training import compile_cache, engine, load_config
 from training.compiled_step import CompiledStep
@@ -143,6 +144,11 @@ def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_
 
     monkeypatch.setattr(training.loop, "sample_text", watched("sample", training.loop.sample_text))
     monkeypatch.setattr(Logger, "attention", watched("attention", Logger.attention))
+    # What dynamo traces and when is the subject, not the code inductor makes of it: the blocks' graphs go to
+    # AOTAutograd's eager backend, which traces the same frames without building C++ (23 s -> 3 s for this test).
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, *args, **kwargs: compile_module(self, *args, **{**kwargs, "backend": "aot_eager"}))
     keys = {**ENGINE_KEYS, "train.compile": "true", "train.grad_accum_steps": engine.MAX_STEP_ACCUM + 1,
             "train.max_iters": 2, "train.eval_interval": 2, "train.sample_chars": 20, "train.tensorboard": "true"}
     code, out, err = call(train_main, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **keys), capsys)
@@ -186,6 +192,39 @@ def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys, m
     saved = compiled_ckpt["optimizer"]["state"]
     assert any("momentum_buffer" in state for state in saved.values())
     assert all(bitwise_equal(final["optimizer"]["state"][i], state) for i, state in saved.items())
+
+
+def step_of_the_runs(tmp_path: Path) -> tuple[GPT, torch.optim.Optimizer, CompiledStep, torch.Tensor]:
+    """A CompiledStep of the runs above (their shapes: their compiled code, which a step made after them in this process
+    runs without compiling again), its model and optimizer, and a batch."""
+    cfg = load_config(None, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **ENGINE_KEYS))
+    vocab = CharTokenizer.from_text(SMALL_TEXT).vocab_size
+    torch.manual_seed(0)
+    model = GPT(replace(cfg.model, vocab_size=vocab))
+    optimizer = make_optimizer(model, cfg.train, CPU)
+    step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)
+    return model, optimizer, step, torch.randint(0, vocab, (2, cfg.train.batch_size, 8))
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+def test_compiled_step_leaves_everything_untouched_when_the_loss_is_not_finite(tmp_path, monkeypatch):
+    # Here, after the runs above, so that it takes their compiled step (a file of its own ran on another of pytest's
+    # workers, which compiled it again: 25 s).
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")  # as above
+    model, optimizer, step, xs = step_of_the_runs(tmp_path)
+    loss, norm = step(xs, xs.clone(), 1e-3)
+    assert torch.isfinite(loss) and torch.isfinite(norm)
+    with torch.no_grad():
+        model.transformer.wte.weight[3] = float("inf")  # any batch holding character 3 now has a NaN loss
+    xs[0, 0, 0] = 3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    loss, norm = step(xs, xs.clone(), 1e-3)
+    assert not torch.isfinite(loss)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(state_before[k], v) for k, v in optimizer.state_dict()["state"][0].items())
 
 
 @pytest.fixture(scope="module")
