@@ -57,6 +57,24 @@ class Case:
         return [*where, "--device", "cpu", "--max-new-tokens", "20", *extra]
 
 
+LONG = "x" * 300  # one path component over the 255 bytes file systems allow
+LINE_LIMIT = 400  # characters: an error line quotes short prefixes, never a whole value
+
+
+def _changed_checkpoint(c: Case, **model_config: object) -> Path:
+    """A copy of the run's checkpoint whose model_config says otherwise (vocabulary kept)."""
+    payload = load_checkpoint(c.run / "best.pt")
+    payload["model_config"] = {**payload["model_config"], **model_config}
+    path = c.tmp / "changed.pt"
+    save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")}, path)
+    return path
+
+
+def _resume_changed(c: Case, **model_config: object) -> list[str]:
+    shutil.copyfile(_changed_checkpoint(c, **model_config), c.run / "ckpt.pt")
+    return c.resume()
+
+
 def _latin1(c: Case) -> Path:
     return c.file("latin1.txt", ("Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e. " * 40).encode("latin-1"))
 
@@ -238,6 +256,22 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "nothing to resume: no '"),
     # --- an empty --config (`--config "$CFG"`, CFG unset) trained on configs/tiny.yaml
     ("config-empty", "train", lambda c: ["--config", "", f"out_dir={c.run}"], "--config is empty; give a config file"),
+    # --- every OSError on a user's path is one line
+    ("data-newline-in-path", "train", lambda c: c.data(c.tmp / "two\nlines.txt"), "no such file"),
+    ("out_dir-name-too-long", "train", lambda c: c.train(f"out_dir={c.tmp / LONG}"), "File name too long"),
+    ("config-name-too-long", "train", lambda c: c.train(config=c.tmp / f"{LONG}.yaml"), "File name too long"),
+    ("data-name-too-long", "train", lambda c: c.data(c.tmp / LONG), "File name too long"),
+    ("cache-dir-name-too-long", "train", lambda c: c.train(**{"data.cache_dir": c.tmp / LONG}), "File name too long"),
+    ("checkpoint-name-too-long", "sample", lambda c: c.sample(checkpoint=c.tmp / f"{LONG}.pt"), "File name too long"),
+    ("sample-out-dir-name-too-long", "sample", lambda c: ["--out-dir", str(c.tmp / LONG)], "File name too long"),
+    # --- nothing wrong in silence; blame where it is due
+    ("yaml-duplicate-section", "train", lambda c: c.yaml("train:\n  max_iters: 5\ntrain:\n  batch_size: 4\n"),
+     "sets 'train' twice (lines 1 and 3)"),
+    ("override-blamed-on-the-command-line", "train", lambda c: c.train(**{"model.n_layer": 0}), "command line"),
+    ("checkpoint-fractional-layers", "sample", lambda c: c.sample(checkpoint=_changed_checkpoint(c, n_layer=2.5)),
+     "model.n_layer must be an integer, got 2.5"),
+    ("resume-fractional-layers", "train", lambda c: _resume_changed(c, n_layer=2.5),
+     "model.n_layer must be an integer, got 2.5"),
 ]
 
 
@@ -263,7 +297,8 @@ def test_bad_input_is_one_line_exit_2_and_out_dir_is_left_as_it_was(
         assert out == greedy(run / "best.pt", "All:", 20) + "\n"
         return
     assert code == 2, err
-    assert fragment in one_error_line(err)
+    line = one_error_line(err)
+    assert fragment in line and len(line) < LINE_LIMIT, line
     if program == "sample":
         assert out == ""
 
