@@ -72,6 +72,41 @@ def test_a_non_finite_step_stops_the_run_before_the_update_and_keeps_the_last_ch
         assert not (out / "ckpt.pt").exists()
 
 
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_a_float16_run_stops_where_its_gradient_scaler_cannot_help(tmp_path, capsys, monkeypatch, poison):
+    """float16's gradient scaler skips a step whose gradients overflow, and lowers its scale. A loss that overflows
+    (weights grown too large) it cannot mend: the run skipped every step to the end, logged NaN losses and exited 0.
+    Gradients that overflow at every scale end the run once the scale falls below 1."""
+    import training.loop
+
+    real_forward = GPT.forward
+    seen: dict = {"calls": 0}
+
+    def forward(self, *args, **kwargs):
+        result = real_forward(self, *args, **kwargs)
+        if not self.training or result[1] is None:
+            return result
+        seen["calls"] += 1
+        if seen["calls"] < 3:
+            return result
+        loss = result[1] * math.nan if poison == "loss" else InfiniteGradient.apply(result[1])
+        return (result[0], loss, *result[2:])
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    out = tmp_path / "out"
+    keys = {"train.dtype": "float16", "train.max_iters": 40, "train.eval_interval": 40}
+    code, stdout, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **keys)],
+                             capsys)
+    assert code == 1, err
+    line = one_line(err)
+    # the scale starts at 2**16 and halves at each skipped step: 17 skips take it below 1
+    at_step = 3 if poison == "loss" else 3 + 16
+    assert training.loop.MIN_FLOAT16_SCALE == 1.0
+    assert f"training diverged at step {at_step} " in line, line
+    assert "train.dtype=float32" in line and "no checkpoint had been written yet" in line
+    assert not (out / "ckpt.pt").exists()
+
+
 @pytest.mark.parametrize(("step", "loss", "compiled", "dtype", "advice"), [
     (1, math.nan, True, "float32", "train.compile=false"),  # the first loss of compiled code: the code, not the rate
     (1, math.nan, True, "auto", "train.compile=false"),  # auto that resolved to float32: nothing to say of the dtype

@@ -41,6 +41,10 @@ from .signals import Stopped, StopSignals
 # Under torchrun, how often (in micro-batches) the processes of a step of many ask together whether to stop.
 MICRO_STOP_EVERY = 16
 
+# float16's gradient scaler halves its scale at each step whose gradients overflow (from 2**16): below this, they
+# overflow unscaled, which no scale mends (see Trainer.train_step).
+MIN_FLOAT16_SCALE = 1.0
+
 
 @torch.no_grad()
 def estimate_loss(
@@ -219,14 +223,19 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
         if self.launch.torchrun:  # the mean loss (so all judge divergence alike) and whether to stop after this step
             loss_sum, self.agreed_stop = distributed.step_consensus(loss_sum, self.stop.signal is not None)
-        # Checked before the update, so a non-finite step never reaches the weights. (With float16 the gradient
-        # scaler skips such steps itself and lowers its scale.)
-        if self.scaler is None and not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+        # Checked before the update, so a non-finite step never reaches the weights. With float16 the gradient
+        # scaler skips a step whose gradients overflow and lowers its scale; a loss that overflows is no matter of
+        # scale (the forward pass is not scaled), and neither are gradients that overflow at a scale below 1: the
+        # scaler would skip every step to the end, and the run end with NaN losses and its weights where they were.
+        if not torch.isfinite(loss_sum) or (self.scaler is None and not torch.isfinite(grad_norm)):
             raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step,
                            dtype=self.dtype_name)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.scaler.get_scale() < MIN_FLOAT16_SCALE:
+                raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step,
+                               dtype=self.dtype_name)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
