@@ -108,6 +108,10 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
     multiplies = [torch.matmul]
     if device.type == "cpu" and dtype == torch.float32 and onednn_min_macs() is not None:
         multiplies.append(onednn_linear_nobias)  # the model's large float32 products run there (model/linear.py)
+    if device.type == "cpu" and dtype == torch.float16:
+        # The CPU's matmul has no fast float16 kernel (measured on a Zen 4 EPYC, 2 threads: 1 GFLOP/s, so a run's MFU
+        # read 440-570%); the model's linear layers, autocast to float16, take oneDNN's (35-40 GFLOP/s).
+        multiplies = [torch.nn.functional.linear]
     best = math.inf
     deadline = time.perf_counter() + seconds
     for turn in itertools.count():
