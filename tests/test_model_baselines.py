@@ -48,7 +48,8 @@ def test_each_type_trains_saves_samples_and_resumes_exactly(kind, tmp_path, caps
     run = train_small_run(tmp_path / "straight", **{"model.type": kind, "train.lr_decay_iters": 20})
     payload = load_checkpoint(run / "ckpt.pt")
     assert payload["model_config"]["type"] == kind and payload["step"] == 20
-    capsys.readouterr()
+    # tiny.yaml's optimizer is Muon, which steps linear layers' matrices: these types have none, and the log says so
+    assert f"Muon steps the weight matrices of linear layers, and model.type={kind} has none" in capsys.readouterr().out
     assert sample.main(["--out-dir", str(run), "--prompt", "First", "--max-new-tokens", "15"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("First") and len(out) == len("First") + 15 + 1
@@ -61,6 +62,12 @@ def test_each_type_trains_saves_samples_and_resumes_exactly(kind, tmp_path, caps
     assert quiet_train(["--config", TINY, *tiny_overrides(corpus, half / "out", **keys)]) == 0
     assert quiet_train(["--resume", "--out-dir", str(half / "out"), "train.max_iters=20"]) == 0
     assert bitwise_equal(weights(half / "out" / "ckpt.pt"), weights(run / "ckpt.pt"))
+
+
+def test_the_gpt_under_muon_hears_nothing_of_adamw_alone(tmp_path, capsys) -> None:
+    train_small_run(tmp_path, **{"train.max_iters": 2})
+    out = capsys.readouterr().out
+    assert "engine:" in out and "optimizer:" not in out
 
 
 def test_options_that_mean_nothing_for_a_type_are_refused_in_one_line(tmp_path, capsys) -> None:

@@ -27,7 +27,7 @@ from .errors import UsageError, agreeing
 from .logger import Logger
 from .loop import Trainer, eval_pass_sequences
 from .memory import check_fits, training_need
-from .optim import make_optimizer
+from .optim import make_optimizer, muon_matrices
 from .outdir import claim_out_dir, drop_aside, prepare_out_dir, restore_aside
 
 
@@ -199,6 +199,9 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}")
     log.info(f"matrix-multiply ceiling {trainer.ceiling / 1e9:,.0f} GFLOP/s ({dtype}), "
              f"{trainer.flops_per_token / 1e3:,.0f} kFLOP per trained token")
+    if tc.optimizer == "muon" and not muon_matrices(trainer.model):
+        log.info(f"optimizer: Muon steps the weight matrices of linear layers, and model.type={trainer.cfg.model.type} "
+                 f"has none: AdamW steps every parameter (train.optimizer=adamw says so)")
     log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "
              f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
              f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({trainer.tokens_per_step:,} tokens) per step")
