@@ -214,6 +214,9 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-optimizer-nan-moment", "train",
      lambda c: c.resume(lambda p: _optimizer_entry(p, "exp_avg_sq", _nan_like_first_moment(p))),
      "is not all finite numbers"),
+    # every moment afresh at step 20: a run that went on, not as it would have
+    ("resume-optimizer-state-empty", "train", lambda c: c.resume(lambda p: p["optimizer"].update(state={})),
+     "its optimizer state is empty at step 20"),
     ("resume-nan-best-loss", "train", lambda c: c.resume(lambda p: p.update(best_val_loss=float("nan"))),
      "its best validation loss is nan"),
     ("resume-vocabulary-out-of-order", "train",  # a ValueError traceback from the tokenizer

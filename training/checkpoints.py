@@ -218,6 +218,10 @@ def restore_training_state(payload: dict, model: GPT, optimizer, scaler, path: P
     # torch loads an optimizer's state without looking at it: a moment of another shape crashed the process in the
     # fused AdamW kernel (a segmentation fault), and a NaN stopped the run as diverged, blaming the learning rate.
     problem = optimizer_state_problem(optimizer)
+    if problem is None and step > 0 and not any(optimizer.state.get(p) for group in optimizer.param_groups
+                                                for p in group["params"]):
+        # Every weight's moments would start afresh, as at step 0: the run would go on, but not as it would have.
+        problem = f"its optimizer state is empty at step {step}"
     if problem is None and (math.isnan(best_val) or best_val == -math.inf):  # no evaluation would ever beat it
         problem = f"its best validation loss is {best_val}"
     if problem is not None:
