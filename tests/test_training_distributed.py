@@ -40,6 +40,7 @@ from training.distributed import (
     check_master_addr,
     check_same_run,
     derived_seed,
+    join_wait_line,
     launch_from_env,
     resolve_backend,
     threads_per_process,
@@ -434,6 +435,13 @@ def test_launch_comes_from_torchruns_variables():
     for world in (2**31, 10**20):  # a TypeError traceback from the rendezvous's store, which counts in a C int
         with pytest.raises(LaunchError, match=f"WORLD_SIZE={world} is more processes than torch.distributed takes"):
             launch_from_env({**env, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "2"})
+    # values of any length are quoted cut short: the whole of them made lines of 100,000 characters
+    for rank in ("x" * 100_000, "-" + "9" * 4000):
+        with pytest.raises(LaunchError) as refused:
+            launch_from_env({**env, "RANK": rank})
+        assert len(str(refused.value)) < 400 and "..." in str(refused.value)
+    waiting = join_wait_line(launch, {"MASTER_ADDR": "h" * 5000, "MASTER_PORT": "1" * 5000})
+    assert len(waiting) < 400 and waiting.count("...") == 2
 
 
 def test_a_bad_torchrun_environment_is_one_line(monkeypatch, capsys):

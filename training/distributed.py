@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from configs.userinput import shown
+
 from .devices import DeviceError, resolve_device
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -87,14 +89,15 @@ def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
     try:
         rank, world, local_rank, local_world = (int(raw[name]) for name in raw)
     except ValueError:
-        shown = ", ".join(f"{k}={v!r}" for k, v in raw.items())
-        raise LaunchError(f"torchrun's environment variables are not whole numbers ({shown}); start the run with "
+        values = ", ".join(f"{k}={_shown.repr(v)}" for k, v in raw.items())  # each cut short: any length is set
+        raise LaunchError(f"torchrun's environment variables are not whole numbers ({values}); start the run with "
                           f"torchrun, or unset RANK and WORLD_SIZE to run one process") from None
     if world > MAX_WORLD_SIZE:
         raise LaunchError(f"torchrun's WORLD_SIZE={world} is more processes than torch.distributed takes (at most "
                           f"{MAX_WORLD_SIZE:,}); start the run with torchrun, or unset RANK and WORLD_SIZE to run one "
                           f"process")
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        rank, world, local_rank, local_world = (_shown.repr(n) for n in (rank, world, local_rank, local_world))
         raise LaunchError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK="
                           f"{local_rank}, LOCAL_WORLD_SIZE={local_world}; start the run with torchrun, or unset RANK "
                           f"and WORLD_SIZE to run one process")
@@ -237,7 +240,7 @@ def check_master_addr(environ: Mapping[str, str]) -> None:
 
 def join_wait_line(launch: Launch, environ: Mapping[str, str]) -> str:
     """What a process that has waited JOIN_NOTICE_S to join the others is waiting for, and what the person can do."""
-    where = f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
+    where = f"{shown(environ.get('MASTER_ADDR', '?'), 60)}:{shown(environ.get('MASTER_PORT', '?'), 20)}"
     if "TORCHELASTIC_RUN_ID" in environ:  # started by torchrun, which starts them all: one has failed or is slow
         hint = "a process that failed before joining says why in its own output; Ctrl-C stops"
     else:
