@@ -404,9 +404,10 @@ def cache_dirs(configured: str | None) -> tuple[list[Path], str]:
     chose them, which a message about them names (data.cache_dir, or TINYCHAR_CACHE_DIR when that chose).
 
     data.cache_dir, else $TINYCHAR_CACHE_DIR, is the only folder. Otherwise the per-user cache
-    ($XDG_CACHE_HOME/tinychar/encoded, else ~/.cache/tinychar/encoded), then the temp folder should that one be
-    read-only or missing; data.cache_dir is what a person sets to choose another. Never a folder of the project or
-    of the corpus. A '~user' that names no known user is DataError, naming the setting that holds it.
+    ($XDG_CACHE_HOME/tinychar/encoded where it is an absolute path, else ~/.cache/tinychar/encoded), then the temp
+    folder should that one be read-only or missing; data.cache_dir is what a person sets to choose another. Never a
+    folder of the project or of the corpus. A '~user' that names no known user is DataError, naming the setting that
+    holds it.
     """
     if configured:
         return [expand_home(configured, "data.cache_dir")], "data.cache_dir"
@@ -419,5 +420,7 @@ def cache_dirs(configured: str | None) -> tuple[list[Path], str]:
     except (RuntimeError, KeyError):  # no $HOME and no entry in the user database, as in some containers
         return [temp], "data.cache_dir"
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = expand_home(xdg, "XDG_CACHE_HOME") if xdg else home / ".cache"
+    base = expand_home(xdg, "XDG_CACHE_HOME") if xdg else None
+    if base is None or not base.is_absolute():  # relative: another folder from each working folder, so the XDG
+        base = home / ".cache"  # base directory specification has it ignored
     return [base / "tinychar" / "encoded", temp], "data.cache_dir"

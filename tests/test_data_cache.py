@@ -209,6 +209,21 @@ def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
     assert prepare(tmp_path / "t.txt").cache_hit
 
 
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The XDG base directory specification has a relative path ignored: it put the cache in whichever folder the
+    command ran from, a project's or a corpus's among them."""
+    from data.sources import cache_dirs
+
+    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.chdir(tmp_path)
+    assert cache_dirs(None)[0][0] == tmp_path / "home" / ".cache" / "tinychar" / "encoded"
+    prepare(write(tmp_path / "t.txt", MIXED))
+    assert not (tmp_path / "relative").exists()
+    assert list((tmp_path / "home" / ".cache" / "tinychar" / "encoded").iterdir())
+
+
 def test_a_read_only_cache_or_data_folder_is_left_alone_even_by_root(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

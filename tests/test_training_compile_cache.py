@@ -60,6 +60,11 @@ def test_compile_cache_goes_to_tinychars_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     here = compile_cache.machine_tag(torch.backends.cpu.get_cpu_capability(), compile_cache.cpu_vector_flags())
     assert compile_cache.compile_cache_dir() == tmp_path / "tinychar" / "compiled" / here
+    # a relative XDG_CACHE_HOME is ignored (the XDG specification): it named another folder in each working folder
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache.compile_cache_dir() == tmp_path / "home" / ".cache" / "tinychar" / "compiled" / here
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     # the user's own folder gets the same folder per instruction set inside it (a cluster's shared home holds the
     # code of every CPU it has); one that already is this machine's folder (a run's helper is given it) stays
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "mine"))

@@ -61,9 +61,10 @@ def inductor_settings() -> set[str]:
 
 def compile_cache_dir() -> Path:
     """Where torch.compile keeps its compiled code: a folder per instruction set (machine_tag) in
-    $TORCHINDUCTOR_CACHE_DIR if the user set it, else in tinychar's cache folder ($XDG_CACHE_HOME/tinychar/compiled,
-    else ~/.cache/tinychar/compiled), else in the temp folder. A $TORCHINDUCTOR_CACHE_DIR that already is this
-    machine's folder (handed down by a run to its helper, or to the processes it starts) is used as it is."""
+    $TORCHINDUCTOR_CACHE_DIR if the user set it, else in tinychar's cache folder ($XDG_CACHE_HOME/tinychar/compiled if
+    that is an absolute path, else ~/.cache/tinychar/compiled), else in the temp folder. A $TORCHINDUCTOR_CACHE_DIR
+    that already is this machine's folder (handed down by a run to its helper, or to the processes it starts) is used
+    as it is."""
     tag = machine_tag(torch.backends.cpu.get_cpu_capability(), cpu_vector_flags())
     explicit = _USER_CACHE
     if explicit:
@@ -75,7 +76,8 @@ def compile_cache_dir() -> Path:
         folder = Path(explicit).expanduser()
         return folder if folder.name == tag else folder / tag
     try:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+        xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+        base = xdg if xdg.is_absolute() else Path.home() / ".cache"  # a relative one is ignored, as in data.sources
     except (RuntimeError, KeyError):  # no home at all
         base = Path(tempfile.gettempdir())
     return base / "tinychar" / "compiled" / tag
