@@ -65,9 +65,14 @@ def test_only_cuda_takes_an_index(name):
         devices.resolve_device(name)
 
 
-def test_a_float16_cpu_run_measures_its_mfu_against_the_products_it_runs(tmp_path, capsys):
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_float16_cpu_run_measures_its_mfu_against_the_products_it_runs(tmp_path, capsys, monkeypatch, fast):
     """The ceiling was torch.matmul's on float16 tensors, which the CPU runs at about 1 GFLOP/s, while the model's
-    linear layers, autocast to float16, multiply through oneDNN at tens of GFLOP/s: MFU read 440-570%."""
+    linear layers, autocast to float16, multiply through oneDNN at tens of GFLOP/s: MFU read 440-570%. Where oneDNN
+    has no float16 products (no AVX-512 FP16 or AMX), the log says that float16 is slow there."""
+    import training.runner
+
+    monkeypatch.setattr(training.runner, "cpu_has_fast_float16", lambda: fast)
     import re
 
     from conftest import tiny_overrides
@@ -78,3 +83,4 @@ def test_a_float16_cpu_run_measures_its_mfu_against_the_products_it_runs(tmp_pat
     assert code == 0, err
     mfu = [float(m) for m in re.findall(r"MFU (\d+\.\d+)%", out)]
     assert mfu and max(mfu) < 100, out
+    assert ("note: this CPU has no fast float16 products" in out) is not fast

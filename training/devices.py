@@ -68,6 +68,13 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def cpu_has_fast_float16() -> bool:
+    """Whether oneDNN multiplies float16 on this CPU (AVX-512 FP16 or AMX-FP16). Elsewhere PyTorch's CPU float16
+    products fall back to slow loops: measured on a Zen 4 EPYC (2 threads), tiny.yaml trained at about 5,500 tokens/s
+    in float16 against 59,000 in float32 and bfloat16."""
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
 def resolve_dtype(name: str, device: torch.device, width: int | None = None) -> torch.dtype:
     """The autocast dtype for 'auto', 'float32', 'bfloat16' or 'float16'; float32 means no autocast.
 

@@ -20,7 +20,7 @@ from . import distributed
 from .checkpoints import restore_best
 from .compile_cache import user_cache_problem
 from .config import RunConfig
-from .devices import matmul_ceiling, resolve_dtype
+from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
 from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
@@ -197,6 +197,9 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     for note in start.corpus.notes:
         log.info(note)
     log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}")
+    if start.device.type == "cpu" and start.dtype == torch.float16 and not cpu_has_fast_float16():
+        log.info("note: this CPU has no fast float16 products (PyTorch multiplies float16 in slow loops here: about "
+                 "10x slower than float32); train.dtype=auto takes the fastest this CPU has")
     log.info(f"matrix-multiply ceiling {trainer.ceiling / 1e9:,.0f} GFLOP/s ({dtype}), "
              f"{trainer.flops_per_token / 1e3:,.0f} kFLOP per trained token")
     if tc.optimizer == "muon" and not muon_matrices(trainer.model):
