@@ -162,24 +162,50 @@ def test_return_attention_gives_each_layer_and_head():
         assert torch.all(w.triu(1) == 0)
 
 
+HELLO = "hello world, hello tinychar! "
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[GPT, list[str]]:
+    """A GPT of block_size 8 fitted to HELLO (about 1 s), and its vocabulary. An untrained model's next character
+    hardly depends on the context (greedy decoding repeats one character), so a KV cache that kept stale keys
+    generated the same characters as none; this one's text follows its context, and a stale cache shows."""
+    chars = sorted(set(HELLO))
+    ids = torch.tensor([chars.index(c) for c in HELLO * 4])
+    model = tiny(vocab_size=len(chars), n_embd=32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.stack([ids[i : i + 8] for i in range(100)])
+    y = torch.stack([ids[i + 1 : i + 9] for i in range(100)])
+    for _ in range(100):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), chars
+
+
 @pytest.mark.parametrize("attention", ["manual", "fused"])
-def test_kv_cache_generates_the_same_characters(attention):
-    model = tiny(attention=attention)
-    prompt = torch.randint(0, 11, (2, 3))
+def test_kv_cache_generates_the_same_characters(trained, attention):
+    fitted, chars = trained
+    model = tiny(vocab_size=len(chars), n_embd=32, attention=attention)
+    model.load_state_dict(fitted.state_dict())
+    prompt = torch.tensor([[chars.index(c) for c in p] for p in ("hel", "rld")])
     # 30 new characters: well past block_size 8, so the window slides and the cache is rebuilt
     with_cache = model.generate(prompt, 30, generator=torch.Generator().manual_seed(5), use_cache=True)
     without = model.generate(prompt, 30, generator=torch.Generator().manual_seed(5), use_cache=False)
     assert with_cache.shape == (2, 33)
     assert torch.equal(with_cache, without)
+    assert all(len(set(row[3:])) > 5 for row in with_cache.tolist())  # text that depends on its context
 
 
 @pytest.mark.parametrize("keep", [None, 1, 4, 6])
-def test_window_policy_is_the_same_with_and_without_cache(keep):
-    model = tiny()
-    prompt = torch.randint(0, 11, (1, 10))  # longer than block_size 8: cropped from the start
+def test_window_policy_is_the_same_with_and_without_cache(trained, keep):
+    model, chars = trained
+    prompt = torch.tensor([[chars.index(c) for c in "hello world"]])  # longer than block_size 8: cropped
     kwargs = {"temperature": 0.0, "keep": keep}
-    with_cache = model.generate(prompt, 25, use_cache=True, **kwargs)
-    assert torch.equal(with_cache, model.generate(prompt, 25, use_cache=False, **kwargs))
+    with_cache = model.generate(prompt, 40, use_cache=True, **kwargs)
+    assert torch.equal(with_cache, model.generate(prompt, 40, use_cache=False, **kwargs))
+    assert len(set(with_cache[0, 11:].tolist())) > 5  # not one character repeated, which any window would give
 
 
 def test_default_window_sees_the_last_block_size_characters():
