@@ -132,9 +132,11 @@ def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_
     from training.logger import Logger
 
     compiled_during: list[str] = []
+    called: list[str] = []
 
     def watched(name, real):
         def run(*args, **kwargs):
+            called.append(name)
             before = counters["frames"]["total"]
             result = real(*args, **kwargs)
             if counters["frames"]["total"] != before:
@@ -154,6 +156,7 @@ def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_
     code, out, err = call(train_main, tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **keys), capsys)
     assert code == 0, err
     assert "engine: model compiled block by block" in out
+    assert called == ["sample", "attention"]  # the evaluation at step 2 drew both: the check below is not vacuous
     assert compiled_during == []
 
 
