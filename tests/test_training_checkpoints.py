@@ -325,10 +325,13 @@ def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path, monkeypatch
     payload = {"step": 10, "is_best": True}
     for name in ("ckpt.pt", "best.pt"):
         (out / name).write_bytes(b"the same bytes")
+    inode = (out / "best.pt").stat().st_ino  # a write replaces the file (write_atomic): a new inode
     assert training.checkpoints.restore_best(out, payload) is None
     assert training.checkpoints.restore_best(out, {**payload, "is_best": False}) is None
+    assert (out / "best.pt").stat().st_ino == inode
     (out / "best.pt").write_bytes(b"an earlier best")
     assert training.checkpoints.restore_best(out, {**payload, "is_best": False}) is None  # step 10 was not the best
+    assert (out / "best.pt").read_bytes() == b"an earlier best"
 
     def disk_full(path, write):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
