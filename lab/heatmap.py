@@ -419,9 +419,13 @@ def picture_target(path: str | Path) -> tuple[Path, str]:
         target = Path(path).resolve()
     except (RuntimeError, OSError):  # Python 3.11 says RuntimeError for a loop, later ones OSError
         raise ValueError("a loop of symbolic links is on the way there; give another path") from None
-    if target.is_dir():
+    try:
+        folder, there = target.is_dir(), target.exists()
+    except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
+        raise ValueError(f"{e.strerror or type(e).__name__}; give another path") from None
+    if folder:
         raise ValueError(f"it is a folder; give a file name such as {shown(str(target / 'attention.png'))}")
-    if target.exists():
+    if there:
         if not target.is_file():
             raise ValueError("it is not a plain file (a device, a pipe or a socket), which the picture would "
                              "replace; give a file name")

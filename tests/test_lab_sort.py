@@ -127,7 +127,10 @@ def refused_before_training(argv: list[str], monkeypatch, capsys) -> str:
 
 @pytest.mark.parametrize("where, says", [("file/map.png", "is a file, not a folder"),
                                          ("file/sub/map.png", "is a file, not a folder"),
-                                         ("folder", "it is a folder")])
+                                         ("folder", "it is a folder"),
+                                         pytest.param("x" * 300 + ".png", "File name too long", id="long-name"),
+                                         pytest.param("x" * 300 + "/map.png", "File name too long",
+                                                      id="long-folder-name")])  # these two were a traceback
 def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, where, says):
     (tmp_path / "file").write_text("")
     (tmp_path / "folder").mkdir()
