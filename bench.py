@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from configs.userinput import OneLineParser
+from configs.userinput import OneLineParser, shown
 from model.linear import onednn_min_macs
 from training.config import MAX_THREADS
 from training.devices import onednn_linear_nobias
@@ -687,11 +687,14 @@ def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
 
 def checkout_problem(folder: Path) -> str | None:
     """Why folder cannot be used as a nanoGPT checkout, or None."""
-    if not folder.is_dir():
-        return f"--nanogpt: no such folder '{folder}'; {CLONE_HINT}"
-    missing = [name for name in NANOGPT_FILES if not (folder / name).is_file()]
+    try:
+        if not folder.is_dir():
+            return f"--nanogpt: no such folder '{shown(str(folder))}'; {CLONE_HINT}"
+        missing = [name for name in NANOGPT_FILES if not (folder / name).is_file()]
+    except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
+        return f"--nanogpt: cannot use '{shown(str(folder))}' ({e.strerror or type(e).__name__}); give another folder"
     if missing:
-        return f"--nanogpt: '{folder}' is not a nanoGPT checkout (it has no {missing[0]}); {CLONE_HINT}"
+        return f"--nanogpt: '{shown(str(folder))}' is not a nanoGPT checkout (it has no {missing[0]}); {CLONE_HINT}"
     return None
 
 
@@ -721,12 +724,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--isa limits the CPU's libraries; it has no meaning with --gpu")
     if args.gpu and args.skip_quality:
         p.error("--gpu runs only the time-to-quality race, which --skip-quality leaves out; use one of them")
-    if args.json is not None and (args.json == "" or Path(args.json).is_dir()):  # found only at the end, in a traceback
-        p.error(f"--json: '{args.json}' is {'empty' if args.json == '' else 'a folder'}; give a file name, such as "
-                f"bench.json")
-    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
-        p.error(f"--json: no folder '{Path(args.json).parent}' to write '{args.json}' into")
+    if args.json is not None and (why := json_problem(args.json)) is not None:  # else found only at the end
+        p.error(f"--json: {why}")
     return args
+
+
+def json_problem(name: str) -> str | None:
+    """Why the results could not be written to the file name (--json), in words, or None."""
+    if name == "":
+        return "'' is empty; give a file name, such as bench.json"
+    path = Path(name)
+    try:
+        if path.is_dir():
+            return f"'{name}' is a folder; give a file name, such as bench.json"
+        folder = path.resolve().parent
+        if not folder.is_dir():
+            return f"no folder '{path.parent}' to write '{name}' into"
+    except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
+        return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        return f"'{name}' cannot be written there; give another file name"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -755,7 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(markdown(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(plain(report), indent=2) + "\n", encoding="utf-8")
+        try:
+            Path(args.json).write_text(json.dumps(plain(report), indent=2) + "\n", encoding="utf-8")
+        except OSError as e:  # a full disk, or a folder made read-only while the rows ran
+            print(f"error: cannot write --json '{shown(args.json)}' ({e.strerror or e}); the table above holds the "
+                  f"results", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import subprocess
 import sys
@@ -138,6 +139,14 @@ def test_overrides_given_to_tinychar_are_keys_it_knows(shape: bench.Shape):
     assert cfg.train.optimizer == "adamw"  # nanoGPT's: a step does the same work in both programs
 
 
+def nanogpt_checkout(folder: Path) -> Path:
+    """A folder that passes for a nanoGPT checkout: its files, empty."""
+    for name in bench.NANOGPT_FILES:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("", encoding="utf-8")
+    return folder
+
+
 def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert bench.main([]) == 2
     err = capsys.readouterr().err
@@ -146,12 +155,18 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
     assert "no such folder" in capsys.readouterr().err
     assert bench.main(["--nanogpt", str(tmp_path)]) == 2
     assert "is not a nanoGPT checkout" in capsys.readouterr().err
+    # a newline in the folder's name split the line; a name too long for the system was a traceback
+    for folder, says in ((tmp_path / "new\nline", "no such folder"), (tmp_path / ("x" * 300), "File name too long")):
+        assert bench.main(["--nanogpt", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and len(err) < 300
     with pytest.raises(SystemExit) as exited:
         bench.main(["--nanogpt", str(tmp_path), "--threads", "0"])
     assert exited.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     # measured only after a checkout is copied, or written at the end of the run: a traceback there
     for extra, says in ((["--threads", str(10**20)], "--threads must be from 1 to"),
-                        (["--json", str(tmp_path)], "is a folder"), (["--json", ""], "is empty")):
+                        (["--json", str(tmp_path)], "is a folder"), (["--json", ""], "is empty"),
+                        (["--json", str(tmp_path / ("x" * 300 + ".json"))], "File name too long")):
         with pytest.raises(SystemExit) as exited:
             bench.main(["--nanogpt", str(tmp_path), *extra])
         err = capsys.readouterr().err
@@ -160,14 +175,35 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
 
 def test_a_bad_onednn_setting_is_one_line_before_anything_runs(tmp_path: Path, capsys, monkeypatch):
     # read first by the matmul ceilings, once the run had begun: a ValueError traceback
-    for name in bench.NANOGPT_FILES:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("", encoding="utf-8")
+    nanogpt_checkout(tmp_path)
     monkeypatch.setenv("TINYCHAR_ONEDNN", "garbage")
     monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a bad TINYCHAR_ONEDNN"))
     assert bench.main(["--nanogpt", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: TINYCHAR_ONEDNN must be one of auto, 0, 1")
+
+
+def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(tmp_path: Path, capsys, monkeypatch):
+    # refused before anything runs where the folder cannot be written; a disk that fills up is found only at the end,
+    # where it was a traceback after the whole run
+    checkout = str(nanogpt_checkout(tmp_path))
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a --json that cannot be written"))
+    with monkeypatch.context() as read_only:
+        read_only.setattr(bench.os, "access", lambda path, mode: False)
+        with pytest.raises(SystemExit) as exited:
+            bench.main(["--nanogpt", checkout, "--json", str(tmp_path / "bench.json")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "cannot be written there" in err
+    monkeypatch.setattr(bench, "measure", lambda *a: {})
+    monkeypatch.setattr(bench, "markdown", lambda report: "| the table |")
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench.Path, "write_text", full_disk)
+    assert bench.main(["--nanogpt", checkout, "--json", str(tmp_path / "bench.json")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "| the table |\n" and err.count("\n") == 1
+    assert err.startswith("error: cannot write --json") and "(No space left on device)" in err
 
 
 def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
