@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -354,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as command-line tools do
         discard_stdout()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C while training: what is printed stays, and a heatmap is written whole or not
+        print("\ninterrupted (SIGINT); stopped sorting", file=sys.stderr)
+        return 128 + signal.SIGINT
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF) or e.filename is not None:  # not stdout's
             raise

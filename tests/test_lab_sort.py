@@ -74,6 +74,16 @@ def test_heatmap_png_is_written(tmp_path, capsys):
         assert image.format == "PNG" and image.width > 100 and image.height > 100
 
 
+def test_ctrl_c_while_training_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab.sort, "train", interrupted)  # was a traceback of some thirty lines
+    assert main(["--steps", "2", "--batch-size", "8", "--heatmap", str(tmp_path / "map.png")]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted (SIGINT); stopped sorting" and not list(tmp_path.iterdir())
+
+
 def test_no_attention_has_no_heatmap(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["--no-attention", "--steps", "2", "--batch-size", "8"]) == 0
