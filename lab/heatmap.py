@@ -406,6 +406,11 @@ def image_format(path: str | Path) -> str:
     name = Image.registered_extensions().get(suffix)
     if name is None or name not in Image.SAVE:
         raise ValueError(f"Pillow cannot write '{suffix}' pictures; name it .png (or .jpg, .webp, .gif, ...)")
+    try:  # some formats it writes only in other modes (.xbm: black and white), or only with a plugin (.h5)
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"Pillow cannot write '{suffix}' pictures in colour ({e}); name it .png (or .jpg, .webp, "
+                         f".gif, ...)") from None
     return name
 
 
