@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if (wrong := contradiction(args)) is not None:
             raise ValueError(wrong)
+        if sys.stdout is None:  # started with stdout closed (`>&-`): the accuracy would go nowhere
+            raise ValueError("stdout is closed, and the results are written there; redirect it to a file (> out.txt) "
+                             "or to /dev/null instead of closing it")
         if args.logdir == "":
             raise ValueError("--logdir is empty; give the folder for TensorBoard's logs (or leave it out)")
         cfg = config_from(args)

@@ -229,6 +229,12 @@ def test_a_heatmap_that_cannot_be_written_after_training_is_still_one_line(tmp_p
     assert err.startswith("error: cannot write the heatmap") and err.count("\n") == 1
 
 
+def test_a_closed_stdout_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", None)  # `>&-`: the run trained, then its flush of stdout was a traceback
+    err = refused_before_training(["--steps", "1", "--heatmap", str(tmp_path / "map.png")], monkeypatch, capsys)
+    assert err.startswith("error: stdout is closed") and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("under", ["file", "file/sub"])
 def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, under):
     (tmp_path / "file").write_text("")
