@@ -749,6 +749,10 @@ def json_problem(name: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if sys.stdout is None and not args.json:  # started with stdout closed (`>&-`): the table would go nowhere
+        print("error: stdout is closed, and the table is written there; redirect it to a file (> bench.md) or give "
+              "--json FILE", file=sys.stderr)
+        return 2
     problem = checkout_problem(Path(args.nanogpt)) if args.nanogpt else f"--nanogpt DIR is required; {CLONE_HINT}"
     try:
         onednn_min_macs()  # TINYCHAR_ONEDNN, which the matmul ceilings read after the checkout is copied

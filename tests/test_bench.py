@@ -213,6 +213,15 @@ def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
     assert done.stderr.startswith("error: --nanogpt DIR is required") and "Traceback" not in done.stderr
 
 
+def test_a_closed_stdout_without_json_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """`python bench.py --nanogpt DIR >&-` ran the whole benchmark (half an hour) and printed its table nowhere."""
+    monkeypatch.setattr(bench, "measure", lambda *args: pytest.fail("measured with nowhere to print"))
+    monkeypatch.setattr(sys, "stdout", None)
+    assert bench.main(["--nanogpt", str(nanogpt_checkout(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: stdout is closed") and "--json FILE" in err
+
+
 class FakePrograms:
     """Programs that replay recorded runs: nanoGPT's evaluations, slower each round by `drift`, and tinychar reaching
     val `reach` at `seconds`."""
