@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 COMMANDS = {"sort": "sorting digits with a GRU or transformer encoder-decoder, with or without attention"}
@@ -18,9 +19,20 @@ def main(argv: list[str] | None = None) -> int:
         given = f"unknown command '{argv[0]}'" if argv else "no command given"
         print(f"error: {given}; the commands are: {', '.join(COMMANDS)} (see python -m lab --help)", file=sys.stderr)
         return 2
-    from lab import sort  # imported only when run: torch and the models are slow to load for --help
-    from training.logger import stderr_kept_open
-
+    # Imported only when run: torch and the models are slow to load for --help. Ctrl-C meanwhile waits until they have
+    # loaded (raised inside an import, it can leave torch half-made: see train.py), then ends the command in one line.
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        from lab import sort
+        from training.logger import stderr_kept_open
+    except KeyboardInterrupt:  # raised all the same, by a module that set a handler of its own
+        held.append(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        print("interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
+        return 128 + signal.SIGINT
     stderr_kept_open()
     return sort.main(argv[1:])
 

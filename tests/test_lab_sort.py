@@ -120,6 +120,33 @@ def test_unknown_command_is_one_line_and_exit_2(capsys):
     assert "unknown command 'shuffle'" in err and err.count("\n") == 1
 
 
+def test_ctrl_c_while_the_lab_loads_is_one_line_and_status_130(monkeypatch, capsys):
+    """A Ctrl-C while `python -m lab sort` imports torch and the models (seconds) was a KeyboardInterrupt traceback
+    from inside an import; it now waits for the imports, then ends in one line."""
+    import importlib.abc
+    import os
+    import signal
+
+    import lab
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "lab.sort":
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, in the middle of the import
+            return None
+
+    monkeypatch.delattr(lab, "sort")  # both put back afterwards: the import below makes the module afresh
+    monkeypatch.delitem(sys.modules, "lab.sort")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    try:
+        code = lab_main(["sort", "--steps", "1"])
+    except KeyboardInterrupt:  # a failure of this test, not a Ctrl-C of the session
+        pytest.fail("the Ctrl-C came out of the import as a KeyboardInterrupt")
+    assert code == 130
+    assert capsys.readouterr().err == "interrupted (SIGINT) while starting; nothing was done\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def no_training(*args, **kwargs):
     pytest.fail("training started")
 
