@@ -53,14 +53,17 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
             continue
         if not sound:
             continue
-        damaged_path, why = meta_path, _meta_damage(info, dtype)
+        damaged_path, why, state = meta_path, _meta_damage(info, dtype), "was damaged"
         if not why:
-            mapped, why = _open_checked(ids_path, dtype, n_tokens, info["crc32"], len(info["chars"]))
+            try:
+                mapped, why = _open_checked(ids_path, dtype, n_tokens, info["crc32"], len(info["chars"]))
+            except OSError as e:  # no permission to read it, say: nothing says its bytes are wrong
+                mapped, why, state = None, e.strerror or type(e).__name__, "could not be read"
             if mapped is not None:
                 return info, ids_path, mapped
             damaged_path = ids_path
         damaged.append(
-            f"data: the cached copy {quoted(damaged_path, LOG_PATH)} was damaged ({why}); it has been encoded again"
+            f"data: the cached copy {quoted(damaged_path, LOG_PATH)} {state} ({why}); it has been encoded again"
         )
         for path in (meta_path, ids_path):  # the meta first: without it, no one trusts the ids
             try:
@@ -113,14 +116,15 @@ def _open_checked(
     path: Path, dtype: np.dtype, n_tokens: int, crc: int, n_chars: int
 ) -> tuple[torch.Tensor | None, str]:
     """(the ids, '') if the file at path holds n_tokens ids of dtype whose CRC-32 is crc, each below n_chars (the
-    size of the vocabulary); else (None, why not).
+    size of the vocabulary); else (None, why not). OSError where it cannot be opened for another reason than its
+    absence (no permission): unreadable, which is not damaged.
 
     The checksum is taken on the same open file that is then mapped, so what was checked is what is used.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        return None, "it is missing" if isinstance(e, FileNotFoundError) else e.strerror or type(e).__name__
+    except FileNotFoundError:
+        return None, "it is missing"
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with an OSError naming the fd ('3')
         os.close(fd)

@@ -292,6 +292,26 @@ def test_a_damaged_cache_entry_is_encoded_again_and_said(tmp_path: Path, how: st
     assert prepare(tmp_path / "t.txt").cache_hit  # and the new copy is trusted
 
 
+def test_a_cached_copy_that_cannot_be_read_is_not_called_damaged(tmp_path: Path, monkeypatch) -> None:
+    """An ids file without read permission (a shared cache folder, say) was said to be damaged; it is encoded again
+    all the same, with a note that says what was wrong."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    real_open = os.open
+
+    def no_permission(path, flags, *args, **kwargs):  # as chmod 000 would, for a user other than root
+        if Path(path) == first.path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_permission)
+    again = prepare(tmp_path / "t.txt")
+    monkeypatch.undo()
+    assert not again.cache_hit and text_of(again) == text
+    assert again.notes == (f"data: the cached copy '{first.path}' could not be read (Permission denied); it has been "
+                           f"encoded again",)
+
+
 def test_an_ids_file_that_is_a_folder_is_refused_in_one_line(tmp_path: Path) -> None:
     """fdopen refused the folder with an OSError naming its descriptor: 'error: cannot use '3' (Is a directory)'."""
     first = prepare(write(tmp_path / "t.txt", "abcdefgh" * 64))
