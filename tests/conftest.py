@@ -163,6 +163,10 @@ def tiny_overrides(corpus: Path, out_dir: Path, **extra: object) -> list[str]:
         # Runs that tests keep alive with a large max_iters would otherwise compile under `auto` (tens of seconds);
         # tests/test_training_engine.py turns compiling on where it is the subject.
         "train.compile": "false",
+        # What these runs assert (losses repeated to the bit, the CPU's random state, gloo between processes, the
+        # compile cache's helper) holds on the CPU, where CI runs them: on a machine with a GPU, `auto` would take it.
+        # Tests of the GPU's path ask for it by name.
+        "train.device": "cpu",
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
