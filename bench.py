@@ -36,6 +36,7 @@ import torch
 
 from configs.userinput import OneLineParser, shown
 from model.linear import onednn_min_macs
+from training.checkpoints import write_atomic
 from training.config import MAX_THREADS
 from training.devices import onednn_linear_nobias
 
@@ -744,7 +745,37 @@ def json_problem(name: str) -> str | None:
         return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"
     if not os.access(path if path.exists() else folder, os.W_OK):
         return f"'{name}' cannot be written there; give another file name"
+    if path.is_file() and not is_bench_result(path):
+        return (f"'{name}' holds something other than an earlier bench.py result, which the results would replace; "
+                f"give a new file name")
     return None
+
+
+# An earlier result is a few kilobytes: a larger file is something else, and is not read whole to find that out.
+MAX_RESULT_BYTES = 1 << 20
+
+
+def is_bench_result(path: Path) -> bool:
+    """Whether the regular file at path holds what --json wrote before (a file --json may replace)."""
+    try:
+        if path.stat().st_size > MAX_RESULT_BYTES:
+            return False
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8 or not JSON, or nested past Python's limit
+        return False
+    return isinstance(data, dict) and {"cpu_flags", "rows"} <= data.keys()
+
+
+def write_json(name: str, text: str) -> None:
+    """Write the results to the file name: a regular file is replaced whole once the new one is complete, so a full
+    disk leaves an earlier result as it was; a pipe or a device (/dev/stdout) is written into as it is."""
+    path = Path(name)
+    if path.exists() and not path.is_file():
+        path.write_text(text, encoding="utf-8")
+        return
+    if (why := json_problem(name)) is not None:  # the file was changed while the rows ran
+        raise OSError(why)
+    write_atomic(path.resolve(), lambda f: f.write(text.encode("utf-8")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -778,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     if args.json:
         try:
-            Path(args.json).write_text(json.dumps(plain(report), indent=2) + "\n", encoding="utf-8")
+            write_json(args.json, json.dumps(plain(report), indent=2) + "\n")
         except OSError as e:  # a full disk, or a folder made read-only while the rows ran
             print(f"error: cannot write --json '{shown(args.json)}' ({e.strerror or e}); the table above holds the "
                   f"results", file=sys.stderr)

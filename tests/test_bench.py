@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import math
+import os
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ import torch
 import yaml
 
 import bench
+import training.checkpoints
 from model import GPT, GPTConfig
 from training.config import load_config
 
@@ -194,16 +199,55 @@ def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(tmp_path
             bench.main(["--nanogpt", checkout, "--json", str(tmp_path / "bench.json")])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1 and "cannot be written there" in err
-    monkeypatch.setattr(bench, "measure", lambda *a: {})
+    monkeypatch.setattr(bench, "measure", lambda *a: {"cpu_flags": [], "rows": [], "new": True})
     monkeypatch.setattr(bench, "markdown", lambda report: "| the table |")
-    def full_disk(*args: object, **kwargs: object) -> None:
+    earlier = tmp_path / "bench.json"
+    earlier.write_text('{"cpu_flags": ["avx2"], "rows": [], "earlier": true}\n', encoding="utf-8")
+
+    def full_disk(fd: int) -> None:  # the new file's bytes reach the disk only here
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bench.Path, "write_text", full_disk)
-    assert bench.main(["--nanogpt", checkout, "--json", str(tmp_path / "bench.json")]) == 1
+    with monkeypatch.context() as full:
+        full.setattr(training.checkpoints.os, "fsync", full_disk)
+        assert bench.main(["--nanogpt", checkout, "--json", str(earlier)]) == 1
     out, err = capsys.readouterr()
     assert out == "| the table |\n" and err.count("\n") == 1
     assert err.startswith("error: cannot write --json") and "(No space left on device)" in err
+    # the earlier result was written over in place, so a full disk lost it too; now it stays whole, with no part beside
+    assert json.loads(earlier.read_text(encoding="utf-8"))["earlier"] is True
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert bench.main(["--nanogpt", checkout, "--json", str(earlier)]) == 0  # an earlier result is replaced
+    assert json.loads(earlier.read_text(encoding="utf-8")) == {"cpu_flags": [], "rows": [], "new": True}
+
+
+@pytest.mark.parametrize("held", ["notes\n", '{"rows": []}', "[1, 2]", "[" * 100_000, "\udcff", "x" * (2 << 20)],
+                         ids=["text", "other JSON", "a JSON list", "nested past the limit", "not UTF-8", "large"])
+def test_json_refuses_before_anything_runs_to_replace_a_file_that_is_no_earlier_result(tmp_path, capsys, monkeypatch,
+                                                                                        held):
+    """--json replaced whatever file it named, at the end of a half-hour run: a README, another program's results."""
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a --json that holds something else"))
+    kept = tmp_path / "notes.md"
+    kept.write_bytes(held.encode("utf-8", "surrogateescape"))
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--nanogpt", str(nanogpt_checkout(tmp_path)), "--json", str(kept)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and len(err) < 400
+    assert "holds something other than an earlier bench.py result" in err and "give a new file name" in err
+    assert kept.read_bytes() == held.encode("utf-8", "surrogateescape")
+
+
+def test_json_to_a_device_is_written_into_not_replaced(tmp_path, capsys, monkeypatch):
+    """/dev/stdout is a link to a pipe or a terminal: renamed over, it would have been a regular file in /dev."""
+    monkeypatch.setattr(bench, "measure", lambda *a: {"cpu_flags": [], "rows": []})
+    monkeypatch.setattr(bench, "markdown", lambda report: "| the table |")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    assert bench.main(["--nanogpt", str(nanogpt_checkout(tmp_path)), "--json", str(fifo)]) == 0
+    reader.join(timeout=30)
+    assert json.loads(got[0]) == {"cpu_flags": [], "rows": []} and stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
