@@ -1,18 +1,22 @@
-"""``python -m lab <command>``: the lab's runnable exercises. ``sort``: sorting digits with attention."""
+"""``python -m lab <command>``: the lab's runnable exercises. ``notes``: the notes' worked example of attention,
+step by step; ``sort``: sorting digits with attention."""
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 
-COMMANDS = {"sort": "sorting digits with a GRU or transformer encoder-decoder, with or without attention"}
+# command -> (its module in lab/, what it does)
+COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, step by step, computed by tinychar"),
+            "sort": ("sort", "sorting digits with a GRU or transformer encoder-decoder, with or without attention")}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: python -m lab <command> [options]\n")
-        for name, what in COMMANDS.items():
+        for name, (_, what) in COMMANDS.items():
             print(f"  {name:<6} {what}")
         return 0
     if not argv or argv[0] not in COMMANDS:
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     held: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
     try:
-        from lab import sort
+        command = importlib.import_module(f"lab.{COMMANDS[argv[0]][0]}")
         from training.logger import stderr_kept_open
     except KeyboardInterrupt:  # raised all the same, by a module that set a handler of its own
         held.append(signal.SIGINT)
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
         return 128 + signal.SIGINT
     stderr_kept_open()
-    return sort.main(argv[1:])
+    return command.main(argv[1:])
 
 
 if __name__ == "__main__":

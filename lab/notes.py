@@ -183,6 +183,19 @@ def copy_v2_weights_into_v1(v1: SelfAttention_v1, v2: SelfAttention_v2) -> None:
             target.copy_(linear.weight.T)
 
 
+def v2_as_built_in_001(seed: int = 123) -> SelfAttention_v2:
+    """The SelfAttention_v2(3, 2) whose weights 001 masks (001 In[58]): built after torch.manual_seed(seed) with its
+    layers made key, value, query, where this class makes them query, key, value; the order decides which draws
+    each layer gets, so 001's draws are made in its order and loaded into this class."""
+    torch.manual_seed(seed)
+    key, value, query = (nn.Linear(3, 2, bias=False) for _ in range(3))
+    v2 = SelfAttention_v2(3, 2)
+    with torch.no_grad():
+        for name, layer in (("W_query", query), ("W_key", key), ("W_value", value)):
+            getattr(v2, name).weight.copy_(layer.weight)
+    return v2
+
+
 # --- Causal masking ----------------------------------------------------------------------------------------
 
 

@@ -1,13 +1,10 @@
-"""What both lab-notes test files compare with: the notes' 4-decimal rounding, two of the tensors they print, and 001's
-SelfAttention_v2 rebuilt (test_lab_notes: attention without and with trainable weights; test_lab_notes_causal: the
-causal mask, dropout, the multi-head modules and additive scoring)."""
+"""What both lab-notes test files compare with: the notes' 4-decimal rounding and two of the tensors they print
+(test_lab_notes: attention without and with trainable weights; test_lab_notes_causal: the causal mask, dropout, the
+multi-head modules and additive scoring). 001's SelfAttention_v2 is rebuilt by lab.notes.v2_as_built_in_001."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from lab.notes import SelfAttention_v2
 
 
 def close(actual: torch.Tensor, expected: list | float) -> None:
@@ -35,15 +32,3 @@ V2_001_SEED_123 = [
     [-0.6449, 0.1029],
     [-0.6445, 0.1027],
 ]
-
-
-def v2_as_built_in_001(seed: int = 123) -> SelfAttention_v2:
-    """001's SelfAttention_v2 builds its layers key, value, query (the lab and 000 build query, key, value), and the
-    order decides which draws each layer gets: rebuild 001's draws and load them into the lab's class."""
-    torch.manual_seed(seed)
-    key, value, query = (nn.Linear(3, 2, bias=False) for _ in range(3))
-    v2 = SelfAttention_v2(3, 2)
-    with torch.no_grad():
-        for name, layer in (("W_query", query), ("W_key", key), ("W_value", value)):
-            getattr(v2, name).weight.copy_(layer.weight)
-    return v2

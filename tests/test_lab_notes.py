@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from notes_numbers import ALL_WEIGHTS, V2_001_SEED_123, close, v2_as_built_in_001
+from notes_numbers import ALL_WEIGHTS, V2_001_SEED_123, close
 
 from lab import notes as lab
-from lab.notes import SelfAttention_v1, SelfAttention_v2
+from lab.notes import SelfAttention_v1, SelfAttention_v2, v2_as_built_in_001
 
 
 @pytest.fixture

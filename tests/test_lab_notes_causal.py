@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from notes_numbers import ALL_WEIGHTS, V2_001_SEED_123, close, v2_as_built_in_001
+from notes_numbers import ALL_WEIGHTS, V2_001_SEED_123, close
 from torch import nn
 
 from lab import notes as lab
-from lab.notes import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttention_v2
+from lab.notes import (
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v2,
+    v2_as_built_in_001,
+)
 from model.attention import CausalSelfAttention
 from model.config import GPTConfig
 

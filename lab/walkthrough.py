@@ -1,0 +1,210 @@
+"""The notes' worked example, printed step by step: ``python -m lab notes``.
+
+Six 3-number embeddings of "Your journey starts with one step" go through each stage of attention the notes build
+up, computed by ``lab.notes`` (whose masked steps run the GPT's own ``masked_attention``): the scores of one query,
+the ways to turn them into weights, the context vector, every query at once, trainable query, key and value
+matrices, the compact classes, the causal mask both ways, dropout, and the multi-head modules. Each stage names the
+notebook cell that printed the same numbers (``000``/``001`` are the notes' first two notebooks) and the seed it
+draws its weights with, so a reader can put the two side by side. ``--query N`` follows another word.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from configs.userinput import OneLineParser
+from lab.notes import (
+    WORDS,
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+    attention_scores_for_query,
+    causal_mask,
+    causal_softmax_attention,
+    context_vector,
+    copy_v2_weights_into_v1,
+    drop_attention_weights,
+    journey_inputs,
+    normalise_by_sum,
+    renormalised_causal_weights,
+    simple_self_attention,
+    softmax_naive,
+    trainable_attention_for_query,
+    v2_as_built_in_001,
+)
+from training.logger import discard_stdout
+
+WIDTH = 9  # one printed number: sign, digits and 4 decimals, right-aligned, with room for -inf
+
+
+def number(x: float) -> str:
+    return f"{x:>{WIDTH}.4f}" if x == x and abs(x) != float("inf") else f"{x:>{WIDTH}}"
+
+
+def row(label: str, values: Sequence[float]) -> str:
+    return f"  {label:<8}" + "".join(number(float(v)) for v in values)
+
+
+def table(matrix: torch.Tensor, labels: Sequence[str], columns: Sequence[str] | None = None) -> list[str]:
+    """A matrix as rows of 4-decimal numbers, each row named, the columns named above when given."""
+    head = [f"  {'':<8}" + "".join(f"{c:>{WIDTH}}" for c in columns)] if columns is not None else []
+    return head + [row(label, values) for label, values in zip(labels, matrix.tolist(), strict=True)]
+
+
+def short(word: str) -> str:
+    return word if len(word) <= WIDTH - 1 else word[: WIDTH - 2] + "."
+
+
+def section(title: str, *lines: str) -> list[str]:
+    return ["", title, "-" * len(title), *lines]
+
+
+def walkthrough(query: int) -> str:
+    """The whole text, query counted from 1 as the notes count x^1..x^6."""
+    x = journey_inputs()
+    i = query - 1
+    word, words = WORDS[i], [short(w) for w in WORDS]
+    dims = [f"d{k + 1}" for k in range(x.size(1))]
+    out = [f'The notes\' worked example, "{" ".join(WORDS)}", computed by tinychar\'s attention code '
+           f"(lab/notes.py); the query is x^{query} ({word})."]
+    out += section("1. The inputs: one embedding of 3 numbers a word (001 In[1])", *table(x, words, dims))
+
+    scores = attention_scores_for_query(x, x[i])
+    by_sum, naive, soft = normalise_by_sum(scores), softmax_naive(scores), torch.softmax(scores, dim=0)
+    out += section(
+        f"2. The scores of x^{query} against every input, the dot products x^i . x^{query} (001 In[18])",
+        *table(scores[None], ["score"], words),
+        "", "   Three ways to turn them into weights that sum to 1 (001 In[19]-In[21]):",
+        *table(torch.stack([by_sum, naive, soft]), ["/ sum", "exp/sum", "softmax"], words),
+        "   Divided by their sum, a negative score would stay negative; softmax makes every weight positive,",
+        "   and torch.softmax subtracts the largest score first so that exp cannot overflow (the same numbers",
+        "   where both are finite).",
+        "", f"   The context vector z^{query} = sum of weight_i * x^i, the inputs mixed by the weights (000 In[38]):",
+        *table(context_vector(soft, x)[None], [f"z^{query}"], dims))
+
+    every = simple_self_attention(x)
+    out += section("3. Every query at once: scores X X^T, softmax along each row, weights @ X (000 In[39]-In[51])",
+                   "   scores:", *table(every.scores, words, words),
+                   "   weights (each row sums to 1):", *table(every.weights, words, words),
+                   "   context vectors:", *table(every.context, [f"z^{k + 1}" for k in range(len(WORDS))], dims))
+
+    torch.manual_seed(123)
+    W_query, W_key, W_value = (torch.rand(x.size(1), 2) for _ in range(3))
+    step = trainable_attention_for_query(x[i], x, W_query, W_key, W_value)
+    out += section(
+        "4. Trainable weights: torch.manual_seed(123), then W_query, W_key, W_value = torch.rand(3, 2) "
+        "(000 In[60]-In[71])",
+        *table(step.query[None], [f"q^{query}"], ["q1", "q2"]),
+        "   scores q . k^i, then weights softmax(score / sqrt(d_k)), d_k = 2:",
+        *table(torch.stack([step.scores, step.weights]), ["score", "weight"], words),
+        *table(step.context[None], [f"z^{query}"], ["z1", "z2"]),
+        "   Scaling by 1/sqrt(d_k) keeps large dot products from pushing softmax towards one-hot weights, whose",
+        "   gradients vanish: it is the \"scaled\" of scaled dot-product attention.")
+
+    torch.manual_seed(123)
+    v1 = SelfAttention_v1(3, 2)
+    torch.manual_seed(789)
+    v2 = SelfAttention_v2(3, 2)
+    torch.manual_seed(789)
+    copied, source = SelfAttention_v1(3, 2), SelfAttention_v2(3, 2)
+    copy_v2_weights_into_v1(copied, source)
+    with torch.no_grad():
+        both = torch.cat([copied(x), source(x)], dim=1)
+        out += section(
+            "5. The compact classes, each row a context vector (000 In[114], In[124], In[128])",
+            "   SelfAttention_v1(3, 2) after torch.manual_seed(123): its row 2 is step 4's z^2",
+            *table(v1(x), words, ["z1", "z2"]),
+            "   SelfAttention_v2(3, 2) after torch.manual_seed(789) (nn.Linear's initialisation, other numbers):",
+            *table(v2(x), words, ["z1", "z2"]),
+            "   exercise 3.1, after torch.manual_seed(789): v1, then v2 given v2's weights transposed, side by side:",
+            *table(both, words, ["v1 z1", "v1 z2", "v2 z1", "v2 z2"]))
+
+    sa = v2_as_built_in_001()
+    with torch.no_grad():
+        queries, keys, values = sa.W_query(x), sa.W_key(x), sa.W_value(x)
+        raw = queries @ keys.T
+        scaled = raw / keys.size(-1) ** 0.5
+        weights = torch.softmax(scaled, dim=-1)
+        context, masked = causal_softmax_attention(scaled, values)
+    out += section(
+        "6. The causal mask: a position sees itself and the past, never the future (001 In[58]-In[64])",
+        "   001's SelfAttention_v2 after torch.manual_seed(123), its layers built key, value, query; its weights:",
+        *table(weights, words, words),
+        "   the mask, 1 where a query (row) may look at a key (column):",
+        *table(causal_mask(len(WORDS)).float(), words, words),
+        "   way (a), the weights times the mask, each row divided by its new sum:",
+        *table(renormalised_causal_weights(weights), words, words),
+        "   way (b), what the GPT runs: the scores above the diagonal set to -inf, then softmax(scores / sqrt(d_k)):",
+        *table(raw.masked_fill(~causal_mask(len(WORDS)), float("-inf")), words, words),
+        *table(masked, words, words),
+        "   The two ways agree: softmax over the visible scores is the renormalisation of way (a).",
+        "   001 In[61]-In[62] applied way (a) to section 3's weights:",
+        *table(renormalised_causal_weights(every.weights), words, words),
+        "   The causal context vectors, weights @ values:", *table(context, words, ["z1", "z2"]))
+
+    torch.manual_seed(123)
+    dropped = drop_attention_weights(masked, 0.5)
+    out += section(
+        "7. Dropout on the attention weights, p = 0.5, torch.manual_seed(123) (in training only; no notes' numbers)",
+        *table(dropped, words, words),
+        "   About half the weights are zeroed and the rest doubled (1 / (1 - p)), so each keeps its expected value.")
+
+    batch = torch.stack([x, x])  # (2, 6, 3): two copies, as the notes batch them
+    with torch.no_grad():
+        torch.manual_seed(123)
+        head = CausalAttention(3, 2, context_length=len(WORDS), dropout=0.0).eval()(batch)
+        torch.manual_seed(123)
+        wrapped = MultiHeadAttentionWrapper(3, 2, len(WORDS), 0.0, num_heads=2).eval()(batch)
+        torch.manual_seed(123)
+        fused = MultiHeadAttention(3, 2, len(WORDS), 0.0, num_heads=2).eval()(batch)
+    out += section(
+        "8. The modules on a batch of two copies of the sentence, each after torch.manual_seed(123) "
+        "(no notes' numbers)",
+        "   CausalAttention(3, 2): one head, (2, 6, 3) -> (2, 6, 2); the first copy:",
+        *table(head[0], words, ["z1", "z2"]),
+        "   MultiHeadAttentionWrapper(3, 2, num_heads=2): two heads side by side -> (2, 6, 4):",
+        *table(wrapped[0], words, ["h1 z1", "h1 z2", "h2 z1", "h2 z2"]),
+        "   MultiHeadAttention(3, 2, num_heads=2): one projection split into 2 heads of 1, then W^O -> (2, 6, 2):",
+        *table(fused[0], words, ["z1", "z2"]),
+        "", "The GPT (model/attention.py) runs section 6's way (b) in every head of every block, with the heads of",
+        "section 8's MultiHeadAttention; `python sample.py --attention-map FILE` draws its weights.")
+    return "\n".join(out) + "\n"
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m lab notes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--query", type=int, default=2,
+                   help=f"which word to follow in sections 2 and 4, 1-{len(WORDS)} (default 2: journey)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if not 1 <= args.query <= len(WORDS):
+        p.error(f"--query must be from 1 to {len(WORDS)} (the words of \"{' '.join(WORDS)}\"), got {args.query}")
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        p.error("stdout is closed, and the walk-through is written there; redirect it to a file (> notes.txt)")
+    try:
+        sys.stdout.write(walkthrough(args.query))
+        sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
+        return 0
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as command-line tools do
+        discard_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF) or e.filename is not None:  # not stdout's
+            raise
+        discard_stdout()
+        print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
+        return 1
