@@ -497,3 +497,9 @@ def log_image(writer: object, tag: str, image: Image.Image, step: int) -> None:
     rgb.save(buffer, format="PNG")
     picture = Summary.Image(height=rgb.height, width=rgb.width, colorspace=3, encoded_image_string=buffer.getvalue())
     writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
+
+
+if __name__ == "__main__":
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/heatmap.py"))

@@ -367,3 +367,9 @@ class MultiHeadAttention(nn.Module):
 def _check_length(T: int, context_length: int) -> None:
     if T > context_length:
         raise ValueError(f"sequence of {T} positions is longer than context_length {context_length}")
+
+
+if __name__ == "__main__":
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/notes.py"))

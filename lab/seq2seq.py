@@ -281,3 +281,9 @@ def build(config: Seq2SeqConfig, kind: str) -> GRUSeq2Seq | TransformerSeq2Seq:
     if kind == "transformer":
         return TransformerSeq2Seq(config)
     raise ValueError(f"model must be gru or transformer, got {kind!r}")
+
+
+if __name__ == "__main__":
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/seq2seq.py"))

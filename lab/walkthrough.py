@@ -208,3 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         discard_stdout()
         print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

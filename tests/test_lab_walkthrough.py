@@ -109,3 +109,18 @@ def test_the_real_command_and_a_reader_that_goes_away():
     assert gone.wait(timeout=120) == 0 and gone.stderr.read() == b""
     assert "notes" in subprocess.run([sys.executable, "-m", "lab", "--help"], cwd=ROOT, capture_output=True,
                                      text=True, timeout=60, check=False).stdout
+
+
+@pytest.mark.parametrize("module", ["notes", "heatmap", "seq2seq"])
+def test_a_module_of_functions_run_alone_says_which_commands_run(module):
+    """`python -m lab.notes` (and the others) ran nothing and exited 0, as if it had done what it was asked."""
+    done = subprocess.run([sys.executable, "-m", f"lab.{module}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: lab/{module}.py holds functions") and "python -m lab notes" in done.stderr
+
+
+def test_the_walkthrough_module_runs_as_the_command_does():
+    done = subprocess.run([sys.executable, "-m", "lab.walkthrough", "--query", "4"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout == walkthrough(4)
