@@ -396,6 +396,11 @@ def too_large(n_layer: int, n_head: int) -> str:
             f"character")
 
 
+# Formats that hold icons of fixed sizes: a picture saved in them is not the picture drawn (measured, Pillow 13: a
+# 900 x 700 picture came back 256 x 199 from .ico and 1024 x 1024 from .icns).
+ICONS = {"ICO": "shrunk to at most 256 x 256 pixels", "ICNS": "stretched to a square"}
+
+
 def image_format(path: str | Path) -> str:
     """The Pillow format that a picture named path is written in: the one its extension names (map.jpg: JPEG), PNG
     for a name without one; ValueError, in words, for an extension Pillow cannot write."""
@@ -406,6 +411,9 @@ def image_format(path: str | Path) -> str:
     name = Image.registered_extensions().get(suffix)
     if name is None or name not in Image.SAVE:
         raise ValueError(f"Pillow cannot write '{suffix}' pictures; name it .png (or .jpg, .webp, .gif, ...)")
+    if name in ICONS:
+        raise ValueError(f"'{suffix}' is an icon format, which Pillow writes {ICONS[name]}, not as drawn; name it .png "
+                         f"(or .jpg, .webp, .gif, ...)")
     try:  # some formats it writes only in other modes (.xbm: black and white), or only with a plugin (.h5)
         Image.new("RGB", (1, 1)).save(io.BytesIO(), format=name)
     except (OSError, ValueError, KeyError) as e:

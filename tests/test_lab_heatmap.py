@@ -276,6 +276,16 @@ def test_a_name_pillow_cannot_write_is_refused_before_drawing(tmp_path: Path, na
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("name", "says"), [("map.ico", "shrunk to at most 256 x 256"), ("map.ICNS", "stretched")])
+def test_an_icon_format_is_refused_before_drawing(tmp_path: Path, name, says):
+    # the heatmap came out as a 256-pixel icon (.ico) or a square one (.icns), saved without a word
+    with pytest.raises(ValueError, match=f"is an icon format, which Pillow writes {says}.*; name it .png"):
+        image_format(name)
+    with pytest.raises(ValueError, match="is an icon format"):
+        save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_write_leaves_no_half_picture(tmp_path: Path, monkeypatch):
     def full_disk(src: object, dst: object) -> None:  # the picture is in its temporary file, and cannot take its place
         raise OSError(28, "No space left on device")
