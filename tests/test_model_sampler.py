@@ -15,7 +15,7 @@ from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from training.compile_cache import COMPILE_OPTIONS
-from training.engine import SAMPLE_CHUNK
+from training.engine import SAMPLE_CHUNK, one_line
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,15 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
     # a batch of 2, prompt past the window.
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
     sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK)
-    sampler.warm_up(2, torch.device("cpu"))  # as sample.py compiles
+    try:
+        sampler.warm_up(2, torch.device("cpu"))  # as sample.py compiles
+    except torch._inductor.exc.InductorError as e:
+        # torch 2.11's inductor cannot compile this loop (an index out of bounds in its C++ wrapper's memory planner;
+        # without that wrapper, C++ that does not build): sample.py then says so and samples eagerly, the same
+        # characters (checked by hand with torch 2.11.0, 2026-11-27). The torch we test on (2.13) must compile it.
+        if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+            raise
+        pytest.skip(f"torch {torch.__version__}'s inductor cannot compile the sampling loop ({one_line(e)})")
     got, state = windowed(sampler, prompt, 300, seed=3)
     expected, expected_state = plain(model, prompt, 300, 0.9, 6, None, seed=3)
     assert torch.equal(got, expected)
