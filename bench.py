@@ -743,12 +743,32 @@ def json_problem(name: str) -> str | None:
             return f"no folder '{path.parent}' to write '{name}' into"
     except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
         return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"
-    if not os.access(path if path.exists() else folder, os.W_OK):
+    # A regular file is replaced by a new one made in its folder (write_json): the folder must take it. A pipe or a
+    # device is written into.
+    device = path.exists() and not path.is_file()
+    if not os.access(path if device else folder, os.W_OK):
         return f"'{name}' cannot be written there; give another file name"
-    if path.is_file() and not is_bench_result(path):
-        return (f"'{name}' holds something other than an earlier bench.py result, which the results would replace; "
-                f"give a new file name")
+    if device:
+        return None
+    if path.exists():
+        if any(same_file(path, fd) for fd in (1, 2)):
+            return (f"'{name}' is the file this command's output is redirected to, which the results would "
+                    f"replace; give --json a file of its own")
+        if not os.access(path, os.R_OK):
+            return (f"'{name}' cannot be read, so whether it holds an earlier result is not known; give another file "
+                    f"name")
+        if not is_bench_result(path):
+            return (f"'{name}' holds something other than an earlier bench.py result, which the results would "
+                    f"replace; give a new file name")
     return None
+
+
+def same_file(path: Path, fd: int) -> bool:
+    """Whether the file descriptor fd (stdout: 1) is open on the file at path."""
+    try:
+        return os.path.samestat(path.stat(), os.fstat(fd))
+    except OSError:  # fd closed
+        return False
 
 
 # An earlier result is a few kilobytes: a larger file is something else, and is not read whole to find that out.

@@ -220,7 +220,8 @@ def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(tmp_path
     assert json.loads(earlier.read_text(encoding="utf-8")) == {"cpu_flags": [], "rows": [], "new": True}
 
 
-@pytest.mark.parametrize("held", ["notes\n", '{"rows": []}', "[1, 2]", "[" * 100_000, "\udcff", "x" * (2 << 20)],
+@pytest.mark.parametrize("held", ["notes\n", '{"rows": []}', "[1, 2]", "[" * 100_000, "\udcff",
+                                  '{"cpu_flags": [], "rows": ["' + "x" * (2 << 20) + '"]}'],
                          ids=["text", "other JSON", "a JSON list", "nested past the limit", "not UTF-8", "large"])
 def test_json_refuses_before_anything_runs_to_replace_a_file_that_is_no_earlier_result(tmp_path, capsys, monkeypatch,
                                                                                         held):
@@ -243,7 +244,7 @@ def test_json_to_a_device_is_written_into_not_replaced(tmp_path, capsys, monkeyp
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
     reader.start()
     assert bench.main(["--nanogpt", str(nanogpt_checkout(tmp_path)), "--json", str(fifo)]) == 0
     reader.join(timeout=30)
@@ -448,3 +449,28 @@ def test_a_ratio_that_could_not_be_measured_reads_n_a_never_nanx():
     assert "block 64 18.46 ms (n/a); block 8 0.50 ms (n/a)." in text
     assert "nan" not in text.lower().replace("nanogpt", "")
     assert "n/a: the longer run was not the slower" in text.splitlines()[0]
+
+
+def test_json_refuses_what_it_could_only_find_out_at_the_end(tmp_path, capsys, monkeypatch):
+    """An earlier result in a folder that takes no new file (the result is replaced by a new file made there), one
+    that cannot be read, and the file stdout is redirected to: refused before anything runs, each in its own words."""
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a --json that cannot be written"))
+    checkout = str(nanogpt_checkout(tmp_path))
+    earlier = tmp_path / "runs" / "bench.json"
+    earlier.parent.mkdir()
+    earlier.write_text('{"cpu_flags": [], "rows": []}', encoding="utf-8")
+    real_access = os.access
+    for denied, says in ((lambda p, m: Path(p) == earlier.parent and m == os.W_OK, "cannot be written there"),
+                         (lambda p, m: Path(p) == earlier and m == os.R_OK, "cannot be read, so whether it holds")):
+        with monkeypatch.context() as m:  # as root, os.access allows everything: what a user without the right sees
+            m.setattr(bench.os, "access", lambda p, mode, denied=denied: not denied(p, mode) and real_access(p, mode))
+            with pytest.raises(SystemExit) as exited:
+                bench.main(["--nanogpt", checkout, "--json", str(earlier)])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1 and says in err
+    out = tmp_path / "out.md"
+    with out.open("w") as f:
+        done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--nanogpt", checkout, "--json", str(out)],
+                              stdout=f, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "is the file this command's output is redirected to" in done.stderr
