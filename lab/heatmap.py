@@ -403,7 +403,8 @@ ICONS = {"ICO": "shrunk to at most 256 x 256 pixels", "ICNS": "stretched to a sq
 
 def image_format(path: str | Path) -> str:
     """The Pillow format that a picture named path is written in: the one its extension names (map.jpg: JPEG), PNG
-    for a name without one; ValueError, in words, for an extension Pillow cannot write."""
+    for a name without one; ValueError, in words, for an extension Pillow cannot write, or writes only as an icon
+    (ICONS)."""
     suffix = Path(path).suffix.lower()
     if not suffix:
         return "PNG"

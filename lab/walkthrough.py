@@ -70,23 +70,31 @@ def walkthrough(query: int) -> str:
     """The whole text, query counted from 1 as the notes count x^1..x^6."""
     x = journey_inputs()
     i = query - 1
+
+    def cells(which: str) -> str:  # the notes follow x^2: their cells print these numbers for it alone
+        return f" ({which})" if query == 2 else ""
+
     word, words = WORDS[i], [short(w) for w in WORDS]
     dims = [f"d{k + 1}" for k in range(x.size(1))]
     out = [f'The notes\' worked example, "{" ".join(WORDS)}", computed by tinychar\'s attention code '
            f"(lab/notes.py); the query is x^{query} ({word})."]
+    if query != 2:
+        out.append("The notes follow x^2 (journey), so sections 2 and 4 name their cells for it alone; the other "
+                   "sections are the same for every query.")
     out += section("1. The inputs: one embedding of 3 numbers a word (001 In[1])", *table(x, words, dims))
 
     scores = attention_scores_for_query(x, x[i])
     by_sum, naive, soft = normalise_by_sum(scores), softmax_naive(scores), torch.softmax(scores, dim=0)
     out += section(
-        f"2. The scores of x^{query} against every input, the dot products x^i . x^{query} (001 In[18])",
+        f"2. The scores of x^{query} against every input, the dot products x^i . x^{query}{cells('001 In[18]')}",
         *table(scores[None], ["score"], words),
-        "", "   Three ways to turn them into weights that sum to 1 (001 In[19]-In[21]):",
+        "", f"   Three ways to turn them into weights that sum to 1{cells('001 In[19]-In[21]')}:",
         *table(torch.stack([by_sum, naive, soft]), ["/ sum", "exp/sum", "softmax"], words),
         "   Divided by their sum, a negative score would stay negative; softmax makes every weight positive,",
         "   and torch.softmax subtracts the largest score first so that exp cannot overflow (the same numbers",
         "   where both are finite).",
-        "", f"   The context vector z^{query} = sum of weight_i * x^i, the inputs mixed by the weights (000 In[38]):",
+        "", f"   The context vector z^{query} = sum of weight_i * x^i, the inputs mixed by the weights"
+            f"{cells('000 In[38]')}:",
         *table(context_vector(soft, x)[None], [f"z^{query}"], dims))
 
     every = simple_self_attention(x)
@@ -99,8 +107,8 @@ def walkthrough(query: int) -> str:
     W_query, W_key, W_value = (torch.rand(x.size(1), 2) for _ in range(3))
     step = trainable_attention_for_query(x[i], x, W_query, W_key, W_value)
     out += section(
-        "4. Trainable weights: torch.manual_seed(123), then W_query, W_key, W_value = torch.rand(3, 2) "
-        "(000 In[60]-In[71])",
+        "4. Trainable weights: torch.manual_seed(123), then W_query, W_key, W_value = torch.rand(3, 2)"
+        + cells("000 In[60]-In[71]"),
         *table(step.query[None], [f"q^{query}"], ["q1", "q2"]),
         "   scores q . k^i, then weights softmax(score / sqrt(d_k)), d_k = 2:",
         *table(torch.stack([step.scores, step.weights]), ["score", "weight"], words),
@@ -119,11 +127,11 @@ def walkthrough(query: int) -> str:
         both = torch.cat([copied(x), source(x)], dim=1)
         out += section(
             "5. The compact classes, each row a context vector (000 In[114], In[124], In[128])",
-            "   SelfAttention_v1(3, 2) after torch.manual_seed(123): its row 2 is step 4's z^2",
+            f"   SelfAttention_v1(3, 2) after torch.manual_seed(123): its row {query} is section 4's z^{query}",
             *table(v1(x), words, ["z1", "z2"]),
             "   SelfAttention_v2(3, 2) after torch.manual_seed(789) (nn.Linear's initialisation, other numbers):",
             *table(v2(x), words, ["z1", "z2"]),
-            "   exercise 3.1, after torch.manual_seed(789): v1, then v2 given v2's weights transposed, side by side:",
+            "   exercise 3.1, after torch.manual_seed(789): v1 given v2's weights transposed, then v2, side by side:",
             *table(both, words, ["v1 z1", "v1 z2", "v2 z1", "v2 z2"]))
 
     sa = v2_as_built_in_001()
@@ -134,7 +142,7 @@ def walkthrough(query: int) -> str:
         weights = torch.softmax(scaled, dim=-1)
         context, masked = causal_softmax_attention(scaled, values)
     out += section(
-        "6. The causal mask: a position sees itself and the past, never the future (001 In[58]-In[64])",
+        "6. The causal mask: a position sees itself and the past, never the future (001 In[59]-In[64])",
         "   001's SelfAttention_v2 after torch.manual_seed(123), its layers built key, value, query; its weights:",
         *table(weights, words, words),
         "   the mask, 1 where a query (row) may look at a key (column):",
@@ -147,7 +155,8 @@ def walkthrough(query: int) -> str:
         "   The two ways agree: softmax over the visible scores is the renormalisation of way (a).",
         "   001 In[61]-In[62] applied way (a) to section 3's weights:",
         *table(renormalised_causal_weights(every.weights), words, words),
-        "   The causal context vectors, weights @ values:", *table(context, words, ["z1", "z2"]))
+        "   The causal context vectors, weights @ values (not printed in the notes):",
+        *table(context, words, ["z1", "z2"]))
 
     torch.manual_seed(123)
     dropped = drop_attention_weights(masked, 0.5)

@@ -72,7 +72,7 @@ def test_every_stage_prints_the_notes_numbers_for_journey(capsys):
     # the stages in order, each naming the cells it reproduces
     titles = re.findall(r"^(\d)\. ", out, flags=re.M)
     assert titles == [str(k) for k in range(1, 9)]
-    assert "(000 In[60]-In[71])" in out and "(001 In[58]-In[64])" in out
+    assert "(000 In[60]-In[71])" in out and "(001 In[59]-In[64])" in out
 
 
 def test_another_query_follows_that_word():
@@ -82,6 +82,10 @@ def test_another_query_follows_that_word():
     assert times_printed(out, ALL_SCORES[3]) == 2 and times_printed(out, ALL_CONTEXTS[3]) == 2
     assert times_printed(out, ALL_WEIGHTS[3]) == 3  # softmax written out and torch's, then the table's row
     assert times_printed(out, SCORES_JOURNEY) == 1  # journey's only in the table now
+    # the cells of sections 2 and 4 print x^2's numbers: named for x^2 alone
+    assert "In[18]" not in out and "In[60]-In[71]" not in out and "The notes follow x^2" in out
+    assert "its row 4 is section 4's z^4" in out
+    assert "In[18]" in walkthrough(2) and "The notes follow" not in walkthrough(2)
 
 
 @pytest.mark.parametrize(("args", "says"), [(["--query", "0"], "--query must be from 1 to 6"),

@@ -215,7 +215,7 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
         # torch 2.11's inductor cannot compile this loop (an index out of bounds in its C++ wrapper's memory planner;
         # without that wrapper, C++ that does not build): sample.py then says so and samples eagerly, the same
         # characters (checked by hand with torch 2.11.0, 2026-11-27). The torch we test on (2.13) must compile it.
-        if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):  # a 2.13 nightly too
             raise
         pytest.skip(f"torch {torch.__version__}'s inductor cannot compile the sampling loop ({one_line(e)})")
     got, state = windowed(sampler, prompt, 300, seed=3)
