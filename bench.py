@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from model.linear import onednn_min_macs
 from training.checkpoints import write_atomic
 from training.config import MAX_THREADS
 from training.devices import onednn_linear_nobias
+from training.signals import Interrupted, InterruptSignals
 
 ROOT = Path(__file__).resolve().parent
 CORPUS = ROOT / "data" / "tinyshakespeare.txt"
@@ -265,14 +267,19 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                 encoding="utf-8", errors="replace")
-        for line in proc.stdout:
-            found = parse_eval(line)
-            if found is not None and not stopped:
-                evals.append((time.perf_counter() - start, *found))
-                if stop_at is not None and found[1] <= stop_at:
-                    proc.terminate()
-                    stopped = True
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                found = parse_eval(line)
+                if found is not None and not stopped:
+                    evals.append((time.perf_counter() - start, *found))
+                    if stop_at is not None and found[1] <= stop_at:
+                        proc.terminate()
+                        stopped = True
+            code = proc.wait()
+        except BaseException:  # bench.py stopped (Ctrl-C, SIGTERM): the program must not run on without it
+            proc.kill()
+            proc.wait()
+            raise
         seconds = time.perf_counter() - start
         if code != 0 and not stopped:
             err.seek(0)
@@ -818,14 +825,17 @@ def main(argv: list[str] | None = None) -> int:
         script = [str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]
         os.execve(sys.executable, [sys.executable, *script], {**os.environ, **limits})
     try:
-        with tempfile.TemporaryDirectory(prefix="tinychar-bench-") as scratch:
+        # SIGTERM (`timeout`, `kill`) as Ctrl-C: the program running now is stopped and the scratch folder (a copy of
+        # nanoGPT and the runs) removed; before, both were left behind, the program training on for minutes.
+        with InterruptSignals(), tempfile.TemporaryDirectory(prefix="tinychar-bench-") as scratch:
             report = measure(args, QUICK if args.quick else FULL, Path(scratch))
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; nothing measured is printed", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"interrupted ({signal.Signals(signum).name}); nothing measured is printed", file=sys.stderr)
+        return 128 + signum
     print(markdown(report))
     if args.json:
         try:

@@ -7,10 +7,12 @@ import errno
 import json
 import math
 import os
+import signal
 import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -474,3 +476,36 @@ def test_json_refuses_what_it_could_only_find_out_at_the_end(tmp_path, capsys, m
                               stdout=f, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "is the file this command's output is redirected to" in done.stderr
+
+
+def test_a_stopped_launch_leaves_no_program_running(tmp_path):
+    """SIGTERM to bench.py (`timeout`, `kill`) ended it and left the program it was timing training on for minutes."""
+    from training.signals import Interrupted, InterruptSignals
+
+    pid_file = tmp_path / "pid"
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('up', flush=True); " \
+             "time.sleep(120)"
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with pytest.raises(Interrupted), InterruptSignals():
+            bench.launch([sys.executable, "-c", script], tmp_path, dict(os.environ))
+    finally:
+        timer.cancel()
+    with pytest.raises(ProcessLookupError):  # killed and waited for: no such process any more
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_sigterm_ends_the_bench_in_one_line_and_removes_its_scratch_folder(tmp_path, capsys, monkeypatch):
+    scratch: list[Path] = []
+
+    def measuring(args, plan, folder):
+        scratch.append(folder)
+        (folder / "nanoGPT").mkdir()  # the copy it works in
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+    monkeypatch.setattr(bench, "measure", measuring)
+    assert bench.main(["--nanogpt", str(nanogpt_checkout(tmp_path))]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "interrupted (SIGTERM); nothing measured is printed\n"
+    assert scratch and not scratch[0].exists()
