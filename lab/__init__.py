@@ -6,6 +6,7 @@ from training/ only its helpers for output and memory."""
 
 from __future__ import annotations
 
+import errno
 import sys
 
 
@@ -14,3 +15,19 @@ def not_a_command(path: str) -> int:
     print(f"error: {path} holds functions for the lab's commands, not a command of its own; run "
           f"`python -m lab notes` or `python -m lab sort` (see python -m lab --help)", file=sys.stderr)
     return 2
+
+
+def output_failed(e: OSError) -> int:
+    """The exit status of a command whose writing to stdout raised e: 0 where the reader went away (`| head`: stop
+    quietly, as command-line tools do), 1 with one line for a full disk or a closed descriptor. Raises e where it is
+    not stdout's."""
+    from training.logger import discard_stdout
+
+    if not isinstance(e, BrokenPipeError) and (e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF)
+                                               or e.filename is not None):
+        raise e
+    discard_stdout()  # nothing written later, nor the flush at exit, fails again
+    if isinstance(e, BrokenPipeError):
+        return 0
+    print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
+    return 1

@@ -9,7 +9,6 @@ by length with and without attention instead.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import signal
@@ -23,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from configs.userinput import OneLineParser, shown
+from lab import output_failed
 from lab.heatmap import log_image, picture_target, render_attention_map, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
-from training.logger import discard_stdout
 from training.memory import available_bytes
 
 MODELS = ("gru", "transformer")
@@ -355,18 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         code = report(args, cfg, lengths, heatmap, writer)
         sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
         return code
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as command-line tools do
-        discard_stdout()
-        return 0
     except KeyboardInterrupt:  # Ctrl-C while training: what is printed stays, and a heatmap is written whole or not
         print("\ninterrupted (SIGINT); stopped sorting", file=sys.stderr)
         return 128 + signal.SIGINT
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF) or e.filename is not None:  # not stdout's
-            raise
-        discard_stdout()
-        print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
-        return 1
+        return output_failed(e)
 
 
 def report(args: object, cfg: SortConfig, lengths: list[int], heatmap: str, writer: object | None) -> int:

@@ -10,7 +10,6 @@ draws its weights with, so a reader can put the two side by side. ``--query N`` 
 
 from __future__ import annotations
 
-import errno
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from configs.userinput import OneLineParser
+from lab import output_failed
 from lab.notes import (
     WORDS,
     CausalAttention,
@@ -39,7 +39,6 @@ from lab.notes import (
     trainable_attention_for_query,
     v2_as_built_in_001,
 )
-from training.logger import discard_stdout
 
 WIDTH = 9  # one printed number: sign, digits and 4 decimals, right-aligned, with room for -inf
 
@@ -205,18 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(walkthrough(args.query))
         sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
         return 0
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as command-line tools do
-        discard_stdout()
-        return 0
     except KeyboardInterrupt:
         print("\ninterrupted (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF) or e.filename is not None:  # not stdout's
-            raise
-        discard_stdout()
-        print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
-        return 1
+        return output_failed(e)
 
 
 if __name__ == "__main__":
