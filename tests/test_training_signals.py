@@ -5,6 +5,7 @@ signal before training starts writes nothing."""
 from __future__ import annotations
 
 import io
+import logging
 import re
 import shlex
 import signal
@@ -38,7 +39,7 @@ import training.runner
 from configs.userinput import shown
 from model import load_checkpoint
 from training.config import TrainConfig
-from training.signals import StopSignals
+from training.signals import Interrupted, InterruptSignals, StopSignals
 
 
 def send(signum: int) -> None:
@@ -249,6 +250,38 @@ def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_pa
     assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; nothing was saved"
     assert not out.exists()
     assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
+
+
+def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypatch):
+    """CI caught it: a Ctrl-C landing in a fake-tensor kernel while the step compiled went up as it should, but torch
+    logged it first ("failed while attempting to run meta for aten.sub.Tensor" and a page of traceback). The signal is
+    sent from inside that kernel here, and torch's own logger is read; other errors it logs still show."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch_log, logged = logging.getLogger("torch._subclasses.fake_tensor"), io.StringIO()
+    reader = logging.StreamHandler(logged)  # beside torch's own handler, whose stream pytest may have swapped
+    monkeypatch.setattr(torch_log, "handlers", [*torch_log.handlers, reader])
+    real = torch.empty_permuted  # what the elementwise kernels' shape function calls
+
+    def interrupted_inside(*args, **kwargs):
+        send(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_permuted", interrupted_inside)
+    with pytest.raises(Interrupted), InterruptSignals(), FakeTensorMode():
+        torch.empty(3) - torch.empty(3)
+    assert logged.getvalue() == ""
+
+    monkeypatch.setattr(torch, "empty_permuted", real)
+    with InterruptSignals():
+        try:
+            raise ValueError("a real failure")
+        except ValueError:
+            torch_log.exception("failed while attempting to run meta for %s", "something")
+    assert "Traceback" in logged.getvalue() and "ValueError: a real failure" in logged.getvalue()
+    torch_log.error("after it, an interrupt is torch's to log again", exc_info=Interrupted(signal.SIGINT))
+    assert "Interrupted: signal 2" in logged.getvalue()
+    assert reader.filters == []
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ before the loop at once."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -74,16 +75,49 @@ class InterruptSignals(StopSignals):
         # unsaid, the signal is in `received`.
         self._unraisable = sys.unraisablehook
         sys.unraisablehook = self._quiet_about_interrupts
+        # A library may also log the exception on its way through, traceback and all (torch's fake tensors log
+        # "failed while attempting to run meta for aten.sub.Tensor" when the signal lands in one of their kernels),
+        # then let it go on up: the run still stops with its one line, and the log adds a page above it. Handlers
+        # are where every record passes (torch's loggers do not propagate), so each existing one gets the filter.
+        self._handlers = [h for h in _all_handlers() if self._log_filter not in h.filters]
+        for handler in self._handlers:
+            handler.addFilter(self._log_filter)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         InterruptSignals.received = None  # what it received belongs to the work it guarded
         sys.unraisablehook = self._unraisable
+        for handler in self._handlers:
+            handler.removeFilter(self._log_filter)
         super().__exit__(*exc)
 
     def _quiet_about_interrupts(self, unraisable: sys.UnraisableHookArgs) -> None:
         if not isinstance(unraisable.exc_value, Interrupted):
             self._unraisable(unraisable)
+
+    @staticmethod
+    def _log_filter(record: logging.LogRecord) -> bool:
+        """False (leave unsaid) for a log record that carries an interrupt, or an exception raised from one."""
+        return record.exc_info is None or _interrupt_in_chain(record.exc_info[1]) is None
+
+
+def _all_handlers() -> list[logging.Handler]:
+    """Every handler of every logger that exists now, the root's included, each once."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    return list({id(h): h for lg in loggers for h in lg.handlers}.values())
+
+
+def _interrupt_in_chain(e: BaseException | None) -> BaseException | None:
+    """e itself, or what it was raised from or while handling, when that is Interrupted or a KeyboardInterrupt."""
+    seen: set[int] = set()
+    link = e
+    while link is not None and id(link) not in seen:
+        if isinstance(link, Interrupted | KeyboardInterrupt):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def interrupting(e: BaseException | None = None) -> BaseException | None:
@@ -93,13 +127,8 @@ def interrupting(e: BaseException | None = None) -> BaseException | None:
     that library: the person asked the program to stop. A library may also swallow it whole (inductor, waiting on its
     compiling processes when the signal came, compiled on and returned): so a signal InterruptSignals received since
     it was entered counts as well, with e or without."""
-    seen: set[int] = set()
-    link: BaseException | None = e
-    while link is not None and id(link) not in seen:
-        if isinstance(link, Interrupted | KeyboardInterrupt):
-            return link
-        seen.add(id(link))
-        link = link.__cause__ or link.__context__
+    if (link := _interrupt_in_chain(e)) is not None:
+        return link
     if InterruptSignals.received is not None:
         return Interrupted(InterruptSignals.received)
     return None
