@@ -4,8 +4,12 @@ step by step; ``sort``: sorting digits with attention."""
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
+
+if not __package__:  # run as a file (python lab/__main__.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # command -> (its module in lab/, what it does)
 COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, step by step, computed by tinychar"),

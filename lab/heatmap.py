@@ -14,8 +14,12 @@ from __future__ import annotations
 import io
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+if not __package__:  # run as a file (python lab/heatmap.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from PIL import Image, ImageDraw, ImageFont

@@ -12,7 +12,12 @@ what its tests check is the model's own attention, not a second copy of it.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import NamedTuple
+
+if not __package__:  # run as a file (python lab/notes.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from torch import nn

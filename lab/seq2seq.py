@@ -9,7 +9,12 @@ notes draw. Every score and weighted sum is tinychar's own code (``model.attenti
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
+
+if not __package__:  # run as a file (python lab/seq2seq.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from torch import nn

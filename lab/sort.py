@@ -18,6 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+if not __package__:  # run as a file (python lab/sort.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 import torch.nn.functional as F
 

@@ -10,9 +10,13 @@ draws its weights with, so a reader can put the two side by side. ``--query N`` 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
+
+if not __package__:  # run as a file (python lab/walkthrough.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 

@@ -3,6 +3,7 @@ the notes' cells print (literals here and in test_lab_notes.py), read back from 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -115,16 +116,27 @@ def test_the_real_command_and_a_reader_that_goes_away():
                                      text=True, timeout=60, check=False).stdout
 
 
+@pytest.mark.parametrize("as_file", [False, True], ids=["python -m lab.X", "python lab/X.py"])
 @pytest.mark.parametrize("module", ["notes", "heatmap", "seq2seq"])
-def test_a_module_of_functions_run_alone_says_which_commands_run(module):
-    """`python -m lab.notes` (and the others) ran nothing and exited 0, as if it had done what it was asked."""
-    done = subprocess.run([sys.executable, "-m", f"lab.{module}"], cwd=ROOT, capture_output=True, text=True,
+def test_a_module_of_functions_run_alone_says_which_commands_run(module, as_file, tmp_path):
+    """`python -m lab.notes` (and the others) ran nothing and exited 0, as if it had done what it was asked; run as a
+    file, from another folder, it was a ModuleNotFoundError traceback."""
+    how = [str(ROOT / "lab" / f"{module}.py")] if as_file else ["-m", f"lab.{module}"]
+    done = subprocess.run([sys.executable, *how], cwd=tmp_path if as_file else ROOT, capture_output=True, text=True,
                           timeout=120, check=False)
-    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"error: lab/{module}.py holds functions") and "python -m lab notes" in done.stderr
 
 
-def test_the_walkthrough_module_runs_as_the_command_does():
-    done = subprocess.run([sys.executable, "-m", "lab.walkthrough", "--query", "4"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert done.returncode == 0 and done.stdout == walkthrough(4)
+@pytest.mark.parametrize("how", [["-m", "lab.walkthrough"], ["lab/walkthrough.py"], ["lab", "notes"],
+                                 ["lab/__main__.py", "notes"]])
+def test_the_walkthrough_module_runs_as_the_command_does(how, tmp_path):
+    """As a module, or as the file or folder a user may hand to python (from another folder: the project's packages
+    are found one folder up from the lab's)."""
+    as_file = not how[0].startswith("-")
+    if as_file:
+        how = [str(ROOT / how[0]), *how[1:]]
+    done = subprocess.run([sys.executable, *how, "--query", "4"], cwd=tmp_path if as_file else ROOT,
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0 and done.stdout == walkthrough(4), done.stderr
