@@ -747,6 +747,8 @@ def json_problem(name: str) -> str | None:
             return f"'{name}' is a folder; give a file name, such as bench.json"
         folder = path.resolve().parent
         if not folder.is_dir():
+            if path.is_symlink():  # the file goes where the link points (write_json), a folder that is not there
+                return f"'{name}' is a link to '{os.readlink(path)}', in a folder '{folder}' that is not there"
             return f"no folder '{path.parent}' to write '{name}' into"
     except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
         return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"

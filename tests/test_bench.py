@@ -478,6 +478,24 @@ def test_json_refuses_what_it_could_only_find_out_at_the_end(tmp_path, capsys, m
     assert "is the file this command's output is redirected to" in done.stderr
 
 
+def test_json_through_a_link_names_the_folder_the_link_points_into(tmp_path, capsys, monkeypatch):
+    """A link whose folder is not there was refused as "no folder '<the link's own folder>'", which is there; a link
+    into a folder that is there gets the results at its target, and stays a link."""
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a --json that cannot be written"))
+    dangling = tmp_path / "bench.json"
+    dangling.symlink_to(tmp_path / "gone" / "bench.json")
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--nanogpt", str(nanogpt_checkout(tmp_path)), "--json", str(dangling)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --json: '{dangling}' is a link to '{tmp_path / 'gone' / 'bench.json'}', in a "
+                          f"folder '{tmp_path / 'gone'}' that is not there"), err
+    (tmp_path / "gone").mkdir()
+    assert bench.json_problem(str(dangling)) is None
+    bench.write_json(str(dangling), '{"cpu_flags": [], "rows": []}')
+    assert dangling.is_symlink() and bench.is_bench_result(tmp_path / "gone" / "bench.json")
+
+
 def test_a_stopped_launch_leaves_no_program_running(tmp_path):
     """SIGTERM to bench.py (`timeout`, `kill`) ended it and left the program it was timing training on for minutes."""
     from training.signals import Interrupted, InterruptSignals
