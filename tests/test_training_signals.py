@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -282,6 +283,36 @@ def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypat
     torch_log.error("after it, an interrupt is torch's to log again", exc_info=Interrupted(signal.SIGINT))
     assert "Interrupted: signal 2" in logged.getvalue()
     assert reader.filters == []
+
+
+def test_autograd_warning_of_the_interrupt_on_its_way_up_is_not_shown():
+    """CI's stress of the compiling run: a signal that landed in the backward the compiler traces under anomaly mode
+    came out as a UserWarning, "Error detected in ...Backward0. Traceback of forward call that caused the error",
+    above the run's one line. A warning before any signal is still shown."""
+
+    class SignalledInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            send(signal.SIGTERM)
+            return grad * 2
+
+    shown_warnings: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")  # entering it says so
+        warnings.showwarning = lambda message, *args, **kwargs: shown_warnings.append(str(message))
+        with InterruptSignals():
+            warnings.warn("before any signal", UserWarning, stacklevel=1)
+            x = torch.ones(3, requires_grad=True)
+            with pytest.raises(Interrupted), torch.autograd.detect_anomaly(check_nan=False):
+                SignalledInBackward.apply(x).sum().backward()
+            warnings.warn("after the signal", UserWarning, stacklevel=1)
+        warnings.warn("once the work it guarded is over", UserWarning, stacklevel=1)
+    assert shown_warnings == ["before any signal", "once the work it guarded is over"]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import warnings
 from typing import Any, Self
 
 
@@ -75,18 +76,24 @@ class InterruptSignals(StopSignals):
         # unsaid, the signal is in `received`.
         self._unraisable = sys.unraisablehook
         sys.unraisablehook = self._quiet_about_interrupts
-        # A library may also log the exception on its way through, traceback and all (torch's fake tensors log
-        # "failed while attempting to run meta for aten.sub.Tensor" when the signal lands in one of their kernels),
-        # then let it go on up: the run still stops with its one line, and the log adds a page above it. Handlers
-        # are where every record passes (torch's loggers do not propagate), so each existing one gets the filter.
+        # A library may also log the exception on its way through, traceback and all, or warn of it, then let it go
+        # on up: torch's fake tensors log "failed while attempting to run meta for aten.sub.Tensor" when the signal
+        # lands in one of their kernels, and autograd's anomaly mode, which the compiler traces the backward under,
+        # warns "Error detected in ...Backward0" with the forward's stack. The run still stops with its one line;
+        # these would add a page above it about work the person called off. So once a signal has come, the logs and
+        # warnings are left unsaid. Handlers are where every record passes (torch's loggers do not propagate), so
+        # each existing one gets the filter.
         self._handlers = [h for h in _all_handlers() if self._log_filter not in h.filters]
         for handler in self._handlers:
             handler.addFilter(self._log_filter)
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = self._warn_unless_interrupted
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         InterruptSignals.received = None  # what it received belongs to the work it guarded
         sys.unraisablehook = self._unraisable
+        warnings.showwarning = self._showwarning
         for handler in self._handlers:
             handler.removeFilter(self._log_filter)
         super().__exit__(*exc)
@@ -97,8 +104,13 @@ class InterruptSignals(StopSignals):
 
     @staticmethod
     def _log_filter(record: logging.LogRecord) -> bool:
-        """False (leave unsaid) for a log record that carries an interrupt, or an exception raised from one."""
-        return record.exc_info is None or _interrupt_in_chain(record.exc_info[1]) is None
+        """False (leave unsaid) once a signal has come, and for a record that carries an interrupt."""
+        interrupt = record.exc_info is not None and _interrupt_in_chain(record.exc_info[1]) is not None
+        return InterruptSignals.received is None and not interrupt
+
+    def _warn_unless_interrupted(self, *args: Any, **kwargs: Any) -> None:
+        if InterruptSignals.received is None:
+            self._showwarning(*args, **kwargs)
 
 
 def _all_handlers() -> list[logging.Handler]:
