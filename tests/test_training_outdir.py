@@ -4,6 +4,7 @@ which keeps the old run until the new one has its first checkpoint."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -53,6 +54,33 @@ def test_the_lock_is_taken_once_and_released(tmp_path) -> None:
     second.acquire()  # a released lock is free again, though its file stays
     second.release()
     assert (tmp_path / LOCK).exists()
+
+
+def test_a_lock_hard_linked_to_another_file_leaves_that_file_as_it_was(tmp_path) -> None:
+    """A .lock that is a hard link (another name of a user's file) had the run truncate that file and write its pid
+    into it. Now .lock becomes a file of its own, and the other name keeps its bytes; while a live run holds the lock
+    through the other name, the run is refused as for a run in out_dir."""
+    out, outside = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    outside.write_text(PRECIOUS, encoding="utf-8")
+    os.link(outside, out / LOCK)
+    holder = os.open(outside, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UsageError, match="is in use by a run that is still going"):
+            RunLock(out).acquire()
+    finally:
+        os.close(holder)  # and with it the lock
+    lock = RunLock(out)
+    lock.acquire()
+    try:
+        assert outside.read_text(encoding="utf-8") == PRECIOUS and os.stat(outside).st_nlink == 1
+        assert os.stat(out / LOCK).st_nlink == 1
+        assert (out / LOCK).read_text(encoding="utf-8").split()[0] == str(os.getpid())
+        assert f"process {os.getpid()}" in RunLock(out).busy()  # the new file is the one held
+        assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no temporary file left
+    finally:
+        lock.release()
 
 
 @pytest.mark.slow

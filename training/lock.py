@@ -7,6 +7,7 @@ import fcntl
 import os
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 from configs.userinput import shown
@@ -50,6 +51,15 @@ class RunLock:
             holder = self._holder(fd)
             os.close(fd)
             raise in_use(self.path.parent, holder) from None
+        if os.fstat(fd).st_nlink > 1:
+            # A hard link: the file has other names (a copy made with `cp -al`, say), and writing the pid into it
+            # would overwrite it under every one of them. Nobody holds its lock (just taken), so .lock becomes a file
+            # of its own, locked before it takes the name; the other names keep theirs as it was.
+            try:
+                own = self._own_file()
+            finally:
+                os.close(fd)
+            fd = own
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self.fd = fd
@@ -58,6 +68,19 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def _own_file(self) -> int:
+        """A new, locked file put in the place of .lock (an atomic rename): its open descriptor."""
+        fd, tmp = tempfile.mkstemp(prefix=f"{LOCK}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            os.fchmod(fd, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other process knows of it yet
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return fd
 
     def _open(self, flags: int) -> int:
         """.lock opened with flags, or UsageError if it is anything but a regular file. Looked at before it is
