@@ -11,6 +11,8 @@ import sys
 if not __package__:  # run as a file (python lab/__main__.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from configs.userinput import shown
+
 # command -> (its module in lab/, what it does)
 COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, step by step, computed by tinychar"),
             "sort": ("sort", "sorting digits with a GRU or transformer encoder-decoder, with or without attention")}
@@ -24,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<6} {what}")
         return 0
     if not argv or argv[0] not in COMMANDS:
-        given = f"unknown command '{argv[0]}'" if argv else "no command given"
+        # quoted as typed, escaped and cut: a newline in it split the line, a terminal's escapes acted on the screen
+        given = f"unknown command '{shown(argv[0])}'" if argv else "no command given"
         print(f"error: {given}; the commands are: {', '.join(COMMANDS)} (see python -m lab --help)", file=sys.stderr)
         return 2
     # Imported only when run: torch and the models are slow to load for --help. Ctrl-C meanwhile waits until they have

@@ -120,6 +120,17 @@ def test_unknown_command_is_one_line_and_exit_2(capsys):
     assert "unknown command 'shuffle'" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("command", "said"), [("sort\nx", "'sort\\nx'"), ("\x1b[2Jred", "'\\x1b[2Jred'"),
+                                               ("x" * 10_000, "'xxxxxxxxxxxxxxxxxxxxxxxxxx...")],
+                         ids=["newline", "escape", "10,000 characters"])
+def test_an_unknown_command_is_quoted_escaped_and_cut(command, said, capsys):
+    # It was quoted raw: a newline split the line, a terminal's escape acted on the screen, 10,000 characters came back
+    assert lab_main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: unknown command {said}") and err.count("\n") == 1 and len(err) < 300, err
+
+
+
 def test_ctrl_c_while_the_lab_loads_is_one_line_and_status_130(monkeypatch, capsys):
     """A Ctrl-C while `python -m lab sort` imports torch and the models (seconds) was a KeyboardInterrupt traceback
     from inside an import; it now waits for the imports, then ends in one line."""
