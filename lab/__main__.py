@@ -12,6 +12,7 @@ if not __package__:  # run as a file (python lab/__main__.py): the project's pac
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from configs.userinput import shown
+from lab import output_failed
 
 # command -> (its module in lab/, what it does)
 COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, step by step, computed by tinychar"),
@@ -21,9 +22,13 @@ COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, st
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: python -m lab <command> [options]\n")
-        for name, (_, what) in COMMANDS.items():
-            print(f"  {name:<6} {what}")
+        try:
+            print("usage: python -m lab <command> [options]\n")
+            for name, (_, what) in COMMANDS.items():
+                print(f"  {name:<6} {what}")
+            sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
+        except OSError as e:
+            return output_failed(e)
         return 0
     if not argv or argv[0] not in COMMANDS:
         # quoted as typed, escaped and cut: a newline in it split the line, a terminal's escapes acted on the screen

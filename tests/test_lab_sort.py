@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -129,6 +130,20 @@ def test_an_unknown_command_is_quoted_escaped_and_cut(command, said, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: unknown command {said}") and err.count("\n") == 1 and len(err) < 300, err
 
+
+@pytest.mark.parametrize("reader", ["closed early", "a full disk"])
+def test_the_lab_help_to_a_stdout_that_goes_away_or_fills_up_is_not_a_traceback(reader):
+    command = [sys.executable, "-m", "lab", "--help"]
+    env = {**os.environ, "PYTHONUNBUFFERED": ""}  # the flush at exit, or each print, failed in a traceback
+    if reader == "a full disk":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+                                  env=env)
+        assert done.returncode == 1 and done.stderr == "error: cannot write to stdout (No space left on device)\n"
+        return
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    child.stdout.close()
+    assert child.wait(timeout=60) == 0 and child.stderr.read() == ""
 
 
 def test_ctrl_c_while_the_lab_loads_is_one_line_and_status_130(monkeypatch, capsys):
