@@ -77,6 +77,10 @@ class SortConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.digits < 2:
             raise ValueError(f"digits must be at least 2, got {self.digits}")
+        for name in ("length", "digits", "steps", "batch_size", "eval_size", "n_embd"):
+            # past 64 bits no run fits anywhere, and its memory estimate is past float's range (an OverflowError)
+            if getattr(self, name) > 2**63 - 1:
+                raise ValueError(f"{name} must be at most 2**63 - 1, got {getattr(self, name)}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if self.learning_rate > FLOAT32_MAX:  # Adam keeps it as a float32 number
