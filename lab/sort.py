@@ -32,6 +32,9 @@ from training.memory import available_bytes
 
 MODELS = ("gru", "transformer")
 FLOAT32_MAX = torch.finfo(torch.float32).max
+# The most --steps: the default 400 train in about 10 s on a 2-core CPU, so this is an hour or more, past any exercise
+# of the notes. 10**12 steps ran for weeks, the list of losses growing by some 32 bytes a step, with no word.
+MAX_STEPS = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,9 +78,11 @@ class SortConfig:
         for name in ("length", "steps", "batch_size", "eval_size", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"steps must be at most {MAX_STEPS:,} (the default 400 take seconds), got {self.steps:,}")
         if self.digits < 2:
             raise ValueError(f"digits must be at least 2, got {self.digits}")
-        for name in ("length", "digits", "steps", "batch_size", "eval_size", "n_embd"):
+        for name in ("length", "digits", "batch_size", "eval_size", "n_embd"):
             # past 64 bits no run fits anywhere, and its memory estimate is past float's range (an OverflowError)
             if getattr(self, name) > 2**63 - 1:
                 raise ValueError(f"{name} must be at most 2**63 - 1, got {getattr(self, name)}")
@@ -278,7 +283,8 @@ def parser() -> OneLineParser:
     p.add_argument("--no-attention", action="store_true", help="GRU without attention: the bottleneck")
     p.add_argument("--length", type=int, default=None, help="digits per sequence (default 8)")
     p.add_argument("--digits", type=int, default=10, help="alphabet size (default 10: digits 0-9)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 400 GRU, 600 transformer)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps (default 400 GRU, 600 transformer; at most {MAX_STEPS:,})")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
     p.add_argument("--seed", type=int, default=0)
