@@ -259,14 +259,19 @@ def tensorboard_writer(logdir: str | None) -> object | None:
         return None
     from torch.utils.tensorboard import SummaryWriter  # imported only when asked for: it is slow to load
 
+    refuse = f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}'"
+    advice = "give a folder that can be created and written"
+    # A folder that is there but cannot be written: SummaryWriter takes it, and its writer thread fails on its own,
+    # a traceback on stderr beside this line.
+    if os.path.isdir(logdir) and not os.access(logdir, os.W_OK | os.X_OK):
+        raise ValueError(f"{refuse} (the folder cannot be written); {advice}")
     try:
         return SummaryWriter(logdir)
     except OSError as e:
         reason = e.strerror or type(e).__name__
-        if e.filename is not None and str(e.filename) != str(logdir):  # a folder above it, say
-            reason = f"'{shown(e.filename)}': {reason}"
-        raise ValueError(f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}' ({reason}); give a folder "
-                         f"that can be created and written") from None
+        if e.filename is not None and os.fsdecode(e.filename) != str(logdir):  # a folder above it, say
+            reason = f"'{shown(os.fsdecode(e.filename))}': {reason}"  # TensorBoard names its files in bytes
+        raise ValueError(f"{refuse} ({reason}); {advice}") from None
 
 
 def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:

@@ -299,6 +299,24 @@ def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, cap
     assert err.startswith(f"error: --logdir: cannot write TensorBoard logs into '{shown(str(tmp_path / under))}'"), err
 
 
+def test_a_logdir_that_is_there_but_cannot_be_written_is_one_line_before_training(tmp_path, capsys, monkeypatch):
+    # SummaryWriter took it, and its writer thread failed on its own: a traceback beside the refusal, whose path was
+    # quoted as bytes ('b'.../events.out.tfevents...'')
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    logs.chmod(0o555)
+    real_access = os.access  # as root, os.access allows everything: what a user without the right sees
+    monkeypatch.setattr(os, "access", lambda p, mode: not (Path(p) == logs and mode & os.W_OK) and real_access(p, mode))
+    try:
+        err = refused_before_training(["--steps", "1", "--heatmap", str(tmp_path / "h.png"), "--logdir", str(logs)],
+                                      monkeypatch, capsys)
+    finally:
+        logs.chmod(0o755)
+    assert err == (f"error: --logdir: cannot write TensorBoard logs into '{shown(str(logs))}' (the folder cannot be "
+                   f"written); give a folder that can be created and written (see python -m lab sort --help)\n")
+    assert list(logs.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv", [["--batch-size", "100000000"], ["--length", "10000000"], ["--digits", "1000000000"],
                                   ["--model", "transformer", "--length", "5000"],
                                   ["--bottleneck", "--lengths", "8", "100000"]])
