@@ -469,7 +469,9 @@ def write_picture(image: Image.Image, path: str | Path) -> Path:
     it once complete, so that an interrupted or failed write leaves no half picture. Returns the path written."""
     target, kind = picture_target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    # Its name cut to leave room for the dot and '.<pid>.part' in the 255 bytes most systems allow a name: a picture
+    # named in 250 bytes, which check_heatmap lets through, failed here, after the work of drawing it.
+    part = target.with_name(f".{os.fsdecode(os.fsencode(target.name)[:200])}.{os.getpid()}.part")
     try:
         image.save(part, format=kind)
         os.replace(part, target)

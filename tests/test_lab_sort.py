@@ -202,6 +202,13 @@ def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, 
     assert says in err
 
 
+def test_a_heatmap_whose_name_is_near_the_systems_limit_is_written(tmp_path, capsys):
+    # Its temporary file, '.<name>.<pid>.part', was past the 255 bytes a name may have: refused after training
+    path = tmp_path / ("é" * 123 + ".png")  # 250 bytes
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(path)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [path.name] and f"heatmap: {path}" in capsys.readouterr().out
+
+
 def test_a_run_without_attention_draws_no_heatmap(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["--steps", "1", "--batch-size", "4", "--no-attention"]) == 0
