@@ -2,7 +2,7 @@
 notes under their names, and ``lab.walkthrough`` prints them on the notes' example (``python -m lab notes``);
 ``lab.heatmap`` draws attention weights as pictures; ``lab.seq2seq`` and ``lab.sort`` are the notes'
 encoder-decoder exercise, sorting digits with attention (``python -m lab sort``). Imports model/ and configs/, and
-from training/ only its helpers for output and memory."""
+from training/ only its helpers for output, memory and stop signals."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from lab import output_failed
 from lab.heatmap import log_image, picture_target, render_attention_map, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 from training.memory import available_bytes
+from training.signals import Interrupted, InterruptSignals
 
 MODELS = ("gru", "transformer")
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -349,6 +350,19 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
+        # SIGTERM as well as Ctrl-C, and from the checks on (TensorBoard takes seconds to load): SIGTERM ended the
+        # run without a word, and Ctrl-C during the checks was a traceback
+        with InterruptSignals():
+            return checked_run(p, args)
+    except (KeyboardInterrupt, Interrupted) as e:  # what is printed stays, and a heatmap is written whole or not
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"\ninterrupted ({signal.Signals(signum).name}); stopped sorting", file=sys.stderr)
+        return 128 + signum
+
+
+def checked_run(p: OneLineParser, args: object) -> int:
+    """The run args ask for, once its options are checked (a bad one exits through p.error); its exit status."""
+    try:
         if (wrong := contradiction(args)) is not None:
             raise ValueError(wrong)
         if sys.stdout is None:  # started with stdout closed (`>&-`): the accuracy would go nowhere
@@ -372,9 +386,6 @@ def main(argv: list[str] | None = None) -> int:
         code = report(args, cfg, lengths, heatmap, writer)
         sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
         return code
-    except KeyboardInterrupt:  # Ctrl-C while training: what is printed stays, and a heatmap is written whole or not
-        print("\ninterrupted (SIGINT); stopped sorting", file=sys.stderr)
-        return 128 + signal.SIGINT
     except OSError as e:
         return output_failed(e)
 

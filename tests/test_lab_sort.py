@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -83,6 +84,32 @@ def test_ctrl_c_while_training_is_one_line_and_exit_130(tmp_path, capsys, monkey
     assert main(["--steps", "2", "--batch-size", "8", "--heatmap", str(tmp_path / "map.png")]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "interrupted (SIGINT); stopped sorting" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("signum", "status"), [(15, 143), (2, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_training_or_checking_is_one_line_and_its_status(signum, status, tmp_path, capsys,
+                                                                             monkeypatch, request):
+    # SIGTERM ended the run without a word; a Ctrl-C while TensorBoard loaded, before training, was a traceback
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signum)  # as the signal would come, in the middle of the work
+        pytest.fail("the signal did not stop the work")
+
+    def unhandled(signum, frame):  # what a signal main does not handle would do, without ending pytest
+        pytest.fail(f"signal {signum} was not handled")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    request.addfinalizer(lambda: signal.signal(signal.SIGTERM, previous))
+    monkeypatch.setattr(lab.sort, "train", signalled)
+    assert main(["--steps", "2", "--batch-size", "8", "--heatmap", str(tmp_path / "map.png")]) == status
+    name = {15: "SIGTERM", 2: "SIGINT"}[signum]
+    assert capsys.readouterr().err == f"\ninterrupted ({name}); stopped sorting\n" and not list(tmp_path.iterdir())
+    monkeypatch.setattr(lab.sort, "tensorboard_writer", signalled)
+    try:
+        code = main(["--steps", "2", "--logdir", str(tmp_path / "logs"), "--heatmap", str(tmp_path / "map.png")])
+    except KeyboardInterrupt:  # a failure of this test, not a Ctrl-C of the session
+        pytest.fail("the Ctrl-C came out of main as a KeyboardInterrupt")
+    assert code == status
+    assert capsys.readouterr().err == f"\ninterrupted ({name}); stopped sorting\n" and not list(tmp_path.iterdir())
 
 
 def test_no_attention_has_no_heatmap(tmp_path, capsys, monkeypatch):
