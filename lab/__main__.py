@@ -35,20 +35,23 @@ def main(argv: list[str] | None = None) -> int:
         given = f"unknown command '{shown(argv[0])}'" if argv else "no command given"
         print(f"error: {given}; the commands are: {', '.join(COMMANDS)} (see python -m lab --help)", file=sys.stderr)
         return 2
-    # Imported only when run: torch and the models are slow to load for --help. Ctrl-C meanwhile waits until they have
-    # loaded (raised inside an import, it can leave torch half-made: see train.py), then ends the command in one line.
+    # Imported only when run: torch and the models are slow to load for --help. Ctrl-C or SIGTERM meanwhile waits until
+    # they have loaded (raised inside an import, it can leave torch half-made: see train.py), then ends the command in
+    # one line (SIGTERM ended it without a word).
     held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         command = importlib.import_module(f"lab.{COMMANDS[argv[0]][0]}")
         from training.logger import stderr_kept_open
     except KeyboardInterrupt:  # raised all the same, by a module that set a handler of its own
         held.append(signal.SIGINT)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if held:
-        print("interrupted (SIGINT) while starting; nothing was done", file=sys.stderr)
-        return 128 + signal.SIGINT
+        print(f"interrupted ({signal.Signals(held[0]).name}) while starting; nothing was done", file=sys.stderr)
+        return 128 + held[0]
     stderr_kept_open()
     return command.main(argv[1:])
 

@@ -200,6 +200,32 @@ def test_ctrl_c_while_the_lab_loads_is_one_line_and_status_130(monkeypatch, caps
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_sigterm_while_the_lab_loads_is_one_line_and_status_143(monkeypatch, capsys, request):
+    """SIGTERM while `python -m lab sort` imports torch ended it without a word; it now waits for the imports, as
+    Ctrl-C does, then ends in one line."""
+    import importlib.abc
+
+    import lab
+
+    class Terminating(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "lab.sort":
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, in the middle of the import
+            return None
+
+    def unhandled(signum, frame):  # what the signal would do unhandled, without ending pytest
+        pytest.fail("SIGTERM was not held while the lab loads")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    request.addfinalizer(lambda: signal.signal(signal.SIGTERM, previous))
+    monkeypatch.delattr(lab, "sort")  # both put back afterwards: the import below makes the module afresh
+    monkeypatch.delitem(sys.modules, "lab.sort")
+    monkeypatch.setattr(sys, "meta_path", [Terminating(), *sys.meta_path])
+    assert lab_main(["sort", "--steps", "1"]) == 143
+    assert capsys.readouterr().err == "interrupted (SIGTERM) while starting; nothing was done\n"
+    assert signal.getsignal(signal.SIGTERM) is unhandled
+
+
 def no_training(*args, **kwargs):
     pytest.fail("training started")
 
