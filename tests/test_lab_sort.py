@@ -381,7 +381,7 @@ def test_a_logdir_that_is_there_but_cannot_be_written_is_one_line_before_trainin
                                   ["--model", "transformer", "--length", "5000"],
                                   ["--bottleneck", "--lengths", "8", "100000"]])
 def test_a_run_too_big_for_the_memory_is_refused_in_one_line_before_allocating(argv, capsys, monkeypatch):
-    monkeypatch.setattr(lab.sort, "available_bytes", lambda device: 8 * 10**9)
+    monkeypatch.setattr(lab.sort, "allocatable_bytes", lambda device: 8 * 10**9)
     err = refused_before_training(["--steps", "1", *argv], monkeypatch, capsys)
     assert err.startswith("error: a run of --length ") and "GB of memory and this machine has 8.0 GB free" in err
 

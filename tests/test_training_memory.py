@@ -3,11 +3,15 @@ before anything is allocated."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import ROOT, tiny_overrides
+from training_runs import write_corpus
 
 import train
 import training.memory
@@ -116,6 +120,46 @@ def test_a_run_that_cannot_fit_is_refused_before_the_model_is_built(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: this run needs about ") and part in err[0], err
     assert not out.exists()  # nothing written
+
+
+# train.py run with its address space limited to what it has mapped once torch is loaded, plus 1 GiB (ulimit -v)
+UNDER_A_LIMIT = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+import torch, train
+with open("/proc/self/status") as f:
+    mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.RLIM_INFINITY))
+raise SystemExit(train.main(sys.argv[2:], progress=False))
+"""
+
+
+def test_a_run_past_the_process_s_own_memory_limit_is_refused_in_one_line(tmp_path) -> None:
+    """ulimit -v (or -d) was not counted: a run that fit the machine's free memory but not the process's limit went
+    on to the allocator, and ended in its traceback."""
+    out = tmp_path / "out"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out), "model.n_layer=3", "model.n_embd=64",
+            "train.batch_size=20000"]  # about 3.6 GB, of which a step takes some 3
+    done = subprocess.run([sys.executable, "-c", UNDER_A_LIMIT, str(ROOT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this run needs about 3."), err
+    assert re.search(r"of memory and this process's memory limit \(ulimit -v or -d\) leaves (0\.\d|1\.[01]) GB; raise "
+                     r"the limit in the shell that starts it \(the machine has [\d,.]+ GB free\)$", err[0]), err
+    assert not out.exists()
+
+
+def test_the_process_s_own_limits_count_only_where_they_are_set(monkeypatch) -> None:
+    import resource
+
+    unlimited = {resource.RLIMIT_AS: resource.RLIM_INFINITY, resource.RLIMIT_DATA: resource.RLIM_INFINITY}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (unlimited.get(which, 0), resource.RLIM_INFINITY))
+    assert training.memory._process_limit_available() is None
+    unlimited[resource.RLIMIT_DATA] = 1  # below what the process already uses: nothing left, not a negative
+    assert training.memory._process_limit_available() == 0
+    unlimited[resource.RLIMIT_DATA] = 1 << 50
+    assert 0 < training.memory._process_limit_available() < 1 << 50
 
 
 def test_a_need_too_large_for_a_float_is_said_in_bounded_words(monkeypatch) -> None:

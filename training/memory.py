@@ -154,8 +154,29 @@ def _cgroup_available() -> int | None:
         return None
 
 
+def _process_limit_available() -> int | None:
+    """What this process's own limits (ulimit -v, ulimit -d) still let it allocate: RLIMIT_AS less the address space
+    it has mapped, RLIMIT_DATA less its data segment, the smaller; None where neither is set. A run past them fails
+    in the allocator with a traceback, however much the machine has free."""
+    try:
+        import resource
+
+        with open("/proc/self/status", encoding="ascii") as f:
+            used = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
+                    if k in ("VmSize", "VmData")}
+        left = []
+        for limit, field in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
+            soft = resource.getrlimit(limit)[0]
+            if soft != resource.RLIM_INFINITY:
+                left.append(max(soft - used[field], 0))
+    except (ImportError, OSError, ValueError, IndexError, KeyError):
+        return None
+    return min(left) if left else None
+
+
 def available_bytes(device: torch.device) -> int | None:
-    """Memory free for a new allocation on device, or None where it cannot be told."""
+    """Memory the machine (or its container) has free for a new allocation on device, or None where it cannot be
+    told. What one process may take is less where its own limit is lower: allocatable_bytes."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
@@ -167,6 +188,13 @@ def available_bytes(device: torch.device) -> int | None:
             known.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         except (ValueError, OSError):
             pass
+    return min(known) if known else None
+
+
+def allocatable_bytes(device: torch.device) -> int | None:
+    """What this process may still allocate on device: what the machine has free, or less under its own limit."""
+    known = [n for n in (available_bytes(device), _process_limit_available() if device.type == "cpu" else None)
+             if n is not None]
     return min(known) if known else None
 
 
@@ -190,14 +218,23 @@ def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1, *, wh
     the work ('this run', 'loading checkpoint x'); advice replaces the default advice (the part to make smaller)."""
     free = available_bytes(device)
     total = need.total * processes
-    if free is None or total <= free:
-        return
-    if total > SHOWN_MAX_BYTES:
-        who = f"more than {_gb(SHOWN_MAX_BYTES)}"
-    elif processes > 1:
-        who = f"about {processes} processes x {_gb(need.total)}"
-    else:
-        who = f"about {_gb(total)}"
-    where = "this machine has" if device.type == "cpu" else f"{device} has"
-    raise UsageError(f"{what} needs {who} of memory and {where} {_gb(free)} free; "
-                     f"{advice or 'use ' + need.largest()}")
+    if free is not None and total > free:
+        if processes > 1 and total <= SHOWN_MAX_BYTES:
+            who = f"about {processes} processes x {_gb(need.total)}"
+        else:
+            who = _about(total)
+        where = "this machine has" if device.type == "cpu" else f"{device} has"
+        raise UsageError(f"{what} needs {who} of memory and {where} {_gb(free)} free; "
+                         f"{advice or 'use ' + need.largest()}")
+    limit = _process_limit_available() if device.type == "cpu" else None
+    if limit is not None and need.total > limit:
+        # The machine has room, but each process's own limit (ulimit -v or -d) is lower: the allocator would fail.
+        each = " a process" if processes > 1 else ""
+        machine = f" (the machine has {_gb(free)} free)" if free is not None else ""
+        raise UsageError(f"{what} needs {_about(need.total)}{each} of memory and this process's memory limit (ulimit "
+                         f"-v or -d) leaves {_gb(limit)}; raise the limit in the shell that starts it{machine}")
+
+
+def _about(n: int) -> str:
+    """n bytes in words, past SHOWN_MAX_BYTES as 'more than' it."""
+    return f"more than {_gb(SHOWN_MAX_BYTES)}" if n > SHOWN_MAX_BYTES else f"about {_gb(n)}"
