@@ -11,12 +11,13 @@ import os  # os, signal and sys are built into the interpreter: there is no mome
 import signal
 import sys
 
-# Ctrl-C while the modules load (torch takes a second or more) waits until they have loaded, then ends the run in
-# one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
+# Ctrl-C (or SIGTERM) while the modules load (torch takes a second or more) waits until they have loaded, then ends
+# the run in one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
 # AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
 HELD_SIGINT: list[int] = []
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, lambda signum, _frame: HELD_SIGINT.append(signum))
+    for _stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_stop, lambda signum, _frame: HELD_SIGINT.append(signum))
 
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
@@ -54,11 +55,39 @@ except KeyboardInterrupt:
         raise
     HELD_SIGINT.append(signal.SIGINT)
 
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout), taken as a Ctrl-C is, so that every place that ends a Ctrl-C'd run in one line ends
+    this one too (it ended without a word), and so that no library's `except Exception` takes it for a failure of its
+    own (torch.compile's, while the sampler compiles)."""
+
+    signum = signal.SIGTERM
+
+
+def terminated(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+def interruption(signum: int) -> KeyboardInterrupt:
+    """What a stop signal raises: KeyboardInterrupt for Ctrl-C, Terminated for SIGTERM."""
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def stopped(e: KeyboardInterrupt, what: str) -> int:
+    """Say that the run was stopped by the signal e stands for, and what became of it; its exit status."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"interrupted ({signal.Signals(signum).name}); {what}", file=sys.stderr)
+    return 128 + signum
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, terminated)
     if HELD_SIGINT:
-        print("interrupted (SIGINT) while starting; nothing was sampled", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        print(f"interrupted ({signal.Signals(HELD_SIGINT[0]).name}) while starting; nothing was sampled",
+              file=sys.stderr)
+        sys.exit(128 + HELD_SIGINT[0])
 
 SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
@@ -247,9 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         ready = prepare(args)
-    except KeyboardInterrupt:  # Ctrl-C while the checkpoint loads or the attention map is drawn
-        print("interrupted (SIGINT); nothing was sampled", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while the checkpoint loads or the attention map is drawn
+        return stopped(e, "nothing was sampled")
     if isinstance(ready, int):
         return ready
     model, ids, prompt, vocab = ready
@@ -262,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nerror: the model's output stopped being a finite number partway through the text (its weights are "
               "so large that float32 overflows); sample from another checkpoint", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C while the text streams out: what was printed stays, nothing else to do
-        print("\ninterrupted (SIGINT); stopped sampling", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while the text streams out: what was printed stays
+        print(file=sys.stderr)
+        return stopped(e, "stopped sampling")
     except OSError as e:  # stdout is a full disk (or a device that refuses): not the input's fault, exit status 1
         discard_stdout()  # what is still buffered would fail again at exit
         print(f"error: cannot write the samples to stdout ({e.strerror or e})", file=sys.stderr)
@@ -352,10 +380,10 @@ def finite_output(model: GPT, window: torch.Tensor) -> bool:
 
 
 def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,
-                  interrupted: Callable[[], bool] = lambda: False) -> None:
+                  interrupted: Callable[[], int | None] = lambda: None) -> None:
     """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
     batch; with --stream the first one is printed as it comes and the others when they are complete. KeyboardInterrupt
-    after the first character for which interrupted() is true."""
+    (or Terminated) after the first character for which interrupted() gives a signal."""
     out = sys.stdout
     # the ids of every sample until they are written: 4-byte ints, with room to grow (training.memory.KEPT_ID: 5 bytes
     # a character), checked to fit
@@ -370,8 +398,8 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 out.flush()
             for row, i in zip(kept, column, strict=True):
                 row.append(i)
-            if interrupted():
-                raise KeyboardInterrupt
+            if signum := interrupted():
+                raise interruption(signum)
     for n, row in enumerate(kept):
         if n:
             out.write(SEPARATOR)
@@ -382,27 +410,28 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
 
 
 @contextmanager
-def ctrl_c_between_characters() -> Iterator[Callable[[], bool]]:
-    """Inside: a Ctrl-C (SIGINT) is noted, and the caller asks between characters, where nothing can lose it (once, with
-    compiled sampling streaming, a KeyboardInterrupt raised where the signal landed vanished and sampling went on);
-    a second one raises KeyboardInterrupt at once, wherever it lands. Outside the main thread, where signals cannot
-    be handled, Python's own handling stays."""
+def ctrl_c_between_characters() -> Iterator[Callable[[], int | None]]:
+    """Inside: a Ctrl-C (SIGINT) or SIGTERM is noted, and the caller asks between characters (for the signal, or
+    None), where nothing can lose it (once, with compiled sampling streaming, a KeyboardInterrupt raised where the
+    signal landed vanished and sampling went on); a second one raises at once, wherever it lands. Outside the main
+    thread, where signals cannot be handled, Python's own handling stays."""
     asked: list[int] = []
 
     def note(signum: int, _frame: object) -> None:
         if asked:
-            raise KeyboardInterrupt
+            raise interruption(signum)
         asked.append(signum)
 
     try:
-        previous = signal.signal(signal.SIGINT, note)
+        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread
-        yield lambda: False
+        yield lambda: None
         return
     try:
-        yield lambda: bool(asked)
+        yield lambda: asked[0] if asked else None
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextmanager
@@ -474,7 +503,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
 
 if __name__ == "__main__":
     status = main()
-    if status == 128 + signal.SIGINT:
+    if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         # Interrupted: leave now. Ending the interpreter normally would first wait on what torch.compile may have
         # started (its pool of compiler processes), which once kept a Ctrl-C'd run alive for minutes.
         for stream in (sys.stdout, sys.stderr):

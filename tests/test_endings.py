@@ -4,6 +4,7 @@ while sample.py streams. Each ends with at most one line on stderr, no traceback
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,18 @@ def test_ctrl_c_while_sample_py_loads_the_checkpoint_is_one_line_and_status_130(
 
 
 @pytest.mark.slow
+def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(tmp_path):
+    """kill or timeout while torch loads (a second or more) ended sample.py without a word."""
+    run = train_small_run(tmp_path)
+    proc = start("sample.py", "--out-dir", str(run))
+    time.sleep(1.0)  # past the interpreter's own start, before the model is loaded
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert out == "" and re.fullmatch(r"interrupted \(SIGTERM\)( while starting)?; nothing was sampled\n", err), err
+
+
+@pytest.mark.slow
 def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_path):
     run = train_small_run(tmp_path)
     args = [sys.executable, "sample.py", "--out-dir", str(run), "--max-new-tokens", "2000"]
@@ -155,14 +168,17 @@ def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_pat
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_sample_py_streams_keeps_what_was_printed(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_while_sample_py_streams_keeps_what_was_printed(tmp_path, signum):
+    """SIGTERM (kill, timeout) ended sample.py without a word; it now ends as a Ctrl-C does, with 128 + 15."""
     run = train_small_run(tmp_path)
-    # Eager: the Ctrl-C is acted on between characters whichever path draws them (10 million would compile first)
+    # Eager: the signal is acted on between characters whichever path draws them (10 million would compile first)
     proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "10000000", "--stream", "--prompt", "F",
                  "--compile", "false")
     assert proc.stdout.read(50).startswith("F")
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted (SIGINT); stopped sampling"
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"interrupted ({name}); stopped sampling"
     assert Path(run / "ckpt.pt").exists()

@@ -528,15 +528,18 @@ def test_a_ctrl_c_before_sampling_is_one_line_and_status_130(run, monkeypatch, t
     assert not (tmp_path / "map.png").exists()
 
 
-def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_not():
-    before = signal.getsignal(signal.SIGINT)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_not(signum):
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with sample.ctrl_c_between_characters() as asked:
-        assert not asked()
-        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: only noted
-        assert asked()
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before  # Python's own handling is back
+        assert asked() is None
+        os.kill(os.getpid(), signum)  # handled at the next bytecode: only noted
+        assert asked() == signum
+        with pytest.raises(KeyboardInterrupt) as raised:
+            os.kill(os.getpid(), signum)
+    assert {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} == before  # as they were
+    assert isinstance(raised.value, sample.Terminated) == (signum == signal.SIGTERM)
+    assert sample.stopped(raised.value, "stopped sampling") == 128 + signum
 
 
 def test_a_closed_stderr_keeps_the_messages_out_of_the_samples(run_dir):
