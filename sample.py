@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nerror: the model's output stopped being a finite number partway through the text (its weights are "
               "so large that float32 overflows); sample from another checkpoint", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while the text streams out: what was printed stays
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while sampling: the text so far is written (or was streamed)
         print(file=sys.stderr)
         return stopped(e, "stopped sampling")
     except OSError as e:  # stdout is a full disk (or a device that refuses): not the input's fault, exit status 1
@@ -382,12 +382,14 @@ def finite_output(model: GPT, window: torch.Tensor) -> bool:
 def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,
                   interrupted: Callable[[], int | None] = lambda: None) -> None:
     """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
-    batch; with --stream the first one is printed as it comes and the others when they are complete. KeyboardInterrupt
-    (or Terminated) after the first character for which interrupted() gives a signal."""
+    batch; with --stream the first one is printed as it comes and the others when they are complete. Stopped by a
+    signal between characters (interrupted() gives it), the samples so far are written, then KeyboardInterrupt (or
+    Terminated) is raised."""
     out = sys.stdout
     # the ids of every sample until they are written: 4-byte ints, with room to grow (training.memory.KEPT_ID: 5 bytes
     # a character), checked to fit
     kept = [array("i") for _ in range(args.num_samples)]
+    stop: KeyboardInterrupt | None = None
     with sampling_threads(model, args.num_samples, ids.device):
         for step_ids in character_steps(model, ids.expand(args.num_samples, -1), args):
             column = step_ids[:, 0].tolist()
@@ -398,8 +400,9 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 out.flush()
             for row, i in zip(kept, column, strict=True):
                 row.append(i)
-            if signum := interrupted():
-                raise interruption(signum)
+            if signum := interrupted():  # stopped between characters: the text so far is written, as it stands
+                stop = interruption(signum)
+                break
     for n, row in enumerate(kept):
         if n:
             out.write(SEPARATOR)
@@ -407,6 +410,8 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
             out.write(prompt + "".join([vocab[i] for i in row]))
         out.write("\n")
     out.flush()
+    if stop is not None:
+        raise stop
 
 
 @contextmanager

@@ -139,6 +139,24 @@ def test_ctrl_c_while_sample_py_loads_the_checkpoint_is_one_line_and_status_130(
 
 
 @pytest.mark.slow
+def test_a_stop_while_sample_py_samples_writes_the_text_so_far(tmp_path):
+    """Without --stream the samples are written at the end: `timeout 60 python sample.py ... > out.txt` wrote
+    nothing of the minute it sampled. Now a stop between characters writes each sample as far as it got."""
+    run = train_small_run(tmp_path)
+    proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "10000000", "--prompt", "F",
+                 "--num-samples", "2", "--compile", "false")
+    assert "parameters" in proc.stderr.readline()  # the checkpoint's line: loaded, sampling from here on
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "interrupted (SIGTERM); stopped sampling" and "Traceback" not in err
+    first, second = out.split("-" * 40 + "\n")
+    assert first.startswith("F") and first.endswith("\n") and len(first) > 100
+    assert second.startswith("F") and len(second) == len(first)  # drawn as one batch: as far, each
+
+
+@pytest.mark.slow
 def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(tmp_path):
     """kill or timeout while torch loads (a second or more) ended sample.py without a word."""
     run = train_small_run(tmp_path)
