@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, tiny_overrides, train_small_run
+from conftest import ROOT, needs_cpu_compile, tiny_overrides, train_small_run
 from test_train import child_env
 
 from model import load_checkpoint
@@ -35,8 +35,8 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def start(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+def start(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env or child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -154,6 +154,25 @@ def test_a_stop_while_sample_py_samples_writes_the_text_so_far(tmp_path):
     first, second = out.split("-" * 40 + "\n")
     assert first.startswith("F") and first.endswith("\n") and len(first) > 100
     assert second.startswith("F") and len(second) == len(first)  # drawn as one batch: as far, each
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_sample_py_compiles_ends_it_without_waiting_for_the_compiler(tmp_path, signum):
+    """A Ctrl-C while the sampler compiled (seconds with a cold cache) was only noted: the compile ran to its end, and
+    the run stopped after the first character. Now it stops the compile, as in train.py."""
+    run = train_small_run(tmp_path)
+    cache = tmp_path / "cache"  # cold: seconds of compiling
+    proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "1000000", "--compile", "true",
+                 env={**child_env(), "XDG_CACHE_HOME": str(cache), "TINYCHAR_CACHE_DIR": str(cache)})
+    assert "parameters" in proc.stderr.readline()  # loaded: compiling from here
+    time.sleep(1.5)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == f"interrupted ({signal.Signals(signum).name}); stopped sampling", err
+    assert "compiled in" not in err and "Traceback" not in err and out == ""
 
 
 @pytest.mark.slow
