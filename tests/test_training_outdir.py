@@ -22,6 +22,7 @@ from test_train import child_env, snapshot
 from test_training_signals import signal_at
 from training_runs import TINY, call, train_main, write_corpus
 
+import training.lock
 import training.loop
 from configs.userinput import shown
 from model import load_checkpoint
@@ -81,6 +82,32 @@ def test_a_lock_hard_linked_to_another_file_leaves_that_file_as_it_was(tmp_path)
         assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no temporary file left
     finally:
         lock.release()
+
+
+def test_a_run_that_locks_a_lock_file_just_replaced_opens_the_new_one(tmp_path, monkeypatch) -> None:
+    """Two runs start at once on a hard-linked .lock: the second opened the old file, the first locked it, gave .lock
+    a file of its own and let the old one go, and the second then locked the old one: two live runs in one out_dir,
+    and the pid written into the other name's file. The lock taken is checked to be the file still named .lock."""
+    out, outside = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    outside.write_text(PRECIOUS, encoding="utf-8")
+    os.link(outside, out / LOCK)
+    first, second = RunLock(out), RunLock(out)
+    real_flock, between = fcntl.flock, []
+
+    def the_first_gets_in_between(fd, operation):
+        if not between:  # the second has opened the old file: the first takes .lock whole before it locks
+            between.append(fd)
+            first.acquire()
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(training.lock.fcntl, "flock", the_first_gets_in_between)
+    try:
+        with pytest.raises(UsageError, match=rf"in use by a run that is still going \(process {os.getpid()} on "):
+            second.acquire()
+    finally:
+        first.release()
+    assert outside.read_text(encoding="utf-8") == PRECIOUS
 
 
 @pytest.mark.slow

@@ -44,13 +44,20 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or UsageError naming the live run that holds it."""
-        fd = self._open(os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._holder(fd)
+        for _ in range(100):  # another run may put a new .lock in place between the open and the lock: open again
+            fd = self._open(os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise in_use(self.path.parent, holder) from None
+            if self._named(fd):
+                break
             os.close(fd)
-            raise in_use(self.path.parent, holder) from None
+        else:
+            raise UsageError(f"'{shown(str(self.path))}' keeps being replaced while a run takes it; stop whatever is "
+                             f"replacing it, or choose another out_dir")
         if os.fstat(fd).st_nlink > 1:
             # A hard link: the file has other names (a copy made with `cp -al`, say), and writing the pid into it
             # would overwrite it under every one of them. Nobody holds its lock (just taken), so .lock becomes a file
@@ -63,6 +70,15 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self.fd = fd
+
+    def _named(self, fd: int) -> bool:
+        """Whether the file open as fd is still the one named .lock (not one another run has since replaced)."""
+        try:
+            named = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
         if self.fd is not None:
