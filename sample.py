@@ -49,7 +49,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training.errors import UsageError, path_error, path_message
     from training.logger import discard_stdout, stderr_kept_open
     from training.memory import MemoryNeed, check_fits, model_need, text_bytes
-    from training.signals import InterruptSignals, interrupting
+    from training.signals import Interrupted, InterruptSignals, interrupting
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -391,7 +391,14 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
     kept = [array("i") for _ in range(args.num_samples)]
     stop: KeyboardInterrupt | None = None
     with sampling_threads(model, args.num_samples, ids.device):
-        for step_ids in character_steps(model, ids.expand(args.num_samples, -1), args):
+        try:
+            # Ctrl-C or SIGTERM while the sampler is made and compiled (seconds, cold) stops it at once, as in
+            # train.py, rather than once it has compiled and drawn its first character
+            with InterruptSignals():
+                steps = character_steps(model, ids.expand(args.num_samples, -1), args)
+        except Interrupted as e:
+            raise interruption(e.signum) from None
+        for step_ids in steps:
             column = step_ids[:, 0].tolist()
             if args.stream:
                 if not kept[0]:
@@ -490,25 +497,21 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
             compile_cache.prepare_compile()
         cold = compiled and compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
-        # Ctrl-C or SIGTERM while compiling (seconds, cold) stops it at once, as in train.py, rather than once the
-        # sampler has compiled and drawn its first character
-        with InterruptSignals():
-            try:
-                sampler.warm_up(len(batch), device)
-            except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
-                if (stop := interrupting(e)) is not None:  # the signal, which the compiler may report as its own
-                    raise interruption(getattr(stop, "signum", signal.SIGINT)) from None
-                why = (engine.compile_failed(e) if compiled
-                       else f"cannot capture a CUDA graph here ({engine.one_line(e)})")
-                print(f"{why}; sampling eagerly", file=sys.stderr)
-                sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
-            else:
-                if (stop := interrupting()) is not None:  # a signal the compiler swallowed, compiling to the end
-                    raise interruption(stop.signum)
-                made = "compiled" if compiled else "captured as a CUDA graph"
-                if compiled:
-                    compile_cache.remember_compile(key, time.perf_counter() - start, cold)
-                print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        try:
+            sampler.warm_up(len(batch), device)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
+            if (stop := interrupting(e)) is not None:  # a signal (write_samples's InterruptSignals), which the
+                raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own
+            why = engine.compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({engine.one_line(e)})"
+            print(f"{why}; sampling eagerly", file=sys.stderr)
+            sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
+        else:
+            if (stop := interrupting()) is not None:  # a signal the compiler swallowed, compiling to the end
+                raise interruption(getattr(stop, "signum", signal.SIGINT))
+            made = "compiled" if compiled else "captured as a CUDA graph"
+            if compiled:
+                compile_cache.remember_compile(key, time.perf_counter() - start, cold)
+            print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return sampler.generate_iter(batch, args.max_new_tokens, gen)
 
 
