@@ -253,7 +253,7 @@ def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_pa
     assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
 
 
-def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypatch):
+def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypatch, caplog):
     """CI caught it: a Ctrl-C landing in a fake-tensor kernel while the step compiled went up as it should, but torch
     logged it first ("failed while attempting to run meta for aten.sub.Tensor" and a page of traceback). The signal is
     sent from inside that kernel here, and torch's own logger is read; other errors it logs still show."""
@@ -269,9 +269,17 @@ def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty_permuted", interrupted_inside)
-    with pytest.raises(Interrupted), InterruptSignals(), FakeTensorMode():
-        torch.empty(3) - torch.empty(3)
-    assert logged.getvalue() == ""
+    handlerless = logging.getLogger("tinychar.test.no_handler")  # to the root's handlers, or Python's last resort
+    with pytest.raises(Interrupted), InterruptSignals():
+        try:
+            with FakeTensorMode():
+                torch.empty(3) - torch.empty(3)
+        finally:
+            handlerless.error("after the signal, through no handler of its own")
+            torch_log.addHandler(later := logging.StreamHandler(logged))  # a handler made since the block began
+            torch_log.error("after the signal, through a handler made after the block began")
+            torch_log.removeHandler(later)
+    assert logged.getvalue() == "" and caplog.records == []
 
     monkeypatch.setattr(torch, "empty_permuted", real)
     with InterruptSignals():
@@ -282,7 +290,31 @@ def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypat
     assert "Traceback" in logged.getvalue() and "ValueError: a real failure" in logged.getvalue()
     torch_log.error("after it, an interrupt is torch's to log again", exc_info=Interrupted(signal.SIGINT))
     assert "Interrupted: signal 2" in logged.getvalue()
-    assert reader.filters == []
+    handlerless.error("and a logger of no handler of its own is heard again")
+    assert [r.getMessage() for r in caplog.records] == ["and a logger of no handler of its own is heard again"]
+
+
+def test_a_signal_while_interrupt_signals_is_entered_leaves_nothing_of_it_behind(monkeypatch):
+    """A signal landing between the replacement of SIGINT's handler and SIGTERM's raised out of __enter__, so
+    __exit__ never ran: the raising handler, the quiet warnings and the unraisable hook stayed for the process."""
+    before = ({sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS}, warnings.showwarning, sys.unraisablehook)
+    real_signal, replaced = signal.signal, []
+
+    def a_signal_after_the_first(sig, handler):
+        previous = real_signal(sig, handler)
+        replaced.append(sig)
+        if len(replaced) == 1:
+            signal.raise_signal(signal.SIGINT)  # lands at once, in the handler just set
+        return previous
+
+    monkeypatch.setattr(signal, "signal", a_signal_after_the_first)
+    with pytest.raises(Interrupted):
+        with InterruptSignals():
+            pytest.fail("the block ran")
+    monkeypatch.setattr(signal, "signal", real_signal)
+    assert ({sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS}, warnings.showwarning,
+            sys.unraisablehook) == before
+    assert InterruptSignals.received is None and logging.root.manager.disable == logging.NOTSET
 
 
 def test_autograd_warning_of_the_interrupt_on_its_way_up_is_not_shown():

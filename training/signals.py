@@ -41,8 +41,11 @@ class StopSignals:
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
+            # every handler noted before any is replaced: a signal may land (and raise, in InterruptSignals) between
+            # two of the replacements, and __exit__ must then put back all of them
+            self._previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
             for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -64,6 +67,15 @@ class InterruptSignals(StopSignals):
     that SIGTERM there ends the run with a line and status 143 as it does during training."""
 
     def _handle(self, signum: int, frame: object) -> None:
+        if InterruptSignals.received is None:
+            # A library may log the exception on its way through, traceback and all, or warn of it, then let it go
+            # on up: torch's fake tensors log "failed while attempting to run meta for aten.sub.Tensor" when the
+            # signal lands in one of their kernels, and autograd's anomaly mode, which the compiler traces the
+            # backward under, warns "Error detected in ...Backward0" with the forward's stack. The run still stops
+            # with its one line; these would add a page above it about work the person called off. So once a signal
+            # has come, logging is off (every logger, handler or none) and warnings are not shown, until __exit__.
+            self._logging_was = logging.root.manager.disable
+            logging.disable(logging.CRITICAL)
         InterruptSignals.received = signum
         raise Interrupted(signum)
 
@@ -71,53 +83,35 @@ class InterruptSignals(StopSignals):
 
     def __enter__(self) -> Self:
         InterruptSignals.received = None
+        self._logging_was: int | None = None
         # Raised inside a callback Python calls on its own (a weak reference's, as torch.compile's caches keep), the
         # exception cannot stop anything and Python prints it as "Exception ignored in ...", a traceback: leave it
         # unsaid, the signal is in `received`.
         self._unraisable = sys.unraisablehook
         sys.unraisablehook = self._quiet_about_interrupts
-        # A library may also log the exception on its way through, traceback and all, or warn of it, then let it go
-        # on up: torch's fake tensors log "failed while attempting to run meta for aten.sub.Tensor" when the signal
-        # lands in one of their kernels, and autograd's anomaly mode, which the compiler traces the backward under,
-        # warns "Error detected in ...Backward0" with the forward's stack. The run still stops with its one line;
-        # these would add a page above it about work the person called off. So once a signal has come, the logs and
-        # warnings are left unsaid. Handlers are where every record passes (torch's loggers do not propagate), so
-        # each existing one gets the filter.
-        self._handlers = [h for h in _all_handlers() if self._log_filter not in h.filters]
-        for handler in self._handlers:
-            handler.addFilter(self._log_filter)
         self._showwarning = warnings.showwarning
         warnings.showwarning = self._warn_unless_interrupted
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:  # a signal between the replacement of two handlers: nothing of this may stay behind
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         InterruptSignals.received = None  # what it received belongs to the work it guarded
         sys.unraisablehook = self._unraisable
         warnings.showwarning = self._showwarning
-        for handler in self._handlers:
-            handler.removeFilter(self._log_filter)
+        if self._logging_was is not None:
+            logging.disable(self._logging_was)
         super().__exit__(*exc)
 
     def _quiet_about_interrupts(self, unraisable: sys.UnraisableHookArgs) -> None:
         if not isinstance(unraisable.exc_value, Interrupted):
             self._unraisable(unraisable)
 
-    @staticmethod
-    def _log_filter(record: logging.LogRecord) -> bool:
-        """False (leave unsaid) once a signal has come, and for a record that carries an interrupt."""
-        interrupt = record.exc_info is not None and _interrupt_in_chain(record.exc_info[1]) is not None
-        return InterruptSignals.received is None and not interrupt
-
     def _warn_unless_interrupted(self, *args: Any, **kwargs: Any) -> None:
         if InterruptSignals.received is None:
             self._showwarning(*args, **kwargs)
-
-
-def _all_handlers() -> list[logging.Handler]:
-    """Every handler of every logger that exists now, the root's included, each once."""
-    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(lg, logging.Logger))]
-    return list({id(h): h for lg in loggers for h in lg.handlers}.values())
 
 
 def _interrupt_in_chain(e: BaseException | None) -> BaseException | None:
