@@ -24,7 +24,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     import codecs
     import time
     from array import array
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from contextlib import contextmanager
     from pathlib import Path
 
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return ready
     model, ids, prompt, vocab = ready
     try:
-        with ctrl_c_between_characters() as asked:
-            write_samples(model, ids, prompt, vocab, args, asked)
+        with ctrl_c_between_characters() as stops:
+            write_samples(model, ids, prompt, vocab, args, stops)
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
         discard_stdout()  # so the exit-time flush cannot fail too
     except NonFiniteLogits:  # finite for the prompt (see OVERFLOW) but not for a later window: the text so far stays
@@ -380,11 +380,12 @@ def finite_output(model: GPT, window: torch.Tensor) -> bool:
 
 
 def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,
-                  interrupted: Callable[[], int | None] = lambda: None) -> None:
+                  stops: Stops | None = None) -> None:
     """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
     batch; with --stream the first one is printed as it comes and the others when they are complete. Stopped by a
-    signal between characters (interrupted() gives it), the samples so far are written, then KeyboardInterrupt (or
-    Terminated) is raised."""
+    signal between characters (stops: see ctrl_c_between_characters), the samples so far are written, then
+    KeyboardInterrupt (or Terminated) is raised; a signal while they are written raises at once."""
+    stops = stops or Stops()
     out = sys.stdout
     # the ids of every sample until they are written: 4-byte ints, with room to grow (training.memory.KEPT_ID: 5 bytes
     # a character), checked to fit
@@ -407,9 +408,12 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 out.flush()
             for row, i in zip(kept, column, strict=True):
                 row.append(i)
-            if signum := interrupted():  # stopped between characters: the text so far is written, as it stands
+            if signum := stops():  # stopped between characters: the text so far is written, as it stands
                 stop = interruption(signum)
                 break
+    stops.at_once = True
+    if stop is None and (signum := stops()):  # noted after the last character was drawn
+        stop = interruption(signum)
     for n, row in enumerate(kept):
         if n:
             out.write(SEPARATOR)
@@ -421,26 +425,39 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
         raise stop
 
 
-@contextmanager
-def ctrl_c_between_characters() -> Iterator[Callable[[], int | None]]:
-    """Inside: a Ctrl-C (SIGINT) or SIGTERM is noted, and the caller asks between characters (for the signal, or
-    None), where nothing can lose it (once, with compiled sampling streaming, a KeyboardInterrupt raised where the
-    signal landed vanished and sampling went on); a second one raises at once, wherever it lands. Outside the main
-    thread, where signals cannot be handled, Python's own handling stays."""
-    asked: list[int] = []
+class Stops:
+    """Ctrl-C (SIGINT) and SIGTERM while sampling (see ctrl_c_between_characters): noted while characters are drawn,
+    where the sampler asks between two of them (calling it gives the signal, or None); raised at once after a first
+    one, and once at_once is set: when the drawing is over and the samples are being written, where a noted signal
+    would stop nothing (and a write to a pipe nobody reads would hold the program there)."""
 
-    def note(signum: int, _frame: object) -> None:
-        if asked:
+    def __init__(self) -> None:
+        self.noted: list[int] = []
+        self.at_once = False
+
+    def __call__(self) -> int | None:
+        return self.noted[0] if self.noted else None
+
+    def note(self, signum: int, _frame: object) -> None:
+        if self.noted or self.at_once:
             raise interruption(signum)
-        asked.append(signum)
+        self.noted.append(signum)
 
+
+@contextmanager
+def ctrl_c_between_characters() -> Iterator[Stops]:
+    """Inside: a Ctrl-C (SIGINT) or SIGTERM is noted, and the caller asks between characters, where nothing can lose
+    it (once, with compiled sampling streaming, a KeyboardInterrupt raised where the signal landed vanished and
+    sampling went on); a second one raises at once, wherever it lands, as does any once the caller has set at_once.
+    Outside the main thread, where signals cannot be handled, Python's own handling stays."""
+    stops = Stops()
     try:
-        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, stops.note) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread
-        yield lambda: None
+        yield stops
         return
     try:
-        yield lambda: asked[0] if asked else None
+        yield stops
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -3,6 +3,7 @@ cache change nothing, and bad requests are one line on stderr with exit status 2
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -540,6 +541,23 @@ def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_n
     assert {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} == before  # as they were
     assert isinstance(raised.value, sample.Terminated) == (signum == signal.SIGTERM)
     assert sample.stopped(raised.value, "stopped sampling") == 128 + signum
+
+
+def test_a_ctrl_c_while_the_samples_are_written_stops_the_writing(run, monkeypatch):
+    """Once the characters were drawn, a Ctrl-C (or SIGTERM) was noted and never read again: the samples were written
+    to the end and the program said nothing and exited 0, or with a pipe nobody read, stayed there."""
+
+    class Stdout(io.StringIO):
+        def write(self, text: str) -> int:
+            if not self.getvalue():  # the first of the samples' writes (not streamed): the drawing is over
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().write(text)
+
+    out = Stdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "50", "--num-samples", "3")
+    assert code == 130 and err.splitlines()[-1] == "interrupted (SIGINT); stopped sampling", err
+    assert out.getvalue().count(PROMPT) < 3  # stopped in the middle of the writing
 
 
 def test_a_closed_stderr_keeps_the_messages_out_of_the_samples(run_dir):
