@@ -748,7 +748,8 @@ def json_problem(name: str) -> str | None:
         folder = path.resolve().parent
         if not folder.is_dir():
             if path.is_symlink():  # the file goes where the link points (write_json), a folder that is not there
-                return f"'{name}' is a link to '{os.readlink(path)}', in a folder '{folder}' that is not there"
+                return (f"'{name}' is a link to '{os.readlink(path)}', in a folder '{folder}' that is not there; "
+                        f"make that folder, or give another file name")
             return f"no folder '{path.parent}' to write '{name}' into"
     except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
         return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"

@@ -28,7 +28,7 @@ from configs.userinput import OneLineParser, shown
 from lab import output_failed
 from lab.heatmap import log_image, picture_target, render_attention_map, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
-from training.memory import allocatable_bytes
+from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals
 
 MODELS = ("gru", "transformer")
@@ -167,10 +167,11 @@ def memory_need(cfg: SortConfig) -> int:
 
 def check_memory(cfg: SortConfig) -> None:
     """ValueError, in one line, when a run of cfg would not fit in the memory this machine has free."""
-    need, free = memory_need(cfg), allocatable_bytes(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    need, free = memory_need(cfg), allocatable_bytes(cpu)
     if free is not None and need > free:
         raise ValueError(f"a run of --length {cfg.length}, --digits {cfg.digits} and --batch-size {cfg.batch_size} "
-                         f"({describe(cfg)}) needs about {need / 1e9:,.1f} GB of memory and this machine has "
+                         f"({describe(cfg)}) needs about {need / 1e9:,.1f} GB of memory and {whose_memory(cpu, free)} "
                          f"{free / 1e9:,.1f} GB free; make them smaller")
 
 

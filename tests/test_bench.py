@@ -489,7 +489,8 @@ def test_json_through_a_link_names_the_folder_the_link_points_into(tmp_path, cap
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --json: '{dangling}' is a link to '{tmp_path / 'gone' / 'bench.json'}', in a "
-                          f"folder '{tmp_path / 'gone'}' that is not there"), err
+                          f"folder '{tmp_path / 'gone'}' that is not there; make that folder, or give another file "
+                          f"name"), err
     (tmp_path / "gone").mkdir()
     assert bench.json_problem(str(dangling)) is None
     bench.write_json(str(dangling), '{"cpu_flags": [], "rows": []}')

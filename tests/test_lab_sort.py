@@ -386,6 +386,17 @@ def test_a_run_too_big_for_the_memory_is_refused_in_one_line_before_allocating(a
     assert err.startswith("error: a run of --length ") and "GB of memory and this machine has 8.0 GB free" in err
 
 
+def test_a_run_past_the_process_s_memory_limit_names_the_limit_not_the_machine(capsys, monkeypatch):
+    """Under ulimit -v the refusal said "this machine has 1.4 GB free" on a machine with 24 GB free."""
+    import training.memory
+
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 24 * 10**9)
+    monkeypatch.setattr(training.memory, "process_limit_available", lambda: 10**9)
+    err = refused_before_training(["--steps", "1", "--batch-size", "512", "--length", "64"], monkeypatch, capsys)
+    assert ("GB of memory and this process's memory limit (ulimit -v or -d) leaves 1.0 GB free; make them "
+            "smaller") in err
+
+
 def test_the_memory_estimate_lets_the_documented_runs_through_and_grows_with_every_size():
     documented = [SortConfig(), SortConfig(score="dot"), SortConfig(model="transformer", learning_rate=1e-3),
                   SortConfig(digits=50, length=16), SortConfig(digits=50, length=16, attention=False)]

@@ -155,11 +155,11 @@ def test_the_process_s_own_limits_count_only_where_they_are_set(monkeypatch) -> 
 
     unlimited = {resource.RLIMIT_AS: resource.RLIM_INFINITY, resource.RLIMIT_DATA: resource.RLIM_INFINITY}
     monkeypatch.setattr(resource, "getrlimit", lambda which: (unlimited.get(which, 0), resource.RLIM_INFINITY))
-    assert training.memory._process_limit_available() is None
+    assert training.memory.process_limit_available() is None
     unlimited[resource.RLIMIT_DATA] = 1  # below what the process already uses: nothing left, not a negative
-    assert training.memory._process_limit_available() == 0
+    assert training.memory.process_limit_available() == 0
     unlimited[resource.RLIMIT_DATA] = 1 << 50
-    assert 0 < training.memory._process_limit_available() < 1 << 50
+    assert 0 < training.memory.process_limit_available() < 1 << 50
 
 
 def test_a_need_too_large_for_a_float_is_said_in_bounded_words(monkeypatch) -> None:

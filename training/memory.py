@@ -154,7 +154,7 @@ def _cgroup_available() -> int | None:
         return None
 
 
-def _process_limit_available() -> int | None:
+def process_limit_available() -> int | None:
     """What this process's own limits (ulimit -v, ulimit -d) still let it allocate: RLIMIT_AS less the address space
     it has mapped, RLIMIT_DATA less its data segment, the smaller; None where neither is set. A run past them fails
     in the allocator with a traceback, however much the machine has free."""
@@ -193,9 +193,22 @@ def available_bytes(device: torch.device) -> int | None:
 
 def allocatable_bytes(device: torch.device) -> int | None:
     """What this process may still allocate on device: what the machine has free, or less under its own limit."""
-    known = [n for n in (available_bytes(device), _process_limit_available() if device.type == "cpu" else None)
+    known = [n for n in (available_bytes(device), process_limit_available() if device.type == "cpu" else None)
              if n is not None]
     return min(known) if known else None
+
+
+# What a refusal says of the memory that is short, where it is the process's limit rather than the machine's
+LIMITED = "this process's memory limit (ulimit -v or -d) leaves"
+
+
+def whose_memory(device: torch.device, free: int) -> str:
+    """How a refusal names where free bytes (allocatable_bytes) were counted: 'this machine has', or LIMITED where
+    the process's own limit is what leaves that little."""
+    limit = process_limit_available() if device.type == "cpu" else None
+    if limit is not None and limit <= free:
+        return LIMITED
+    return "this machine has" if device.type == "cpu" else f"{device} has"
 
 
 # A need past this many bytes (a million petabytes) is said as "more than" it: a config of 10**400 layers needs a
@@ -226,13 +239,13 @@ def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1, *, wh
         where = "this machine has" if device.type == "cpu" else f"{device} has"
         raise UsageError(f"{what} needs {who} of memory and {where} {_gb(free)} free; "
                          f"{advice or 'use ' + need.largest()}")
-    limit = _process_limit_available() if device.type == "cpu" else None
+    limit = process_limit_available() if device.type == "cpu" else None
     if limit is not None and need.total > limit:
         # The machine has room, but each process's own limit (ulimit -v or -d) is lower: the allocator would fail.
         each = " a process" if processes > 1 else ""
         machine = f" (the machine has {_gb(free)} free)" if free is not None else ""
-        raise UsageError(f"{what} needs {_about(need.total)}{each} of memory and this process's memory limit (ulimit "
-                         f"-v or -d) leaves {_gb(limit)}; raise the limit in the shell that starts it{machine}")
+        raise UsageError(f"{what} needs {_about(need.total)}{each} of memory and {LIMITED} {_gb(limit)}; raise the "
+                         f"limit in the shell that starts it{machine}")
 
 
 def _about(n: int) -> str:
