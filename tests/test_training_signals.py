@@ -291,7 +291,8 @@ def test_torch_logging_the_interrupt_on_its_way_up_prints_no_traceback(monkeypat
     torch_log.error("after it, an interrupt is torch's to log again", exc_info=Interrupted(signal.SIGINT))
     assert "Interrupted: signal 2" in logged.getvalue()
     handlerless.error("and a logger of no handler of its own is heard again")
-    assert [r.getMessage() for r in caplog.records] == ["and a logger of no handler of its own is heard again"]
+    heard = [r.getMessage() for r in caplog.records if r.name == handlerless.name]  # torch's may propagate here too
+    assert heard == ["and a logger of no handler of its own is heard again"]
 
 
 def test_a_signal_while_interrupt_signals_is_entered_leaves_nothing_of_it_behind(monkeypatch):
