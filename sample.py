@@ -56,7 +56,6 @@ except KeyboardInterrupt:
     HELD_SIGINT.append(signal.SIGINT)
 
 
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM (kill, timeout), taken as a Ctrl-C is, so that every place that ends a Ctrl-C'd run in one line ends
     this one too (it ended without a word), and so that no library's `except Exception` takes it for a failure of its
