@@ -43,6 +43,7 @@ from lab.notes import (
     trainable_attention_for_query,
     v2_as_built_in_001,
 )
+from training.signals import Interrupted, InterruptSignals
 
 WIDTH = 9  # one printed number: sign, digits and 4 decimals, right-aligned, with room for -inf
 
@@ -205,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:  # started with stdout closed (`>&-`)
         p.error("stdout is closed, and the walk-through is written there; redirect it to a file (> notes.txt)")
     try:
-        sys.stdout.write(walkthrough(args.query))
-        sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
+        with InterruptSignals():  # SIGTERM as well as Ctrl-C: it ended the command without a word
+            sys.stdout.write(walkthrough(args.query))
+            sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
         return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted (SIGINT)", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except OSError as e:
         return output_failed(e)
 

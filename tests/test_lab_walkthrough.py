@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -139,3 +140,21 @@ def test_the_walkthrough_module_runs_as_the_command_does(how, tmp_path):
                           capture_output=True, text=True, timeout=120, check=False,
                           env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0 and done.stdout == walkthrough(4), done.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_walkthrough_is_computed_is_one_line(signum, monkeypatch, capsys):
+    """SIGTERM in the fraction of a second it computes (after the modules have loaded) ended it without a word."""
+    import lab.walkthrough
+    from training.signals import StopSignals
+
+    def computing(query):
+        handler = signal.getsignal(signum)  # sent only to a handler of tinychar's: the default would end pytest
+        assert isinstance(getattr(handler, "__self__", None), StopSignals), f"no tinychar handler for {signum}"
+        signal.raise_signal(signum)
+        return "never printed"
+
+    monkeypatch.setattr(lab.walkthrough, "walkthrough", computing)
+    assert lab_main(["notes"]) == 128 + signum
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"\ninterrupted ({signal.Signals(signum).name})\n"
