@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT
 
 # Folders that exist on one machine only: its users' homes, a workplace, the folder beside the clone.
@@ -108,4 +109,7 @@ def test_a_lone_copy_with_an_empty_home_trains_and_samples_as_the_readme_says(tm
     assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) == len("ROMEO:") + 20 + 1
     assert sorted(p.name for p in (clone / "data").iterdir()) == data_before  # nothing written next to the corpus
     written = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file())
-    assert written and all(name.startswith(".cache/tinychar/encoded/") for name in written)
+    # on a GPU, the CUDA driver keeps the GPU code it compiles as a program loads in ~/.nv/ComputeCache (any CUDA
+    # program does; CUDA_CACHE_PATH moves it): the driver's, not tinychar's
+    ours = [name for name in written if not (torch.cuda.is_available() and name.startswith(".nv/ComputeCache/"))]
+    assert ours and all(name.startswith(".cache/tinychar/encoded/") for name in ours), written
