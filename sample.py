@@ -506,8 +506,10 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
     graph = engine.sampling_graphs(device)
     chunk = GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1
-    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled,
-                            options=compile_cache.compile_options(device), chunk=chunk, graph=graph)
+    # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
+    options = compile_cache.compile_options(device) if compiled else None
+    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
+                            chunk=chunk, graph=graph)
     if compiled or graph:
         if compiled:
             compile_cache.prepare_compile()

@@ -199,6 +199,18 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
                       "is capturing); sampling eagerly")]
 
 
+def test_sampling_without_compiling_never_asks_for_the_compiler_s_settings(run, monkeypatch):
+    """On CUDA, reading inductor's options imports inductor, seconds that sample.py paid on every GPU run, compiling
+    or not (an H200's first character came 5.2 s after the checkpoint had loaded)."""
+    def options(device):
+        raise AssertionError("inductor's options read with nothing to compile")
+
+    monkeypatch.setattr(sample.compile_cache, "compile_options", options)
+    monkeypatch.setattr(sample.engine, "sampling_graphs", lambda device: True)  # the CUDA path, as above
+    code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "20", "--compile", "false")
+    assert code == 0 and len(out) == len(PROMPT) + 20 + 1 and "captured as a CUDA graph" in err, err
+
+
 @pytest.mark.parametrize("plain", [["--no-cache"], ["--temperature", "1e-5"], "bigram"],
                          ids=["no-cache", "vanishing-temperature", "bigram"])
 def test_compile_true_on_the_plain_path_says_it_samples_without_compiling(run, tmp_path, plain):
