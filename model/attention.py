@@ -21,6 +21,22 @@ def dot_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """PyTorch's fused scaled dot-product attention. With dropout under a CPU's autocast it runs with autocast off,
+    its inputs cast to autocast's type, which is what autocast does to this operator (the same numbers): the compiled
+    training step (torch.func.grad_and_value under torch.compile, torch 2.13) cannot trace the autocast form's
+    backward there ("expected scalar type torch.float32 but found torch.bfloat16"), so configs/shakespeare_char.yaml,
+    whose dtype is bfloat16 on a CPU with AVX-512 BF16, trained eagerly after a page of torch's traceback."""
+    if kwargs.get("dropout_p") and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        low = torch.get_autocast_dtype("cpu")
+        mask = kwargs.get("attn_mask")
+        if mask is not None and mask.is_floating_point():  # autocast casts it too
+            kwargs["attn_mask"] = mask.to(low)
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.to(low), k.to(low), v.to(low), **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 class AdditiveScore(nn.Module):
     """Additive (Bahdanau) scoring, score(q, k) = v^T tanh(W1 q + W2 k), shared by the heads of one layer."""
 
@@ -142,9 +158,9 @@ class CausalSelfAttention(nn.Module):
         if self.takes_fused_kernel(need_weights):
             dropout_p = self.dropout_p if self.training else 0.0
             if offset == 0:
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+                y = fused_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(q.dtype), dropout_p=dropout_p)
+                y = fused_attention(q, k, v, attn_mask=visible.to(q.dtype), dropout_p=dropout_p)
         else:
             scores = self.additive(q, k) if self.additive is not None else dot_scores(q, k)  # (B, nh, T, Tk)
             y, weights = masked_attention(scores, v, visible, self.attn_dropout)
