@@ -516,7 +516,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         cold = compiled and compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
         try:
-            sampler.warm_up(len(batch), device)
+            with engine.compiler_log_quiet():
+                sampler.warm_up(len(batch), device)
         except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
             if (stop := interrupting(e)) is not None:  # a signal (write_samples's InterruptSignals), which the
                 raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own

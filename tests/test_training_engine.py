@@ -120,6 +120,46 @@ def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["engine"] == "eager"
 
 
+def test_a_failed_compile_is_one_line_naming_the_error_underneath_and_torch_s_log_of_it_stays_quiet(
+        tmp_path, capfd, monkeypatch):
+    """A compile that failed in a fake-tensor kernel printed a page of torch's log (the kernel logs the traceback,
+    then raises), then "cannot compile here (TorchRuntimeError: RuntimeError when making fake tensor call)", which did
+    not say what the call met. Staged here without compiling: warm_up fails as that compile did."""
+    import logging
+
+    def failing(self, xs, ys):
+        try:
+            raise RuntimeError("expected scalar type torch.float32 but found torch.bfloat16")
+        except RuntimeError:
+            logging.getLogger("torch._subclasses.fake_tensor").exception("failed while attempting to run meta")
+            try:
+                raise ValueError("RuntimeError when making fake tensor call") from None
+            except ValueError as e:
+                raise TypeError("RuntimeError when making fake tensor call\n  Explanation: ...") from e
+
+    monkeypatch.setattr(engine, "cannot_compile", lambda device: None)  # a compiler or not: none runs
+    monkeypatch.setattr(CompiledStep, "warm_up", failing)
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.addHandler(handler)
+    overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.compile": "true",
+                                                                            "train.max_iters": 2})
+    capfd.readouterr()
+    try:
+        assert train_main(overrides) == 0
+    finally:
+        log.removeHandler(handler)
+    out, err = capfd.readouterr()
+    assert "failed while attempting" not in out + err and "Traceback" not in out + err, err
+    assert not logged  # nor through any handler
+    assert ("engine: cannot compile here (TypeError: RuntimeError when making fake tensor call; from RuntimeError: "
+            "expected scalar type torch.float32 but found torch.bfloat16); training without compiling") in out
+    assert not logging.getLogger("torch._subclasses.fake_tensor").disabled  # as it was, after the compile
+
+
 @needs_cpu_compile
 def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_path, capsys, monkeypatch):
     # Nine micro-batches a step: more than the compiled step unrolls, so the blocks are compiled one by one, as

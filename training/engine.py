@@ -12,8 +12,11 @@ the compiled code is kept, and how a run knows its cache is warm: training/compi
 
 from __future__ import annotations
 
+import logging
+import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -159,9 +162,35 @@ def sampling_graphs(device: torch.device) -> bool:
 
 
 def compile_failed(e: Exception) -> str:
-    """Forget what torch.compile began and say, in one bounded line, why it failed."""
+    """Forget what torch.compile began and say, in one bounded line, why it failed: the compiler's own error, and
+    the one it wraps where that says more ("TorchRuntimeError: RuntimeError when making fake tensor call" alone
+    does not say what the call met)."""
     torch._dynamo.reset()
-    return f"cannot compile here ({one_line(e)})"
+    root = e
+    for _ in range(20):  # the chain of errors each raised while handling the one before
+        inner = root.__cause__ or root.__context__
+        if not isinstance(inner, Exception):
+            break
+        root = inner
+    cause = "" if root is e or one_line(root) in one_line(e) else f"; from {one_line(root)}"
+    return f"cannot compile here ({one_line(e)}{cause})"
+
+
+@contextmanager
+def compiler_log_quiet() -> Iterator[None]:
+    """While compiling: torch's fake-tensor kernels log the traceback of an error and then raise it (fake_tensor.py:
+    log.exception, then raise), and the raise reaches the caller, which says why in one line (compile_failed) and goes
+    on eagerly; the log only put the same error before that line as a page of traceback. Left as it is when the user
+    asked for torch's logs (TORCH_LOGS)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    if os.environ.get("TORCH_LOGS") or log.disabled:
+        yield
+        return
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = False
 
 
 def one_line(e: Exception) -> str:
@@ -284,7 +313,8 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
               get_batch(trainer.splits["train"], trainer.cfg.model.block_size, trainer.tc.batch_size, dummy,
                         trainer.device)]
     try:
-        seconds = step.warm_up(xs, ys)
+        with compiler_log_quiet():
+            seconds = step.warm_up(xs, ys)
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
         if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
             raise stop from None
