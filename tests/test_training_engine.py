@@ -120,6 +120,28 @@ def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["engine"] == "eager"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"], ids=["whole-step", "block-by-block"])
+def test_a_gru_with_compile_true_says_it_trains_eagerly_without_trying(tmp_path, capsys, monkeypatch, dtype):
+    """torch.compile refuses PyTorch's GRU: the whole step tried (seconds), failed, and said "cannot compile here
+    (Unsupported: Attempted to wrap RNN, GRU, or LSTM)", as if the machine were at fault; the block-by-block path
+    (float16, torchrun) said "model compiled block by block" and compiled nothing."""
+    def compiling(*args, **kwargs):
+        raise AssertionError("tried to compile a GRU")
+
+    monkeypatch.setattr(CompiledStep, "warm_up", compiling)
+    import training.runner
+
+    monkeypatch.setattr(training.runner, "compile_blocks", compiling)
+    monkeypatch.setattr(engine, "cannot_compile", lambda device: None)  # a C++ compiler or not, the same answer
+    overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{
+        "model.type": "gru", "train.compile": "true", "train.dtype": dtype, "train.max_iters": 2})
+    code, out, err = call(train_main, overrides, capsys)
+    assert code == 0, err
+    assert ("engine: eager (train.compile=true, but torch.compile does not compile a gru model (PyTorch's GRU): "
+            "training without compiling)") in out
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["engine"] == "eager"
+
+
 def test_a_failed_compile_is_one_line_naming_the_error_underneath_and_torch_s_log_of_it_stays_quiet(
         tmp_path, capfd, monkeypatch):
     """A compile that failed in a fake-tensor kernel printed a page of torch's log (the kernel logs the traceback,
