@@ -308,7 +308,8 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)
     before = cached_compile_seconds(key)
-    say(f"engine: compiling the training step ({choice.reason}; {compile_expectation(key, trainer.device)})")
+    expected = compile_expectation(key, trainer.device, trainer.model.config.n_layer, trainer.tc.grad_accum_steps)
+    say(f"engine: compiling the training step ({choice.reason}; {expected})")
     step = CompiledStep(trainer.model, trainer.optimizer, trainer.tc, trainer.device, trainer.dtype)
     dummy = torch.Generator().manual_seed(0)
     xs, ys = [torch.stack([b] * trainer.tc.grad_accum_steps) for b in
