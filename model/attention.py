@@ -24,8 +24,9 @@ def dot_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """PyTorch's fused scaled dot-product attention. With dropout under a CPU's autocast it runs with autocast off,
     its inputs cast to autocast's type, which is what autocast does to this operator (the same numbers): the compiled
-    training step (torch.func.grad_and_value under torch.compile, torch 2.13) cannot trace the autocast form's
-    backward there ("expected scalar type torch.float32 but found torch.bfloat16"), so configs/shakespeare_char.yaml,
+    training step (torch.func.grad_and_value under torch.compile) cannot trace the autocast form's backward there
+    (torch 2.13: "expected scalar type torch.float32 but found torch.bfloat16"; 2.14.1 fails as it runs: "expected m1
+    and m2 to have the same dtype"), so configs/shakespeare_char.yaml,
     whose dtype is bfloat16 on a CPU with AVX-512 BF16, trained eagerly after a page of torch's traceback."""
     if kwargs.get("dropout_p") and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         low = torch.get_autocast_dtype("cpu")
