@@ -7,6 +7,7 @@ tests the step itself."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -220,6 +221,36 @@ def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_
     assert "engine: model compiled block by block" in out
     assert called == ["sample", "attention"]  # the evaluation at step 2 drew both: the check below is not vacuous
     assert compiled_during == []
+
+
+@pytest.mark.parametrize("compiler", ["fails", "works"])
+def test_the_block_by_block_path_compiles_before_training_and_falls_back_to_eager_in_one_line(
+        tmp_path, capsys, monkeypatch, compiler):
+    """Under float16 (and torchrun) the blocks compiled lazily, in the first step: a compiler failure (an old GPU
+    that Triton does not support, say) ended the run in a BackendCompilerFailed traceback, where the whole step falls
+    back to eager. They now compile on one batch before training, which leaves the run as it was: the losses are the
+    eager run's, to the bit, whatever became of the compile."""
+    def failing(gm, example_inputs):
+        raise RuntimeError("no kernels for this GPU (staged)")
+
+    # what is traced and whether it fails is the subject, not inductor's code: AOTAutograd's eager backend, which
+    # runs the traced operators as they are, so the losses stay the eager run's
+    backend = failing if compiler == "fails" else "aot_eager"
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, *args, **kwargs: compile_module(self, *args, **{**kwargs, "backend": backend}))
+    monkeypatch.setattr(engine, "cannot_compile", lambda device: None)  # a C++ compiler or not: inductor never runs
+    keys = {"train.dtype": "float16", "train.max_iters": 3, "model.dropout": 0.1}
+    corpus = write_corpus(tmp_path)
+    out, losses = run_losses(corpus, tmp_path / "compiled", capsys, **keys, **{"train.compile": "true"})
+    if compiler == "fails":
+        assert ("engine: eager (train.compile=true, but cannot compile here (BackendCompilerFailed: backend='failing' "
+                "raised:; from RuntimeError: no kernels for this GPU (staged)): training without compiling)") in out
+        assert load_checkpoint(tmp_path / "compiled" / "ckpt.pt")["engine"] == "eager"
+    else:
+        assert re.search(r"engine: model compiled block by block \(train.compile=true; compiled in [0-9.]+ s\)", out)
+    _, eager = run_losses(corpus, tmp_path / "eager", capsys, **keys, **{"train.compile": "false"})
+    assert losses == eager and len(losses) == 3
 
 
 def run_losses(corpus: Path, out: Path, capsys, *extra: str, **keys: object) -> tuple[str, dict[int, str]]:

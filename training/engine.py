@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,7 @@ from .compile_cache import (
 )
 from .compiled_step import CompiledStep
 from .config import TrainConfig
+from .devices import autocast_context
 from .errors import UsageError
 from .signals import interrupting
 
@@ -210,6 +212,32 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
+def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
+    """Compile the blocks (compile_blocks) now, on one batch of the training shape, forward and backward, rather than
+    in the first step, where a compiler failure ended the run in a traceback; if it fails, the blocks run eagerly
+    again and the choice says why, as a failed whole step does. Called before DDP wraps the model (whose backward
+    would reduce), under fork_rng and with the gradients cleared after, so the run goes on as if this never ran."""
+    model = trainer.model
+    x, y = get_batch(trainer.splits["train"], trainer.cfg.model.block_size, trainer.tc.batch_size,
+                     torch.Generator().manual_seed(0), trainer.device)
+    start = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
+            with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype):
+                _, loss = model(x, y)
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
+        if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
+            raise stop from None
+        for block in model.transformer.h:
+            block._compiled_call_impl = None  # nn.Module.compile undone: the block's own forward again
+        return EngineChoice("eager", f"{choice.reason}, but {compile_failed(e)}: training without compiling")
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    return replace(choice, reason=f"{choice.reason}; compiled in {time.perf_counter() - start:.1f} s")
+
+
 @dataclass(frozen=True)
 class EngineChoice:
     """How a run takes its steps: 'step' (the whole step compiled), 'blocks' (the model compiled block by block,
@@ -303,7 +331,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
         return
     if choice.kind == "blocks":
         trainer.engine = "compiled"
-        say(f"engine: model compiled block by block ({choice.reason}); the first steps compile")
+        say(f"engine: model compiled block by block ({choice.reason})")
         return
     folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)
