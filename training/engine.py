@@ -235,6 +235,8 @@ def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
     finally:
         for p in model.parameters():
             p.grad = None
+    if (stop := interrupting()) is not None:  # a signal the compiler swallowed: it compiled to the end regardless
+        raise stop
     return replace(choice, reason=f"{choice.reason}; compiled in {time.perf_counter() - start:.1f} s")
 
 
