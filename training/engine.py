@@ -325,15 +325,19 @@ def multiplies_through_onednn(model: nn.Module, rows: int) -> bool:
 
 def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], None]) -> None:
     """Set the trainer on the chosen path, saying which and why; compile the whole step now (on copies), falling
-    back to eager with one line should compiling fail. 'blocks' was applied before DDP wrapped the model."""
+    back to eager with one line should compiling fail. 'blocks' (compile_blocks, applied before) compiles here too,
+    on one batch (warm_blocks), before DDP wraps the model."""
+    if choice.kind == "blocks":
+        say(f"engine: compiling the model block by block ({choice.reason})")
+        choice = warm_blocks(trainer, choice)
+        if choice.kind == "blocks":
+            trainer.engine = "compiled"
+            say(f"engine: model compiled block by block ({choice.reason})")
+            return
     if choice.kind == "eager":
         say(f"engine: eager ({choice.reason})")
         if choice.warm_key is not None:
             say(warm_in_background(trainer, choice.warm_key))
-        return
-    if choice.kind == "blocks":
-        trainer.engine = "compiled"
-        say(f"engine: model compiled block by block ({choice.reason})")
         return
     folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)

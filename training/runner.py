@@ -22,7 +22,7 @@ from .compile_cache import user_cache_problem
 from .config import RunConfig
 from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
-from .engine import choose_engine, compile_blocks, start_engine, warm_blocks, warm_enabled
+from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
 from .logger import Logger
 from .loop import Trainer, eval_pass_sequences
@@ -87,11 +87,8 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
     train."""
     cfg, launch = trainer.cfg, trainer.launch
     engine = choose_engine(trainer, payload, start.device)
-    if engine.kind == "blocks":  # compiled now, on one batch (eager again should that fail); DDP then wraps them
+    if engine.kind == "blocks":  # compiled by start_engine, on one batch; DDP wraps the compiled blocks after that
         compile_blocks(trainer.model)
-        engine = warm_blocks(trainer, engine)
-    if launch.torchrun:
-        trainer.fwd = distributed.data_parallel(trainer.fwd, start.device)
     log = Logger(Path(cfg.out_dir), trainer.step, cfg.train.max_iters, cfg.train.tensorboard, progress,
                  quiet=not launch.main, on_closed=partial(trainer.stop.request, signal.SIGPIPE))
     trainer.attach(log, start.corpus.tokenizer(), started)
@@ -104,6 +101,8 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
         log.info(repaired)
     announce(trainer, start, payload, resume)
     start_engine(trainer, engine, log.info)
+    if launch.torchrun:  # after the blocks' compile, whose trial backward must not reduce
+        trainer.fwd = distributed.data_parallel(trainer.fwd, start.device)
     return trainer.fit()
 
 
