@@ -174,8 +174,9 @@ def compile_failed(e: Exception) -> str:
         if not isinstance(inner, Exception):
             break
         root = inner
-    cause = "" if root is e or one_line(root) in one_line(e) else f"; from {one_line(root)}"
-    return f"cannot compile here ({one_line(e)}{cause})"
+    head = one_line(e).rstrip(":")  # "BackendCompilerFailed: backend='inductor' raised:" ends where its cause begins
+    cause = "" if root is e or one_line(root) in head else f"; from {one_line(root)}"
+    return f"cannot compile here ({head}{cause})"
 
 
 @contextmanager
