@@ -213,14 +213,19 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
+def trial_batch(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training batch of the run's shape to compile on, drawn with a generator of its own: the run's are untouched."""
+    return get_batch(trainer.splits["train"], trainer.cfg.model.block_size, trainer.tc.batch_size,
+                     torch.Generator().manual_seed(0), trainer.device)
+
+
 def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
     """Compile the blocks (compile_blocks) now, on one batch of the training shape, forward and backward, rather than
     in the first step, where a compiler failure ended the run in a traceback; if it fails, the blocks run eagerly
     again and the choice says why, as a failed whole step does. Called before DDP wraps the model (whose backward
     would reduce), under fork_rng and with the gradients cleared after, so the run goes on as if this never ran."""
     model = trainer.model
-    x, y = get_batch(trainer.splits["train"], trainer.cfg.model.block_size, trainer.tc.batch_size,
-                     torch.Generator().manual_seed(0), trainer.device)
+    x, y = trial_batch(trainer)
     start = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
@@ -346,10 +351,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     expected = compile_expectation(key, trainer.device, trainer.model.config.n_layer, trainer.tc.grad_accum_steps)
     say(f"engine: compiling the training step ({choice.reason}; {expected})")
     step = CompiledStep(trainer.model, trainer.optimizer, trainer.tc, trainer.device, trainer.dtype)
-    dummy = torch.Generator().manual_seed(0)
-    xs, ys = [torch.stack([b] * trainer.tc.grad_accum_steps) for b in
-              get_batch(trainer.splits["train"], trainer.cfg.model.block_size, trainer.tc.batch_size, dummy,
-                        trainer.device)]
+    xs, ys = [torch.stack([b] * trainer.tc.grad_accum_steps) for b in trial_batch(trainer)]
     try:
         with compiler_log_quiet():
             seconds = step.warm_up(xs, ys)
