@@ -5,17 +5,24 @@ the blocks' matrices (train.optimizer), eager and as the compiled step runs them
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import ROOT, SMALL_TEXT, tiny_overrides
 from torch import nn
 
 from model import GPT, GPTConfig
-from training import compiled_step
+from training import compiled_step, optim
 from training.compiled_step import CompiledStep
 from training.config import TrainConfig
 from training.optim import Muon, lr_at, make_optimizer, orthogonalize, orthogonalize_each
+
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer's choices
 
 
 def schedule(**kw) -> TrainConfig:
@@ -165,7 +172,7 @@ def test_muon_steps_a_matrix_as_torchs_muon_and_the_rest_exactly_as_adamw():
     assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_the_compiled_steps_update_is_the_optimizers_run_as_plain_pytorch(optimizer):
     """training.compiled_step's whole step (clipping and the update on flat buffers), run here without compiling,
     against the eager step: clip_grad_norm_ and the optimizer, 5 steps. Only the order of float32 additions differs."""
@@ -193,3 +200,60 @@ def test_the_compiled_steps_update_is_the_optimizers_run_as_plain_pytorch(optimi
     ours, theirs = flat_opt.state_dict()["state"], eager_opt.state_dict()["state"]
     assert ours.keys() == theirs.keys()
     assert all(torch.allclose(ours[i][k].float(), v.float(), atol=1e-5) for i in theirs for k, v in theirs[i].items())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("compiler", [False, True])
+def test_adamw_steps_saves_and_loads_as_torchs_adamw_with_the_compiler_loaded_or_not(fused, compiler, monkeypatch):
+    """training.optim.AdamW skips torch's wrappers that import the compiler (while none is loaded): the same updates to
+    the bit, the same state, and checkpoints that either class loads."""
+    monkeypatch.setattr(optim, "compiler_loaded", lambda: compiler)
+    weights = [torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), torch.randn(5)]
+    ours_params = [nn.Parameter(w.clone()) for w in weights]
+    torch_params = [nn.Parameter(w.clone()) for w in weights]
+
+    def groups(params: list[nn.Parameter]) -> list[dict]:
+        return [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+
+    ours = optim.AdamW(groups(ours_params), lr=1e-2, betas=(0.9, 0.95), fused=fused)
+    theirs = torch.optim.AdamW(groups(torch_params), lr=1e-2, betas=(0.9, 0.95), fused=fused)
+    assert isinstance(ours, torch.optim.AdamW)
+    draws = torch.Generator().manual_seed(2)
+    for step in range(3):
+        grads = [torch.randn(w.shape, generator=draws) for w in weights]
+        for optimizer, params in ((ours, ours_params), (theirs, torch_params)):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            optimizer.step()
+            optimizer.zero_grad()
+            assert all(p.grad is None for p in params)
+        assert all(torch.equal(a, b) for a, b in zip(ours_params, torch_params, strict=True))
+    saved, expected = ours.state_dict(), theirs.state_dict()
+    assert saved["param_groups"] == expected["param_groups"]
+    assert all(torch.equal(saved["state"][i][k], expected["state"][i][k]) for i in expected["state"]
+               for k in expected["state"][i])
+    # each class resumes from the other's state
+    again = optim.AdamW(groups([nn.Parameter(p.detach().clone()) for p in torch_params]), lr=1.0, fused=fused)
+    again.load_state_dict(expected)
+    back = torch.optim.AdamW(groups([nn.Parameter(p.detach().clone()) for p in ours_params]), lr=1.0, fused=fused)
+    back.load_state_dict(saved)
+    assert again.state_dict()["param_groups"] == back.state_dict()["param_groups"] == expected["param_groups"]
+
+
+def test_an_eager_run_and_its_resume_never_import_the_compiler(tmp_path):
+    """Importing torch's compiler (torch._dynamo) took 1.65 s of every train.py's launch here, compiling or not; now
+    only a run that compiles imports it. In a process of its own, where nothing else has."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    runs = [[*tiny_overrides(corpus, tmp_path / f"out-{name}", **{"train.optimizer": name, "train.max_iters": 4,
+                                                                  "train.eval_interval": 2})] for name in OPTIMIZERS]
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import json, train; runs = json.loads(sys.argv[2]); "
+             "codes = [train.main(a, progress=False) for r in runs "
+             "for a in (r, [*r, 'train.max_iters=6', '--resume'])]; "
+             "print(codes, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, str(ROOT), json.dumps(runs)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "[0, 0, 0, 0] False", out
+    assert (tmp_path / "out-adamw" / "ckpt.pt").exists() and (tmp_path / "out-muon" / "ckpt.pt").exists()

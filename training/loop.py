@@ -35,7 +35,7 @@ from .devices import autocast_context
 from .distributed import EVALUATION, Launch, derived_seed
 from .errors import Diverged, SaveError, agreeing
 from .logger import Logger, Throughput, sample_text
-from .optim import lr_at
+from .optim import compiler_loaded, lr_at
 from .signals import Stopped, StopSignals
 
 # Under torchrun, how often (in micro-batches) the processes of a step of many ask together whether to stop.
@@ -378,7 +378,8 @@ class Trainer:
                 # Eagerly, where the blocks run compiled (engine "blocks": DDP, float16): the sample's cache and the
                 # attention's weights call a block with other arguments at every layer and position, each a new
                 # compile, until dynamo gives up (2 processes, 30 steps: 76 s against 21.5 s without the sample).
-                with torch.compiler.set_stance("force_eager"):
+                # Setting the stance imports the compiler: not where none is loaded, as nothing can be compiled then.
+                with torch.compiler.set_stance("force_eager") if compiler_loaded() else nullcontext():
                     if self.tc.sample_chars:
                         sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed,
                                              self.device)

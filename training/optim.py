@@ -3,8 +3,11 @@ or Muon for the blocks' weight matrices with AdamW for the rest (train.optimizer
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +77,55 @@ def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return 0.2 * math.sqrt(max(shape))
 
 
-class Muon(torch.optim.Optimizer):
+def compiler_loaded() -> bool:
+    """Whether this process has imported torch's compiler (torch._dynamo): until it has, nothing can be compiling."""
+    return "torch._dynamo" in sys.modules
+
+
+def _as_torch_runs(method: Callable) -> Callable:
+    """One of torch.optim.Optimizer's methods that torch wraps in torch._disable_dynamo, as the run needs it: the
+    wrapper, which imports torch's compiler on its first call, once the compiler is loaded; before, the method itself
+    (functools' __wrapped__), which is all that the wrapper calls while nothing compiles."""
+    return method if compiler_loaded() else getattr(method, "__wrapped__", method)
+
+
+class CompilerFreeOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer, but a run that compiles nothing never imports torch's compiler through it.
+
+    torch keeps torch.compile out of add_param_group, zero_grad, state_dict and load_state_dict with a wrapper that
+    imports torch._dynamo when first called, and the optimizer's constructor calls add_param_group: so every eager
+    train.py paid for that import, 1.65 s on a 2-core Zen 4 (torch's own import is 1.9 s), before its first step.
+    These call the same methods without the wrapper until something else has imported the compiler."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _as_torch_runs(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _as_torch_runs(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _as_torch_runs(torch.optim.Optimizer.state_dict)(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _as_torch_runs(torch.optim.Optimizer.load_state_dict)(self, state_dict)
+
+
+class AdamW(CompilerFreeOptimizer, torch.optim.AdamW):
+    """torch.optim.AdamW, its class, state and steps, without importing torch's compiler (CompilerFreeOptimizer).
+
+    torch.optim.AdamW's step imports it on every call, to tell torch.compile where to split a graph that traces
+    it; tinychar never traces the optimizer (the compiled step runs its own update, see training/compiled_step.py), so
+    this steps with AdamW's own code (functools' __wrapped__, under the wrappers), in the gradient mode torch's wrapper
+    sets."""
+
+    _step = staticmethod(inspect.unwrap(torch.optim.AdamW.step))
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return self._step(self, closure)
+
+
+class Muon(CompilerFreeOptimizer):
     """Muon (momentum orthogonalised) for the param groups marked ``muon``, AdamW for the others, in one optimizer.
 
     A Muon matrix keeps a momentum buffer B <- mu B + (1 - mu) g and steps along orthogonalize((1 - mu) g + mu B)
@@ -184,4 +235,4 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
         groups.append({"params": muon, "weight_decay": cfg.weight_decay, "muon": True})
         return Muon(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused,
                     orthogonal_dtype=orthogonal_dtype(dtype))
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    return AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
