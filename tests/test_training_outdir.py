@@ -110,6 +110,29 @@ def test_a_run_that_locks_a_lock_file_just_replaced_opens_the_new_one(tmp_path, 
     assert outside.read_text(encoding="utf-8") == PRECIOUS
 
 
+def test_a_look_at_a_lock_file_just_replaced_sees_the_run_holding_the_new_one(tmp_path, monkeypatch) -> None:
+    """The same race for busy(), which --overwrite and reading a live run's checkpoint ask: it opened the old file, a
+    run starting then gave .lock a file of its own and let the old one go, and busy() found the old one free and
+    said no run held out_dir."""
+    out, outside = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    outside.write_text(PRECIOUS, encoding="utf-8")
+    os.link(outside, out / LOCK)
+    run, real_flock, between = RunLock(out), fcntl.flock, []
+
+    def the_run_gets_in_between(fd, operation):
+        if not between:
+            between.append(fd)
+            run.acquire()
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(training.lock.fcntl, "flock", the_run_gets_in_between)
+    try:
+        assert f"process {os.getpid()}" in (RunLock(out).busy() or "no run")
+    finally:
+        run.release()
+
+
 @pytest.mark.slow
 def test_a_second_run_a_resume_or_an_overwrite_of_a_live_run_is_refused_naming_it(tmp_path, capsys) -> None:
     out = tmp_path / "live"

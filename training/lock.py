@@ -30,17 +30,21 @@ class RunLock:
 
     def busy(self) -> str | None:
         """Who holds the lock ('process 123 on host'), or None when no live run does. Takes nothing."""
-        try:
-            fd = self._open(os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):  # no folder there: no run in it either
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return self._holder(fd)
-        finally:
-            os.close(fd)  # flock belongs to this open file: closing it releases only what it took
-        return None
+        for _ in range(100):  # as in acquire: a free file that is no longer .lock says nothing of the one that is
+            try:
+                fd = self._open(os.O_RDONLY)
+            except (FileNotFoundError, NotADirectoryError):  # no folder there: no run in it either
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return self._holder(fd)
+            else:
+                if self._named(fd):
+                    return None
+            finally:
+                os.close(fd)  # flock belongs to this open file: closing it releases only what it took
+        return "a process that keeps replacing its .lock"
 
     def acquire(self) -> None:
         """Take the lock, or UsageError naming the live run that holds it."""
