@@ -24,7 +24,7 @@ if not __package__:  # run as a file (python lab/sort.py): the project's package
 import torch
 import torch.nn.functional as F
 
-from configs.userinput import OneLineParser, shown
+from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
 from lab.heatmap import log_image, picture_target, render_attention_map, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
@@ -413,10 +413,10 @@ def report(args: object, cfg: SortConfig, lengths: list[int], heatmap: str, writ
             print(f"error: cannot write the heatmap '{shown(heatmap)}' ({reason}); give another --heatmap path",
                   file=sys.stderr)
             return 2
-        print(f"heatmap: {path}")
+        print(f"heatmap: {shell_word(str(path))}")  # one line, to paste back whatever the name holds
     if writer is not None:
         log_result(writer, result, image, cfg)
-        print(f"TensorBoard: {args.logdir}")
+        print(f"TensorBoard: {shell_word(str(args.logdir))}")
     return 0
 
 

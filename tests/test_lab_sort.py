@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import lab.sort
-from configs.userinput import shown
+from configs.userinput import shell_word, shown
 from lab.__main__ import main as lab_main
 from lab.sort import SortConfig, evaluate, held_out, main, memory_need, new_model, run, sorting_batch, train
 
@@ -259,7 +259,20 @@ def test_a_heatmap_whose_name_is_near_the_systems_limit_is_written(tmp_path, cap
     # Its temporary file, '.<name>.<pid>.part', was past the 255 bytes a name may have: refused after training
     path = tmp_path / ("é" * 123 + ".png")  # 250 bytes
     assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(path)]) == 0
-    assert [p.name for p in tmp_path.iterdir()] == [path.name] and f"heatmap: {path}" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert f"heatmap: {shell_word(str(path))}" in capsys.readouterr().out
+
+
+def test_the_heatmap_and_tensorboard_lines_stay_one_line_each_whatever_the_names_hold(tmp_path, capsys):
+    # a newline in a folder's name split each line in two, the second half a line of its own
+    folder = tmp_path / "runs\nof today"
+    folder.mkdir()
+    path, logdir = folder / "map.png", folder / "logs"
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(path), "--logdir", str(logdir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"heatmap: $'{tmp_path}/runs\\nof today/map.png'" in lines
+    assert f"TensorBoard: $'{tmp_path}/runs\\nof today/logs'" in lines
+    assert path.exists() and any(logdir.iterdir())
 
 
 def test_a_run_without_attention_draws_no_heatmap(tmp_path, capsys, monkeypatch):
