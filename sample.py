@@ -304,11 +304,12 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
     request refused in one line. The checkpoint's line and any attention map are written here."""
     try:
         check_args(args)
-        if args.attention_map is not None:  # a name Pillow cannot write, or a file it must not replace: refused first
-            from lab.heatmap import picture_target
+        if args.attention_map is not None:  # a name Pillow cannot write, a file it must not replace, a folder that
+            # cannot be written: refused first
+            from lab.heatmap import check_picture_path
 
             try:
-                picture_target(args.attention_map)
+                check_picture_path(args.attention_map)
             except ValueError as e:
                 raise UsageError(f"--attention-map '{shown(args.attention_map)}': {e}") from None
         path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")

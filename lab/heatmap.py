@@ -15,6 +15,7 @@ import io
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -451,6 +452,32 @@ def picture_target(path: str | Path) -> tuple[Path, str]:
             raise ValueError("a file that is not a picture is there, which the picture would replace; give another "
                              "name (or remove that file first)")
     return target, kind
+
+
+def check_picture_path(path: str | Path) -> Path:
+    """Where write_picture would write path (picture_target), or ValueError, in words, where it could not: besides
+    picture_target's refusals, a file there that cannot be written, a file where a folder must be, or a folder that
+    cannot be written. So that a picture is refused before the work of drawing it rather than after."""
+    target, _ = picture_target(path)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError("the file there cannot be written; give another path")
+    above = target.parent
+    while not above.exists() and above != above.parent:  # write_picture creates the missing folders
+        above = above.parent
+    if not above.is_dir():
+        raise ValueError(f"'{shown(str(above))}' is a file, not a folder; give another path")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"the folder '{shown(str(above))}' cannot be written; give another path")
+    # os.access answers from the permission bits, and for root it allows everything: /proc, a read-only mount or a
+    # full table of inodes refuse only a real file, so one is made there and removed
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".picture-probe.", dir=above)
+    except OSError as e:
+        raise ValueError(f"the folder '{shown(str(above))}' cannot be written ({e.strerror or e}); give another "
+                         f"path") from None
+    os.close(fd)
+    os.unlink(probe)
+    return target
 
 
 def is_picture(path: Path) -> bool:

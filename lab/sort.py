@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
-from lab.heatmap import log_image, picture_target, render_attention_map, write_picture
+from lab.heatmap import check_picture_path, log_image, render_attention_map, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals
@@ -231,18 +231,9 @@ def check_heatmap(path: str | Path) -> None:
     if not str(path):
         raise ValueError("--heatmap is empty; give the picture's file name, such as sort.png (or leave it out)")
     try:
-        path, _ = picture_target(path)
+        check_picture_path(path)
     except ValueError as e:
         raise ValueError(f"{refuse}: {e}") from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{refuse}: the file there cannot be written; give another path")
-    above = path.parent
-    while not above.exists() and above != above.parent:  # write_picture creates the missing folders
-        above = above.parent
-    if not above.is_dir():
-        raise ValueError(f"{refuse}: '{shown(str(above))}' is a file, not a folder; give another path")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise ValueError(f"{refuse}: the folder '{shown(str(above))}' cannot be written; give another path")
 
 
 def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, float, float]]:

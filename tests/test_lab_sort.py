@@ -246,7 +246,10 @@ def refused_before_training(argv: list[str], monkeypatch, capsys) -> str:
                                          ("folder", "it is a folder"),
                                          pytest.param("x" * 300 + ".png", "File name too long", id="long-name"),
                                          pytest.param("x" * 300 + "/map.png", "File name too long",
-                                                      id="long-folder-name")])  # these two were a traceback
+                                                      id="long-folder-name"),  # these two were a traceback
+                                         # no new file, root's included (refused after training as root)
+                                         pytest.param("/proc/map.png", "the folder '/proc' cannot be written",
+                                                      id="proc")])
 def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, where, says):
     (tmp_path / "file").write_text("")
     (tmp_path / "folder").mkdir()

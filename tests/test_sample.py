@@ -310,6 +310,14 @@ def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, ru
         assert image.size != (2, 2)
 
 
+def test_an_attention_map_into_a_folder_that_takes_no_file_is_refused_before_the_model_is_built(run, monkeypatch):
+    # /proc takes no new file, root's included, for whom os.access allows everything: sample.py sampled, then failed
+    monkeypatch.setattr(sample, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
+    line = one_error_line(run("--prompt", PROMPT, "--attention-map", "/proc/map.png"))
+    assert line.startswith("error: --attention-map '/proc/map.png': the folder '/proc' cannot be written"), line
+    assert line.endswith("give another path")
+
+
 def test_an_attention_map_too_large_for_one_character_is_refused_before_the_model_is_built(run, monkeypatch,
                                                                                            tmp_path):
     import lab.heatmap
