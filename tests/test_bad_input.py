@@ -318,12 +318,21 @@ def test_a_huge_argument_argparse_refuses_is_quoted_in_a_short_line(capsys, main
     assert line.endswith("--help)")
 
 
-def test_an_attention_map_that_cannot_be_written_is_one_error_line_whatever_its_path(straight, tmp_path, capsys):
-    """Found after the model loaded (its line on stderr comes first): still one error line, exit status 2."""
+def test_an_attention_map_that_cannot_be_written_is_one_error_line_whatever_its_path(straight, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Refused before the model loads, or, where the path changed after that check, found after it (the model's line
+    on stderr comes first): one error line all the same, exit status 2."""
     blocker = tmp_path / "a\nfile"
     blocker.write_text("a file where the picture's folder would be", encoding="utf-8")
-    code, out, err = call(sample.main, ["--out-dir", str(straight[0]), "--attention-map", str(blocker / "map.png"),
-                                        "--max-new-tokens", "5"], capsys)
+    args = ["--out-dir", str(straight[0]), "--attention-map", str(blocker / "map.png"), "--max-new-tokens", "5"]
+    code, out, err = call(sample.main, args, capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --attention-map '") and "a\\nfile/map.png': '" in err and "is a file" in err
+
+    import lab.heatmap
+
+    monkeypatch.setattr(lab.heatmap, "check_picture_path", lambda path: Path(path))  # as if made after the check
+    code, out, err = call(sample.main, args, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 2, err
     assert "M parameters, step 20" in lines[0]  # the model's line, on one line too
