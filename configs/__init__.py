@@ -58,6 +58,18 @@ def valid_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def path_keys(cls: type, prefix: str = "") -> frozenset[str]:
+    """The dotted keys whose values name files or folders (their fields' metadata says ``path``)."""
+    hints = typing.get_type_hints(cls)
+    keys: set[str] = set()
+    for f in _user_fields(cls):
+        if _is_section(hints[f.name]):
+            keys |= path_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif f.metadata.get("path"):
+            keys.add(prefix + f.name)
+    return frozenset(keys)
+
+
 def nearest(key: str, candidates: list[str]) -> str | None:
     """The valid key a misspelt one most likely meant, comparing whole dotted keys and last parts."""
     match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
@@ -393,6 +405,7 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
     given = dict(getattr(mapping, "given", {}))
     keys = valid_keys(cls)
     hints = _flat_hints(cls)
+    paths = path_keys(cls)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{shown(item)}' must look like KEY=VALUE, e.g. train.max_iters=500")
@@ -404,6 +417,11 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
             value = coerce(text, hints[key], key, from_text=True)
         except ConfigError as e:
             raise ConfigError(f"{e} (command line: {as_typed(item)})") from None
+        if value is None and key in paths and os.path.lexists(text):
+            # KEY=none unsets a path; a file or folder of that very name here is what was more likely meant
+            raise ConfigError(f"{as_typed(item)} unsets {key} (none and null mean no value on the command line), "
+                              f"but '{shown(text)}' is also {_kind_of(text) or 'a file'} here: write "
+                              f"{key}=./{shown(text)} for it, or leave {key} out for no value")
         *sections, name = key.split(".")
         target = result
         for section in sections:

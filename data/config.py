@@ -18,8 +18,9 @@ class DataConfig:
 
     path: str | None = field(
         default=None,
-        metadata={"help": "UTF-8 text: a file, a folder or a glob (files joined by newlines); wins over a config "
-                         "file's dataset (one given on the command line wins over a file's path)"},
+        metadata={"path": True,
+                  "help": "UTF-8 text: a file, a folder or a glob (files joined by newlines); wins over a config "
+                          "file's dataset (one given on the command line wins over a file's path)"},
     )
     dataset: str | None = field(
         default="shakespeare_char",
@@ -38,7 +39,8 @@ class DataConfig:
     )
     cache_dir: str | None = field(
         default=None,
-        metadata={"help": "folder for encoded corpora (null = $TINYCHAR_CACHE_DIR, else ~/.cache/tinychar/encoded)"},
+        metadata={"path": True,
+                  "help": "folder for encoded corpora (null = $TINYCHAR_CACHE_DIR, else ~/.cache/tinychar/encoded)"},
     )
 
     def __post_init__(self) -> None:

@@ -241,6 +241,27 @@ def test_a_tilde_on_the_command_line_is_the_home_folder_and_null_still_unsets():
     assert load_config(TINY, ["data.path=x.txt", "data.path=none"]).data.path is None
 
 
+@pytest.mark.parametrize("key", ["data.path", "data.cache_dir", "out_dir"])
+@pytest.mark.parametrize("word", ["none", "NULL"])
+def test_none_for_a_path_is_refused_where_a_file_of_that_name_is_here(tmp_path, monkeypatch, key, word):
+    # data.path=none trained on the default corpus while a file named none lay in the folder it ran from
+    def value(overrides: list[str]) -> str | None:
+        cfg = load_config(TINY, overrides)
+        return getattr(cfg.data if key.startswith("data.") else cfg, key.rsplit(".", 1)[-1])
+
+    monkeypatch.chdir(tmp_path)
+    assert value([f"{key}={word}"]) == value([])  # nothing of that name here: the word unsets the key
+    (tmp_path / word).write_text("my own text\n")
+    message = refused(TINY, [f"{key}={word}"])
+    assert f"write {key}=./{word} for it" in message and "is also a file here" in message
+    assert value([f"{key}=./{word}"]) == f"./{word}"  # what the line offers
+    (tmp_path / word).unlink()
+    (tmp_path / word).mkdir()
+    assert "is also a folder here" in refused(TINY, [f"{key}={word}"])
+    # A key that names no file keeps the word's meaning
+    assert load_config(TINY, ["data.path=x.txt", f"data.dataset={word}"]).data.dataset is None
+
+
 def test_a_path_written_as_a_number_in_the_file_is_the_text_as_written(tmp_path):
     # YAML reads unquoted digits as a number: out_dir: 001 trained into the folder '1', and 0123 (octal) into '83'.
     # The keys that are text keep what is written; the numbers stay numbers.

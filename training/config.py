@@ -120,7 +120,7 @@ class TrainConfig:
 class RunConfig:
     """One training run: where it writes, its seed, and the data, model and train sections."""
 
-    out_dir: str | None = field(default=None, metadata={
+    out_dir: str | None = field(default=None, metadata={"path": True,
         "help": "folder for checkpoints, config.yaml and TensorBoard logs (default runs/<config file name>)"})
     seed: int = field(default=1337, metadata={
         "help": "seed for initialisation, batches and dropout (torch keeps its low 32 bits: seeds 2**32 apart give "
