@@ -31,6 +31,7 @@ class CtrlC:
 
 sys.meta_path.insert(0, CtrlC())
 script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, ".")  # the repository, as when the script is run there: its own modules import before torch
 runpy.run_path(script, run_name="__main__")
 """
 

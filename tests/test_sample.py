@@ -18,6 +18,7 @@ from PIL import Image
 
 import sample
 from model import load_checkpoint, model_from_checkpoint
+from sampling import request, stops, writing
 
 PROMPT = "First Citizen:\n"  # longer than block_size 8, so generation starts from a cropped context
 GREEDY_PROMPT = "Caius Marc"  # where the greedy continuation of the tiny model is not one character repeated
@@ -79,15 +80,15 @@ def test_several_samples_are_separated_by_a_separator_line(run):
     n, new = 3, 12
     out = ok(run("--prompt", "All:", "--max-new-tokens", str(new), "--num-samples", str(n)))
     size = len("All:") + new + 1
-    assert len(out) == n * size + (n - 1) * len(sample.SEPARATOR)
+    assert len(out) == n * size + (n - 1) * len(writing.SEPARATOR)
     samples = []
     for i in range(n):
-        start = i * (size + len(sample.SEPARATOR))
+        start = i * (size + len(writing.SEPARATOR))
         samples.append(out[start : start + size])
         assert samples[-1].startswith("All:") and samples[-1].endswith("\n")
         if i < n - 1:
-            assert out[start + size : start + size + len(sample.SEPARATOR)] == sample.SEPARATOR
-    assert sample.SEPARATOR.strip() and sample.SEPARATOR.endswith("\n")
+            assert out[start + size : start + size + len(writing.SEPARATOR)] == writing.SEPARATOR
+    assert writing.SEPARATOR.strip() and writing.SEPARATOR.endswith("\n")
     assert len(set(samples)) > 1  # each sample draws its own characters
 
 
@@ -183,7 +184,7 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
     # CUDA graph there; here nothing is captured), and, when the capture fails, one line and the eager path
     args = ("--prompt", PROMPT, "--max-new-tokens", "40", "--num-samples", "2", "--seed", "5")
     expected = ok(run(*args))
-    monkeypatch.setattr(sample.engine, "sampling_graphs", lambda device: True)
+    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)
     code, out, err = run(*args)
     assert code == 0 and out == expected
     assert "sampling step captured as a CUDA graph in" in err
@@ -191,7 +192,7 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
     def fail(self, batch, device):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
 
-    monkeypatch.setattr(sample.WindowSampler, "warm_up", fail)
+    monkeypatch.setattr(writing.WindowSampler, "warm_up", fail)
     code, out, err = run(*args)
     assert code == 0 and out == expected
     notes = [line for line in err.splitlines() if "CUDA graph" in line]
@@ -205,8 +206,8 @@ def test_sampling_without_compiling_never_asks_for_the_compiler_s_settings(run, 
     def options(device):
         raise AssertionError("inductor's options read with nothing to compile")
 
-    monkeypatch.setattr(sample.compile_cache, "compile_options", options)
-    monkeypatch.setattr(sample.engine, "sampling_graphs", lambda device: True)  # the CUDA path, as above
+    monkeypatch.setattr(writing.compile_cache, "compile_options", options)
+    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)  # the CUDA path, as above
     code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "20", "--compile", "false")
     assert code == 0 and len(out) == len(PROMPT) + 20 + 1 and "captured as a CUDA graph" in err, err
 
@@ -227,8 +228,8 @@ def test_nothing_is_compiled_for_no_new_characters(run, monkeypatch):
     def compile(*args, **kwargs):
         raise AssertionError("compiled (or captured) for no characters")
 
-    monkeypatch.setattr(sample.WindowSampler, "warm_up", compile)
-    monkeypatch.setattr(sample.engine, "sampling_graphs", lambda device: True)
+    monkeypatch.setattr(writing.WindowSampler, "warm_up", compile)
+    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)
     code, out, err = run("--prompt", "All:", "--max-new-tokens", "0", "--compile", "true")
     assert code == 0 and out == "All:\n" and "compiled" not in err and "captured" not in err, err
 
@@ -240,7 +241,7 @@ def test_a_text_too_long_for_memory_is_refused_before_the_model_is_built(run, mo
 
     monkeypatch.setattr(training.memory, "available_bytes", lambda device: 2 * 10**9)
     built = []
-    monkeypatch.setattr(sample, "model_from_checkpoint", lambda *a: built.append(1))
+    monkeypatch.setattr(request, "model_from_checkpoint", lambda *a: built.append(1))
     line = one_error_line(run("--num-samples", "1000", "--max-new-tokens", "200000"))  # 2.6 GB of ids
     assert "needs about 2.6 GB of memory and this machine has 2.0 GB free" in line
     assert line.endswith("ask for fewer --num-samples or a smaller --max-new-tokens") and not built
@@ -312,7 +313,7 @@ def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, ru
 
 def test_an_attention_map_into_a_folder_that_takes_no_file_is_refused_before_the_model_is_built(run, monkeypatch):
     # /proc takes no new file, root's included, for whom os.access allows everything: sample.py sampled, then failed
-    monkeypatch.setattr(sample, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
+    monkeypatch.setattr(request, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
     line = one_error_line(run("--prompt", PROMPT, "--attention-map", "/proc/map.png"))
     assert line.startswith("error: --attention-map '/proc/map.png': the folder '/proc' cannot be written"), line
     assert line.endswith("give another path")
@@ -323,7 +324,7 @@ def test_an_attention_map_too_large_for_one_character_is_refused_before_the_mode
     import lab.heatmap
 
     monkeypatch.setattr(lab.heatmap, "MAX_MAP_PIXELS", 1000)
-    monkeypatch.setattr(sample, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
+    monkeypatch.setattr(request, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
     line = one_error_line(run("--prompt", PROMPT, "--attention-map", str(tmp_path / "map.png")))
     assert line.endswith("heads is over 1,000 pixels even for one character; leave out --attention-map")
     assert not (tmp_path / "map.png").exists()
@@ -519,7 +520,7 @@ def test_a_real_sample_process_prints_only_the_samples(run, run_dir):
     assert "Traceback" not in result.stderr and "parameters" in result.stderr
     # byte for byte what the in-process call prints: nothing else reaches stdout
     assert result.stdout == ok(run(*args))
-    assert len(result.stdout) == 2 * (len(PROMPT) + 25 + 1) + len(sample.SEPARATOR)
+    assert len(result.stdout) == 2 * (len(PROMPT) + 25 + 1) + len(writing.SEPARATOR)
 
 
 def test_sampling_a_small_window_on_one_thread_gives_the_threads_back(run):
@@ -540,7 +541,7 @@ def test_a_ctrl_c_before_sampling_is_one_line_and_status_130(run, monkeypatch, t
         raise KeyboardInterrupt
 
     if where == "loading the checkpoint":
-        monkeypatch.setattr(sample, "load_checkpoint", ctrl_c)
+        monkeypatch.setattr(request, "load_checkpoint", ctrl_c)
     else:
         monkeypatch.setattr(lab.heatmap, "attention_weights", ctrl_c)
     code, out, err = run("--prompt", PROMPT, "--attention-map", str(tmp_path / "map.png"))
@@ -552,15 +553,15 @@ def test_a_ctrl_c_before_sampling_is_one_line_and_status_130(run, monkeypatch, t
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_ctrl_c_while_sampling_waits_for_the_character_and_a_second_one_does_not(signum):
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    with sample.ctrl_c_between_characters() as asked:
+    with stops.ctrl_c_between_characters() as asked:
         assert asked() is None
         os.kill(os.getpid(), signum)  # handled at the next bytecode: only noted
         assert asked() == signum
         with pytest.raises(KeyboardInterrupt) as raised:
             os.kill(os.getpid(), signum)
     assert {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} == before  # as they were
-    assert isinstance(raised.value, sample.Terminated) == (signum == signal.SIGTERM)
-    assert sample.stopped(raised.value, "stopped sampling") == 128 + signum
+    assert isinstance(raised.value, stops.Terminated) == (signum == signal.SIGTERM)
+    assert stops.stopped(raised.value, "stopped sampling") == 128 + signum
 
 
 def test_a_ctrl_c_while_the_samples_are_written_stops_the_writing(run, monkeypatch):

@@ -1,0 +1,253 @@
+"""What sample.py is asked for, checked before anything heavy runs: the numbers, the prompt, the checkpoint, the
+attention map's file and whether the model and the text fit; then the model, ready to sample."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from configs.userinput import read_user_file, shown
+from data.paths import LOG_PATH
+from model import (
+    GPT,
+    CheckpointError,
+    checkpoint_config,
+    find_checkpoint,
+    load_checkpoint,
+    model_from_checkpoint,
+)
+from model.config import GPTConfig
+from training import compile_cache
+from training.devices import DeviceError, resolve_device
+from training.errors import UsageError, path_error, path_message
+from training.memory import MemoryNeed, check_fits, model_need, text_bytes
+
+# generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
+# text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
+MAX_NEW_TOKENS = 10_000_000
+MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text
+
+
+def integer(text: str) -> int:
+    """An int from the command line; refused with the text cut to its ends (argparse's own type=int quotes it
+    whole)."""
+    try:
+        return int(text)
+    except ValueError:  # not a number, or one of more than 4,300 digits (Python's int-from-text limit)
+        raise argparse.ArgumentTypeError(f"invalid int value: '{shown(text)}'") from None
+
+
+def real(text: str) -> float:
+    """A float from the command line; refused with the text cut to its ends."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: '{shown(text)}'") from None
+
+
+def number(n: int) -> str:
+    """n as an error line quotes it: whole up to 20 digits, else its ends and how many digits it has."""
+    digits = str(abs(n))
+    if len(digits) <= 20:
+        return str(n)
+    return f"{'-' if n < 0 else ''}{digits[:4]}...{digits[-4:]} ({len(digits):,} digits)"
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if (why := compile_cache.user_cache_problem()) is not None:  # where sampling compiles, and where it looks
+        raise UsageError(why)
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {number(args.num_samples)}")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {number(args.max_new_tokens)}")
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS:,}, got {number(args.max_new_tokens)}")
+    if not -(2**63) <= args.seed < 2**63:  # what torch.Generator.manual_seed takes without an overflow
+        raise UsageError(f"--seed must fit in a signed 64-bit integer, got {number(args.seed)}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {number(args.top_k)}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    for flag, value, what in (("--out-dir", args.out_dir, "a run folder (or leave it out: runs/tiny)"),
+                              ("--checkpoint", args.checkpoint, "a checkpoint file"),
+                              ("--prompt-file", args.prompt_file, "a UTF-8 text file"),
+                              ("--attention-map", args.attention_map, "the picture's file name, such as map.png")):
+        if value == "":  # Path("") is the current folder: never what was meant
+            raise UsageError(f"{flag} is empty; give {what}")
+    if args.prompt is not None:
+        check_utf8(args.prompt)
+
+
+def check_utf8(prompt: str) -> None:
+    """UsageError when --prompt is not UTF-8: Python hands bytes that are not (b'\\xff' in argv) over as surrogates
+    (U+DCFF), which no model has seen and which cannot be written out."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = prompt[e.start]
+        what = f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"a lone surrogate {c!r}"
+        raise UsageError(f"--prompt is not UTF-8 text ({what} at character {e.start}); give it as UTF-8, or in a "
+                         f"--prompt-file saved as UTF-8") from None
+
+
+def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
+    """The prompt: --prompt-file's text (without a leading byte-order mark), --prompt, or a newline by default;
+    UsageError when it is empty."""
+    if args.prompt_file is not None:
+        raw = read_user_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES, error=UsageError)
+        bom = raw.startswith(codecs.BOM_UTF8)  # Notepad's "UTF-8 with BOM": a mark of the encoding, not text
+        try:
+            prompt = raw[len(codecs.BOM_UTF8) if bom else 0 :].decode("utf-8")  # as they are: "\r\n" stays two
+        except UnicodeDecodeError as e:
+            at = e.start + (len(codecs.BOM_UTF8) if bom else 0)
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is not UTF-8 (byte 0x{raw[at]:02x} at "
+                             f"offset {at}); convert it to UTF-8") from None
+        if prompt == "":
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is empty; give a file of at least one "
+                             f"character (or leave out --prompt-file)")
+        return prompt
+    if args.prompt is not None:
+        if args.prompt == "":
+            raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
+        return args.prompt
+    return "\n" if "\n" in vocab else vocab[0]
+
+
+def run_checkpoint(out_dir: str) -> Path:
+    """The checkpoint of a run folder (model.find_checkpoint), or UsageError when the folder is a file."""
+    if os.path.isfile(out_dir):
+        raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
+                         f"--checkpoint")
+    return find_checkpoint(out_dir)
+
+
+def map_title(path: Path, prompt: str) -> str:
+    return f"{path}: {prompt[-40:]!r}"
+
+
+def attention_map_characters(args: argparse.Namespace, config: GPTConfig, path: Path, prompt: str) -> int:
+    """How many of the prompt's last characters --attention-map draws (0 without one); UsageError, before the model
+    is built, for a model whose picture would be too large even for one character."""
+    if args.attention_map is None:
+        return 0
+    from lab.heatmap import characters_shown, too_large
+
+    window = prompt[-config.block_size :]
+    pictured = characters_shown(config.n_layer, config.n_head, list(window), map_title(path, prompt))
+    if pictured == 0:
+        raise UsageError(f"--attention-map: {too_large(config.n_layer, config.n_head)}; leave out --attention-map")
+    return pictured
+
+
+def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_chars: int, device: torch.device,
+                        path: Path) -> None:
+    """UsageError, in one line, when the model and the text asked for cannot fit: the weights, the sampling window's
+    pass and the text's ids on the device, and the ids kept until the samples are written in the CPU's memory.
+
+    The advice follows what is too large: one sample that cannot fit is the model's fault (or its text's, when that
+    dominates); a batch that cannot fit when one sample can, the number of samples (their windows, KV caches and
+    text grow with it)."""
+    cpu = device.type == "cpu"
+    what = f"sampling from '{shown(str(path))}'"
+    text_advice = "ask for fewer --num-samples or a smaller --max-new-tokens"
+
+    def need(samples: int) -> tuple[MemoryNeed, int]:
+        on_device, kept = text_bytes(samples, prompt_chars, args.max_new_tokens)
+        return model_need(config, samples, text=on_device + (kept if cpu else 0)), kept
+
+    one, _ = need(1)
+    check_fits(one, device, what=what, advice="ask for a smaller --max-new-tokens" if one.dominant() == "text" else
+               "it describes a model too large for this machine")
+    batch, kept = need(args.num_samples)
+    check_fits(batch, device, what=what, advice=text_advice if batch.dominant() == "text" else
+               "ask for fewer --num-samples (one sample fits)")
+    if not cpu:
+        check_fits(MemoryNeed(weights=0, masks=0, activations=0, text=kept), torch.device("cpu"), what=what,
+                   advice=text_advice)
+
+
+def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]] | int:
+    """The model in eval mode on its device, the prompt's ids, the prompt and the vocabulary; or the exit status of a
+    request refused in one line. The checkpoint's line and any attention map are written here."""
+    try:
+        check_args(args)
+        if args.attention_map is not None:  # a name Pillow cannot write, a file it must not replace, a folder that
+            # cannot be written: refused first
+            from lab.heatmap import check_picture_path
+
+            try:
+                check_picture_path(args.attention_map)
+            except ValueError as e:
+                raise UsageError(f"--attention-map '{shown(args.attention_map)}': {e}") from None
+        path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
+        device = resolve_device(args.device)
+        # On the CPU: a ckpt.pt also holds the optimizer's moments (and the weights the average was taken of), which
+        # would take a small GPU's memory before the check below; model.to(device) moves only the model.
+        payload = load_checkpoint(path)
+        config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
+        if args.attention_map is not None and config.type != "gpt":
+            raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
+        prompt = read_prompt(args, vocab)
+        index = {c: i for i, c in enumerate(vocab)}
+        unseen = sorted({c for c in prompt if c not in index})
+        if unseen:
+            listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
+            raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
+                             f"remove or replace them")
+        pictured = attention_map_characters(args, config, path, prompt)
+        check_sampling_fits(config, args, len(prompt), device, path)
+        model, vocab = model_from_checkpoint(payload, path)
+    except (UsageError, CheckpointError, DeviceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the system will not take (a name too long, a loop of links)
+        if not path_error(e):
+            raise
+        print(f"error: {path_message(e)}", file=sys.stderr)
+        return 2
+
+    model.to(device).eval()
+    ids = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)
+    if not finite_output(model, ids[:, -config.block_size:]):
+        print(f"error: {OVERFLOW.format(path=shown(str(path)))}", file=sys.stderr)
+        return 2
+    step = payload.get("step")  # an int in every checkpoint train.py writes; anything else is not quoted
+    step = number(step) if isinstance(step, int) and not isinstance(step, bool) else "?"
+    print(f"{shown(str(path), LOG_PATH)}: {model.num_params() / 1e6:.2f}M parameters, step {step}, "
+          f"vocabulary {len(vocab)}", file=sys.stderr)
+    if args.attention_map is not None:
+        from lab.heatmap import save_attention_map
+
+        window = min(len(prompt), config.block_size)
+        if pictured < window:
+            print(f"attention map: the last {pictured:,} characters of the prompt's {window:,} (a picture of them "
+                  f"all would be too large to open)", file=sys.stderr)
+        try:
+            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=map_title(path, prompt))
+        except (OSError, ValueError) as e:  # ValueError: a format Pillow cannot write in RGB
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"error: cannot write --attention-map '{shown(args.attention_map)}': {reason}", file=sys.stderr)
+            return 2
+        print(f"attention map: {shown(str(saved), LOG_PATH)}", file=sys.stderr)
+    return model, ids, prompt, vocab
+
+
+# A checkpoint whose weights are finite but so large (up to float32's 3.4e38) that the model's output overflows:
+# load_checkpoint refuses weights that are not finite themselves, not these.
+OVERFLOW = ("'{path}': the model's output is not a finite number (its weights are so large that float32 overflows); "
+            "sample from another checkpoint")
+
+
+@torch.no_grad()
+def finite_output(model: GPT, window: torch.Tensor) -> bool:
+    """Whether the model's next-character logits after window are all finite numbers: without this, sampling would
+    draw from NaN probabilities (a traceback on one path, a text of the vocabulary's first character on others)."""
+    logits, _ = model(window)
+    return bool(torch.isfinite(logits[:, -1]).all())

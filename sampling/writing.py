@@ -1,0 +1,141 @@
+"""Drawing the characters and writing the samples: the fixed-shape window sampler (compiled where that pays) or the
+plain path, one batch for every sample, stdout holding only the samples."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from model import GPT
+from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
+from training import compile_cache, engine
+from training.signals import Interrupted, InterruptSignals, interrupting
+
+from .stops import Stops, interruption
+
+SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
+
+
+def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], args: argparse.Namespace,
+                  stops: Stops | None = None) -> None:
+    """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
+    batch; with --stream the first one is printed as it comes and the others when they are complete. Stopped by a
+    signal between characters (stops: see ctrl_c_between_characters), the samples so far are written, then
+    KeyboardInterrupt (or Terminated) is raised; a signal while they are written raises at once."""
+    stops = stops or Stops()
+    out = sys.stdout
+    # the ids of every sample until they are written: 4-byte ints, with room to grow (training.memory.KEPT_ID: 5 bytes
+    # a character), checked to fit
+    kept = [array("i") for _ in range(args.num_samples)]
+    stop: KeyboardInterrupt | None = None
+    with sampling_threads(model, args.num_samples, ids.device):
+        try:
+            # Ctrl-C or SIGTERM while the sampler is made and compiled (seconds, cold) stops it at once, as in
+            # train.py, rather than once it has compiled and drawn its first character
+            with InterruptSignals():
+                steps = character_steps(model, ids.expand(args.num_samples, -1), args)
+        except Interrupted as e:
+            raise interruption(e.signum) from None
+        for step_ids in steps:
+            column = step_ids[:, 0].tolist()
+            if args.stream:
+                if not kept[0]:
+                    out.write(prompt)
+                out.write(vocab[column[0]])
+                out.flush()
+            for row, i in zip(kept, column, strict=True):
+                row.append(i)
+            if signum := stops():  # stopped between characters: the text so far is written, as it stands
+                stop = interruption(signum)
+                break
+    stops.at_once = True
+    if stop is None and (signum := stops()):  # noted after the last character was drawn
+        stop = interruption(signum)
+    for n, row in enumerate(kept):
+        if n:
+            out.write(SEPARATOR)
+        if not (args.stream and n == 0 and row):
+            out.write(prompt + "".join([vocab[i] for i in row]))
+        out.write("\n")
+    out.flush()
+    if stop is not None:
+        raise stop
+
+
+@contextmanager
+def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[None]:
+    """One torch thread while sampling a window too small to share out among threads (the count is put back)."""
+    threads = torch.get_num_threads()
+    cfg = model.config
+    if device.type == "cpu" and batch * cfg.block_size * cfg.n_embd <= engine.SAMPLE_ONE_THREAD_MAX:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def plain_path(model: GPT, args: argparse.Namespace) -> str | None:
+    """Why this request samples on the plain path (GPT.generate: nothing compiled), or None for the window sampler."""
+    if not isinstance(model, GPT):
+        return f"a {model.config.type} model samples on the plain path"
+    if args.no_cache:
+        return "--no-cache takes the plain path"
+    if 0 < args.temperature < MIN_FAST_TEMPERATURE:
+        return f"a --temperature below {MIN_FAST_TEMPERATURE:g} (greedy) takes the plain path"
+    return None
+
+
+def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -> Iterator[torch.Tensor]:
+    """The (num_samples, 1) ids of each next character. A GPT samples from a fixed-shape window (model.sampler), on
+    one thread where its operators are too small to share out, compiled where that pays; --no-cache, the other
+    model types and vanishing temperatures take the plain path. Both give the same characters for a seed."""
+    if args.max_new_tokens == 0:  # nothing to draw: nothing to compile or capture either
+        return iter(())
+    gen = torch.Generator(device=batch.device).manual_seed(args.seed)
+    plain = plain_path(model, args)
+    if plain is not None:
+        if args.compile == "true":  # said, as when the environment cannot compile
+            print(f"--compile true, but {plain}: sampling without compiling", file=sys.stderr)
+        return model.generate_iter(batch, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
+                                   use_cache=not args.no_cache)
+    cfg, device = model.config, batch.device
+    key = engine.sampling_key(cfg, len(batch), args.temperature, args.top_k, args.top_p, device)
+    compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device)
+    if why_not:
+        print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
+    graph = engine.sampling_graphs(device)
+    chunk = GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1
+    # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
+    options = compile_cache.compile_options(device) if compiled else None
+    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
+                            chunk=chunk, graph=graph)
+    if compiled or graph:
+        if compiled:
+            compile_cache.prepare_compile()
+        cold = compiled and compile_cache.cached_compile_seconds(key) is None
+        start = time.perf_counter()
+        try:
+            with engine.compiler_log_quiet():
+                sampler.warm_up(len(batch), device)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
+            if (stop := interrupting(e)) is not None:  # a signal (write_samples's InterruptSignals), which the
+                raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own
+            why = engine.compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({engine.one_line(e)})"
+            print(f"{why}; sampling eagerly", file=sys.stderr)
+            sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
+        else:
+            if (stop := interrupting()) is not None:  # a signal the compiler swallowed, compiling to the end
+                raise interruption(getattr(stop, "signum", signal.SIGINT))
+            made = "compiled" if compiled else "captured as a CUDA graph"
+            if compiled:
+                compile_cache.remember_compile(key, time.perf_counter() - start, cold)
+            print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return sampler.generate_iter(batch, args.max_new_tokens, gen)
