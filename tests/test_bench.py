@@ -21,6 +21,32 @@ import yaml
 
 import bench
 import training.checkpoints
+from benchmark.products import VOCAB, products_ms, step_products
+from benchmark.quality import (
+    NANOGPT_BLOCK8_RUN,
+    gpu_quality_rows,
+    nanogpt_best,
+    nanogpt_final,
+    nanogpt_flags,
+    race,
+    shortened,
+)
+from benchmark.report import is_bench_result, json_problem, markdown, write_json
+from benchmark.runs import (
+    FULL,
+    NANOGPT_FILES,
+    QUICK,
+    SAMPLE_SHAPES,
+    STEP_SHAPES,
+    Run,
+    Shape,
+    cpu_info,
+    launch,
+    parse_eval,
+    per_unit,
+    usable_flags,
+)
+from benchmark.speed import compare, step_rows
 from model import GPT, GPTConfig
 from training.config import load_config
 
@@ -28,98 +54,98 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_evaluation_lines_of_both_programs_are_read_and_nothing_else():
-    assert bench.parse_eval("step 325: train loss 1.9012, val loss 1.9321 (best)\n") == (325, 1.9321)  # tinychar
-    assert bench.parse_eval("step 2000: train loss 1.7601, val loss 1.8823\n") == (2000, 1.8823)  # nanoGPT
+    assert parse_eval("step 325: train loss 1.9012, val loss 1.9321 (best)\n") == (325, 1.9321)  # tinychar
+    assert parse_eval("step 2000: train loss 1.7601, val loss 1.8823\n") == (2000, 1.8823)  # nanoGPT
     for other in ("step 20/1300: loss 3.5373, lr 2.38e-03, 4,801 tokens/s, MFU 1.7%",  # tinychar's log line
                   "iter 5: loss 4.1828, time 76.72ms, mfu -100.00%",  # nanoGPT's
                   "done: step 1300, val loss 1.9300 (best 1.9300) in 30.1s; sample with: ...",
                   "saving checkpoint to out"):
-        assert bench.parse_eval(other) is None
+        assert parse_eval(other) is None
 
 
 def test_differencing_cancels_what_both_runs_share():
     # 2 s of start-up in each, then 100 and 1100 steps of 4 ms
-    assert bench.per_unit(2.0 + 0.4, 2.0 + 4.4, 100, 1100) == pytest.approx(0.004)
-    assert math.isnan(bench.per_unit(5.0, 4.9, 100, 1100))  # noise larger than the difference: no figure
+    assert per_unit(2.0 + 0.4, 2.0 + 4.4, 100, 1100) == pytest.approx(0.004)
+    assert math.isnan(per_unit(5.0, 4.9, 100, 1100))  # noise larger than the difference: no figure
 
 
 def test_ratio_is_nanogpt_time_over_tinychar_time_with_per_round_spread():
-    steps = bench.compare("step", "ms/step", [4.0, 5.0, 6.0], [2.0, 2.0, 3.0])
+    steps = compare("step", "ms/step", [4.0, 5.0, 6.0], [2.0, 2.0, 3.0])
     assert (steps["nanogpt"], steps["tinychar"], steps["ratio"]) == (5.0, 2.0, 2.5)
     assert steps["spread"] == [2.0, 2.5]
-    rate = bench.compare("sampling", "chars/s", [500.0, 600.0], [1000.0, 1800.0])  # a rate: tinychar's over nanoGPT's
+    rate = compare("sampling", "chars/s", [500.0, 600.0], [1000.0, 1800.0])  # a rate: tinychar's over nanoGPT's
     assert rate["ratio"] == pytest.approx(1400 / 550)
     assert rate["spread"] == [2.0, 3.0]
-    lost = bench.compare("step", "ms/step", [math.nan], [2.0])
+    lost = compare("step", "ms/step", [math.nan], [2.0])
     assert math.isnan(lost["ratio"]) and lost["spread"] is None
-    assert bench.compare("step", "ms/step", [4.0, math.nan], [2.0, 1.0])["spread"] is None  # one usable round
+    assert compare("step", "ms/step", [4.0, math.nan], [2.0, 1.0])["spread"] is None  # one usable round
 
 
 def test_cpu_model_and_relevant_flags_from_proc_cpuinfo():
     text = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512vl\n\n"
             "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu\n")
-    assert bench.cpu_info(text) == ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_bf16"])
+    assert cpu_info(text) == ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_bf16"])
     # family and model tell apart CPUs of one name (a Zen 4 and a Zen 5 EPYC both read "AMD EPYC")
     text = "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n"
-    assert bench.cpu_info(text) == ("AMD EPYC, family 25 model 17", ["avx2"])
-    name, flags = bench.cpu_info("")  # no /proc/cpuinfo (macOS): the platform's name, no flags
+    assert cpu_info(text) == ("AMD EPYC, family 25 model 17", ["avx2"])
+    name, flags = cpu_info("")  # no /proc/cpuinfo (macOS): the platform's name, no flags
     assert name and flags == []
 
 
 def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
-    speed = bench.compare("train step, block 8", "ms/step", [4.0, 4.2], [2.0, 2.0])
+    speed = compare("train step, block 8", "ms/step", [4.0, 4.2], [2.0, 2.0])
     missed = {"label": "launch to val <= 1.9300", "unit": "s", "nanogpt": 41.25, "tinychar": math.nan,
               "ratio": math.nan, "spread": None, "target": 1.93, "tinychar_best": 1.95}
     report = {"date": "2025-01-02", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2, "torch": "2.13.0",
               "threads": 2, "rounds": 2, "matmul_gflops": {"float32": 75.4, "bfloat16": 239.0}, "rows": [speed, missed]}
-    lines = bench.markdown(report).splitlines()
+    lines = markdown(report).splitlines()
     assert lines[0] == "tinychar vs nanoGPT, 2025-01-02: AMD EPYC (avx2), 2 cores, torch 2.13.0, 2 threads, rounds: 2"
     assert "float32 75 GFLOP/s, bfloat16 239 GFLOP/s" in lines[2]
     assert "| train step, block 8 | ms/step | 4.10 | 2.00 | 2.05x | 2.00-2.10x |" in lines
     assert "| launch to val <= 1.9300 | s | 41.2 | not reached (best 1.9500) | n/a | - |" in lines
     assert not any("linear products" in line for line in lines)  # a report without them (older JSON) has no line
     report["products"] = {"block8": {"label": "block 8, batch 32, 3L/4H/32", "ms": 0.512, "bound": 3.4567}}
-    assert bench.markdown(report).splitlines()[4] == (
+    assert markdown(report).splitlines()[4] == (
         "Float32 linear products of one training step, each timed alone through PyTorch's default BLAS, and nanoGPT's "
         "float32 step over them, the most a step on that BLAS can gain on it: block 8, batch 32, 3L/4H/32 0.51 ms "
         "(3.46x).")
     del report["products"]
     # where tinychar's linear layers may multiply through oneDNN, its ceiling is in the header too
     report["matmul_gflops"]["float32_onednn"] = 440.4
-    assert bench.markdown(report).splitlines()[2] == ("Matmul ceiling (1024x1024): float32 75 GFLOP/s, bfloat16 239 "
+    assert markdown(report).splitlines()[2] == ("Matmul ceiling (1024x1024): float32 75 GFLOP/s, bfloat16 239 "
                                                       "GFLOP/s; float32 through oneDNN 440 GFLOP/s.")
 
 
-@pytest.mark.parametrize("name", sorted(bench.STEP_SHAPES))
+@pytest.mark.parametrize("name", sorted(STEP_SHAPES))
 def test_a_steps_products_are_its_linear_layers_three_times_over(name):
     """Forward, input gradient and weight gradient of every linear layer: 6 FLOPs per weight per position, the
     model's own count less attention's scores and sums."""
-    shape = bench.STEP_SHAPES[name]
-    cfg = GPTConfig(block_size=shape.block_size, vocab_size=bench.VOCAB, n_layer=shape.n_layer, n_head=shape.n_head,
+    shape = STEP_SHAPES[name]
+    cfg = GPTConfig(block_size=shape.block_size, vocab_size=VOCAB, n_layer=shape.n_layer, n_head=shape.n_head,
                     n_embd=shape.n_embd, bias=shape.bias)
     rows = shape.batch_size * shape.block_size
     attention = 12 * shape.n_layer * shape.block_size * shape.n_embd
-    products = sum(2 * m * k * n for m, k, n in bench.step_products(shape))
+    products = sum(2 * m * k * n for m, k, n in step_products(shape))
     assert products == (GPT(cfg).flops_per_token() - attention) * rows
-    assert len(bench.step_products(shape)) == 3 * (4 * shape.n_layer + 1)
-    small = bench.Shape(shape.config, 4, 2, 1, 1, 8, False)
-    assert 0 < bench.products_ms(small, threads=1, seconds=0.001) < 1e3
+    assert len(step_products(shape)) == 3 * (4 * shape.n_layer + 1)
+    small = Shape(shape.config, 4, 2, 1, 1, 8, False)
+    assert 0 < products_ms(small, threads=1, seconds=0.001) < 1e3
 
 
 def test_isa_avx2_hides_avx512_from_the_flags_and_says_so_in_the_header():
     flags = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
-    assert bench.usable_flags(flags, "native") == flags
-    assert bench.usable_flags(flags, "avx2") == ["avx2"]  # so no bfloat16 rows either
+    assert usable_flags(flags, "native") == flags
+    assert usable_flags(flags, "avx2") == ["avx2"]  # so no bfloat16 rows either
     report = {"date": "2025-01-02", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "isa": "avx2", "cores": 2,
               "torch": "2.13.0", "threads": 2, "rounds": 2, "rows": []}
-    assert bench.markdown(report).splitlines()[0].endswith(
+    assert markdown(report).splitlines()[0].endswith(
         "rounds: 2; limited to AVX2 (ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2)")
 
 
 def test_nanogpt_is_told_tiny_yaml_in_the_types_its_configurator_demands():
     cfg = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text(encoding="utf-8"))
-    assert bench.NANOGPT_BLOCK8_RUN["model"] == {k: cfg["model"][k] for k in bench.NANOGPT_BLOCK8_RUN["model"]}
-    flags = dict(flag.removeprefix("--").split("=") for flag in bench.nanogpt_flags(cfg))
+    assert NANOGPT_BLOCK8_RUN["model"] == {k: cfg["model"][k] for k in NANOGPT_BLOCK8_RUN["model"]}
+    flags = dict(flag.removeprefix("--").split("=") for flag in nanogpt_flags(cfg))
     model, train = cfg["model"], cfg["train"]
     assert flags["block_size"] == str(model["block_size"]) and flags["n_embd"] == str(model["n_embd"])
     assert flags["bias"] == str(bool(model["bias"]))  # True/False, which nanoGPT's literal_eval reads as a bool
@@ -128,15 +154,15 @@ def test_nanogpt_is_told_tiny_yaml_in_the_types_its_configurator_demands():
 
 
 def test_quick_quality_runs_are_shortened_alike_for_both_programs():
-    assert bench.shortened(None, "--{}={}") == []
-    assert bench.shortened(20, "--{}={}") == ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=10",
+    assert shortened(None, "--{}={}") == []
+    assert shortened(20, "--{}={}") == ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=10",
                                               "--warmup_iters=2"]
-    assert bench.shortened(1, "train.{}={}") == ["train.max_iters=1", "train.lr_decay_iters=1", "train.eval_interval=1",
+    assert shortened(1, "train.{}={}") == ["train.max_iters=1", "train.lr_decay_iters=1", "train.eval_interval=1",
                                                  "train.warmup_iters=0"]
 
 
-@pytest.mark.parametrize("shape", [*bench.STEP_SHAPES.values(), *bench.SAMPLE_SHAPES.values()])
-def test_overrides_given_to_tinychar_are_keys_it_knows(shape: bench.Shape):
+@pytest.mark.parametrize("shape", [*STEP_SHAPES.values(), *SAMPLE_SHAPES.values()])
+def test_overrides_given_to_tinychar_are_keys_it_knows(shape: Shape):
     args = shape.tinychar(10)
     assert args[:2] == ["--config", shape.config]
     cfg = load_config(str(ROOT / shape.config), [*args[2:], "train.threads=2", "out_dir=unused"])
@@ -148,7 +174,7 @@ def test_overrides_given_to_tinychar_are_keys_it_knows(shape: bench.Shape):
 
 def nanogpt_checkout(folder: Path) -> Path:
     """A folder that passes for a nanoGPT checkout: its files, empty."""
-    for name in bench.NANOGPT_FILES:
+    for name in NANOGPT_FILES:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("", encoding="utf-8")
     return folder
@@ -280,19 +306,19 @@ class FakePrograms:
         self.count += 1
         return Path(f"/nonexistent/{name}{self.count}")
 
-    def nanogpt(self, script: str, args: list[str]) -> bench.Run:
+    def nanogpt(self, script: str, args: list[str]) -> Run:
         slow = 1 + self.drift * self.nano_runs
         self.nano_runs += 1
-        return bench.Run(50 * slow, [(10 * slow, 0, 4.2), (30 * slow, 650, 1.98), (50 * slow, 1300, 1.95)])
+        return Run(50 * slow, [(10 * slow, 0, 4.2), (30 * slow, 650, 1.98), (50 * slow, 1300, 1.95)])
 
-    def tinychar(self, script: str, args: list[str], cache: Path, stop_at: float) -> bench.Run:
+    def tinychar(self, script: str, args: list[str], cache: Path, stop_at: float) -> Run:
         self.tiny_runs.append((args, stop_at))
-        return bench.Run(20.0, [(10.0, 400, 1.97), (20.0, 800, stop_at - 0.01)])
+        return Run(20.0, [(10.0, 400, 1.97), (20.0, 800, stop_at - 0.01)])
 
 
 def test_time_to_quality_alternates_the_programs_and_times_nanogpt_to_its_first_target_every_round():
     fake = FakePrograms(drift=0.5)
-    rows = bench.race(fake, "test", ["--x"], [(bench.nanogpt_best, "best (step {step})")],
+    rows = race(fake, "test", ["--x"], [(nanogpt_best, "best (step {step})")],
                       [("configs/tiny.yaml", [], ""), ("configs/tiny.yaml", ["train.dtype=float32"], ", float32")],
                       None, rounds=3)
     assert fake.nano_runs == 3 and len(fake.tiny_runs) == 3 * 2 * 2  # each round: nanoGPT, then two runs of each
@@ -314,7 +340,7 @@ def test_the_gpu_rows_race_nanogpts_gpu_recipe_against_the_baby_gpt_compiled_and
     nano_args: list[list[str]] = []
     real = fake.nanogpt
     monkeypatch.setattr(fake, "nanogpt", lambda script, args: nano_args.append(args) or real(script, args))
-    rows = bench.gpu_quality_rows(fake, None)
+    rows = gpu_quality_rows(fake, None)
     assert nano_args == [["config/train_shakespeare_char.py", "--always_save_checkpoint=False", "--wandb_log=False"]]
     assert not any(a.startswith(("--device", "--compile", "--dtype")) for a in nano_args[0])  # its GPU defaults
     runs = [args for args, _ in fake.tiny_runs]
@@ -333,7 +359,7 @@ def test_the_gpu_rows_race_nanogpts_gpu_recipe_against_the_baby_gpt_compiled_and
     assert all(r["tinychar_best"] == pytest.approx(1.94) for r in rows)
     report = {"date": "2026-11-26", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 16, "torch": "2.11.0+cu130",
               "threads": 16, "rounds": 1, "gpu": "NVIDIA H200", "rows": rows}
-    table = bench.markdown(report)
+    table = markdown(report)
     assert table.splitlines()[0].endswith("rounds: 1; GPU: NVIDIA H200")
     assert "compile=True, bfloat16" in table and "compile=False, as its README's CPU command" not in table
 
@@ -343,10 +369,10 @@ def test_gpu_mode_runs_one_round_unless_told_and_its_header_says_how_many(monkey
     monkeypatch.setattr(bench, "Programs", lambda *args: FakePrograms(drift=0.0))
     for given, rounds in ((None, 1), (2, 2)):
         args = argparse.Namespace(gpu=True, rounds=given, isa="native", quick=False, threads=16, nanogpt=str(tmp_path))
-        report = bench.measure(args, bench.FULL, tmp_path)
+        report = bench.measure(args, FULL, tmp_path)
         assert report["rounds"] == rounds
         assert all(len(row["rounds"]["nanogpt"]) == rounds for row in report["rows"])
-        assert f"rounds: {rounds}; GPU: NVIDIA H100" in bench.markdown(report).splitlines()[0]
+        assert f"rounds: {rounds}; GPU: NVIDIA H100" in markdown(report).splitlines()[0]
 
 
 def test_gpu_mode_needs_a_cuda_gpu_and_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -374,26 +400,26 @@ class StepPrograms:
     def __init__(self) -> None:
         self.runs: list[tuple[str, int]] = []
 
-    def nanogpt(self, script: str, args: list[str]) -> bench.Run:
+    def nanogpt(self, script: str, args: list[str]) -> Run:
         steps = int(next(a for a in args if a.startswith("--max_iters=")).split("=")[1])
         return self.run("nanoGPT", steps, 1.0)
 
-    def tinychar(self, script: str, args: list[str]) -> bench.Run:
+    def tinychar(self, script: str, args: list[str]) -> Run:
         steps = int(next(a for a in args if a.startswith("train.max_iters=")).split("=")[1])
         if "train.compile=true" in args:
             compiles = sum(who == "compiled" for who, _ in self.runs)
             return self.run("compiled", steps, 1.0 + (2.0 if compiles % 2 else 4.0))
         return self.run("eager", steps, 1.0)
 
-    def run(self, who: str, steps: int, start: float) -> bench.Run:
+    def run(self, who: str, steps: int, start: float) -> Run:
         self.runs.append((who, steps))
-        return bench.Run(start + steps * SECONDS_PER_STEP[who], [])
+        return Run(start + steps * SECONDS_PER_STEP[who], [])
 
 
 def test_compiled_step_rows_run_long_enough_for_the_compile_noise_to_cancel():
     programs = StepPrograms()
-    plan = bench.FULL
-    rows = bench.step_rows(programs, "block8", plan, rounds=2, bf16=False)
+    plan = FULL
+    rows = step_rows(programs, "block8", plan, rounds=2, bf16=False)
     lengths = {who: sorted({n for w, n in programs.runs if w == who}) for who in ("nanoGPT", "eager", "compiled")}
     assert lengths["nanoGPT"] == lengths["eager"] == list(plan.steps["block8"])
     assert lengths["compiled"] == list(plan.compiled_steps["block8"])
@@ -409,16 +435,16 @@ def test_compiled_step_rows_run_long_enough_for_the_compile_noise_to_cancel():
 class ColdCompilePrograms(StepPrograms):
     """StepPrograms whose first compiled run finds tinychar's compile cache empty and compiles for 20 s."""
 
-    def run(self, who: str, steps: int, start: float) -> bench.Run:
+    def run(self, who: str, steps: int, start: float) -> Run:
         cold = who == "compiled" and not any(w == "compiled" for w, _ in self.runs)
         return super().run(who, steps, start + (20.0 if cold else 0.0))
 
 
-@pytest.mark.parametrize("name", sorted(bench.STEP_SHAPES))
+@pytest.mark.parametrize("name", sorted(STEP_SHAPES))
 def test_quick_step_rows_are_numbers_though_the_first_compile_is_cold(name):
     """--quick used to difference its first, cold-compiling run against a warm one: the longer run came out faster,
     and the cell read n/a on every machine."""
-    rows = bench.step_rows(ColdCompilePrograms(), name, bench.QUICK, rounds=1, bf16=True)
+    rows = step_rows(ColdCompilePrograms(), name, QUICK, rounds=1, bf16=True)
     for row in rows:
         assert math.isfinite(row["nanogpt"]) and math.isfinite(row["tinychar"]) and math.isfinite(row["ratio"]), row
 
@@ -427,15 +453,15 @@ def test_quick_lengths_outlast_the_noise_of_starting_a_process():
     """The quick step rows' extra steps take seconds at block 8's speeds (a few ms a step), so that the second or so
     by which a process start or a compile from the cache varies cannot make the longer run the faster one."""
     for who, per_step in SECONDS_PER_STEP.items():
-        short, long = (bench.QUICK.compiled_steps if who == "compiled" else bench.QUICK.steps)["block8"]
+        short, long = (QUICK.compiled_steps if who == "compiled" else QUICK.steps)["block8"]
         assert (long - short) * per_step >= 3.0, who
-    short, long = bench.QUICK.chars
+    short, long = QUICK.chars
     assert long - short >= 500  # sampling runs at hundreds to thousands of characters a second
 
 
 def test_quick_quality_races_let_tinychar_run_three_times_nanogpts_steps():
     fake = FakePrograms(drift=0.0)
-    bench.race(fake, "test", ["--x"], [(bench.nanogpt_final, "final (step {step})")], [("configs/tiny.yaml", [], "")],
+    race(fake, "test", ["--x"], [(nanogpt_final, "final (step {step})")], [("configs/tiny.yaml", [], "")],
                60, rounds=1)
     for args, _ in fake.tiny_runs:
         assert {"train.max_iters=180", "train.lr_decay_iters=180", "train.eval_interval=30",
@@ -447,7 +473,7 @@ def test_a_ratio_that_could_not_be_measured_reads_n_a_never_nanx():
               "threads": 2, "rounds": 1, "quick": True, "rows": [],
               "products": {"block64": {"label": "block 64", "ms": 18.46, "bound": math.nan},
                            "block8": {"label": "block 8", "ms": 0.5, "bound": None}}}  # None: NaN read back from JSON
-    text = bench.markdown(report)
+    text = markdown(report)
     assert "block 64 18.46 ms (n/a); block 8 0.50 ms (n/a)." in text
     assert "nan" not in text.lower().replace("nanogpt", "")
     assert "n/a: the longer run was not the slower" in text.splitlines()[0]
@@ -492,9 +518,9 @@ def test_json_through_a_link_names_the_folder_the_link_points_into(tmp_path, cap
                           f"folder '{tmp_path / 'gone'}' that is not there; make that folder, or give another file "
                           f"name"), err
     (tmp_path / "gone").mkdir()
-    assert bench.json_problem(str(dangling)) is None
-    bench.write_json(str(dangling), '{"cpu_flags": [], "rows": []}')
-    assert dangling.is_symlink() and bench.is_bench_result(tmp_path / "gone" / "bench.json")
+    assert json_problem(str(dangling)) is None
+    write_json(str(dangling), '{"cpu_flags": [], "rows": []}')
+    assert dangling.is_symlink() and is_bench_result(tmp_path / "gone" / "bench.json")
 
 
 def test_a_stopped_launch_leaves_no_program_running(tmp_path):
@@ -508,7 +534,7 @@ def test_a_stopped_launch_leaves_no_program_running(tmp_path):
     timer.start()
     try:
         with pytest.raises(Interrupted), InterruptSignals():
-            bench.launch([sys.executable, "-c", script], tmp_path, dict(os.environ))
+            launch([sys.executable, "-c", script], tmp_path, dict(os.environ))
     finally:
         timer.cancel()
     with pytest.raises(ProcessLookupError):  # killed and waited for: no such process any more

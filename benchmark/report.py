@@ -1,0 +1,161 @@
+"""The results: the markdown table the README shows, and the --json file (checked before the rows run, replaced
+whole when they are done)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from training.checkpoints import write_atomic
+
+from .runs import CPU_FLAGS, ISA_LIMITS
+
+
+def cell(value: float, unit: str) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return {"ms/step": f"{value:.2f}", "chars/s": f"{value:,.0f}"}.get(unit, f"{value:.1f}")
+
+
+def ratio_cell(value: float | None) -> str:
+    """A ratio as the table prints it; n/a where it could not be measured (NaN, or None as JSON holds it)."""
+    return f"{value:.2f}x" if value is not None and math.isfinite(value) else "n/a"
+
+
+NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio of "
+         "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
+         "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each; "
+         "tinychar's compiled runs are longer, so that the few seconds' noise of a compile from the cache cancels "
+         "too). "
+         "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
+         "what the row names. Time to quality: from launch to the evaluation line, as the line arrives, the programs "
+         "alternating over the rounds, nanoGPT's first run setting the target that every round times it to; tinychar's "
+         "empty-cache run starts with a fresh cache folder, the repeated run reuses it once the helper that the first "
+         "run may leave has warmed it (training.warm; it starts when the run has ended); nanoGPT's data is prepared "
+         "beforehand.")
+
+GPU_NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest "
+             "ratio of the rounds. --gpu: time from launch to the evaluation line, as the line arrives. nanoGPT runs "
+             "its baby GPT recipe as its README does on a GPU (compile=True, bfloat16), and its first run sets the "
+             "targets: its best val, and its first val within 2% of that (the best lies where runs differ by "
+             "chance; the curves still fall steeply there); tinychar runs configs/shakespeare_char.yaml as it is "
+             "(compile: true, dtype auto: bfloat16) and with train.compile=false, each from a fresh cache folder and "
+             "again with that folder as the first run left it, each stopped at the lower target.")
+
+
+def markdown(report: dict) -> str:
+    """The report as the README shows it: a header line, the matmul ceiling, the table, and how it was measured."""
+    flags = ", ".join(report["cpu_flags"]) or "none of " + ", ".join(CPU_FLAGS)
+    limits = ISA_LIMITS.get(report.get("isa"))
+    lines = [f"tinychar vs nanoGPT, {report['date']}: {report['cpu']} ({flags}), {report['cores']} cores, "
+             f"torch {report['torch']}, {report['threads']} threads, rounds: {report['rounds']}"
+             + (f"; limited to {report['isa'].upper()} (" + ", ".join(f"{k}={v}" for k, v in limits.items()) + ")"
+                if limits else "")
+             + (f"; GPU: {report['gpu']}" if report.get("gpu") else "")
+             + (" (--quick: smoke-test lengths, not figures to quote; n/a: the longer run was not the slower, the "
+                "difference lost in the machine's noise)" if report.get("quick") else ""), ""]
+    if "matmul_gflops" in report:
+        c = report["matmul_gflops"]
+        ceiling = f"float32 {c['float32']:.0f} GFLOP/s, bfloat16 {c['bfloat16']:.0f} GFLOP/s"
+        if "float32_onednn" in c:
+            ceiling += f"; float32 through oneDNN {c['float32_onednn']:.0f} GFLOP/s"
+        lines += [f"Matmul ceiling (1024x1024): {ceiling}.", ""]
+    if report.get("products"):
+        parts = [f"{p['label']} {p['ms']:.2f} ms ({ratio_cell(p['bound'])})" for p in report["products"].values()]
+        lines += ["Float32 linear products of one training step, each timed alone through PyTorch's default BLAS, and "
+                  "nanoGPT's float32 step over them, the most a step on that BLAS can gain on it: "
+                  + "; ".join(parts) + ".", ""]
+    lines += ["| measure | unit | nanoGPT | tinychar | ratio | spread |", "|---|---|---:|---:|---:|---:|"]
+    for row in report["rows"]:
+        tiny = cell(row["tinychar"], row["unit"])
+        if "target" in row and not math.isfinite(row["tinychar"]):
+            tiny = f"not reached (best {row['tinychar_best']:.4f})"
+        ratio = ratio_cell(row["ratio"])
+        spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}x" if row["spread"] else "-"
+        lines.append(f"| {row['label']} | {row['unit']} | {cell(row['nanogpt'], row['unit'])} | {tiny} | {ratio} | "
+                     f"{spread} |")
+    return "\n".join([*lines, "", GPU_NOTES if report.get("gpu") else NOTES])
+
+
+def plain(value: object) -> object:
+    """value with NaN as None, which JSON can hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def json_problem(name: str) -> str | None:
+    """Why the results could not be written to the file name (--json), in words, or None."""
+    if name == "":
+        return "'' is empty; give a file name, such as bench.json"
+    path = Path(name)
+    try:
+        if path.is_dir():
+            return f"'{name}' is a folder; give a file name, such as bench.json"
+        folder = path.resolve().parent
+        if not folder.is_dir():
+            if path.is_symlink():  # the file goes where the link points (write_json), a folder that is not there
+                return (f"'{name}' is a link to '{os.readlink(path)}', in a folder '{folder}' that is not there; "
+                        f"make that folder, or give another file name")
+            return f"no folder '{path.parent}' to write '{name}' into"
+    except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
+        return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"
+    # A regular file is replaced by a new one made in its folder (write_json): the folder must take it. A pipe or a
+    # device is written into.
+    device = path.exists() and not path.is_file()
+    if not os.access(path if device else folder, os.W_OK):
+        return f"'{name}' cannot be written there; give another file name"
+    if device:
+        return None
+    if path.exists():
+        if any(same_file(path, fd) for fd in (1, 2)):
+            return (f"'{name}' is the file this command's output is redirected to, which the results would "
+                    f"replace; give --json a file of its own")
+        if not os.access(path, os.R_OK):
+            return (f"'{name}' cannot be read, so whether it holds an earlier result is not known; give another file "
+                    f"name")
+        if not is_bench_result(path):
+            return (f"'{name}' holds something other than an earlier bench.py result, which the results would "
+                    f"replace; give a new file name")
+    return None
+
+
+def same_file(path: Path, fd: int) -> bool:
+    """Whether the file descriptor fd (stdout: 1) is open on the file at path."""
+    try:
+        return os.path.samestat(path.stat(), os.fstat(fd))
+    except OSError:  # fd closed
+        return False
+
+
+# An earlier result is a few kilobytes: a larger file is something else, and is not read whole to find that out.
+MAX_RESULT_BYTES = 1 << 20
+
+
+def is_bench_result(path: Path) -> bool:
+    """Whether the regular file at path holds what --json wrote before (a file --json may replace)."""
+    try:
+        if path.stat().st_size > MAX_RESULT_BYTES:
+            return False
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8 or not JSON, or nested past Python's limit
+        return False
+    return isinstance(data, dict) and {"cpu_flags", "rows"} <= data.keys()
+
+
+def write_json(name: str, text: str) -> None:
+    """Write the results to the file name: a regular file is replaced whole once the new one is complete, so a full
+    disk leaves an earlier result as it was; a pipe or a device (/dev/stdout) is written into as it is."""
+    path = Path(name)
+    if path.exists() and not path.is_file():
+        path.write_text(text, encoding="utf-8")
+        return
+    if (why := json_problem(name)) is not None:  # the file was changed while the rows ran
+        raise OSError(why)
+    write_atomic(path.resolve(), lambda f: f.write(text.encode("utf-8")))
