@@ -11,11 +11,9 @@ it as a PNG.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
-from configs.userinput import shown
+from lab.pictures import picture_target, write_picture
 
 # Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
 COLOUR_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
@@ -401,112 +399,6 @@ def too_large(n_layer: int, n_head: int) -> str:
             f"character")
 
 
-# Formats that hold icons of fixed sizes: a picture saved in them is not the picture drawn (measured, Pillow 13: a
-# 900 x 700 picture came back 256 x 199 from .ico and 1024 x 1024 from .icns).
-ICONS = {"ICO": "shrunk to at most 256 x 256 pixels", "ICNS": "stretched to a square"}
-
-
-def image_format(path: str | Path) -> str:
-    """The Pillow format that a picture named path is written in: the one its extension names (map.jpg: JPEG), PNG
-    for a name without one; ValueError, in words, for an extension Pillow cannot write, or writes only as an icon
-    (ICONS)."""
-    suffix = Path(path).suffix.lower()
-    if not suffix:
-        return "PNG"
-    Image.init()  # registers every plugin's extensions, not only the common ones loaded at import
-    name = Image.registered_extensions().get(suffix)
-    if name is None or name not in Image.SAVE:
-        raise ValueError(f"Pillow cannot write '{suffix}' pictures; name it .png (or .jpg, .webp, .gif, ...)")
-    if name in ICONS:
-        raise ValueError(f"'{suffix}' is an icon format, which Pillow writes {ICONS[name]}, not as drawn; name it .png "
-                         f"(or .jpg, .webp, .gif, ...)")
-    try:  # some formats it writes only in other modes (.xbm: black and white), or only with a plugin (.h5)
-        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=name)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"Pillow cannot write '{suffix}' pictures in colour ({e}); name it .png (or .jpg, .webp, "
-                         f".gif, ...)") from None
-    return name
-
-
-def picture_target(path: str | Path) -> tuple[Path, str]:
-    """Where a picture named path is written, and in which format (image_format): the file a symbolic link leads to,
-    so that the link stays a link. ValueError, in words, where writing would lose something: a folder there, or
-    anything but a picture or an empty file (a checkpoint, a run's .lock, a device such as /dev/null, a pipe),
-    which the rename that writes it would replace; or a loop of symbolic links on the way."""
-    kind = image_format(path)
-    try:
-        target = Path(path).resolve()
-    except (RuntimeError, OSError):  # Python 3.11 says RuntimeError for a loop, later ones OSError
-        raise ValueError("a loop of symbolic links is on the way there; give another path") from None
-    try:
-        folder, there = target.is_dir(), target.exists()
-    except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
-        raise ValueError(f"{e.strerror or type(e).__name__}; give another path") from None
-    if folder:
-        raise ValueError(f"it is a folder; give a file name such as {shown(str(target / 'attention.png'))}")
-    if there:
-        if not target.is_file():
-            raise ValueError("it is not a plain file (a device, a pipe or a socket), which the picture would "
-                             "replace; give a file name")
-        if target.stat().st_size and not is_picture(target):
-            raise ValueError("a file that is not a picture is there, which the picture would replace; give another "
-                             "name (or remove that file first)")
-    return target, kind
-
-
-def check_picture_path(path: str | Path) -> Path:
-    """Where write_picture would write path (picture_target), or ValueError, in words, where it could not: besides
-    picture_target's refusals, a file there that cannot be written, a file where a folder must be, or a folder that
-    cannot be written. So that a picture is refused before the work of drawing it rather than after."""
-    target, _ = picture_target(path)
-    if target.exists() and not os.access(target, os.W_OK):
-        raise ValueError("the file there cannot be written; give another path")
-    above = target.parent
-    while not above.exists() and above != above.parent:  # write_picture creates the missing folders
-        above = above.parent
-    if not above.is_dir():
-        raise ValueError(f"'{shown(str(above))}' is a file, not a folder; give another path")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise ValueError(f"the folder '{shown(str(above))}' cannot be written; give another path")
-    # os.access answers from the permission bits, and for root it allows everything: /proc, a read-only mount or a
-    # full table of inodes refuse only a real file, so one is made there and removed
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".picture-probe.", dir=above)
-    except OSError as e:
-        raise ValueError(f"the folder '{shown(str(above))}' cannot be written ({e.strerror or e}); give another "
-                         f"path") from None
-    os.close(fd)
-    os.unlink(probe)
-    return target
-
-
-def is_picture(path: Path) -> bool:
-    """Whether Pillow recognises the file at path as a picture (from its first bytes)."""
-    try:
-        with Image.open(path):
-            return True
-    except Image.DecompressionBombError:  # a picture all the same, only a large one
-        return True
-    except (OSError, ValueError, SyntaxError):  # UnidentifiedImageError is an OSError; some plugins raise the others
-        return False
-
-
-def write_picture(image: Image.Image, path: str | Path) -> Path:
-    """Write image where picture_target says (ValueError if nowhere), through a temporary file beside it renamed over
-    it once complete, so that an interrupted or failed write leaves no half picture. Returns the path written."""
-    target, kind = picture_target(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Its name cut to leave room for the dot and '.<pid>.part' in the 255 bytes most systems allow a name: a picture
-    # named in 250 bytes, which check_heatmap lets through, failed here, after the work of drawing it.
-    part = target.with_name(f".{os.fsdecode(os.fsencode(target.name)[:200])}.{os.getpid()}.part")
-    try:
-        image.save(part, format=kind)
-        os.replace(part, target)
-    finally:
-        part.unlink(missing_ok=True)
-    return target
-
-
 def save_attention_map(
     model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None
 ) -> Path:
@@ -524,21 +416,6 @@ def save_attention_map(
     window = window[len(window) - shown :]
     image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
     return write_picture(image, path)
-
-
-def log_image(writer: object, tag: str, image: Image.Image, step: int) -> None:
-    """Add image to a TensorBoard ``SummaryWriter`` as tag at step, encoded as PNG here.
-
-    ``add_image`` takes pixels as a tensor, turns them into floats, scales, clips and converts them back to bytes
-    before it encodes them: 0.25-0.4 s for the 2,071 x 2,050 picture of a 4-layer, 4-head model over 64 characters
-    (2-core EPYC), twice what the PNG encoding itself costs, at every evaluation. TensorBoard stores the same PNG."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    rgb = image.convert("RGB")
-    buffer = io.BytesIO()
-    rgb.save(buffer, format="PNG")
-    picture = Summary.Image(height=rgb.height, width=rgb.width, colorspace=3, encoded_image_string=buffer.getvalue())
-    writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
 
 if __name__ == "__main__":

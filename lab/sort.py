@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
-from lab.heatmap import check_picture_path, log_image, render_attention_map, write_picture
+from lab.heatmap import render_attention_map
+from lab.pictures import check_picture_path, log_image, write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals

@@ -180,7 +180,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
         check_args(args)
         if args.attention_map is not None:  # a name Pillow cannot write, a file it must not replace, a folder that
             # cannot be written: refused first
-            from lab.heatmap import check_picture_path
+            from lab.pictures import check_picture_path
 
             try:
                 check_picture_path(args.attention_map)

@@ -329,9 +329,9 @@ def test_an_attention_map_that_cannot_be_written_is_one_error_line_whatever_its_
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("error: --attention-map '") and "a\\nfile/map.png': '" in err and "is a file" in err
 
-    import lab.heatmap
+    import lab.pictures
 
-    monkeypatch.setattr(lab.heatmap, "check_picture_path", lambda path: Path(path))  # as if made after the check
+    monkeypatch.setattr(lab.pictures, "check_picture_path", lambda path: Path(path))  # as if made after the check
     code, out, err = call(sample.main, args, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 2, err

@@ -19,12 +19,10 @@ from lab.heatmap import (
     colour_at,
     display_char,
     grid_layout,
-    image_format,
-    log_image,
-    picture_target,
     render_attention_grid,
     save_attention_map,
 )
+from lab.pictures import image_format, log_image, picture_target
 from model import GPT, GPTConfig
 
 VOCAB = list("\n !,.:?abcdefghijklmnopqrstuvwxyz")

@@ -17,7 +17,8 @@ import yaml
 from configs import flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
-from lab.heatmap import attention_weights, characters_shown, log_image, render_attention_grid, too_large
+from lab.heatmap import attention_weights, characters_shown, render_attention_grid, too_large
+from lab.pictures import log_image
 from model import GPT, NonFiniteLogits
 
 from .config import RunConfig
