@@ -11,30 +11,15 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import types
 import typing
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import yaml
-
+from .errors import CHECK_LIMIT, ConfigError
 from .origins import Overridden, as_typed, source
-from .userinput import file_kind, read_user_file, shown
-from .yamlkeys import first_duplicate
-
-# A config file is a page of settings: the shipped ones are under 2 KB. PyYAML's pure-Python parser reads about
-# 100 KB a second and load_yaml parses twice (once for duplicate keys), so 64 KiB, thirty times the largest real
-# config, still reads in about a second; /dev/zero or a log given by mistake is refused at once.
-MAX_CONFIG_BYTES = 64 * 1024
-# Characters of a config class's own check message (or of a YAML parser's problem): room for every real one (the
-# longest is about 115), while a huge value quoted in it cannot flood the terminal.
-CHECK_LIMIT = 160
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message is one line for a person."""
+from .userinput import path_kind, shown
+from .yamlfile import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
+from .yamlfile import load_yaml as load_yaml
 
 
 def _is_section(tp: Any) -> bool:
@@ -269,98 +254,6 @@ def _build(cls: type, mapping: Any, prefix: str, origin: _Origin, construct: boo
         raise origin.refuse(shown(str(e), limit=CHECK_LIMIT)) from None
 
 
-def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dict:
-    """A YAML config file as a mapping (empty file -> {}). Only plain data: safe_load, no Python tags. A regular
-    file of at most MAX_CONFIG_BYTES, and a key given twice in one mapping is refused, not silently dropped.
-
-    as_written: dotted keys whose values are text (text_keys), which keep an unquoted number as it is written: YAML
-    reads `out_dir: 001` as the number 1 and `0123` as 83 (octal), and their text as a folder name was another
-    folder's."""
-    name = shown(str(path))
-    kind = _kind_of(path)
-    if kind is not None:
-        raise ConfigError(f"config file: '{name}' is {kind}, not a file; give the path of a regular file")
-    raw = read_user_file(path, "config file", MAX_CONFIG_BYTES, error=ConfigError)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"cannot read config file '{name}': it is not UTF-8 text (byte {e.start:,} is "
-                          f"{raw[e.start]:#04x}); save it as UTF-8") from None
-    root = _parsed(lambda: yaml.compose(text, Loader=yaml.SafeLoader), name)
-    duplicate = first_duplicate(root)
-    if duplicate is not None:
-        first, second = duplicate.first_line, duplicate.second_line
-        lines = f"lines {first} and {second}" if first != second else f"both on line {first}"
-        raise ConfigError(f"config file '{name}' sets '{shown(duplicate.key)}' twice ({lines}); keep one, since "
-                          f"YAML would silently use only the last")
-    misread = _first_misread_number(root, as_written)
-    if misread is not None:
-        key, node, value = misread
-        how = "an octal number" if ":" not in node.value else "a base-60 number"
-        raise ConfigError(f"config file '{name}' sets '{shown(key)}' to {shown(node.value)} (line "
-                          f"{node.start_mark.line + 1}), which YAML reads as {how}, {shown(str(value))}; write the "
-                          f"number you mean in decimal, without a leading 0 or a ':'")
-    data = _parsed(lambda: yaml.safe_load(text), name)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file '{name}' must hold a mapping of sections (data:, model:, train:), "
-                          f"got {type(data).__name__}")
-    for keys, written in _numbers_as_written(root, as_written):
-        section = data
-        for key in keys[:-1]:
-            section = section.get(key) if isinstance(section, dict) else None
-        if isinstance(section, dict) and keys[-1] in section:
-            section[keys[-1]] = written
-    return data
-
-
-_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
-
-
-def _numbers_as_written(node: Any, wanted: frozenset[str], prefix: str = "") -> Iterator[tuple[list[str], str]]:
-    """(key path, text as written) of each unquoted number in the composed YAML node whose dotted key is wanted."""
-    if not wanted or not isinstance(node, yaml.MappingNode):
-        return
-    for key_node, value in node.value:
-        if not isinstance(key_node, yaml.ScalarNode):
-            continue
-        dotted = prefix + key_node.value
-        if isinstance(value, yaml.MappingNode):
-            for keys, written in _numbers_as_written(value, wanted, dotted + "."):
-                yield [key_node.value, *keys], written
-        elif (isinstance(value, yaml.ScalarNode) and dotted in wanted and value.tag in _NUMBER_TAGS
-              and value.style is None):
-            yield [key_node.value], value.value
-
-
-_OCTAL = re.compile(r"[-+]?0[0-7_]+")
-
-
-def _first_misread_number(root: Any, as_written: frozenset[str]) -> tuple[str, yaml.ScalarNode, int | float] | None:
-    """(dotted key, node, value) of the first unquoted number of a config's keys and sections that YAML 1.1 reads as
-    other than it looks: octal (`batch_size: 010` is 8, where train.batch_size=010 on the command line is 10) or base
-    60 (`1:30` is 90). Hexadecimal (0x10) says what it is. Keys in as_written keep their text (load_yaml)."""
-    if not isinstance(root, yaml.MappingNode):
-        return None
-    seen: set[int] = set()  # a mapping aliased many times is looked at once
-    entries = [(k, v, "") for k, v in root.value]
-    while entries:
-        key, value, prefix = entries.pop(0)
-        if not isinstance(key, yaml.ScalarNode):
-            continue
-        dotted = prefix + key.value
-        if isinstance(value, yaml.MappingNode) and not prefix and id(value) not in seen:
-            seen.add(id(value))
-            entries.extend((k, v, dotted + ".") for k, v in value.value)
-        elif (isinstance(value, yaml.ScalarNode) and value.tag in _NUMBER_TAGS and value.style is None
-              and dotted not in as_written):
-            digits = value.value.replace("_", "")
-            if ":" in digits or (_OCTAL.fullmatch(value.value) and int(digits, 8) != int(digits, 10)):
-                return dotted, value, yaml.safe_load(value.value)
-    return None
-
-
 def text_keys(cls: type) -> frozenset[str]:
     """The dotted keys of cls whose values are text (str, or str or None): paths and names."""
     def is_text(tp: Any) -> bool:
@@ -368,34 +261,6 @@ def text_keys(cls: type) -> frozenset[str]:
             return set(typing.get_args(tp)) == {str, type(None)}
         return tp is str
     return frozenset(key for key, tp in _flat_hints(cls).items() if is_text(tp))
-
-
-def _kind_of(path: str | Path) -> str | None:
-    """What path is when it is not a regular file, such as 'a folder' (None for a file, or for a path that cannot be
-    looked at, whose reason read_user_file gives). read_user_file refuses the others as well, but a folder makes its
-    os.fdopen raise IsADirectoryError, and a socket cannot be opened to be named."""
-    try:
-        return file_kind(os.stat(path).st_mode)
-    except (OSError, ValueError):  # ValueError: a NUL character in the path
-        return None
-
-
-def _parsed(parse: Callable[[], Any], name: str) -> Any:
-    """parse() of a config file's text, its failures as one-line ConfigErrors naming the file."""
-    try:
-        return parse()
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
-        # shown(): a problem may quote the file, such as an undefined alias's name
-        raise ConfigError(f"config file '{name}' is not valid YAML{at}: {shown(problem, CHECK_LIMIT)}") from None
-    except (ValueError, OverflowError) as e:
-        # safe_load builds dates as it reads them: 'seed: 2024-13-01' is a date with month 13, which Python refuses
-        detail = shown((str(e).splitlines() or [type(e).__name__])[0], CHECK_LIMIT)
-        raise ConfigError(f"config file '{name}' holds a value YAML cannot build: {detail}") from None
-    except RecursionError:
-        raise ConfigError(f"config file '{name}' is nested too deeply to read") from None
 
 
 def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
@@ -420,7 +285,7 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
         if value is None and key in paths and os.path.lexists(text):
             # KEY=none unsets a path; a file or folder of that very name here is what was more likely meant
             raise ConfigError(f"{as_typed(item)} unsets {key} (none and null mean no value on the command line), "
-                              f"but '{shown(text)}' is also {_kind_of(text) or 'a file'} here: write "
+                              f"but '{shown(text)}' is also {path_kind(text) or 'a file'} here: write "
                               f"{key}=./{shown(text)} for it, or leave {key} out for no value")
         *sections, name = key.split(".")
         target = result

@@ -127,3 +127,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse quotes what it refuses whole: a value thousands of characters long stays one short line
         self.exit(2, f"error: {shown(message, ERROR_LIMIT)} (see {self.prog} --help)\n")
+
+
+def path_kind(path: str | Path) -> str | None:
+    """What path is when it is not a regular file, such as 'a folder' (None for a file, or for a path that cannot be
+    looked at, whose reason read_user_file gives). read_user_file refuses the others as well, but a folder makes its
+    os.fdopen raise IsADirectoryError, and a socket cannot be opened to be named."""
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except (OSError, ValueError):  # ValueError: a NUL character in the path
+        return None

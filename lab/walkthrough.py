@@ -73,46 +73,65 @@ def section(title: str, *lines: str) -> list[str]:
 def walkthrough(query: int) -> str:
     """The whole text, query counted from 1 as the notes count x^1..x^6."""
     x = journey_inputs()
-    i = query - 1
-
-    def cells(which: str) -> str:  # the notes follow x^2: their cells print these numbers for it alone
-        return f" ({which})" if query == 2 else ""
-
-    word, words = WORDS[i], [short(w) for w in WORDS]
+    words = [short(w) for w in WORDS]
     dims = [f"d{k + 1}" for k in range(x.size(1))]
     out = [f'The notes\' worked example, "{" ".join(WORDS)}", computed by tinychar\'s attention code '
-           f"(lab/notes.py); the query is x^{query} ({word})."]
+           f"(lab/notes.py); the query is x^{query} ({WORDS[query - 1]})."]
     if query != 2:
         out.append("The notes follow x^2 (journey), so sections 2 and 4 name their cells for it alone; the other "
                    "sections are the same for every query.")
     out += section("1. The inputs: one embedding of 3 numbers a word (001 In[1])", *table(x, words, dims))
-
-    scores = attention_scores_for_query(x, x[i])
-    by_sum, naive, soft = normalise_by_sum(scores), softmax_naive(scores), torch.softmax(scores, dim=0)
-    out += section(
-        f"2. The scores of x^{query} against every input, the dot products x^i . x^{query}{cells('001 In[18]')}",
-        *table(scores[None], ["score"], words),
-        "", f"   Three ways to turn them into weights that sum to 1{cells('001 In[19]-In[21]')}:",
-        *table(torch.stack([by_sum, naive, soft]), ["/ sum", "exp/sum", "softmax"], words),
-        "   Divided by their sum, a negative score would stay negative; softmax makes every weight positive,",
-        "   and torch.softmax subtracts the largest score first so that exp cannot overflow (the same numbers",
-        "   where both are finite).",
-        "", f"   The context vector z^{query} = sum of weight_i * x^i, the inputs mixed by the weights"
-            f"{cells('000 In[38]')}:",
-        *table(context_vector(soft, x)[None], [f"z^{query}"], dims))
-
+    out += _one_query(x, query, words, dims)
     every = simple_self_attention(x)
     out += section("3. Every query at once: scores X X^T, softmax along each row, weights @ X (000 In[39]-In[51])",
                    "   scores:", *table(every.scores, words, words),
                    "   weights (each row sums to 1):", *table(every.weights, words, words),
                    "   context vectors:", *table(every.context, [f"z^{k + 1}" for k in range(len(WORDS))], dims))
+    out += _trainable(x, query, words)
+    out += _compact_classes(x, query, words)
+    masked, causal = _causal(x, every.weights, words)
+    out += causal
+    torch.manual_seed(123)
+    dropped = drop_attention_weights(masked, 0.5)
+    out += section(
+        "7. Dropout on the attention weights, p = 0.5, torch.manual_seed(123) (in training only; no notes' numbers)",
+        *table(dropped, words, words),
+        "   About half the weights are zeroed and the rest doubled (1 / (1 - p)), so each keeps its expected value.")
+    out += _modules(x, words)
+    return "\n".join(out) + "\n"
 
+
+def _cells(query: int, which: str) -> str:
+    """The notes' cells that print a section's numbers: they follow x^2, and print these numbers for it alone."""
+    return f" ({which})" if query == 2 else ""
+
+
+def _one_query(x: torch.Tensor, query: int, words: list[str], dims: list[str]) -> list[str]:
+    """Section 2: one query's scores, three ways to weights, and its context vector."""
+    scores = attention_scores_for_query(x, x[query - 1])
+    by_sum, naive, soft = normalise_by_sum(scores), softmax_naive(scores), torch.softmax(scores, dim=0)
+    return section(
+        f"2. The scores of x^{query} against every input, the dot products x^i . x^{query}"
+        f"{_cells(query, '001 In[18]')}",
+        *table(scores[None], ["score"], words),
+        "", f"   Three ways to turn them into weights that sum to 1{_cells(query, '001 In[19]-In[21]')}:",
+        *table(torch.stack([by_sum, naive, soft]), ["/ sum", "exp/sum", "softmax"], words),
+        "   Divided by their sum, a negative score would stay negative; softmax makes every weight positive,",
+        "   and torch.softmax subtracts the largest score first so that exp cannot overflow (the same numbers",
+        "   where both are finite).",
+        "", f"   The context vector z^{query} = sum of weight_i * x^i, the inputs mixed by the weights"
+            f"{_cells(query, '000 In[38]')}:",
+        *table(context_vector(soft, x)[None], [f"z^{query}"], dims))
+
+
+def _trainable(x: torch.Tensor, query: int, words: list[str]) -> list[str]:
+    """Section 4: one query through trainable projections, scaled."""
     torch.manual_seed(123)
     W_query, W_key, W_value = (torch.rand(x.size(1), 2) for _ in range(3))
-    step = trainable_attention_for_query(x[i], x, W_query, W_key, W_value)
-    out += section(
+    step = trainable_attention_for_query(x[query - 1], x, W_query, W_key, W_value)
+    return section(
         "4. Trainable weights: torch.manual_seed(123), then W_query, W_key, W_value = torch.rand(3, 2)"
-        + cells("000 In[60]-In[71]"),
+        + _cells(query, "000 In[60]-In[71]"),
         *table(step.query[None], [f"q^{query}"], ["q1", "q2"]),
         "   scores q . k^i, then weights softmax(score / sqrt(d_k)), d_k = 2:",
         *table(torch.stack([step.scores, step.weights]), ["score", "weight"], words),
@@ -120,6 +139,9 @@ def walkthrough(query: int) -> str:
         "   Scaling by 1/sqrt(d_k) keeps large dot products from pushing softmax towards one-hot weights, whose",
         "   gradients vanish: it is the \"scaled\" of scaled dot-product attention.")
 
+
+def _compact_classes(x: torch.Tensor, query: int, words: list[str]) -> list[str]:
+    """Section 5: SelfAttention_v1 and _v2, and exercise 3.1."""
     torch.manual_seed(123)
     v1 = SelfAttention_v1(3, 2)
     torch.manual_seed(789)
@@ -129,7 +151,7 @@ def walkthrough(query: int) -> str:
     copy_v2_weights_into_v1(copied, source)
     with torch.no_grad():
         both = torch.cat([copied(x), source(x)], dim=1)
-        out += section(
+        return section(
             "5. The compact classes, each row a context vector (000 In[114], In[124], In[128])",
             f"   SelfAttention_v1(3, 2) after torch.manual_seed(123): its row {query} is section 4's z^{query}",
             *table(v1(x), words, ["z1", "z2"]),
@@ -138,6 +160,10 @@ def walkthrough(query: int) -> str:
             "   exercise 3.1, after torch.manual_seed(789): v1 given v2's weights transposed, then v2, side by side:",
             *table(both, words, ["v1 z1", "v1 z2", "v2 z1", "v2 z2"]))
 
+
+def _causal(x: torch.Tensor, weights_of_every: torch.Tensor, words: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """Section 6: the causal mask, both ways, and applied to section 3's weights (weights_of_every); the masked
+    weights (for section 7) and the section."""
     sa = v2_as_built_in_001()
     with torch.no_grad():
         queries, keys, values = sa.W_query(x), sa.W_key(x), sa.W_value(x)
@@ -145,7 +171,7 @@ def walkthrough(query: int) -> str:
         scaled = raw / keys.size(-1) ** 0.5
         weights = torch.softmax(scaled, dim=-1)
         context, masked = causal_softmax_attention(scaled, values)
-    out += section(
+    return masked, section(
         "6. The causal mask: a position sees itself and the past, never the future (001 In[59]-In[64])",
         "   001's SelfAttention_v2 after torch.manual_seed(123), its layers built key, value, query; its weights:",
         *table(weights, words, words),
@@ -158,17 +184,13 @@ def walkthrough(query: int) -> str:
         *table(masked, words, words),
         "   The two ways agree: softmax over the visible scores is the renormalisation of way (a).",
         "   001 In[61]-In[62] applied way (a) to section 3's weights:",
-        *table(renormalised_causal_weights(every.weights), words, words),
+        *table(renormalised_causal_weights(weights_of_every), words, words),
         "   The causal context vectors, weights @ values (not printed in the notes):",
         *table(context, words, ["z1", "z2"]))
 
-    torch.manual_seed(123)
-    dropped = drop_attention_weights(masked, 0.5)
-    out += section(
-        "7. Dropout on the attention weights, p = 0.5, torch.manual_seed(123) (in training only; no notes' numbers)",
-        *table(dropped, words, words),
-        "   About half the weights are zeroed and the rest doubled (1 / (1 - p)), so each keeps its expected value.")
 
+def _modules(x: torch.Tensor, words: list[str]) -> list[str]:
+    """Section 8: the notes' attention modules on a batch."""
     batch = torch.stack([x, x])  # (2, 6, 3): two copies, as the notes batch them
     with torch.no_grad():
         torch.manual_seed(123)
@@ -177,7 +199,7 @@ def walkthrough(query: int) -> str:
         wrapped = MultiHeadAttentionWrapper(3, 2, len(WORDS), 0.0, num_heads=2).eval()(batch)
         torch.manual_seed(123)
         fused = MultiHeadAttention(3, 2, len(WORDS), 0.0, num_heads=2).eval()(batch)
-    out += section(
+    return section(
         "8. The modules on a batch of two copies of the sentence, each after torch.manual_seed(123) "
         "(no notes' numbers)",
         "   CausalAttention(3, 2): one head, (2, 6, 3) -> (2, 6, 2); the first copy:",
@@ -188,7 +210,6 @@ def walkthrough(query: int) -> str:
         *table(fused[0], words, ["z1", "z2"]),
         "", "The GPT (model/attention.py) runs section 6's way (b) in every head of every block, with the heads of",
         "section 8's MultiHeadAttention; `python sample.py --attention-map FILE` draws its weights.")
-    return "\n".join(out) + "\n"
 
 
 def parser() -> OneLineParser:
