@@ -34,7 +34,7 @@ CJK_FIRST, N_CJK = 0x4E00, 6000  # CJK Unified Ideographs: 6000 distinct charact
 _STEP_LINE = re.compile(rb"^step \d+")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=_positive, default=100, help="size of the big corpus in MB (1e6 bytes)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--child", nargs=3, metavar=("MODE", "CORPUS", "CACHE"), help=argparse.SUPPRESS)
     parser.add_argument("--train-child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.size_mb * 1e6 < (least := len(_cjk_slice(0)) + 2):
         parser.error(f"argument --size-mb: the corpus holds a CJK slice of {least - 2:,} bytes, so it must be at least "

@@ -200,6 +200,27 @@ def _stem(inputs: Inputs) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:40] or "corpus"
 
 
+def _meta(inputs: Inputs, key: str, settings: dict, counts: np.ndarray, kept: np.ndarray, replaced: np.ndarray,
+          dtype: np.dtype, seen: Oddities) -> dict:
+    """A new cache entry's meta, before the ids are written: what the first pass found (counts of each character,
+    the vocabulary kept and replaced, the byte-order marks and NULs seen) and where the text came from."""
+    return {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "dtype": dtype.str,
+        "n_tokens": int(counts.sum()),
+        "crc32": None,  # of the ids file, once written
+        "chars": [chr(c) for c in kept],
+        "replaced_chars": len(replaced),
+        "replaced_occurrences": int(counts[replaced].sum()),
+        "boms": seen.boms,  # files whose leading byte-order mark was left out
+        "nul_files": len(seen.nuls),  # files holding NUL bytes (past the binary sniff), and the first few
+        "nuls": [[str(path), at] for path, at in seen.nuls[:3]],
+        "settings": settings,
+        "sources": [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources],
+    }
+
+
 def _encode(
     inputs: Inputs,
     cfg: DataConfig,
@@ -221,21 +242,7 @@ def _encode(
         counts = count_chars(inputs, cfg.errors, chunk_bytes, bar, strip_bom=strip_bom, seen=seen)
     kept, replaced = _vocabulary(inputs, counts, cfg.max_vocab, vocab)
     dtype = ids_dtype(len(kept))
-    info = {
-        "format": FORMAT_VERSION,
-        "key": key,
-        "dtype": dtype.str,
-        "n_tokens": int(counts.sum()),
-        "crc32": None,  # of the ids file, once written
-        "chars": [chr(c) for c in kept],
-        "replaced_chars": len(replaced),
-        "replaced_occurrences": int(counts[replaced].sum()),
-        "boms": seen.boms,  # files whose leading byte-order mark was left out
-        "nul_files": len(seen.nuls),  # files holding NUL bytes (past the binary sniff), and the first few
-        "nuls": [[str(path), at] for path, at in seen.nuls[:3]],
-        "settings": settings,
-        "sources": [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources],
-    }
+    info = _meta(inputs, key, settings, counts, kept, replaced, dtype, seen)
     lookup = lookup_table(kept, replaced, dtype)
     folder, out, part = open_part(folders, stem, ".ids", moved, setting)
     reap_parts(folder)  # what killed encodings left there, before this one takes its own room

@@ -15,7 +15,7 @@ from data import CharTokenizer
 from data.batches import split_ids
 from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint
 from training.average import WeightAverage
-from training.loop import estimate_loss
+from training.evaluation import estimate_loss
 
 
 def test_the_average_weighs_each_steps_weights_by_the_decay_corrected_for_its_start():

@@ -133,7 +133,7 @@ def test_a_first_step_that_is_not_finite_blames_the_code_or_dtype_not_the_learni
 
 
 def test_an_evaluation_on_a_gpu_takes_longer_passes():
-    from training.loop import EVAL_PASS_TOKENS, EVAL_PASS_TOKENS_CUDA, eval_pass_sequences
+    from training.evaluation import EVAL_PASS_TOKENS, EVAL_PASS_TOKENS_CUDA, eval_pass_sequences
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device named, not used: no GPU needed
     # configs/shakespeare_char.yaml: batches of 64 windows of 256, 200 of them a split

@@ -34,6 +34,7 @@ from .config import RunConfig
 from .devices import autocast_context
 from .distributed import EVALUATION, Launch, derived_seed
 from .errors import Diverged, SaveError, agreeing
+from .evaluation import estimate_loss
 from .logger import Logger, Throughput, sample_text
 from .optim import compiler_loaded, lr_at
 from .signals import Stopped, StopSignals
@@ -44,64 +45,6 @@ MICRO_STOP_EVERY = 16
 # float16's gradient scaler halves its scale at each step whose gradients overflow (from 2**16): below this, they
 # overflow unscaled, which no scale mends (see Trainer.train_step).
 MIN_FLOAT16_SCALE = 1.0
-
-
-@torch.no_grad()
-def estimate_loss(
-    model: nn.Module,
-    splits: dict[str, torch.Tensor],
-    block_size: int,
-    batch_size: int,
-    eval_iters: int,
-    seed: int,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-    stop: Callable[[], bool] | None = None,
-) -> dict[str, float] | None:
-    """Mean loss over eval_iters batches of each split, the same windows at every evaluation (a fixed seed),
-    so the curves compare like with like. Batches are stacked into larger forward passes for speed.
-
-    stop is asked before every forward pass; when it says so, the evaluation ends at once and returns None (a long
-    evaluation must not keep Ctrl-C, or a scheduler's SIGTERM before its SIGKILL, waiting)."""
-    was_training = model.training
-    model.eval()
-    windows = eval_iters * batch_size
-    per_pass = eval_pass_sequences(block_size, batch_size, eval_iters, device)
-    out = {}
-    for name, data in splits.items():
-        gen = torch.Generator().manual_seed(seed)
-        # summed where the losses are, in float64, and read once a split: on a GPU the passes queue up behind each
-        # other instead of each waiting for the one before to come back
-        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-        while count < windows:
-            if stop is not None and stop():
-                model.train(was_training)
-                return None
-            n = min(per_pass, windows - count)
-            x, y = get_batch(data, block_size, n, gen, device)
-            with autocast_context(device, dtype):
-                _, loss = model(x, y)
-            total += loss.double() * n
-            count += n
-        out[name] = total.item() / count
-    model.train(was_training)
-    return out
-
-
-# Tokens per forward pass of an evaluation. Measured (2-core Zen 4 EPYC, 2 threads, float32, median of 5 interleaved
-# rounds, both splits): tiny.yaml's 4,096 windows of 8 in 335 ms by passes of 8,192 tokens against 491 ms in one pass
-# of 32,768 (4,096 tokens: 318 ms); the CPU config's 240 windows of 64 in 536 ms against 575 in one pass of 15,360.
-# Larger passes were slower, likely because their activations no longer fit the CPU's caches. A GPU has no such
-# cache to fit and pays per kernel launched, so it takes passes of up to EVAL_PASS_TOKENS_CUDA tokens.
-EVAL_PASS_TOKENS = 8192
-EVAL_PASS_TOKENS_CUDA = 65536
-
-
-def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int, device: torch.device | None = None) -> int:
-    """Windows per forward pass of an evaluation: at least a batch, up to EVAL_PASS_TOKENS tokens
-    (EVAL_PASS_TOKENS_CUDA on a CUDA device)."""
-    tokens = EVAL_PASS_TOKENS_CUDA if device is not None and device.type == "cuda" else EVAL_PASS_TOKENS
-    return max(batch_size, min(eval_iters * batch_size, tokens // block_size))
 
 
 # The attention picture logged at each evaluation shows this many characters at most. A 6-layer, 6-head model's picture

@@ -24,8 +24,9 @@ from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
 from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
+from .evaluation import eval_pass_sequences
 from .logger import Logger
-from .loop import Trainer, eval_pass_sequences
+from .loop import Trainer
 from .memory import check_fits, training_need
 from .optim import make_optimizer, muon_matrices
 from .outdir import claim_out_dir, drop_aside, prepare_out_dir, restore_aside
