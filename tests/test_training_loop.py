@@ -146,9 +146,9 @@ def test_an_evaluation_on_a_gpu_takes_longer_passes():
 def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     """estimate_loss's passes (EVAL_PASS_TOKENS tokens at most, the last one shorter) see the windows one pass would
     and weigh each window alike: the loss is the same up to the order of the additions."""
-    import training.loop
+    import training.evaluation
     from data import get_batch
-    from training.loop import estimate_loss
+    from training.evaluation import estimate_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
@@ -156,7 +156,7 @@ def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     splits = {"train": ids[:400], "val": ids[400:]}
     losses = {}
     for tokens in (10**6, 7 * 8):  # one pass of 5 x 6 = 30 windows; passes of 7, 7, 7, 7 and 2
-        monkeypatch.setattr(training.loop, "EVAL_PASS_TOKENS", tokens)
+        monkeypatch.setattr(training.evaluation, "EVAL_PASS_TOKENS", tokens)
         losses[tokens] = estimate_loss(model, splits, 8, 5, 6, 3, torch.device("cpu"))
     assert losses[10**6].keys() == {"train", "val"}
     for split in ("train", "val"):
