@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --size-mb: the corpus holds a CJK slice of {least - 2:,} bytes, so it must be at least "
                      f"{least / 1e6:g}")
     if args.child:
-        return _child(*args.child)
+        from data.bench_children import child
+
+        return child(*args.child)
     if args.train_child:
         _train_child(*args.train_child[:2], args.train_child[2:])
         return 0
@@ -276,110 +278,11 @@ def _train_child(script: str, report: str, overrides: list[str]) -> None:
     import atexit
     import runpy
 
-    atexit.register(lambda: Path(report).write_text(json.dumps(_memory()), encoding="utf-8"))
+    from data.bench_children import memory
+
+    atexit.register(lambda: Path(report).write_text(json.dumps(memory()), encoding="utf-8"))
     sys.argv = [script, *overrides]
     runpy.run_path(script, run_name="__main__")
-
-
-# ---------------------------------------------------------------------------------------------- children
-
-
-def _memory() -> dict[str, float]:
-    """This process's resident memory in MB: total, anonymous (its own) and file-backed (mapped files), and peak."""
-    fields = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb", "VmHWM": "peak_mb"}
-    found = {}
-    with open("/proc/self/status", encoding="ascii", errors="replace") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in fields:
-                found[fields[name]] = int(value.split()[0]) / 1024
-    return found
-
-
-def _child(mode: str, corpus: str, cache: str) -> int:
-    import torch
-
-    from data import DataConfig, get_batch, prepare_corpus, split_ids
-
-    cfg = DataConfig(path=corpus, dataset=None, cache_dir=cache)
-    result: dict = {"mode": mode, "bytes": os.path.getsize(corpus)}
-    if mode == "prepare":
-        before = _memory()
-        start = time.perf_counter()
-        c = prepare_corpus(cfg, min_chars=9, progress=True)
-        seconds = time.perf_counter() - start
-        result.update(
-            seconds=seconds,
-            mb_per_s=result["bytes"] / 1e6 / seconds,
-            n_tokens=c.n_tokens,
-            vocab=c.vocab_size,
-            dtype=str(c.ids.dtype).replace("torch.", ""),
-            cache_hit=c.cache_hit,
-            rss_after_imports_mb=before["rss_mb"],
-        )
-    elif mode == "batches":
-        # What train.py does with the data, without the model: 20 steps of batch 128 x block 8 and an evaluation
-        # of 2 batches per split, as in the train.py runs.
-        start = time.perf_counter()
-        before = _memory()
-        c = prepare_corpus(cfg, min_chars=9, progress=False)
-        train, val = split_ids(c.ids, 0.1, 8)
-        g = torch.Generator().manual_seed(0)
-        get_batch(train, 8, 128, g)
-        first = time.perf_counter() - start
-        for _ in range(19):
-            get_batch(train, 8, 128, g)
-        for split in (train, val):
-            for _ in range(2):
-                get_batch(split, 8, 128, g)
-        after = _memory()
-        result.update(
-            first_batch_s=first,
-            cache_hit=c.cache_hit,
-            **{f"before_{k}": v for k, v in before.items()},
-            **{f"after_{k}": v for k, v in after.items()},
-        )
-    elif mode in ("timing", "timing-cold"):
-        c = prepare_corpus(cfg, min_chars=9, progress=False)
-        kind = str(c.ids.dtype).replace("torch.", "")
-        size = f"{result['bytes'] / 1e6:g} MB"
-        if mode == "timing":  # the CPU cost of get_batch: the small ids are soon all in the page cache
-            tensors = {f"{kind} memmap ({size})": c.ids}
-            if kind == "uint8":
-                tensors[f"int64 tensor ({size}, in memory)"] = c.ids.to(torch.int64)
-            result["us"] = {
-                f"{name}, B={batch} T={block}": _time_get_batch(ids, batch, block)
-                for name, ids in tensors.items()
-                for batch, block in ((32, 8), (12, 64))
-            }
-        else:  # the first windows of a corpus just prepared: each is a read from disk (a page fault)
-            result["us"] = {
-                f"{kind} memmap ({size}, cold pages), B={batch} T={block}": _time_get_batch(
-                    c.ids, batch, block, calls=500, repeats=1, warmup=0
-                )
-                for batch, block in ((32, 8), (12, 64))
-            }
-    result["peak_rss_mb"] = _memory()["peak_mb"]
-    print(json.dumps(result), flush=True)
-    return 0
-
-
-def _time_get_batch(ids, batch: int, block: int, calls: int = 2000, repeats: int = 5, warmup: int = 200) -> float:
-    """Microseconds per get_batch call, the best of repeats (the machine is shared, so the best is the signal)."""
-    import torch
-
-    from data import get_batch
-
-    g = torch.Generator().manual_seed(0)
-    for _ in range(warmup):
-        get_batch(ids, block, batch, g)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            get_batch(ids, block, batch, g)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
 
 
 # ---------------------------------------------------------------------------------------------- report
