@@ -22,10 +22,11 @@ from tqdm import tqdm
 from configs.userinput import shown
 
 from .cache import checksum, find, map_ids, meta_checksum, open_part, prune, reap_parts, settle
+from .cachekey import cache_dirs, cache_key
 from .config import DataConfig
 from .corpus import shakespeare_path
 from .paths import LOG_PATH, DataError, quoted
-from .sources import FORMAT_VERSION, SNIFF_BYTES, Inputs, Source, cache_dirs, cache_key, resolve_inputs
+from .sources import FORMAT_VERSION, SNIFF_BYTES, Inputs, Source, resolve_inputs
 from .stream import CHUNK_BYTES, UNKNOWN, Oddities, cap_vocab, count_chars, ids_dtype, lookup_table, write_ids
 from .tokenizer import CharTokenizer
 

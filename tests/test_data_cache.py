@@ -23,6 +23,7 @@ from test_data_sources import within
 from test_data_stream import MIXED, prepare, text_of, write
 
 import data.cache
+import data.cachekey
 import data.prepare
 import data.sources
 from data import DataError
@@ -105,9 +106,9 @@ def edit_keeping_size_and_mtime(f: Path, at: int, byte: bytes) -> None:
 def test_large_inputs_are_keyed_by_blocks_sampled_across_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inputs of 64 MB or more were keyed by size and mtime alone: an edit keeping both was served from the stale
     cache, and a --resume on it accepted, whatever the README promised."""
-    monkeypatch.setattr(data.sources, "CONTENT_HASH_BELOW", 0)  # as if the inputs were large
-    monkeypatch.setattr(data.sources, "SAMPLES", 3)  # blocks of 4 bytes at 0, 38 and 76 of the 80 bytes joined
-    monkeypatch.setattr(data.sources, "SAMPLE_BYTES", 4)
+    monkeypatch.setattr(data.cachekey, "CONTENT_HASH_BELOW", 0)  # as if the inputs were large
+    monkeypatch.setattr(data.cachekey, "SAMPLES", 3)  # blocks of 4 bytes at 0, 38 and 76 of the 80 bytes joined
+    monkeypatch.setattr(data.cachekey, "SAMPLE_BYTES", 4)
     a, b = write(tmp_path / "c" / "a.txt", "abcdefgh" * 5), write(tmp_path / "c" / "b.txt", "ijklmnop" * 5)
     first = prepare(tmp_path / "c")
     for f, at in ((a, 0), (a, 39), (b, 36), (b, 39)):  # each in a block: a change the key sees
@@ -122,9 +123,9 @@ def test_large_inputs_are_keyed_by_blocks_sampled_across_them(tmp_path: Path, mo
 
 def test_the_sampled_blocks_are_spread_evenly_and_read_at_most_samples_times_their_size() -> None:
     files = [data.sources.Source(Path(name), size, 0) for name, size in (("a", 100), ("b", 1), ("c", 899))]
-    found = data.sources._samples(files, 5, 10)  # starts 0, 247, 495, 742, 990 of 1,000 bytes
+    found = data.cachekey._samples(files, 5, 10)  # starts 0, 247, 495, 742, 990 of 1,000 bytes
     assert [(s.path.name, offsets) for s, offsets in found] == [("a", [0]), ("c", [146, 394, 641, 889])]
-    assert data.sources._samples(files[:1], 64, 1 << 16) == [(files[0], [0])]  # smaller than a block: read once
+    assert data.cachekey._samples(files[:1], 64, 1 << 16) == [(files[0], [0])]  # smaller than a block: read once
 
 
 def test_settings_that_change_the_ids_have_entries_of_their_own(tmp_path: Path) -> None:
@@ -212,7 +213,7 @@ def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
 def test_a_relative_xdg_cache_home_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The XDG base directory specification has a relative path ignored: it put the cache in whichever folder the
     command ran from, a project's or a corpus's among them."""
-    from data.sources import cache_dirs
+    from data.cachekey import cache_dirs
 
     monkeypatch.delenv("TINYCHAR_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -569,8 +570,8 @@ def old_entry(folder: Path, f: Path, text: str, monkeypatch: pytest.MonkeyPatch)
     inputs = data.sources.resolve_inputs(f)
     settings = {"errors": "strict", "max_vocab": None, "vocab": None}
     with monkeypatch.context() as m:
-        m.setattr(data.sources, "FORMAT_VERSION", 2)
-        key = data.sources.cache_key(inputs, settings)
+        m.setattr(data.cachekey, "FORMAT_VERSION", 2)
+        key = data.cachekey.cache_key(inputs, settings)
     chars = sorted(set(text))
     ids = np.array([chars.index(c) for c in text], dtype="|u1").tobytes()
     stem = data.prepare._stem(inputs)
