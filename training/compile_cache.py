@@ -77,7 +77,7 @@ def compile_cache_dir() -> Path:
         return folder if folder.name == tag else folder / tag
     try:
         xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
-        base = xdg if xdg.is_absolute() else Path.home() / ".cache"  # a relative one is ignored, as in data.sources
+        base = xdg if xdg.is_absolute() else Path.home() / ".cache"  # a relative one is ignored, as in data.cachekey
     except (RuntimeError, KeyError):  # no home at all
         base = Path(tempfile.gettempdir())
     return base / "tinychar" / "compiled" / tag
