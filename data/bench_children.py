@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from data import DataConfig
 
 
 def memory() -> dict[str, float]:
@@ -24,7 +28,7 @@ def memory() -> dict[str, float]:
 def child(mode: str, corpus: str, cache: str) -> int:
     import torch
 
-    from data import DataConfig, get_batch, prepare_corpus, split_ids
+    from data import DataConfig, prepare_corpus
 
     cfg = DataConfig(path=corpus, dataset=None, cache_dir=cache)
     result: dict = {"mode": mode, "bytes": os.path.getsize(corpus)}
@@ -43,27 +47,7 @@ def child(mode: str, corpus: str, cache: str) -> int:
             rss_after_imports_mb=before["rss_mb"],
         )
     elif mode == "batches":
-        # What train.py does with the data, without the model: 20 steps of batch 128 x block 8 and an evaluation
-        # of 2 batches per split, as in the train.py runs.
-        start = time.perf_counter()
-        before = memory()
-        c = prepare_corpus(cfg, min_chars=9, progress=False)
-        train, val = split_ids(c.ids, 0.1, 8)
-        g = torch.Generator().manual_seed(0)
-        get_batch(train, 8, 128, g)
-        first = time.perf_counter() - start
-        for _ in range(19):
-            get_batch(train, 8, 128, g)
-        for split in (train, val):
-            for _ in range(2):
-                get_batch(split, 8, 128, g)
-        after = memory()
-        result.update(
-            first_batch_s=first,
-            cache_hit=c.cache_hit,
-            **{f"before_{k}": v for k, v in before.items()},
-            **{f"after_{k}": v for k, v in after.items()},
-        )
+        result.update(batches(cfg))
     elif mode in ("timing", "timing-cold"):
         c = prepare_corpus(cfg, min_chars=9, progress=False)
         kind = str(c.ids.dtype).replace("torch.", "")
@@ -87,6 +71,34 @@ def child(mode: str, corpus: str, cache: str) -> int:
     result["peak_rss_mb"] = memory()["peak_mb"]
     print(json.dumps(result), flush=True)
     return 0
+
+
+def batches(cfg: DataConfig) -> dict:
+    """What train.py does with the data, without the model: 20 steps of batch 128 x block 8 and an evaluation of 2
+    batches per split, as in the train.py runs; the time to the first batch, and the memory before and after."""
+    import torch
+
+    from data import get_batch, prepare_corpus, split_ids
+
+    start = time.perf_counter()
+    before = memory()
+    c = prepare_corpus(cfg, min_chars=9, progress=False)
+    train, val = split_ids(c.ids, 0.1, 8)
+    g = torch.Generator().manual_seed(0)
+    get_batch(train, 8, 128, g)
+    first = time.perf_counter() - start
+    for _ in range(19):
+        get_batch(train, 8, 128, g)
+    for split in (train, val):
+        for _ in range(2):
+            get_batch(split, 8, 128, g)
+    after = memory()
+    return dict(
+        first_batch_s=first,
+        cache_hit=c.cache_hit,
+        **{f"before_{k}": v for k, v in before.items()},
+        **{f"after_{k}": v for k, v in after.items()},
+    )
 
 
 def time_get_batch(ids, batch: int, block: int, calls: int = 2000, repeats: int = 5, warmup: int = 200) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .paths import DataError, open_regular, quoted
-from .sources import Inputs
+from .sources import Inputs, Source
 
 # Bytes read at a time. Preparing peaks at ~10x this above the imports (UTF-32 copies, int64 temporaries); 16 MB
 # chunks were no faster and added ~130 MB to the peak (measured on 100 MB and 1 GB corpora).
@@ -65,22 +65,8 @@ def pieces(
         if i:
             yield _SEPARATOR
         decoder = codecs.getincrementaldecoder("utf-8")(errors)
-        done = 0  # bytes of this file read so far
         with open_regular(source.path, inputs.label) as f:
-            head = f.read(len(BOM))  # read apart from the chunks, however small they are
-            if head.startswith(_UTF16_BOMS):  # (with NUL bytes, as most UTF-16 has, it was refused as binary)
-                raise DataError(
-                    f"{inputs.label}: {quoted(source.path)} is UTF-16 text (it starts with UTF-16's byte-order mark), "
-                    "not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"
-                )
-            if strip_bom and head == BOM:
-                done = len(BOM)
-                if seen is not None:
-                    seen.boms += 1
-                if bar is not None:
-                    bar.update(done)
-            else:
-                f.seek(0)
+            done = _past_bom(f, source, inputs.label, strip_bom, seen, bar)  # bytes of this file read so far
             nul_seen = seen is None
             while True:
                 chunk = f.read(chunk_bytes)
@@ -107,6 +93,26 @@ def pieces(
                     yield np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
                 if not chunk:
                     break
+
+
+def _past_bom(f: BinaryIO, source: Source, label: str, strip_bom: bool, seen: Oddities | None,
+              bar: tqdm | None) -> int:
+    """Where f's text begins: past a UTF-8 byte-order mark that starts it, with strip_bom (counted in seen and on
+    the bar), else at 0. UTF-16's marks are DataError."""
+    head = f.read(len(BOM))  # read apart from the chunks, however small they are
+    if head.startswith(_UTF16_BOMS):  # (with NUL bytes, as most UTF-16 has, it was refused as binary)
+        raise DataError(
+            f"{label}: {quoted(source.path)} is UTF-16 text (it starts with UTF-16's byte-order mark), "
+            "not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"
+        )
+    if strip_bom and head == BOM:
+        if seen is not None:
+            seen.boms += 1
+        if bar is not None:
+            bar.update(len(BOM))
+        return len(BOM)
+    f.seek(0)
+    return 0
 
 
 def _code_points(piece: bytes | np.ndarray) -> np.ndarray:

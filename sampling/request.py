@@ -173,19 +173,33 @@ def check_sampling_fits(config: GPTConfig, args: argparse.Namespace, prompt_char
                    advice=text_advice)
 
 
+def check_map_path(name: str) -> None:
+    """UsageError for an --attention-map that cannot be written: a name Pillow cannot write, a file it must not
+    replace, a folder that cannot be written (refused before anything is loaded)."""
+    from lab.pictures import check_picture_path
+
+    try:
+        check_picture_path(name)
+    except ValueError as e:
+        raise UsageError(f"--attention-map '{shown(name)}': {e}") from None
+
+
+def check_known(prompt: str, index: dict[str, int]) -> None:
+    """UsageError for a prompt holding characters that are not in the vocabulary (index)."""
+    unseen = sorted({c for c in prompt if c not in index})
+    if unseen:
+        listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
+        raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
+                         f"remove or replace them")
+
+
 def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]] | int:
     """The model in eval mode on its device, the prompt's ids, the prompt and the vocabulary; or the exit status of a
     request refused in one line. The checkpoint's line and any attention map are written here."""
     try:
         check_args(args)
-        if args.attention_map is not None:  # a name Pillow cannot write, a file it must not replace, a folder that
-            # cannot be written: refused first
-            from lab.pictures import check_picture_path
-
-            try:
-                check_picture_path(args.attention_map)
-            except ValueError as e:
-                raise UsageError(f"--attention-map '{shown(args.attention_map)}': {e}") from None
+        if args.attention_map is not None:
+            check_map_path(args.attention_map)
         path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
         device = resolve_device(args.device)
         # On the CPU: a ckpt.pt also holds the optimizer's moments (and the weights the average was taken of), which
@@ -196,11 +210,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
             raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
         prompt = read_prompt(args, vocab)
         index = {c: i for i, c in enumerate(vocab)}
-        unseen = sorted({c for c in prompt if c not in index})
-        if unseen:
-            listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
-            raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
-                             f"remove or replace them")
+        check_known(prompt, index)
         pictured = attention_map_characters(args, config, path, prompt)
         check_sampling_fits(config, args, len(prompt), device, path)
         model, vocab = model_from_checkpoint(payload, path)

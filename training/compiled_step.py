@@ -158,15 +158,8 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
     new_avg_sq = exp_avg_sq * beta2 + g_adamw * g_adamw * (1 - beta2)
     denom = new_avg_sq.sqrt() / root_bias2 + setup.eps
     new = weights * (1 - lr * decay) - step_size * new_avg / denom
-    if layout.matrices:  # Muon, as training.optim.Muon steps each matrix
-        mu = setup.momentum
-        new_momentum = momentum.lerp(g[n:], 1 - mu)
-        ahead = g[n:].lerp(new_momentum, mu)
-        sizes, shapes = layout.sizes[-layout.matrices:], layout.shapes[-layout.matrices:]
-        updates = orthogonalize_each([d.view(shape) for d, shape in zip(ahead.split(sizes), shapes, strict=True)],
-                                     orthogonal_dtype(setup.dtype))
-        moved = [w * (1 - lr * setup.matrix_decay) - (lr * muon_lr_scale(shape)) * u.flatten()
-                 for w, u, shape in zip(flat[n:].split(sizes), updates, shapes, strict=True)]
+    if layout.matrices:  # Muon
+        moved, new_momentum = _muon_step(g[n:], flat[n:], momentum, lr, layout, setup)
         new = torch.cat([new, *moved])
         momentum.copy_(torch.where(ok, new_momentum, momentum))
     # A step that is not finite changes nothing: the run stops and reports it with its weights intact.
@@ -175,6 +168,21 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
     exp_avg_sq.copy_(torch.where(ok, new_avg_sq, exp_avg_sq))
     steps.copy_(new_steps)
     return loss_sum, norm
+
+
+def _muon_step(g: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor, layout: Layout,
+               setup: Setup) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Muon's step of the layout's last `matrices` parameters (weights, their gradients g, end to end), as
+    training.optim.Muon takes it: their new values, flat, and the new momentum."""
+    mu = setup.momentum
+    new_momentum = momentum.lerp(g, 1 - mu)
+    ahead = g.lerp(new_momentum, mu)
+    sizes, shapes = layout.sizes[-layout.matrices:], layout.shapes[-layout.matrices:]
+    updates = orthogonalize_each([d.view(shape) for d, shape in zip(ahead.split(sizes), shapes, strict=True)],
+                                 orthogonal_dtype(setup.dtype))
+    moved = [w * (1 - lr * setup.matrix_decay) - (lr * muon_lr_scale(shape)) * u.flatten()
+             for w, u, shape in zip(weights.split(sizes), updates, shapes, strict=True)]
+    return moved, new_momentum
 
 
 _COMPILED_STEP: Callable | None = None
