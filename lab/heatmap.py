@@ -24,18 +24,15 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
+from lab.labels import INK, display_char, draw_label, fonts, label_width, legible, text_size
 from lab.pictures import picture_target, write_picture
 
 # Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
 COLOUR_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 EMPTY_COLOUR = (228, 228, 228)  # the masked future: light grey, far from every colour of the map
 BACKGROUND = (255, 255, 255)
-INK = (40, 40, 40)
 FRAME = (150, 150, 150)
 MARGIN, GAP, CBAR_W = 12, 18, 14  # outer margin, space between cells, colour-bar width (px)
-
-# Symbols the default font has no glyph for; they are drawn as small line figures instead.
-SPACE, NEWLINE, TAB = "␣", "↵", "→"
 
 
 def attention_weights(model: nn.Module, ids: list[int] | torch.Tensor) -> list[torch.Tensor]:
@@ -83,43 +80,6 @@ def colour_at(value: float) -> tuple[int, int, int]:
     return (r, g, b)
 
 
-def display_char(ch: str) -> str:
-    """How a character is written on an axis: whitespace made visible, other control characters escaped."""
-    if ch == " ":
-        return SPACE
-    if ch == "\n":
-        return NEWLINE
-    if ch == "\t":
-        return TAB
-    if ch.isprintable():
-        return ch
-    return ch.encode("unicode_escape").decode("ascii")  # '\r', '\x00', '\u200b', ...
-
-
-def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
-    # Pillow >= 10.1 with FreeType scales its built-in font; without FreeType there is only the fixed bitmap one.
-    try:
-        return ImageFont.load_default(size=size)
-    except (TypeError, ImportError, OSError):
-        return ImageFont.load_default()
-
-
-def _text_size(font: ImageFont.ImageFont, text: str) -> tuple[int, int]:
-    left, top, right, bottom = font.getbbox(text)
-    return right - left, bottom - top
-
-
-def _legible(font: ImageFont.ImageFont, label: str) -> str:
-    """The label, or its code point when the font would draw an empty box for it."""
-    if label in (SPACE, NEWLINE, TAB) or len(label) != 1 or label.isascii():
-        return label
-    missing = font.getmask("\uffff")  # a non-character: always the font's "no glyph" box
-    mask = font.getmask(label)
-    if mask.size == missing.size and bytes(mask) == bytes(missing):
-        return f"U+{ord(label):04X}"
-    return label
-
-
 @dataclass(frozen=True)
 class GridLayout:
     """Pixel geometry of an attention grid, shared by the renderer and anyone who needs to find a cell."""
@@ -162,65 +122,28 @@ def grid_layout(n_layer: int, n_head: int, chars: list[str], title: str | None =
     """Where everything goes in ``render_attention_grid`` for this many layers, heads and characters."""
     T = len(chars)
     px = cell_pixels(T)
-    axis_font, label_font, title_font = _fonts(px)
-    labels = [_legible(axis_font, display_char(c)) for c in chars]
-    widths = [_label_width(axis_font, s) for s in labels]
-    char_h = _text_size(axis_font, "Hg")[1]
+    axis_font, label_font, title_font = fonts(px)
+    labels = [legible(axis_font, display_char(c)) for c in chars]
+    widths = [label_width(axis_font, s) for s in labels]
+    char_h = text_size(axis_font, "Hg")[1]
     # A row label needs one line; a column label the width of a single character. Wide labels (escapes such as
     # '\x00') do not thin out every column: the renderer skips the ones that would overlap instead.
     row_stride = math.ceil(char_h / px)
     col_stride = math.ceil((max([w for w, s in zip(widths, labels, strict=True) if len(s) == 1], default=1) + 2) / px)
     left = max(widths) + 8
-    top = _text_size(label_font, "layer 0, head 0")[1] + 6 + char_h + 6
-    label_w = _text_size(label_font, f"layer {n_layer - 1}, head {n_head - 1}")[0]
+    top = text_size(label_font, "layer 0, head 0")[1] + 6 + char_h + 6
+    label_w = text_size(label_font, f"layer {n_layer - 1}, head {n_head - 1}")[0]
     cell_w = max(left + T * px, label_w) + GAP
     cell_h = top + T * px + GAP
-    title_h = _text_size(title_font, title)[1] + 12 if title else 0
+    title_h = text_size(title_font, title)[1] + 12 if title else 0
     origin = (MARGIN, MARGIN + title_h)
     cbar_h = max(T * px, 100)
-    legend_w = CBAR_W + 8 + _text_size(label_font, "future (masked)")[0]
+    legend_w = CBAR_W + 8 + text_size(label_font, "future (masked)")[0]
     width = origin[0] + n_head * cell_w + max(legend_w, CBAR_W + 40) + MARGIN
     height = origin[1] + max(n_layer * cell_h, top + cbar_h + 40) + MARGIN
     if title:
-        width = max(width, _text_size(title_font, title)[0] + 2 * MARGIN)
+        width = max(width, text_size(title_font, title)[0] + 2 * MARGIN)
     return GridLayout(n_layer, n_head, T, px, left, top, cell_w, cell_h, origin, width, height, row_stride, col_stride)
-
-
-def _fonts(px: int) -> tuple[ImageFont.ImageFont, ImageFont.ImageFont, ImageFont.ImageFont]:
-    axis = _font(max(10, min(14, px - 4)))
-    return axis, _font(13), _font(16)
-
-
-def _symbol_half(font: ImageFont.ImageFont) -> int:
-    return max(2, _text_size(font, "x")[1] // 2)  # half the size of a drawn whitespace symbol
-
-
-def _label_width(font: ImageFont.ImageFont, label: str) -> int:
-    if label in (SPACE, NEWLINE, TAB):
-        return 2 * _symbol_half(font) + 1
-    return _text_size(font, label)[0]
-
-
-def _draw_label(draw: ImageDraw.ImageDraw, label: str, cx: float, cy: float, font: ImageFont.ImageFont) -> None:
-    """Draw one axis label centred on (cx, cy); the whitespace symbols are drawn as lines."""
-    s = _symbol_half(font)
-    if label == SPACE:  # an open box on the baseline
-        draw.line([(cx - s, cy), (cx - s, cy + s), (cx + s, cy + s), (cx + s, cy)], fill=INK, width=1)
-    elif label == TAB:  # a right arrow
-        draw.line([(cx - s, cy), (cx + s, cy)], fill=INK, width=1)
-        draw.line(
-            [(cx + s - s // 2 - 1, cy - s // 2 - 1), (cx + s, cy), (cx + s - s // 2 - 1, cy + s // 2 + 1)],
-            fill=INK,
-            width=1,
-        )
-    elif label == NEWLINE:  # down from the top right, then left, with an arrow head
-        draw.line([(cx + s, cy - s), (cx + s, cy + s // 2), (cx - s, cy + s // 2)], fill=INK, width=1)
-        draw.line([(cx - s // 2 - 1, cy - 1), (cx - s, cy + s // 2), (cx - s // 2 - 1, cy + s + 1)], fill=INK, width=1)
-    else:
-        # Centre horizontally on the ink, vertically on the line so '.' and 'g' sit on a common baseline.
-        left, _, right, _ = font.getbbox(label)
-        _, top, _, bottom = font.getbbox("Hg")
-        draw.text((cx - (left + right) / 2, cy - (top + bottom) / 2), label, font=font, fill=INK)
 
 
 def _key_positions(widths: list[int], px: int, stride: int) -> list[int]:
@@ -256,12 +179,12 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
             )
     layout = grid_layout(len(weights), n_head, chars, title)
     px = layout.px
-    axis_font, label_font, title_font = _fonts(px)
-    labels = [_legible(axis_font, display_char(c)) for c in chars]
-    widths = [_label_width(axis_font, s) for s in labels]
+    axis_font, label_font, title_font = fonts(px)
+    labels = [legible(axis_font, display_char(c)) for c in chars]
+    widths = [label_width(axis_font, s) for s in labels]
     keys = _key_positions(widths, px, layout.col_stride)
     queries = range(T - 1, -1, -layout.row_stride)  # the newest character is always labelled
-    char_h = _text_size(axis_font, "Hg")[1]
+    char_h = text_size(axis_font, "Hg")[1]
 
     image = Image.new("RGB", (layout.width, layout.height), BACKGROUND)
     draw = ImageDraw.Draw(image)
@@ -279,12 +202,12 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
             draw.rectangle((x0 - 1, y0 - 1, x1, y1), outline=FRAME)
             for t in keys:  # key characters along the top
                 cx = x0 + t * px + px / 2
-                _draw_label(draw, labels[t], cx, y0 - 6 - char_h / 2, axis_font)
+                draw_label(draw, labels[t], cx, y0 - 6 - char_h / 2, axis_font)
                 if layout.col_stride > 1 or len(keys) < T:  # a tick says which column a sparse label names
                     draw.line([(cx, y0 - 4), (cx, y0 - 2)], fill=FRAME)
             for t in queries:  # query characters down the left, right-aligned against the heatmap
                 cy = y0 + t * px + px / 2
-                _draw_label(draw, labels[t], x0 - 6 - widths[t] / 2, cy, axis_font)
+                draw_label(draw, labels[t], x0 - 6 - widths[t] / 2, cy, axis_font)
                 if layout.row_stride > 1:
                     draw.line([(x0 - 4, cy), (x0 - 2, cy)], fill=FRAME)
     _draw_colour_bar(draw, layout, label_font)
@@ -333,20 +256,20 @@ def render_attention_map(
         raise ValueError(f"weights must be (rows, columns) = ({len(row_labels)}, {len(column_labels)}) and non-empty, "
                          f"got {tuple(weights.shape)}")
     Tq, Tk = weights.shape
-    axis_font, label_font, title_font = _fonts(cell_pixels(max(Tq, Tk)))
-    row_labels = [_legible(axis_font, display_char(s)) if len(s) == 1 else s for s in row_labels]
-    column_labels = [_legible(axis_font, display_char(s)) if len(s) == 1 else s for s in column_labels]
+    axis_font, label_font, title_font = fonts(cell_pixels(max(Tq, Tk)))
+    row_labels = [legible(axis_font, display_char(s)) if len(s) == 1 else s for s in row_labels]
+    column_labels = [legible(axis_font, display_char(s)) if len(s) == 1 else s for s in column_labels]
     # Every column is labelled, so a cell is at least as wide as its widest label.
-    px = max(cell_pixels(max(Tq, Tk)), max(_label_width(axis_font, s) for s in column_labels) + 4)
-    char_h = _text_size(axis_font, "Hg")[1]
+    px = max(cell_pixels(max(Tq, Tk)), max(label_width(axis_font, s) for s in column_labels) + 4)
+    char_h = text_size(axis_font, "Hg")[1]
     caption = f"rows: {rows}, columns: {columns}"
-    title_h = _text_size(title_font, title)[1] + 10 if title else 0
-    caption_h = _text_size(label_font, caption)[1] + 8
-    left = max(_label_width(axis_font, s) for s in row_labels) + 10
+    title_h = text_size(title_font, title)[1] + 10 if title else 0
+    caption_h = text_size(label_font, caption)[1] + 8
+    left = max(label_width(axis_font, s) for s in row_labels) + 10
     x0, y0 = MARGIN + left, MARGIN + title_h + caption_h + char_h + 8
     cbar_h = max(Tq * px, 100)
-    width = max(x0 + Tk * px + GAP + CBAR_W + 40, _text_size(label_font, caption)[0] + 2 * MARGIN)
-    width = max(width, _text_size(title_font, title)[0] + 2 * MARGIN) if title else width
+    width = max(x0 + Tk * px + GAP + CBAR_W + 40, text_size(label_font, caption)[0] + 2 * MARGIN)
+    width = max(width, text_size(title_font, title)[0] + 2 * MARGIN) if title else width
     image = Image.new("RGB", (width + MARGIN, y0 + max(Tq * px, cbar_h) + MARGIN), BACKGROUND)
     draw = ImageDraw.Draw(image)
     if title:
@@ -357,9 +280,9 @@ def render_attention_map(
     image.paste(heat.resize((Tk * px, Tq * px), Image.Resampling.NEAREST), (x0, y0))
     draw.rectangle((x0 - 1, y0 - 1, x0 + Tk * px, y0 + Tq * px), outline=FRAME)
     for j, label in enumerate(column_labels):
-        _draw_label(draw, label, x0 + j * px + px / 2, y0 - 6 - char_h / 2, axis_font)
+        draw_label(draw, label, x0 + j * px + px / 2, y0 - 6 - char_h / 2, axis_font)
     for i, label in enumerate(row_labels):
-        _draw_label(draw, label, x0 - 6 - _label_width(axis_font, label) / 2, y0 + i * px + px / 2, axis_font)
+        draw_label(draw, label, x0 - 6 - label_width(axis_font, label) / 2, y0 + i * px + px / 2, axis_font)
     _colour_scale(draw, x0 + Tk * px + GAP, y0, cbar_h, label_font)
     return image
 
