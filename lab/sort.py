@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import NamedTuple
 
 if not __package__:  # run as a file (python lab/sort.py): the project's packages are one folder up
@@ -26,9 +25,9 @@ import torch.nn.functional as F
 
 from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
-from lab.heatmap import render_attention_map
-from lab.pictures import check_picture_path, log_image, write_picture
+from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
+from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
 from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals
 
@@ -207,36 +206,6 @@ def run(cfg: SortConfig, writer: object | None = None) -> SortResult:
     return SortResult(model, accuracy, seconds, batch.src[0], None if weights is None else weights[0])
 
 
-def describe(cfg: SortConfig) -> str:
-    """The model in a few words: 'GRU, additive attention', 'GRU, no attention', 'transformer'."""
-    if cfg.model == "transformer":
-        s = cfg.seq2seq()
-        return f"transformer ({s.n_embd} wide, {s.n_layer} block(s) each side, {s.n_head} heads)"
-    return f"GRU, {cfg.score} attention" if cfg.attention else "GRU, no attention (final encoder state only)"
-
-
-def heatmap_of(result: SortResult, cfg: SortConfig) -> object:
-    """The picture of one decoding: output digits down the side, input digits along the top."""
-    inputs = [str(d) for d in result.example.tolist()]
-    outputs = [str(d) for d in result.example.sort().values.tolist()]
-    heads = cfg.seq2seq().n_head
-    title = f"transformer: cross-attention (mean of {heads} heads)" if cfg.model == "transformer" else describe(cfg)
-    return render_attention_map(result.weights, outputs, inputs, title=title, rows="sorted output", columns="input")
-
-
-def check_heatmap(path: str | Path) -> None:
-    """ValueError in one line when the heatmap could not be written at path (a name Pillow cannot write, a folder
-    there, a file it must not replace, a file where a folder must be, a folder that cannot be written), so that it
-    is refused before training rather than after."""
-    refuse = f"--heatmap: cannot write the heatmap '{shown(str(path))}'"
-    if not str(path):
-        raise ValueError("--heatmap is empty; give the picture's file name, such as sort.png (or leave it out)")
-    try:
-        check_picture_path(path)
-    except ValueError as e:
-        raise ValueError(f"{refuse}: {e}") from None
-
-
 def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, float, float]]:
     """(length, accuracy with attention, accuracy without) for each length, same budget for both."""
     rows = []
@@ -244,35 +213,6 @@ def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, fl
         cfg = replace(base, model="gru", length=length)
         rows.append((length, run(replace(cfg, attention=True)).accuracy, run(replace(cfg, attention=False)).accuracy))
     return rows
-
-
-def tensorboard_writer(logdir: str | None) -> object | None:
-    """A TensorBoard writer into logdir (created), or None; ValueError in one line when logdir cannot be used, so that
-    a bad --logdir is refused before training rather than after."""
-    if logdir is None:
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # imported only when asked for: it is slow to load
-
-    refuse = f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}'"
-    advice = "give a folder that can be created and written"
-    # A folder that is there but cannot be written: SummaryWriter takes it, and its writer thread fails on its own,
-    # a traceback on stderr beside this line.
-    if os.path.isdir(logdir) and not os.access(logdir, os.W_OK | os.X_OK):
-        raise ValueError(f"{refuse} (the folder cannot be written); {advice}")
-    try:
-        return SummaryWriter(logdir)
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        if e.filename is not None and os.fsdecode(e.filename) != str(logdir):  # a folder above it, say
-            reason = f"'{shown(os.fsdecode(e.filename))}': {reason}"  # TensorBoard names its files in bytes
-        raise ValueError(f"{refuse} ({reason}); {advice}") from None
-
-
-def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:
-    writer.add_scalar("accuracy/held_out", result.accuracy, cfg.steps)
-    if image is not None:
-        log_image(writer, "attention/decoder_over_encoder", image, cfg.steps)
-    writer.close()
 
 
 def parser() -> OneLineParser:
@@ -331,12 +271,6 @@ def config_from(args: object) -> SortConfig:
         steps=args.steps if args.steps is not None else (600 if transformer else 400),
         learning_rate=args.lr if args.lr is not None else (1e-3 if transformer else 3e-3),
     )
-
-
-def default_heatmap(cfg: SortConfig) -> str:
-    if cfg.model == "transformer":
-        return "sort_transformer_cross_attention.png"
-    return f"sort_gru_{cfg.score}_attention.png"
 
 
 def main(argv: list[str] | None = None) -> int:

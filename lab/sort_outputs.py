@@ -1,0 +1,90 @@
+"""Where `python -m lab sort` puts its results: the run in words, its attention heatmap (the picture, and its path
+checked before training) and its TensorBoard log."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if not __package__:  # run as a file (python lab/sort_outputs.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from configs.userinput import shown
+from lab.heatmap import render_attention_map
+from lab.pictures import check_picture_path, log_image
+
+if TYPE_CHECKING:
+    from lab.sort import SortConfig, SortResult
+
+
+def describe(cfg: SortConfig) -> str:
+    """The model in a few words: 'GRU, additive attention', 'GRU, no attention', 'transformer'."""
+    if cfg.model == "transformer":
+        s = cfg.seq2seq()
+        return f"transformer ({s.n_embd} wide, {s.n_layer} block(s) each side, {s.n_head} heads)"
+    return f"GRU, {cfg.score} attention" if cfg.attention else "GRU, no attention (final encoder state only)"
+
+
+def heatmap_of(result: SortResult, cfg: SortConfig) -> object:
+    """The picture of one decoding: output digits down the side, input digits along the top."""
+    inputs = [str(d) for d in result.example.tolist()]
+    outputs = [str(d) for d in result.example.sort().values.tolist()]
+    heads = cfg.seq2seq().n_head
+    title = f"transformer: cross-attention (mean of {heads} heads)" if cfg.model == "transformer" else describe(cfg)
+    return render_attention_map(result.weights, outputs, inputs, title=title, rows="sorted output", columns="input")
+
+
+def check_heatmap(path: str | Path) -> None:
+    """ValueError in one line when the heatmap could not be written at path (a name Pillow cannot write, a folder
+    there, a file it must not replace, a file where a folder must be, a folder that cannot be written), so that it
+    is refused before training rather than after."""
+    refuse = f"--heatmap: cannot write the heatmap '{shown(str(path))}'"
+    if not str(path):
+        raise ValueError("--heatmap is empty; give the picture's file name, such as sort.png (or leave it out)")
+    try:
+        check_picture_path(path)
+    except ValueError as e:
+        raise ValueError(f"{refuse}: {e}") from None
+
+
+def tensorboard_writer(logdir: str | None) -> object | None:
+    """A TensorBoard writer into logdir (created), or None; ValueError in one line when logdir cannot be used, so that
+    a bad --logdir is refused before training rather than after."""
+    if logdir is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # imported only when asked for: it is slow to load
+
+    refuse = f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}'"
+    advice = "give a folder that can be created and written"
+    # A folder that is there but cannot be written: SummaryWriter takes it, and its writer thread fails on its own,
+    # a traceback on stderr beside this line.
+    if os.path.isdir(logdir) and not os.access(logdir, os.W_OK | os.X_OK):
+        raise ValueError(f"{refuse} (the folder cannot be written); {advice}")
+    try:
+        return SummaryWriter(logdir)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if e.filename is not None and os.fsdecode(e.filename) != str(logdir):  # a folder above it, say
+            reason = f"'{shown(os.fsdecode(e.filename))}': {reason}"  # TensorBoard names its files in bytes
+        raise ValueError(f"{refuse} ({reason}); {advice}") from None
+
+
+def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:
+    writer.add_scalar("accuracy/held_out", result.accuracy, cfg.steps)
+    if image is not None:
+        log_image(writer, "attention/decoder_over_encoder", image, cfg.steps)
+    writer.close()
+
+
+def default_heatmap(cfg: SortConfig) -> str:
+    if cfg.model == "transformer":
+        return "sort_transformer_cross_attention.png"
+    return f"sort_gru_{cfg.score}_attention.png"
+
+
+if __name__ == "__main__":
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/sort_outputs.py"))
