@@ -15,6 +15,7 @@ launch to its first 'step N' line.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -132,10 +133,13 @@ def _positive(text: str) -> float:
 def _work_folder(workdir: str | None) -> tuple[Path, list[Path]]:
     """(work, made): a new folder of the bench's own inside workdir (or the temp folder), and the folders above it that
     did not exist and were made for it (innermost first), so that only these are ever removed."""
-    parent = Path(workdir).expanduser() if workdir else Path(tempfile.gettempdir())
+    # absolute: the training children run in the project's folder, and get the cache's path in their environment
+    parent = Path(workdir).expanduser().absolute() if workdir else Path(tempfile.gettempdir())
     made = []
     for folder in (parent, *parent.parents):
         if folder.exists():
+            if not folder.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))  # not "File exists"
             break
         made.append(folder)
     parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ id is one of its vocabulary; written atomically (hidden partial files, renamed i
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -45,11 +46,20 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
     """
     for folder in folders:
         meta_path, ids_path = folder / f"{stem}-{key}.json", folder / f"{stem}-{key}.ids"
+        if not os.path.lexists(meta_path):  # no entry (or no such folder: writing there says so)
+            continue
         try:
             info = _read_meta(meta_path)
+        except ValueError:  # there, but no meta: cut short, overwritten, a pipe or a folder in its place
+            state, why = ("could not be read", "no permission") if not os.access(meta_path, os.R_OK) else (
+                "was damaged", "its meta is not the JSON the encoder wrote")
+            damaged.append(_damaged_note(meta_path, state, why))
+            _remove(meta_path, ids_path)
+            continue
+        try:
             dtype, n_tokens = np.dtype(info["dtype"]), int(info["n_tokens"])
             sound = info["format"] == FORMAT_VERSION and info["key"] == key and isinstance(info["crc32"], int)
-        except (OSError, ValueError, KeyError, TypeError):  # absent, or not a meta file of this version
+        except (ValueError, KeyError, TypeError):  # JSON, but not a meta of this version
             continue
         if not sound:
             continue
@@ -62,15 +72,22 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
             if mapped is not None:
                 return info, ids_path, mapped
             damaged_path = ids_path
-        damaged.append(
-            f"data: the cached copy {quoted(damaged_path, LOG_PATH)} {state} ({why}); it has been encoded again"
-        )
-        for path in (meta_path, ids_path):  # the meta first: without it, no one trusts the ids
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass  # a read-only cache folder: the entry stays, and is checked (and refused) again next time
+        damaged.append(_damaged_note(damaged_path, state, why))
+        _remove(meta_path, ids_path)
     return None
+
+
+def _damaged_note(path: Path, state: str, why: str) -> str:
+    return f"data: the cached copy {quoted(path, LOG_PATH)} {state} ({why}); it has been encoded again"
+
+
+def _remove(meta_path: Path, ids_path: Path) -> None:
+    """Remove a damaged entry, the meta first: without it, no one trusts the ids."""
+    for path in (meta_path, ids_path):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only cache folder (or a folder in the way): the entry stays, and is checked again next time
 
 
 def _read_meta(path: Path) -> dict:
@@ -81,9 +98,12 @@ def _read_meta(path: Path) -> dict:
     """
     with open_regular(path, "data.cache_dir") as f:
         try:
-            return json.loads(f.read().decode("utf-8"))
+            info = json.loads(f.read().decode("utf-8"))
         except RecursionError:
             raise ValueError(f"{path} is JSON nested too deep to be a meta") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path} holds JSON that is no meta")
+    return info
 
 
 def meta_checksum(info: dict) -> int:
@@ -331,3 +351,14 @@ def prune(folder: Path, stem: str, key: str, info: dict) -> None:
             meta_path.with_suffix(".ids").unlink(missing_ok=True)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # someone else's file, or one being replaced at this moment: leave it
+
+
+def unwritten(setting: str, folder: Path, entry: tuple[Path, ...], e: OSError) -> DataError:
+    """The DataError for an entry that could not be written into folder: a folder where its file goes, a full disk,
+    or the system's reason."""
+    if (blocked := next((p for p in entry if os.path.isdir(p)), None)) is not None:
+        return DataError(f"{setting}: cannot write the encoded corpus to {quoted(blocked)}: a folder of that name is "
+                         f"in the way; move it away, or set {setting} to another folder")
+    todo = "free some space or" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder, or"
+    return DataError(f"{setting}: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); {todo} "
+                     f"set {setting} to another folder")

@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .paths import expand_home, open_regular
+from .paths import DataError, expand_home, open_regular, quoted
 from .sources import FORMAT_VERSION, Inputs, Source
 
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
@@ -68,16 +68,20 @@ def cache_dirs(configured: str | None) -> tuple[list[Path], str]:
     """(folders, setting): the folders to look for and write encoded corpora in, in order, and the setting that
     chose them, which a message about them names (data.cache_dir, or TINYCHAR_CACHE_DIR when that chose).
 
-    data.cache_dir, else $TINYCHAR_CACHE_DIR, is the only folder. Otherwise the per-user cache
-    ($XDG_CACHE_HOME/tinychar/encoded where it is an absolute path, else ~/.cache/tinychar/encoded), then the temp
-    folder should that one be read-only or missing; data.cache_dir is what a person sets to choose another. Never a
-    folder of the project or of the corpus. A '~user' that names no known user is DataError, naming the setting that
-    holds it.
+    data.cache_dir, else $TINYCHAR_CACHE_DIR (an absolute path, or DataError), is the only folder. Otherwise the
+    per-user cache ($XDG_CACHE_HOME/tinychar/encoded where it is an absolute path, else ~/.cache/tinychar/encoded),
+    then the temp folder should that one be read-only or missing; data.cache_dir is what a person sets to choose
+    another. Never a folder of the project or of the corpus. A '~user' that names no known user is DataError, naming
+    the setting that holds it.
     """
     if configured:
         return [expand_home(configured, "data.cache_dir")], "data.cache_dir"
     if chosen := os.environ.get("TINYCHAR_CACHE_DIR"):
-        return [expand_home(chosen, "TINYCHAR_CACHE_DIR")], "TINYCHAR_CACHE_DIR"
+        folder = expand_home(chosen, "TINYCHAR_CACHE_DIR")
+        if not folder.is_absolute():  # a setting of the environment: the same folder from any working folder
+            raise DataError(f"TINYCHAR_CACHE_DIR: {quoted(chosen)} is a relative path, which would put a cache in "
+                            "each folder a run starts from (a repository, a corpus); give an absolute path")
+        return [folder], "TINYCHAR_CACHE_DIR"
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     temp = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "encoded"
     try:

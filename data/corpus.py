@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from .config import DataConfig
-from .paths import DataError, expand_home, open_regular, quoted, stat_path
+from .paths import UTF16_MARKS, DataError, expand_home, not_utf8, open_regular, quoted, stat_path
 
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # 1,115,394 bytes
@@ -94,7 +94,7 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
     p = Path(path)
     st = stat_path(p, label)
     if st is None:
-        raise DataError(f"{label}: no such file {quoted(path)}{_did_you_mean(p)}")
+        raise no_such_file(label, path, p)
     if stat.S_ISDIR(st.st_mode):
         raise DataError(f"{label}: {quoted(path)} is a folder, not a text file; give the path of a UTF-8 text file")
     with open_regular(p, label) as f:  # a pipe or device is refused here, before any read
@@ -103,13 +103,10 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
         raise DataError(
             f"{label}: {quoted(path)} is empty; give a UTF-8 text file with at least {min_chars} characters"
         )
-    if b"\x00" in raw[:_SNIFF]:
+    if b"\x00" in raw[:_SNIFF] or raw.startswith(UTF16_MARKS):
         # Text has no NUL bytes; a checkpoint, an archive, an image or UTF-16 text has many. Said plainly here, as
         # the UTF-8 error below would suggest converting the file from Latin-1.
-        raise DataError(
-            f"{label}: {quoted(path)} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
-            "not UTF-8 text; give a UTF-8 text file"
-        )
+        raise not_utf8(label, path, raw[:4])
     try:
         # Bytes decoded directly rather than a text-mode open, which would turn "\r\n" into "\n".
         text = raw.decode("utf-8")
@@ -121,10 +118,27 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
         ) from e
     if len(text) < min_chars:
         raise DataError(
-            f"{label}: {quoted(path)} has {len(text)} characters, but one training window needs at least "
-            f"block_size + 1 = {min_chars}; use a longer text or a smaller model.block_size"
+            f"{label}: {quoted(path)} has {len(text)} character{'s' * (len(text) != 1)}, but one "
+            f"training window needs at least block_size + 1 = {min_chars}; use a longer text or a smaller "
+            "model.block_size"
         )
     return text
+
+
+def no_such_file(label: str, given: object, p: Path) -> DataError:
+    """The DataError for a path that leads nowhere: where a relative one was looked for (the current folder, and
+    $TINYCHAR_DATA_DIR when set, said to be no folder when it is none), and the closest name there or what to do."""
+    where = ""
+    if not p.is_absolute():
+        try:
+            where = f" (looked for from {quoted(os.getcwd())}"
+        except OSError:  # the current folder was removed
+            where = " (looked for from the current folder, which no longer exists"
+        folder = data_dir()
+        if folder is not None:
+            where += f" and in TINYCHAR_DATA_DIR {quoted(folder)}{'' if os.path.isdir(folder) else ', no folder'}"
+        where += ")"
+    return DataError(f"{label}: no such file {quoted(given)}{where}{_did_you_mean(p) or '; check the path'}")
 
 
 def _did_you_mean(p: Path) -> str:

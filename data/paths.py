@@ -6,6 +6,7 @@ Every failure a person can fix raises DataError with a one-line message saying w
 
 from __future__ import annotations
 
+import codecs
 import errno
 import os
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from configs.userinput import QUOTE_LIMIT, file_kind, shown
+from configs.userinput import QUOTE_LIMIT, file_kind, shell_word, shown
 
 # Characters of a path in a log line (a note, not an error): all of any real path, still never a flood.
 LOG_PATH = 400
@@ -30,6 +31,31 @@ _WHAT_TO_DO = {
 
 class DataError(ValueError):
     """The training text cannot be had; the message is one line for a person: what is wrong, what to do."""
+
+
+# The byte-order marks that start UTF-32 and UTF-16 text (Windows's "Unicode"), never UTF-8, whose characters have
+# no byte FF or FE. UTF-32's little-endian mark begins with UTF-16's, so it is looked for first.
+_WIDE_MARKS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+               (codecs.BOM_UTF16_BE, "UTF-16"))
+UTF16_MARKS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)  # (UTF-32's begin with these, or with NUL bytes)
+
+
+def not_utf8(label: str, path: object, head: bytes) -> DataError:
+    """The DataError for a file that is not UTF-8 text by its first bytes (head): UTF-16 or UTF-32 text when it
+    starts with their byte-order mark, with the command that converts it, else a binary file (NUL bytes: valid UTF-8,
+    so a UTF-16 file would otherwise become a corpus of garbage)."""
+    for mark, encoding in _WIDE_MARKS:
+        if head.startswith(mark):
+            word = shell_word(str(path))
+            return DataError(
+                f"{label}: {quoted(path)} is {encoding} text (it starts with {encoding}'s byte-order mark), not "
+                f"UTF-8; convert it to UTF-8, e.g. iconv -f {encoding} -t UTF-8 "
+                f"{word if len(word) <= QUOTE_LIMIT else 'FILE'} > converted.txt"
+            )
+    return DataError(
+        f"{label}: {quoted(path)} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
+        "not UTF-8 text; give a UTF-8 text file"
+    )
 
 
 def quoted(path: object, limit: int = QUOTE_LIMIT) -> str:

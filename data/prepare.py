@@ -21,12 +21,13 @@ from tqdm import tqdm
 
 from configs.userinput import shown
 
-from .cache import checksum, find, map_ids, meta_checksum, open_part, prune, reap_parts, settle
+from .cache import checksum, find, map_ids, meta_checksum, open_part, prune, reap_parts, settle, unwritten
 from .cachekey import cache_dirs, cache_key
 from .config import DataConfig
 from .corpus import shakespeare_path
+from .notes import input_notes
 from .paths import LOG_PATH, DataError, quoted
-from .sources import FORMAT_VERSION, SNIFF_BYTES, Inputs, Source, resolve_inputs
+from .sources import FORMAT_VERSION, Inputs, Source, resolve_inputs
 from .stream import CHUNK_BYTES, UNKNOWN, Oddities, cap_vocab, count_chars, ids_dtype, lookup_table, write_ids
 from .tokenizer import CharTokenizer
 
@@ -141,10 +142,11 @@ def _prepared(
     n_tokens = info["n_tokens"]
     if n_tokens < min_chars:
         raise DataError(
-            f"{inputs.label}: {quoted(inputs.spec)} has {n_tokens} characters, but one training window needs at "
-            f"least block_size + 1 = {min_chars}; use a longer text or a smaller model.block_size"
+            f"{inputs.label}: {quoted(inputs.spec)} has {n_tokens} character{'s' * (n_tokens != 1)}, but one "
+            f"training window needs at least block_size + 1 = {min_chars}; use a longer text or a smaller "
+            "model.block_size"
         )
-    notes = _notes(inputs, info, moved, ids_path) + tuple(damaged if not hit else ())
+    notes = input_notes(inputs, info, moved, ids_path) + tuple(damaged if not hit else ())
     how = "cached" if hit else f"encoded in {time.perf_counter() - t0:.1f} s"
     description = (
         f"{shown(source, LOG_PATH)} ({_files(inputs)}{_size(inputs.n_bytes)}, {n_tokens:,} characters, vocabulary "
@@ -269,10 +271,7 @@ def _encode(
         os.replace(part, ids_path)
         os.replace(meta_part, meta_path)
     except OSError as e:
-        raise DataError(
-            f"{setting}: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); "
-            f"free some space or set {setting} to another folder"
-        ) from e
+        raise unwritten(setting, folder, (ids_path, meta_path), e) from e
     finally:
         part.unlink(missing_ok=True)
         if meta_part is not None:
@@ -332,56 +331,6 @@ def _read_ids(
                 raise DataError(f"the cache file {quoted(path)} is shorter than its meta says; delete it and run again")
             out[start : start + len(piece)].copy_(piece)
     return out
-
-
-def _first_few(paths: list[Path]) -> str:
-    """The first three of paths as a note names them, and ' ...' after them if there are more."""
-    return ", ".join(quoted(p, LOG_PATH // 3) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
-
-
-def _notes(inputs: Inputs, info: dict, moved: list[str], ids_path: Path) -> tuple[str, ...]:
-    notes = []
-    if info["replaced_chars"]:
-        share = 100 * info["replaced_occurrences"] / max(info["n_tokens"], 1)
-        why = f"data.max_vocab={info['settings']['max_vocab']}" if info["settings"]["vocab"] is None else "vocabulary"
-        notes.append(
-            f"{why}: {info['replaced_chars']:,} rare character(s), {info['replaced_occurrences']:,} occurrences "
-            f"({share:.3g}% of the text), map to the unknown symbol U+FFFD {UNKNOWN!r}"
-        )
-    if info["boms"]:
-        notes.append(
-            f"{inputs.label}: left out the byte-order mark (U+FEFF) that starts {info['boms']:,} file(s): it says how "
-            "a file was saved, it is not text"
-        )
-    if info["nul_files"]:
-        path, at = info["nuls"][0]
-        more = f" (and {info['nul_files'] - 1:,} more file(s))" if info["nul_files"] > 1 else ""
-        notes.append(
-            f"{inputs.label}: {quoted(path, LOG_PATH // 3)} holds a NUL byte at byte {at:,}{more}, past the first "
-            f"{SNIFF_BYTES:,} bytes that tell a binary file (left out); it is kept as a character (U+0000): if the "
-            "file is not text, remove it or leave it out of data.path"
-        )
-    if inputs.skipped:
-        notes.append(f"{inputs.label}: left out {len(inputs.skipped)} binary file(s): {_first_few(inputs.skipped)}")
-    if inputs.others:
-        notes.append(f"{inputs.label}: left out {len(inputs.others)} entries that are no file to read (a named pipe, "
-                     f"a socket, a device or a link that leads nowhere): {_first_few(inputs.others)}")
-    if inputs.runs:
-        notes.append(
-            f"{inputs.label}: left out what {len(inputs.runs)} tinychar run(s) wrote there (a run's folder, or its "
-            f"config.yaml, is not training text): {_first_few(inputs.runs)}"
-        )
-    if inputs.caches:
-        notes.append(
-            f"{inputs.label}: left out the encoded corpora tinychar caches in {len(inputs.caches)} folder(s) there "
-            f"(their ids and meta files are not training text): {_first_few(inputs.caches)}"
-        )
-    if moved:
-        notes.append(
-            f"data: cannot write to the cache folder {moved[0]}, so the encoded corpus went to "
-            f"{quoted(ids_path.parent, LOG_PATH)}; set data.cache_dir to choose the folder"
-        )
-    return tuple(notes)
 
 
 def _files(inputs: Inputs) -> str:

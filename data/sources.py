@@ -16,9 +16,9 @@ from pathlib import Path
 
 from configs.userinput import file_kind
 
-from .corpus import _did_you_mean, data_dir, locate
+from .corpus import data_dir, locate, no_such_file
 from .globs import expand, fixed_part
-from .paths import DataError, not_a_file, open_regular, os_failure, quoted, stat_path, walk
+from .paths import DataError, not_a_file, not_utf8, open_regular, os_failure, quoted, stat_path, walk
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
 # CRC-32 of the ids, checked whenever the entry is opened. 3: a byte-order mark that starts a file is left out (the
@@ -65,6 +65,8 @@ class Inputs:
     caches: list[Path] = field(default_factory=list)
     # entries under a folder or glob that are no file to read: a named pipe, a socket, a device, a broken link
     others: list[Path] = field(default_factory=list)
+    # hidden files and folders (a name that starts with '.': .git, .DS_Store) under a folder, left out
+    hidden: list[Path] = field(default_factory=list)
 
     @property
     def n_bytes(self) -> int:
@@ -96,7 +98,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
                 f"{label}: no text file matches {quoted(text)}{out.said()}; check the pattern (** reaches sub-folders)"
             )
     elif st is None:
-        raise DataError(f"{label}: no such file {quoted(text)}{_did_you_mean(p)}")
+        raise no_such_file(label, text, p)
     elif stat.S_ISDIR(st.st_mode):
         files = _walk(p, out, named=True)
         if not files:
@@ -106,18 +108,17 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
     elif (kind := file_kind(st.st_mode)) is not None:
         raise not_a_file(label, text, kind)
     elif not _is_text(p, label, st):
-        # said plainly: NUL bytes are valid UTF-8, so a UTF-16 file would otherwise become a corpus of garbage
-        raise DataError(
-            f"{label}: {quoted(text)} is a binary file (it holds NUL bytes: a checkpoint, an archive, UTF-16 text?), "
-            "not UTF-8 text; give a UTF-8 text file"
-        )
+        with open_regular(p, label) as f:
+            raise not_utf8(label, text, f.read(4))
     else:
         files = [p]
     sources = _sources(files, label)
     if not sources:
         what = "is empty" if st is not None and stat.S_ISREG(st.st_mode) else "holds only empty files"
+        if os.path.realpath(p).startswith(("/proc/", "/sys/")):  # the kernel's files, made as they are read
+            what += " (the kernel's files under /proc and /sys say 0 bytes whatever they hold: copy one first)"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
-    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others)
+    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others, out.hidden)
 
 
 def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
@@ -136,6 +137,7 @@ class _LeftOut:
     cache_ids: frozenset[tuple[int, int]]  # (device, inode) of the cache folders that exist
     skipped: list[Path] = field(default_factory=list)  # binary files
     others: list[Path] = field(default_factory=list)  # pipes, sockets, devices, broken links: never opened
+    hidden: list[Path] = field(default_factory=list)  # files and folders whose names start with '.'
     runs: list[Path] = field(default_factory=list)  # run folders, or the named folder's run config.yaml
     caches: list[Path] = field(default_factory=list)  # cache folders
     known: dict[Path, str | None] = field(default_factory=dict)  # _owner's answers: many matches share a folder
@@ -146,12 +148,13 @@ class _LeftOut:
             found.append(folder)
 
     def said(self) -> str:
-        """' (tinychar run folders left out: ...)', and the like for cache folders, naming the first few of each; ''
-        when nothing was left out for being tinychar's."""
+        """' (tinychar run folders left out: ...)', and the like for cache folders and hidden files, naming the first
+        few of each; '' when nothing was left out for being tinychar's or hidden."""
         runs = [r.parent if r.name == _RUN_CONFIG else r for r in self.runs]
         parts = [
             f"{what} left out: {', '.join(map(quoted, folders[:2]))}{' ...' if len(folders) > 2 else ''}"
-            for what, folders in (("tinychar run folders", runs), ("tinychar cache folders", self.caches))
+            for what, folders in (("tinychar run folders", runs), ("tinychar cache folders", self.caches),
+                                  ("hidden files and folders (names that start with '.')", self.hidden))
             if folders
         ]
         return f" ({'; '.join(parts)})" if parts else ""
@@ -290,6 +293,7 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
             if entries := _entries(names):
                 out.caches.append(here)
                 names = [n for n in names if n not in entries]
+        out.hidden += sorted(Path(root, n) for n in (*dirs, *names) if n.startswith("."))
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(root, n) for n in names if not n.startswith(".")]
     found.sort(key=lambda f: f.relative_to(folder).as_posix())

@@ -15,7 +15,7 @@ from typing import BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from .paths import DataError, open_regular, quoted
+from .paths import UTF16_MARKS, DataError, not_utf8, open_regular, quoted
 from .sources import Inputs, Source
 
 # Bytes read at a time. Preparing peaks at ~10x this above the imports (UTF-32 copies, int64 temporaries); 16 MB
@@ -28,8 +28,6 @@ N_CODE_POINTS = 0x110000
 _BLOCK = 1 << 20
 _SEPARATOR = b"\n"  # between two files, so one file's last line never runs into the next file's first
 BOM = codecs.BOM_UTF8  # U+FEFF as the first bytes of a file: a mark of the encoding some editors write, not text
-# The marks that start UTF-16 text (Windows's "Unicode"), never UTF-8: no UTF-8 character has the bytes FF or FE
-_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
 @dataclass
@@ -100,11 +98,8 @@ def _past_bom(f: BinaryIO, source: Source, label: str, strip_bom: bool, seen: Od
     """Where f's text begins: past a UTF-8 byte-order mark that starts it, with strip_bom (counted in seen and on
     the bar), else at 0. UTF-16's marks are DataError."""
     head = f.read(len(BOM))  # read apart from the chunks, however small they are
-    if head.startswith(_UTF16_BOMS):  # (with NUL bytes, as most UTF-16 has, it was refused as binary)
-        raise DataError(
-            f"{label}: {quoted(source.path)} is UTF-16 text (it starts with UTF-16's byte-order mark), "
-            "not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"
-        )
+    if head.startswith(UTF16_MARKS):  # (with NUL bytes, as most UTF-16 has, it was refused as binary)
+        raise not_utf8(label, source.path, head)
     if strip_bom and head == BOM:
         if seen is not None:
             seen.boms += 1

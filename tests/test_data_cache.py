@@ -27,6 +27,7 @@ import data.cachekey
 import data.prepare
 import data.sources
 from data import DataError
+from data.paths import LOG_PATH, quoted
 
 
 @pytest.fixture(autouse=True)
@@ -318,9 +319,11 @@ def test_an_ids_file_that_is_a_folder_is_refused_in_one_line(tmp_path: Path) -> 
     first = prepare(write(tmp_path / "t.txt", "abcdefgh" * 64))
     first.path.unlink()
     first.path.mkdir()
-    refusal = r"^TINYCHAR_CACHE_DIR: cannot write the encoded corpus to .*\(Is a directory\)"
-    with pytest.raises(DataError, match=refusal):
+    with pytest.raises(DataError) as info:
         prepare(tmp_path / "t.txt")  # the folder cannot be replaced by the new ids
+    # it said "(Is a directory); free some space", naming the cache folder
+    assert str(info.value) == (f"TINYCHAR_CACHE_DIR: cannot write the encoded corpus to {quoted(first.path)}: a folder "
+                               "of that name is in the way; move it away, or set TINYCHAR_CACHE_DIR to another folder")
     first.path.rmdir()  # once it is gone, the text is encoded again
     assert text_of(prepare(tmp_path / "t.txt")) == "abcdefgh" * 64
 
@@ -377,6 +380,35 @@ def test_a_damaged_meta_is_encoded_again_and_said(tmp_path: Path, cache: Path, c
     assert again.notes == (f"data: the cached copy '{damaged}' was damaged ({why}); it has been encoded again",)
     assert prepare(tmp_path / "t.txt").cache_hit  # and the new copy is trusted
     assert entries(cache) == [first.path.name, first.path.with_suffix(".json").name]
+
+
+@pytest.mark.parametrize("content", [b"", b'{"format": 3, "key": "', b"\xff\xfe garbage", b"[1, 2, 3]", b"null"])
+def test_a_meta_cut_short_or_overwritten_is_encoded_again_and_said(tmp_path: Path, cache: Path, content: bytes) -> None:
+    """A meta that was no JSON (a copy cut short, a stray write) was passed over without the note a damaged entry
+    gets."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    meta_path = first.path.with_suffix(".json")
+    meta_path.write_bytes(content)
+    again = prepare(tmp_path / "t.txt")
+    assert not again.cache_hit and text_of(again) == text and again.fingerprint == first.fingerprint
+    assert again.notes == (f"data: the cached copy {quoted(meta_path, LOG_PATH)} was damaged (its meta is not the JSON "
+                           "the encoder wrote); it has been encoded again",)
+    assert prepare(tmp_path / "t.txt").cache_hit and entries(cache) == [first.path.name, meta_path.name]
+
+
+def test_a_relative_tinychar_cache_dir_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It put the cache in whichever folder the command ran from (a repository's, a corpus's)."""
+    monkeypatch.setenv("TINYCHAR_CACHE_DIR", "relcache")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as info:
+        prepare(write(tmp_path / "t.txt", MIXED))
+    assert str(info.value) == ("TINYCHAR_CACHE_DIR: 'relcache' is a relative path, which would put a cache in each "
+                               "folder a run starts from (a repository, a corpus); give an absolute path")
+    assert entries(tmp_path) == ["t.txt"]
+    monkeypatch.setenv("TINYCHAR_CACHE_DIR", "~/cache")  # a home folder is no relative path
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert prepare(tmp_path / "t.txt").path.parent == tmp_path / "home" / "cache"
 
 
 @pytest.mark.parametrize("what", ["a pipe", "JSON nested past the recursion limit", "another entry's meta, a pipe"])

@@ -380,10 +380,10 @@ def test_a_cache_folder_inside_the_data_folder_is_left_out_with_a_note(
     assert first.path.parent == cache and text_of(first) == "alpha\n\ngamma\n"
     again = prepare(novels, **settings)
     assert again.cache_hit and text_of(again) == text_of(first) and again.fingerprint == first.fingerprint
-    (note,) = [n for n in again.notes if "tinychar caches" in n]
+    (note,) = [n for n in again.notes if "tinychar's cache" in n]
     assert note == (
-        "data.path: left out the encoded corpora tinychar caches in 1 folder(s) there (their ids and meta files are "
-        f"not training text): {quoted(cache, 133)}"
+        "data.path: left out the files of tinychar's cache of encoded corpora (ids and meta files, not training text) "
+        f"in 1 folder(s): {quoted(cache, 133)}"
     )
     assert len(list(cache.glob("*.json"))) == 1  # no entry of a corpus holding the cache itself
 

@@ -26,7 +26,7 @@ from data import (
     shakespeare_path,
     split_ids,
 )
-from data.paths import quoted
+from data.paths import LOG_PATH, quoted
 
 MIXED = "Γειά σου κόσμε, 你好世界 😀🎉 e\u0301 n\u0303\r\nline two\r\n\tend\u00a0"
 
@@ -116,6 +116,11 @@ def test_missing_empty_binary_and_too_short_inputs_are_refused(tmp_path: Path) -
     with pytest.raises(DataError, match=r"has 5 characters.*block_size \+ 1 = 9") as info:
         prepare(tmp_path / "input.txt", min_chars=9)
     assert "\n" not in str(info.value)
+    with pytest.raises(DataError, match=r"'.*one\.txt' has 1 character, but one training window needs at least "
+                                        r"block_size \+ 1 = 9"):
+        prepare(write(tmp_path / "one.txt", "a"), min_chars=9)
+    with pytest.raises(DataError, match=r"has 1 character, but"):
+        read_text(tmp_path / "one.txt", 9)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 2, 7, 1 << 16])
@@ -174,6 +179,21 @@ def test_a_folder_is_its_text_files_in_sorted_order_joined_by_newlines(tmp_path:
     assert text_of(corpus) == "first\nsecond\n\nthird\nfourth"
     assert "4 files" in corpus.description
     assert any("left out 1 binary file" in note and "cover.png" in note for note in corpus.notes)
+    # hidden ones were left out without a word
+    assert (f"data.path: left out 2 hidden file(s) and folder(s), whose names start with '.': "
+            f"{quoted(books / '.git', LOG_PATH // 3)}, {quoted(books / '.hidden.txt', LOG_PATH // 3)}") in corpus.notes
+
+
+def test_a_folder_of_hidden_files_alone_says_they_were_left_out(tmp_path: Path) -> None:
+    """It said 'a folder with no text files in it; add some' of a folder holding text, all of it hidden."""
+    write(tmp_path / "notes" / ".a.txt", "hidden text " * 10)
+    write(tmp_path / "notes" / ".drafts" / "b.txt", "hidden text " * 10)
+    with pytest.raises(DataError) as info:
+        prepare(tmp_path / "notes")
+    assert str(info.value) == (
+        f"data.path: {quoted(tmp_path / 'notes')} is a folder with no text files in it (hidden files and folders "
+        f"(names that start with '.') left out: {quoted(tmp_path / 'notes' / '.a.txt')}, "
+        f"{quoted(tmp_path / 'notes' / '.drafts')}); add some, or give a file")
 
 
 def test_a_glob_picks_its_matches_in_sorted_order(tmp_path: Path) -> None:
@@ -240,7 +260,29 @@ def test_utf16_without_nul_bytes_is_refused_with_the_conversion(tmp_path: Path, 
     with pytest.raises(DataError) as info:
         prepare(path, errors=errors)
     assert str(info.value) == f"data.path: {quoted(path)} is UTF-16 text (it starts with UTF-16's byte-order mark), " \
-        "not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8"
+        f"not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > converted.txt"
+
+
+@pytest.mark.parametrize(("encoding", "name"), [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16"), ("utf-32", "UTF-32")])
+def test_wide_text_with_nul_bytes_is_refused_as_what_it_is_with_the_conversion(tmp_path: Path, encoding: str,
+                                                                                name: str) -> None:
+    """English saved as UTF-16 (Notepad's "Unicode") holds a NUL byte after every letter, and was refused as 'a binary
+    file', without the command that converts it."""
+    path = write(tmp_path / "en.txt", ("\ufeff" if encoding == "utf-16-be" else "").encode(encoding)
+                 + ("hello world " * 80).encode(encoding))
+    assert b"\0" in path.read_bytes()[:100]
+    expected = (f"data.path: {quoted(path)} is {name} text (it starts with {name}'s byte-order mark), not UTF-8; "
+                f"convert it to UTF-8, e.g. iconv -f {name} -t UTF-8 {path} > converted.txt")
+    for errors in ("strict", "replace"):
+        with pytest.raises(DataError) as info:
+            prepare(path, errors=errors)
+        assert str(info.value) == expected
+    with pytest.raises(DataError) as info:
+        read_text(path)
+    assert str(info.value) == expected
+    write(tmp_path / "books" / "a.txt", "plain text " * 10)
+    path.rename(tmp_path / "books" / "en.txt")  # in a folder, left out with the binary files, as before
+    assert any("left out 1 binary file" in note and "en.txt" in note for note in prepare(tmp_path / "books").notes)
 
 
 # --- vocabulary ------------------------------------------------------------------------------------------------------

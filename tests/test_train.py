@@ -481,3 +481,18 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=8", f"data.path={elsewhere / 'other.txt'}"],
                       progress=False) == 2
     assert "is not the text this run was trained on" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_resume_whose_text_is_gone_from_its_full_path_says_how_to_go_on(tmp_path, capsys):
+    # It said only "no such file", with no way forward for a resume.
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out, **{"train.max_iters": 4})], progress=False) == 0
+    moved = corpus.rename(tmp_path / "moved.txt")
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"error: data.path: no such file '{corpus}'; to resume, put back the text this run trained on, or give where "
+        "it is now (data.path=...), which a resume takes")
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={moved}"],
+                      progress=False) == 0

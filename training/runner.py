@@ -14,6 +14,7 @@ import torch
 
 from configs.userinput import shell_word, shown
 from data import Corpus, DataError, prepare_corpus, split_ids
+from data.paths import quoted
 from model import build_model
 
 from . import distributed
@@ -122,8 +123,11 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
             path = cfg.data.path
             # '~' starts a home folder, not a path relative to the folder the run started in (pathlib's expanduser
             # raised RuntimeError for '~nouser'); os.path.exists never raises (Path.exists: ValueError for NUL)
-            if payload is None or path is None or path.startswith("~") or os.path.isabs(path) or os.path.exists(path):
+            if payload is None or path is None or os.path.exists(os.path.expanduser(path)):
                 raise
+            if path.startswith("~") or os.path.isabs(path):  # the text the run trained on is gone from there
+                raise DataError(f"data.path: no such file {quoted(path)}; to resume, put back the text this run "
+                                "trained on, or give where it is now (data.path=...), which a resume takes") from None
             # A run started on a relative data.path, resumed from another folder: say how to name the file from here
             raise DataError(f"{e}; this run was started on that path relative to the folder it ran in: resume from "
                             f"that folder, or give its full path (data.path=/.../{shell_word(Path(path).name)}), "
