@@ -28,7 +28,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from sampling.writing import write_samples
     from training.config import COMPILE
-    from training.logger import discard_stdout, stderr_kept_open
+    from training.logger import discard_stdout, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     stderr_kept_open()
+    stdout_encodes_any_text()
     args = parse_args(argv)
     if sys.stdout is None:  # started with stdout closed (`>&-`): the samples would go nowhere
         print("error: stdout is closed, and the samples are written there; redirect it to a file (> out.txt) or to "

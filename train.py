@@ -39,7 +39,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training.checkpoints import load_run
     from training.config import DEFAULT_CONFIG, RunConfig
     from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
-    from training.logger import say, stderr_kept_open
+    from training.logger import say, stderr_kept_open, stdout_encodes_any_text
     from training.runner import run
     from training.signals import InterruptSignals
 except KeyboardInterrupt:
@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
     """Run train.py with argv (default sys.argv[1:]); the exit status. progress: a tqdm bar (None: on a terminal)."""
     stderr_kept_open()
+    stdout_encodes_any_text()
     try:
         launch = distributed.launch_from_env()
     except distributed.LaunchError as e:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import reprlib
 import shlex
 import stat
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -124,9 +126,26 @@ def read_user_file(path: str | Path, what: str, max_bytes: int, error: type[Exce
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
 
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error(): what the option was followed by
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         # argparse quotes what it refuses whole: a value thousands of characters long stays one short line
-        self.exit(2, f"error: {shown(message, ERROR_LIMIT)} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {shown(message, ERROR_LIMIT)}{self._dash_hint(message)} (see {self.prog} --help)\n")
+
+    def _dash_hint(self, message: str) -> str:
+        """For an option whose value starts with '-' (--prompt -ROMEO, --temperature -1e-3), which argparse takes
+        for an option and so says the value is missing: how to give it."""
+        found = re.fullmatch(r"argument (-[-\w]+)(?:/-[-\w]+)*: expected one argument", message)
+        argv = getattr(self, "_argv", [])
+        if found is None or found.group(1) not in argv:
+            return ""
+        at = argv.index(found.group(1))
+        if at + 1 >= len(argv) or not argv[at + 1].startswith("-"):
+            return ""
+        word = shell_word(f"{found.group(1)}={argv[at + 1]}")
+        return f"; a value that starts with '-' goes after '=', as in {word if len(word) <= 60 else word[:57] + '...'}"
 
 
 def path_kind(path: str | Path) -> str | None:

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         command = importlib.import_module(f"lab.{COMMANDS[argv[0]][0]}")
-        from training.logger import stderr_kept_open
+        from training.logger import stderr_kept_open, stdout_encodes_any_text
     except KeyboardInterrupt:  # raised all the same, by a module that set a handler of its own
         held.append(signal.SIGINT)
     finally:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted ({signal.Signals(held[0]).name}) while starting; nothing was done", file=sys.stderr)
         return 128 + held[0]
     stderr_kept_open()
+    stdout_encodes_any_text()
     return command.main(argv[1:])
 
 

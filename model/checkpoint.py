@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import stat
 import warnings
 import zipfile
@@ -121,7 +122,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             detail = "it is not a zip archive, as torch.save writes one"
         else:
             first = first_sentence(text.splitlines()[0]) if text else ""
-            detail = f"{type(e).__name__}: {first}" if first else type(e).__name__  # a bare KeyError reads '101'
+            # a reason in words is passed on; a bare KeyError's '101', or a C++ check's file and line, say nothing
+            words = re.search(r"[A-Za-z]{3,} [A-Za-z]{3,}", first) and not first.startswith("[enforce fail")
+            detail = f"{type(e).__name__}: {first}" if words else "it is not a whole file that torch.save wrote"
         raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): "
                               f"{detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

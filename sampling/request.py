@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from configs.userinput import read_user_file, shown
+from configs.userinput import read_user_file, shell_word, shown
 from data.paths import LOG_PATH
 from model import (
     GPT,
@@ -193,6 +193,19 @@ def check_known(prompt: str, index: dict[str, int]) -> None:
                          f"remove or replace them")
 
 
+def load_run_checkpoint(path: Path, chosen_for_the_run: bool) -> dict:
+    """load_checkpoint(path); where --out-dir chose best.pt and it cannot be read, the refusal names the run's ckpt.pt
+    beside it, which may be whole (a damaged best.pt gave a line with no way forward)."""
+    try:
+        return load_checkpoint(path)
+    except CheckpointError as e:
+        latest = path.with_name("ckpt.pt")
+        if not chosen_for_the_run or path.name != "best.pt" or not latest.is_file():
+            raise
+        raise CheckpointError(f"{e}; the run's latest checkpoint may be whole: --checkpoint "
+                              f"{shell_word(str(latest))}") from None
+
+
 def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]] | int:
     """The model in eval mode on its device, the prompt's ids, the prompt and the vocabulary; or the exit status of a
     request refused in one line. The checkpoint's line and any attention map are written here."""
@@ -204,7 +217,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
         device = resolve_device(args.device)
         # On the CPU: a ckpt.pt also holds the optimizer's moments (and the weights the average was taken of), which
         # would take a small GPU's memory before the check below; model.to(device) moves only the model.
-        payload = load_checkpoint(path)
+        payload = load_run_checkpoint(path, args.checkpoint is None)
         config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
         if args.attention_map is not None and config.type != "gpt":
             raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, train_small_run
+from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
 from PIL import Image
 
 import sample
@@ -579,6 +579,90 @@ def test_a_ctrl_c_while_the_samples_are_written_stops_the_writing(run, monkeypat
     code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "50", "--num-samples", "3")
     assert code == 130 and err.splitlines()[-1] == "interrupted (SIGINT); stopped sampling", err
     assert out.getvalue().count(PROMPT) < 3  # stopped in the middle of the writing
+
+
+def sample_process(run_dir: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "sample.py"), "--out-dir", str(run_dir), "--device", "cpu",
+                           *args], timeout=120, check=False, **kwargs)
+
+
+def test_stderr_open_only_for_reading_is_taken_for_a_closed_one(run_dir):
+    # pyenv's shim, after `2>&-`, leaves descriptor 2 open on its script for reading: every message failed (EBADF)
+    # and the samples were never written (exit status 1)
+    def stderr_read_only() -> None:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    done = sample_process(run_dir, "--prompt", "the", "--max-new-tokens", "30", stdout=subprocess.PIPE, text=True,
+                          preexec_fn=stderr_read_only)
+    assert done.returncode == 0
+    assert done.stdout.startswith("the") and len(done.stdout) == len("the") + 30 + 1
+
+
+def test_a_reader_of_stderr_that_goes_away_loses_nothing_else(run_dir, tmp_path):
+    # `2>&1 >out.txt | head -c 5`: the checkpoint's line met a closed pipe, a BrokenPipeError ended the run with
+    # status 1, and the samples bound for the file were never written
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first message
+    with open(tmp_path / "out.txt", "w") as out:
+        done = sample_process(run_dir, "--prompt", "the", "--max-new-tokens", "30", stdout=out, stderr=write)
+    os.close(write)
+    assert done.returncode == 0
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8").startswith("the")
+    read, write = os.pipe()
+    os.close(read)
+    refused = sample_process(run_dir, "--max-new-tokens", "-3", stdout=subprocess.DEVNULL, stderr=write)
+    os.close(write)
+    assert refused.returncode == 2  # the status of the refusal, not 1 for the lost message
+
+
+def test_stdout_whose_encoding_cannot_hold_the_text_gets_it_in_utf8(tmp_path):
+    # PYTHONIOENCODING=ascii, or Windows's cp1252 for `> out.txt`: the first character outside it was a
+    # UnicodeEncodeError, a traceback, and every sample lost
+    text = "h\u00e9llo w\u00f6rld \u65e5\u672c \U0001f600 " * 40
+    import train
+
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    run_dir = tmp_path / "out"
+    overrides = tiny_overrides(tmp_path / "corpus.txt", run_dir, **{"train.max_iters": 5, "train.eval_interval": 5})
+    assert train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *overrides], progress=False) == 0
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    for stream in ([], ["--stream"]):
+        done = sample_process(run_dir, "--prompt", "h\u00e9", "--max-new-tokens", "40", *stream, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert done.returncode == 0, done.stderr
+        out = done.stdout.decode("utf-8")
+        assert out.startswith("h\u00e9") and len(out) == 2 + 40 + 1 and set(out[:-1]) <= set(text)
+
+
+def test_a_value_that_starts_with_a_dash_is_shown_how_to_give_it(capsys):
+    # argparse takes -ROMEO for an option and said only "expected one argument"
+    def refusal(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exited:
+            sample.parse_args(list(argv))
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+
+    assert refusal("--prompt", "-ROMEO") == (
+        "error: argument --prompt: expected one argument; a value that starts with '-' goes after '=', as in "
+        "--prompt=-ROMEO (see sample.py --help)\n")
+    assert "as in --temperature=-1e-3 " in refusal("--temperature", "-1e-3")
+    assert "as in '--prompt=-ROMEO!' " in refusal("--prompt", "-ROMEO!")  # a word the shell takes back whole
+    assert refusal("--prompt") == "error: argument --prompt: expected one argument (see sample.py --help)\n"
+    assert sample.parse_args(["--prompt=-ROMEO"]).prompt == "-ROMEO"
+
+
+def test_a_damaged_best_pt_names_the_runs_other_checkpoint(run, run_dir, tmp_path):
+    # "cannot read checkpoint '.../best.pt' (truncated or not a checkpoint): KeyError: 174812789", and no way on
+    shutil.copy(run_dir / "ckpt.pt", tmp_path / "ckpt.pt")
+    (tmp_path / "best.pt").write_text("junk\n", encoding="utf-8")
+    assert one_error_line(run(out_dir=tmp_path)) == (
+        f"error: cannot read checkpoint '{tmp_path / 'best.pt'}' (truncated or not a checkpoint): it is not a whole "
+        f"file that torch.save wrote; the run's latest checkpoint may be whole: --checkpoint {tmp_path / 'ckpt.pt'}")
+    assert ok(run("--checkpoint", str(tmp_path / "ckpt.pt"), "--max-new-tokens", "5"))
+    one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))  # chosen by name: no other is offered
+    assert "--checkpoint" not in one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))
 
 
 def test_a_closed_stderr_keeps_the_messages_out_of_the_samples(run_dir):
