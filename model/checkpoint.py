@@ -7,6 +7,7 @@ Writing one, and the training state in it, is the trainer's business (training/c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -94,7 +95,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                                   f"the links go round in a loop); give the checkpoint's own path")
         raise CheckpointError(f"no checkpoint at {quoted(path)}; train one first with `python train.py`")
     if path.is_dir():
-        raise CheckpointError(f"{quoted(path)} is a directory, not a checkpoint file")
+        raise CheckpointError(f"{quoted(path)} is a folder, not a checkpoint file; name the checkpoint in it "
+                              "(ckpt.pt, or best.pt)")
     kind = not_a_file(os.stat(path).st_mode)
     if kind is not None:  # opening a pipe waits for a writer, forever; a device may never end
         raise CheckpointError(f"{quoted(path)} is {kind}, not a checkpoint file; give the path of a file torch.save "
@@ -188,6 +190,11 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
     if missing:  # a default in their place could build a model that fits the weights and computes something else
         raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: it lacks "
                               f"{', '.join(missing)}, which every checkpoint tinychar writes holds")
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(str(key) for key in payload["model_config"] if key not in known)
+    if unknown:
+        raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: {', '.join(unknown[:5])[:200]} "
+                              f"is no setting this tinychar knows; load it with the tinychar that wrote it")
     try:
         config = GPTConfig(**payload["model_config"])
     except (TypeError, ValueError) as e:

@@ -183,7 +183,7 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      lambda c: c.train(f"out_dir={c.file('plain.txt', 'x')}/run"), "cannot write into out_dir"),
     # --- data files
     ("data-empty", "train", lambda c: c.data(c.file("empty.txt", "")), "is empty"),
-    ("data-one-character", "train", lambda c: c.data(c.file("one.txt", "a")), "has 1 characters"),
+    ("data-one-character", "train", lambda c: c.data(c.file("one.txt", "a")), "has 1 character, but"),
     ("data-shorter-than-a-window", "train", lambda c: c.data(c.file("short.txt", "abcdefg")), "block_size + 1 = 9"),
     ("data-binary", "train", lambda c: c.data(c.file("noise.bin", bytes(range(256)) * 8)), "is a binary file"),
     ("data-latin-1", "train", lambda c: c.data(_latin1(c)), "is not UTF-8"),
@@ -249,7 +249,7 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("checkpoint-vocab-not-the-weights", "sample", lambda c: c.sample(checkpoint=_unseen_vocab(c)),
      "weights do not match"),
     ("checkpoint-is-text", "sample", lambda c: c.sample(checkpoint=c.corpus), "not a file that torch.save wrote"),
-    ("checkpoint-a-folder", "sample", lambda c: c.sample(checkpoint=_folder(c)), "is a directory"),
+    ("checkpoint-a-folder", "sample", lambda c: c.sample(checkpoint=_folder(c)), "is a folder, not a checkpoint file"),
     # --- a newline in a path a message names (one_error_line: still one line)
     ("checkpoint-missing-newline-in-path", "sample", lambda c: c.sample(checkpoint=c.tmp / "no\nsuch.pt"),
      "no checkpoint at '"),

@@ -127,7 +127,8 @@ def test_a_file_that_is_not_a_tinychar_checkpoint_is_refused(tmp_path, content):
 
 def test_a_missing_file_or_a_folder_is_refused(tmp_path):
     assert "no checkpoint" in refusal(tmp_path / "nope.pt")
-    assert "directory" in refusal(tmp_path)
+    assert refusal(tmp_path).endswith("is a folder, not a checkpoint file; name the checkpoint in it (ckpt.pt, or "
+                                      "best.pt)")
 
 
 def test_a_pipe_is_refused_before_it_is_opened(tmp_path):
@@ -324,7 +325,8 @@ def test_a_vocabulary_that_does_not_match_the_weights_is_refused(saved, tmp_path
         (lambda p: p.update(vocab=[VOCAB[0], VOCAB[2], *VOCAB[2:]]),
          "malformed vocabulary: '!' is in it twice (characters 1 and 2)"),
         (lambda p: p["model_config"].update(n_head=3), "unusable model config"),
-        (lambda p: p["model_config"].update(colour="blue"), "unusable model config"),
+        (lambda p: p["model_config"].update(colour="blue"),
+         "unusable model config: colour is no setting this tinychar knows"),
         # n_head's default (4) fits the weights of a model of 2 heads: it would have loaded and computed otherwise
         (lambda p: p["model_config"].pop("n_head"), "unusable model config: it lacks n_head, which every checkpoint"),
         (lambda p: [p["model_config"].pop(k) for k in ("n_layer", "block_size")],
