@@ -82,6 +82,18 @@ def test_a_need_beyond_what_is_free_is_refused_with_the_numbers_and_what_to_chan
         check_fits(MemoryNeed(weights=10**9, masks=11 * 10**9, activations=0), cpu, processes=2)
 
 
+def test_a_need_just_past_what_is_free_reads_as_more(monkeypatch) -> None:
+    # "needs about 1.9 GB of memory and this machine has 1.9 GB free"
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 1_880_000_000)
+    with pytest.raises(UsageError, match=r"needs about 1,920 MB of memory and this machine has 1,880 MB free; "):
+        check_fits(MemoryNeed(weights=10**9, masks=0, activations=920_000_000), torch.device("cpu"))
+    monkeypatch.setattr(training.memory, "process_limit_available", lambda: 1_880_000_000)
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 23 * 10**9)
+    with pytest.raises(UsageError, match=r"needs about 1,920 MB of memory and .* 1,880 MB; raise the limit .* \(the "
+                                         r"machine has 23.0 GB free\)"):
+        check_fits(MemoryNeed(weights=10**9, masks=0, activations=920_000_000), torch.device("cpu"))
+
+
 def test_the_text_of_a_sampling_request_is_counted_on_the_device_and_in_the_cpus_memory() -> None:
     from training.memory import text_bytes
 

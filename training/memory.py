@@ -216,9 +216,12 @@ def whose_memory(device: torch.device, free: int) -> str:
 SHOWN_MAX_BYTES = 10**24
 
 
-def _gb(n: int) -> str:
-    """n bytes as '12.3 GB' or '456 MB', counted in integers (a float would overflow past about 1.8e308)."""
+def _gb(n: int, near: int | None = None) -> str:
+    """n bytes as '12.3 GB' or '456 MB', counted in integers (a float would overflow past about 1.8e308); in MB
+    where near (the amount it is compared with) would read the same ('needs about 1.9 GB ... 1.9 GB free')."""
     n = int(n)
+    if near is not None and n != near and _gb(n) == _gb(near):
+        return f"{(n + 500_000) // 10**6:,} MB"
     if n >= 10**8:
         tenths = (n + 5 * 10**7) // 10**8
         return f"{tenths // 10:,}.{tenths % 10} GB"
@@ -235,19 +238,20 @@ def check_fits(need: MemoryNeed, device: torch.device, processes: int = 1, *, wh
         if processes > 1 and total <= SHOWN_MAX_BYTES:
             who = f"about {processes} processes x {_gb(need.total)}"
         else:
-            who = _about(total)
+            who = _about(total, free)
         where = "this machine has" if device.type == "cpu" else f"{device} has"
-        raise UsageError(f"{what} needs {who} of memory and {where} {_gb(free)} free; "
+        raise UsageError(f"{what} needs {who} of memory and {where} {_gb(free, total)} free; "
                          f"{advice or 'use ' + need.largest()}")
     limit = process_limit_available() if device.type == "cpu" else None
     if limit is not None and need.total > limit:
         # The machine has room, but each process's own limit (ulimit -v or -d) is lower: the allocator would fail.
         each = " a process" if processes > 1 else ""
         machine = f" (the machine has {_gb(free)} free)" if free is not None else ""
-        raise UsageError(f"{what} needs {_about(need.total)}{each} of memory and {LIMITED} {_gb(limit)}; raise the "
+        raise UsageError(f"{what} needs {_about(need.total, limit)}{each} of memory and {LIMITED} "
+                         f"{_gb(limit, need.total)}; raise the "
                          f"limit in the shell that starts it{machine}")
 
 
-def _about(n: int) -> str:
-    """n bytes in words, past SHOWN_MAX_BYTES as 'more than' it."""
-    return f"more than {_gb(SHOWN_MAX_BYTES)}" if n > SHOWN_MAX_BYTES else f"about {_gb(n)}"
+def _about(n: int, near: int | None = None) -> str:
+    """n bytes in words, past SHOWN_MAX_BYTES as 'more than' it (near: as for _gb)."""
+    return f"more than {_gb(SHOWN_MAX_BYTES)}" if n > SHOWN_MAX_BYTES else f"about {_gb(n, near)}"
