@@ -38,7 +38,7 @@ import training.checkpoints
 import training.loop
 import training.runner
 from configs.userinput import shown
-from model import load_checkpoint
+from model import GPT, load_checkpoint
 from training.config import TrainConfig
 from training.signals import Interrupted, InterruptSignals, StopSignals
 
@@ -370,6 +370,28 @@ def test_a_signal_during_a_long_evaluation_stops_it_at_once_without_logging_it(t
     assert time.perf_counter() - sent < 10
     assert "step 3: train loss" not in "".join(lines) + rest  # no result for the evaluation that was cut short
     assert load_checkpoint(out / "ckpt.pt")["step"] == 3 and "stopped at step 3" in err
+
+
+def test_a_signal_while_the_logged_sample_is_drawn_stops_it_at_the_next_character(tmp_path, capsys, monkeypatch):
+    """The sample logged at each evaluation was drawn to its end whatever came: train.sample_chars=30000 at block 512
+    kept a SIGTERM waiting 442 s, past a scheduler's grace period. It now stops after the character in flight, the
+    state is saved, and the cut-short sample is not logged."""
+    out, drawn = tmp_path / "out", []
+    real = GPT.generate_iter
+
+    def generate_iter(self, *args, **kwargs):
+        for next_id in real(self, *args, **kwargs):
+            drawn.append(next_id)
+            if len(drawn) == 50:
+                send(signal.SIGTERM)
+            yield next_id
+
+    monkeypatch.setattr(GPT, "generate_iter", generate_iter)
+    keys = {"train.max_iters": 10, "train.eval_interval": 5, "train.sample_chars": 100_000}
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **keys)], capsys)
+    assert code == 143 and one_line(err) == stop_line(out, 5)
+    assert len(drawn) == 50  # not one more character
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 5
 
 
 def pasted(word: str) -> bytes:

@@ -325,8 +325,10 @@ class Trainer:
                 with torch.compiler.set_stance("force_eager") if compiler_loaded() else nullcontext():
                     if self.tc.sample_chars:
                         sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed,
-                                             self.device)
-                        log.text(step, "sample", "```\n" + sample + "\n```")
+                                             self.device, stop=lambda: self.stop.signal is not None)
+                        if sample is not None:  # else a signal cut it short (this process's own: no collective
+                            # here), and the loop saves and stops, under torchrun once the processes agree
+                            log.text(step, "sample", "```\n" + sample + "\n```")
                     log.attention(step, self.model, self.attention_prompt, self.tokenizer,
                                   background=self.device.type == "cuda")
         self.save(improved)
