@@ -389,6 +389,28 @@ def test_a_config_yaml_of_the_users_in_out_dir_is_refused_and_left_alone(tmp_pat
     assert (folder / "config.yaml").read_text(encoding="utf-8") == USERS_CONFIG
 
 
+@pytest.mark.parametrize("flags", [[], ["--overwrite"]])
+def test_a_lock_or_replaced_folder_of_the_users_is_refused_and_left_alone(tmp_path, capsys, flags) -> None:
+    """A .lock of a person's was overwritten with the run's process id; a .replaced/ of theirs was emptied into
+    out_dir as an --overwrite killed midway would be put back (and a later --overwrite deleted it)."""
+    corpus = write_corpus(tmp_path)
+    for name, path in ((LOCK, Path(LOCK)), (ASIDE, Path(ASIDE) / "notes.txt")):
+        folder = tmp_path / f"exp{name}"
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text("my precious notes\n", encoding="utf-8")
+        code, _, err = call(train_main, ["--config", TINY, f"out_dir={folder}", f"data.path={corpus}", *flags],
+                            capsys)
+        assert code == 2
+        if name == LOCK:
+            assert err == (f"error: '{shown(folder / LOCK)}' holds something a run did not write (a run's .lock holds "
+                           f"its process id and host); move the file away, or choose another out_dir\n")
+        else:
+            assert err == (f"error: '{shown(folder / ASIDE)}' holds what no --overwrite put there (notes.txt), and a "
+                           f"run replaces or empties that folder; move it out of out_dir, or choose another out_dir\n")
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == sorted({path, *path.parents} - {Path(".")})
+        assert (folder / path).read_text(encoding="utf-8") == "my precious notes\n"
+
+
 def test_the_config_yaml_a_run_wrote_is_known_as_a_runs_own(tmp_path, capsys) -> None:
     """Marked, it is replaced by a run into its folder, as is an unmarked one (from before the mark) beside .lock."""
     corpus = write_corpus(tmp_path)

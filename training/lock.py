@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -62,6 +63,11 @@ class RunLock:
         else:
             raise UsageError(f"'{shown(str(self.path))}' keeps being replaced while a run takes it; stop whatever is "
                              f"replacing it, or choose another out_dir")
+        if os.fstat(fd).st_nlink == 1 and not _written_by_a_run(fd):
+            # a file of a person's, with no other name to keep it by: writing the pid would have replaced it
+            os.close(fd)
+            raise UsageError(f"'{shown(str(self.path))}' holds something a run did not write (a run's .lock holds its "
+                             f"process id and host); move the file away, or choose another out_dir")
         if os.fstat(fd).st_nlink > 1:
             # A hard link: the file has other names (a copy made with `cp -al`, say), and writing the pid into it
             # would overwrite it under every one of them. Nobody holds its lock (just taken), so .lock becomes a file
@@ -132,6 +138,16 @@ class RunLock:
             return f"process {pid} on {host}"
         except (OSError, ValueError):
             return "another process"
+
+
+# What a run writes into .lock: its process id and host name, on one line.
+_LOCK_TEXT = re.compile(rb"\d+ \S+\n?")
+
+
+def _written_by_a_run(fd: int) -> bool:
+    """Whether the open .lock is empty or holds what a run writes there (_LOCK_TEXT)."""
+    head = os.pread(fd, 512, 0)
+    return not head or _LOCK_TEXT.fullmatch(head) is not None
 
 
 def in_use(out_dir: Path, holder: str) -> UsageError:

@@ -36,6 +36,9 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
         raise UsageError(f"out_dir '{shown(str(out_dir))}' exists and is not a folder; choose another out_dir")
     if holder := RunLock(out_dir).busy():
         raise in_use(out_dir, holder)
+    if foreign := not_aside(out_dir):
+        raise UsageError(f"'{shown(str(out_dir / ASIDE))}' holds what no --overwrite put there ({foreign}), and a run "
+                         f"replaces or empties that folder; move it out of out_dir, or choose another out_dir")
     if not_a_runs_config(out_dir):
         raise UsageError(f"'{shown(str(out_dir / 'config.yaml'))}' is not a config.yaml that tinychar wrote, and this "
                          f"run would replace it with its own; move it out of the folder, or choose another out_dir")
@@ -46,6 +49,19 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
         held = existing[0].relative_to(out_dir).as_posix()  # .replaced/ckpt.pt: left by an --overwrite killed midway
         raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({held}); continue it with --resume, choose "
                          f"another out_dir=..., or start afresh with --overwrite")
+
+
+def not_aside(out_dir: Path) -> str:
+    """The first few entries of out_dir/.replaced that are no run file --overwrite moved there, named; '' if there
+    are none (or no such folder). A person's .replaced/ was emptied into out_dir, or deleted by the next
+    --overwrite."""
+    try:
+        names = sorted(os.listdir(out_dir / ASIDE))
+    except OSError:  # none, or not a folder (claiming out_dir says so)
+        return ""
+    foreign = [n for n in names if n not in ("ckpt.pt", "best.pt", "config.yaml")
+               and not n.startswith("events.out.tfevents.")]
+    return ", ".join(shown(n, 40) for n in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
 
 
 def not_a_runs_config(out_dir: Path) -> bool:
