@@ -276,6 +276,12 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
             raise ConfigError(f"override '{shown(item)}' must look like KEY=VALUE, e.g. train.max_iters=500")
         key, _, text = item.partition("=")
         key = key.strip()
+        if not key:
+            raise ConfigError(f"override '{shown(item)}' must look like KEY=VALUE, e.g. train.max_iters=500")
+        if key in _section_keys(cls):  # 'train=1': a whole section, which takes its keys one by one
+            first = next((k for k in keys if k.startswith(key + ".")), key + ".KEY")
+            raise ConfigError(f"'{shown(key)}' is a section of the config, not a key; give {shown(key)}.KEY=VALUE "
+                              f"(such as {first}=...; `python train.py --help` lists them)")
         if key not in keys:
             raise _unknown(key, cls, " (command line)")
         try:

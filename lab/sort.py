@@ -28,6 +28,7 @@ from lab import output_failed
 from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
+from model.config import short_int
 from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals
 
@@ -86,7 +87,7 @@ class SortConfig:
         for name in ("length", "digits", "batch_size", "eval_size", "n_embd"):
             # past 64 bits no run fits anywhere, and its memory estimate is past float's range (an OverflowError)
             if getattr(self, name) > 2**63 - 1:
-                raise ValueError(f"{name} must be at most 2**63 - 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be at most 2**63 - 1, got {short_int(getattr(self, name))}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if self.learning_rate > FLOAT32_MAX:  # Adam keeps it as a float32 number

@@ -9,6 +9,15 @@ ATTENTION_KINDS = ("manual", "fused")
 SCORE_KINDS = ("dot", "additive")
 
 
+
+def short_int(n: int) -> str:
+    """n as a message shows it: whole up to 20 digits, past that by its first digits and its power of ten (1e100
+    read as an integer was all 101 of its digits)."""
+    digits = str(abs(n))
+    if len(digits) <= 20:
+        return str(n)
+    return f"{'-' if n < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Hyperparameters of the decoder-only character model.
@@ -41,7 +50,7 @@ class GPTConfig:
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
             if value > 2**63 - 1:  # beyond any memory; 400 digits made the corpus's message 400 digits long
-                raise ValueError(f"model.{name} must be at most 2**63 - 1, got {value}")
+                raise ValueError(f"model.{name} must be at most 2**63 - 1, got {short_int(value)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd must be divisible by model.n_head, got {self.n_embd} and {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:

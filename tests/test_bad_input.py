@@ -160,6 +160,11 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- command-line overrides
     ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
     ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
+    ("override-no-key", "train", lambda c: c.train("=5"), "override '=5' must look like KEY=VALUE"),  # key ''
+    ("override-a-section", "train", lambda c: c.train("train=1"),  # was "did you mean 'train.dtype'?"
+     "'train' is a section of the config, not a key; give train.KEY=VALUE (such as train.batch_size=...;"),
+    ("override-huge-integer", "train", lambda c: c.train("train.max_iters=1e100"),  # all 101 digits, before
+     "train.max_iters must be at most 2**63 - 1, got 1.000e+100 (command line: train.max_iters=1e100)"),
     ("override-wrong-type", "train", lambda c: c.train(**{"train.compile": "maybe"}),
      "must be one of auto, true, false"),
     ("override-negative-rate", "train", lambda c: c.train(**{"train.learning_rate": -0.1}), "finite number >= 0"),

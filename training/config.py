@@ -12,6 +12,7 @@ from configs import ConfigError, apply_overrides, build, check_keys, load_yaml, 
 from configs.origins import as_typed
 from data import DataConfig
 from model import GPTConfig
+from model.config import short_int
 
 from .distributed import BACKENDS
 
@@ -84,7 +85,7 @@ class TrainConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
-                raise ValueError(f"train.{f.name} must be at most 2**63 - 1, got {value}")
+                raise ValueError(f"train.{f.name} must be at most 2**63 - 1, got {short_int(value)}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"train.threads must be at most {MAX_THREADS} (0 = torch's default), got {self.threads}")
         if self.sample_chars > MAX_SAMPLE_CHARS:
