@@ -301,7 +301,7 @@ def test_a_run_without_attention_draws_no_heatmap(tmp_path, capsys, monkeypatch)
     (["--seed", str(-(2**63) - 1)], "seed must fit in a signed 64-bit integer"),
     (["--lr", "1e39"], "learning_rate must be at most float32's largest number"),
     (["--steps", str(10**12)], "steps must be at most 100,000"),  # it trained on for weeks
-    (["--batch-size", "1" + "0" * 400], "batch_size must be at most 2**63 - 1, got 1.000e+400"),  # were an OverflowError
+    (["--batch-size", "1" + "0" * 400], "batch_size must be at most 2**63 - 1, got 1.000e+400"),  # an OverflowError
     (["--length", "1" + "0" * 400], "length must be at most 2**63 - 1"),
     (["--digits", "1" + "0" * 400], "digits must be at most 2**63 - 1"),
 ])

@@ -21,6 +21,7 @@ import train
 import training.checkpoints
 from configs import describe, to_dict, valid_keys
 from data.batches import split_ids
+from data.paths import quoted
 from model import load_checkpoint, model_from_checkpoint
 from training.config import RunConfig, load_config
 from training.optim import lr_at
@@ -443,7 +444,8 @@ def test_a_resume_on_a_data_path_in_an_unknown_users_home_is_one_line(tmp_path):
     from training.runner import prepare
 
     cfg = load_config(TINY, ["data.path=~no_such_user_of_tinychar/corpus.txt", f"out_dir={tmp_path / 'out'}"])
-    with pytest.raises(DataError, match=r"^data.path: no such file '~no_such_user_of_tinychar/corpus.txt'$"):
+    with pytest.raises(DataError, match=r"^data.path: no such file '~no_such_user_of_tinychar/corpus.txt'; to resume, "
+                                        r"put back the text"):
         prepare(cfg, resume=True, overwrite=False, progress=False, payload={"vocab": ["a", "b"]}, launch=Launch())
 
 
@@ -483,6 +485,21 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_
     assert "is not the text this run was trained on" in one_error_line(capsys.readouterr().err)
 
 
+def test_a_resume_from_a_damaged_ckpt_pt_says_how_to_go_on(tmp_path, capsys):
+    # it said what was wrong, and no more
+    run = train_small_run(tmp_path, **{"train.max_iters": 4, "train.eval_interval": 2})
+    (run / "ckpt.pt").write_text("junk\n", encoding="utf-8")
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(run)], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(
+        "(truncated or not a checkpoint): it is not a whole file that torch.save wrote; to continue from the run's "
+        "best step instead, copy best.pt over it (cp best.pt ckpt.pt, in out_dir)")
+    (run / "best.pt").unlink()
+    assert train.main(["--resume", "--out-dir", str(run)], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(
+        "it is not a whole file that torch.save wrote; start afresh with --overwrite, or choose another out_dir")
+
+
 def test_a_resume_whose_text_is_gone_from_its_full_path_says_how_to_go_on(tmp_path, capsys):
     # It said only "no such file", with no way forward for a resume.
     corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
@@ -492,7 +509,7 @@ def test_a_resume_whose_text_is_gone_from_its_full_path_says_how_to_go_on(tmp_pa
     capsys.readouterr()
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
     assert one_error_line(capsys.readouterr().err) == (
-        f"error: data.path: no such file '{corpus}'; to resume, put back the text this run trained on, or give where "
-        "it is now (data.path=...), which a resume takes")
+        f"error: data.path: no such file {quoted(corpus)}; to resume, put back the text this run trained on, or give "
+        "where it is now (data.path=...), which a resume takes")
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={moved}"],
                       progress=False) == 0

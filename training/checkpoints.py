@@ -341,8 +341,15 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
             raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
                              f"continue from that step, copy it: cp {shell_word(str(best))} {shell_word(str(ckpt))}")
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
-    payload = load_checkpoint(ckpt)
-    check_training_state(payload, ckpt)
+    try:
+        payload = load_checkpoint(ckpt)
+        check_training_state(payload, ckpt)
+    except CheckpointError as e:  # say what will do: the run's best step, or a new run
+        best = out_dir / "best.pt"
+        way = ("to continue from the run's best step instead, copy best.pt over it (cp best.pt ckpt.pt, in "
+               "out_dir)" if best.is_file() and not recovered else
+               "start afresh with --overwrite, or choose another out_dir")
+        raise CheckpointError(f"{e}; {way}") from None
     if config is None:  # no config named: continue with the saved one
         cfg = load_config(None, overrides, base=payload["config"], origin=f"the config saved in '{shown(str(ckpt))}'")
     changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
