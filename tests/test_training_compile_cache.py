@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from configs.userinput import shown
 from model import GPTConfig
 from training import compile_cache
 from training.compile_cache import cannot_compile, compile_options
@@ -138,6 +139,35 @@ def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set
         assert inductor_config.cpp.vec_isa_ok is False
     finally:
         inductor_config.cpp.vec_isa_ok = kept
+
+
+def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_its_instruction_set(monkeypatch,
+                                                                                                     tmp_path, capsys):
+    """The temp folder's cache had no folder per instruction set: a run kept to AVX2 and then a native one shared one
+    folder, and the second crashed (heap corruption, exit 134). The move was not said either."""
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
+    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "tinychar").write_text("a file where the cache folder goes", encoding="utf-8")
+    wanted = compile_cache.compile_cache_dir()
+    folder = compile_cache.prepare_compile()
+    uid = os.getuid()
+    assert folder == tmp_path / "temp" / f"tinychar-{uid}" / "compiled" / wanted.name and folder.is_dir()
+    assert wanted.name.startswith(f"{compile_cache.platform.machine()}-")  # the instruction set's own folder
+    assert capsys.readouterr().err == (
+        f"compile cache: cannot write to '{shown(str(wanted))}' (Not a directory), so compiled code goes to "
+        f"'{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder\n")
+    assert compile_cache.prepare_compile() == folder and capsys.readouterr().err == ""  # said once
+
+
+def test_a_relative_torchinductor_cache_dir_is_taken_from_where_the_run_started(monkeypatch, tmp_path):
+    # handed on as it was, the warm-cache helper (started in the project's folder) would have cached elsewhere
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", "mine")
+    assert compile_cache.compile_cache_dir().parent == tmp_path / "mine"
 
 
 def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_out_dir_is_touched(monkeypatch, tmp_path,

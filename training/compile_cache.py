@@ -9,6 +9,7 @@ what tinychar compiles (compile_options) are here too, as they decide what the c
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from configs.userinput import shown
 from model.linear import cpu_flags
 
 # A folder the user chose for torch's compile cache, read before torch itself may fill the variable with its default.
 _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+_SAID_MOVED: set[Path] = set()  # the cache folders this process has said it could not write to
 
 
 # Inductor's C++ wrapper calls the step's kernels and matrix multiplies from compiled code instead of from Python:
@@ -73,7 +76,8 @@ def compile_cache_dir() -> Path:
             raise ValueError(why)
         # A folder shared by machines of different CPUs (a home folder on a cluster's file system, say) must not mix
         # their code, any more than tinychar's own: see VECTOR_FLAG_PREFIXES.
-        folder = Path(explicit).expanduser()
+        # absolute: handed down to the processes a run starts (the warm-cache helper starts in the project's folder)
+        folder = Path(explicit).expanduser().absolute()
         return folder if folder.name == tag else folder / tag
     try:
         xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
@@ -130,11 +134,18 @@ def prepare_compile() -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK):
-            raise PermissionError(folder)
-    except OSError:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        # The temp folder's cache keeps a folder per instruction set too: code of two sets in one folder crashed a
+        # run kept to AVX2 followed by a native one ("corrupted size vs. prev_size", exit 134).
         uid = os.getuid() if hasattr(os, "getuid") else "user"
-        folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled"
+        wanted, folder = folder, Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled" / folder.name
         folder.mkdir(parents=True, exist_ok=True)
+        if wanted not in _SAID_MOVED:  # once a process
+            _SAID_MOVED.add(wanted)
+            print(f"compile cache: cannot write to '{shown(str(wanted))}' ({e.strerror or type(e).__name__}), so "
+                  f"compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder",
+                  file=sys.stderr, flush=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     # The step's graph holds model/linear.py's autograd.Function, which AOTAutograd's cache declines by default (its
     # code could change unseen); the graph the cache keys on includes the function's traced forward and backward, so
