@@ -183,6 +183,36 @@ def test_a_failed_compile_is_one_line_naming_the_error_underneath_and_torch_s_lo
     assert not logging.getLogger("torch._subclasses.fake_tensor").disabled  # as it was, after the compile
 
 
+def test_unreadable_entries_of_the_compile_cache_are_one_line_not_a_traceback_each(capfd, monkeypatch):
+    """A damaged compile cache (its files overwritten) trained as it should, after 21 lines of torch's warnings and
+    tracebacks, one for each graph it could not read and compiled again. Staged with inductor's own warning."""
+    import logging
+
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    log = logging.getLogger("torch._inductor.codecache")
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    log.addHandler(handler)
+    capfd.readouterr()
+    try:
+        with engine.compiler_log_quiet():
+            for _ in range(3):
+                try:
+                    raise ValueError("invalid load key, 'x'.")
+                except ValueError:
+                    log.warning("fx graph cache unable to load compiled graph", exc_info=True)
+            log.warning("another warning of inductor's cache")
+    finally:
+        log.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "unable to load" not in err
+    assert [r.getMessage() for r in logged] == ["another warning of inductor's cache"]  # the others pass
+    assert err.endswith("compile cache: 3 compiled graph(s) in it could not be read (damaged files?), and were "
+                        "compiled again\n")
+    assert not log.filters  # as it was, after the compile
+
+
 @needs_cpu_compile
 def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_path, capsys, monkeypatch):
     # Nine micro-batches a step: more than the compiled step unrolls, so the blocks are compiled one by one, as

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -190,10 +191,32 @@ def compiler_log_quiet() -> Iterator[None]:
         yield
         return
     log.disabled = True
+    damaged = _UnreadableEntries()
+    cache_log = logging.getLogger("torch._inductor.codecache")
+    cache_log.addFilter(damaged)
     try:
         yield
     finally:
         log.disabled = False
+        cache_log.removeFilter(damaged)
+        if damaged.count:
+            print(f"compile cache: {damaged.count} compiled graph(s) in it could not be read (damaged files?), and "
+                  f"were compiled again", file=sys.stderr, flush=True)
+
+
+class _UnreadableEntries(logging.Filter):
+    """Counts, and keeps out of the log, inductor's warning that an entry of its cache cannot be read: a traceback
+    for each damaged file (21 lines of them for one damaged cache), where the graph is simply compiled again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("fx graph cache unable to load compiled graph"):
+            self.count += 1
+            return False
+        return True
 
 
 def one_line(e: Exception) -> str:
