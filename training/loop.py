@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -91,6 +92,9 @@ class Trainer:
         self.eval_seed = cfg.seed + 1 if self.launch.main else derived_seed(cfg.seed, EVALUATION, self.launch.rank)
         self.stop = StopSignals()
         self.agreed_stop = False  # under torchrun: whether the processes agreed, after the last step, to stop
+        # under torchrun, the process that started this one: should it go (kill -9), torchrun no longer passes on
+        # Ctrl-C, and the workers trained on to the end, each in a session of its own, holding out_dir's lock
+        self.launcher = os.getppid() if self.launch.torchrun else None
         self.throughput = Throughput()
         # What throughput is reported against: tokens per step over all processes, the model's FLOPs per token, and
         # the matmul ceiling in FLOP/s summed over the processes (measured by the runner; MFU is 0 until then).
@@ -165,6 +169,8 @@ class Trainer:
         # Under DDP the gradients are already averaged over the processes: the same norm in every one.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
         if self.launch.torchrun:  # the mean loss (so all judge divergence alike) and whether to stop after this step
+            if self.launcher is not None and os.getppid() != self.launcher:  # torchrun has gone: stop as if told to
+                self.stop.request(signal.SIGTERM)
             loss_sum, self.agreed_stop = distributed.step_consensus(loss_sum, self.stop.signal is not None)
         # Checked before the update, so a non-finite step never reaches the weights. With float16 the gradient
         # scaler skips a step whose gradients overflow and lowers its scale; a loss that overflows is no matter of
