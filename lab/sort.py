@@ -161,6 +161,9 @@ def memory_need(cfg: SortConfig) -> int:
     if cfg.model == "transformer":
         heads = cfg.seq2seq().n_head
         floats += 12 * B * heads * T * T + 10 * E * heads * T * T  # attention weights: training, then greedy decoding
+        # greedy decoding takes the logits of the whole prefix at each step: (E, T, D) at the last, two alive at
+        # once (--digits 8000 --length 32 peaked at 5.2 GB, counted here at 0.6 GB before)
+        floats += 2 * E * T * D
     elif cfg.attention:  # each decoder step keeps its scores over all T encoder states for the backward pass
         floats += (8 if cfg.score == "additive" else 5) * B * T * T * C + E * T * T
     return 4 * floats

@@ -422,6 +422,13 @@ def test_the_memory_estimate_lets_the_documented_runs_through_and_grows_with_eve
         assert memory_need(SortConfig(**bigger)) > base, bigger
 
 
+def test_the_memory_estimate_counts_the_transformers_greedy_logits():
+    # --model transformer --digits 8000 --length 32 --batch-size 1 peaked at 5.2 GB (torch's own few hundred MB
+    # among them) where the estimate said 0.58 GB; --digits 100000 --length 64 (51 GB of logits) would have run
+    assert memory_need(SortConfig(model="transformer", digits=8000, length=32, batch_size=1)) > 4.4e9
+    assert memory_need(SortConfig(model="transformer", digits=100_000, length=64, batch_size=1)) > 51e9
+
+
 def test_the_real_command_refuses_bad_options_in_one_line():
     done = subprocess.run([sys.executable, "-m", "lab", "sort", "--score", "cosine"], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
