@@ -49,6 +49,7 @@ from benchmark.speed import sample_rows, step_rows
 from configs.userinput import OneLineParser, shown
 from model.linear import onednn_min_macs
 from training.config import MAX_THREADS
+from training.logger import discard_stdout
 from training.signals import Interrupted, InterruptSignals
 
 
@@ -168,15 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"interrupted ({signal.Signals(signum).name}); nothing measured is printed", file=sys.stderr)
         return 128 + signum
-    print(markdown(report))
-    if args.json:
+    status = 0
+    if args.json:  # first: a stdout that fails (`> /dev/full`, `| true`) must not lose the half hour's results
         try:
             write_json(args.json, json.dumps(plain(report), indent=2) + "\n")
         except OSError as e:  # a full disk, or a folder made read-only while the rows ran
-            print(f"error: cannot write --json '{shown(args.json)}' ({e.strerror or e}); the table above holds the "
+            print(f"error: cannot write --json '{shown(args.json)}' ({e.strerror or e}); the table below holds the "
                   f"results", file=sys.stderr)
+            status = 1
+    try:
+        print(markdown(report), flush=True)
+    except OSError as e:  # BrokenPipeError among them: the reader went away
+        discard_stdout()
+        if not isinstance(e, BrokenPipeError):
+            saved = f"; the results are in '{shown(args.json)}'" if args.json and not status else ""
+            print(f"error: cannot write the table to stdout ({e.strerror or e}){saved}", file=sys.stderr)
             return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ def json_problem(name: str) -> str | None:
             return f"no folder '{path.parent}' to write '{name}' into"
     except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
         return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"
+    except RuntimeError:  # Path.resolve on links that lead round in a loop (Python 3.11; later ones: OSError)
+        return f"cannot use '{name}' (its links go round in a loop); give another file name"
     # A regular file is replaced by a new one made in its folder (write_json): the folder must take it. A pipe or a
     # device is written into.
     device = path.exists() and not path.is_file()

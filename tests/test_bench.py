@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import builtins
 import errno
 import json
 import math
@@ -49,6 +50,8 @@ from benchmark.runs import (
 from benchmark.speed import compare, step_rows
 from model import GPT, GPTConfig
 from training.config import load_config
+
+BUILTIN_PRINT = builtins.print
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,7 +219,7 @@ def test_a_bad_onednn_setting_is_one_line_before_anything_runs(tmp_path: Path, c
     assert err.count("\n") == 1 and err.startswith("error: TINYCHAR_ONEDNN must be one of auto, 0, 1")
 
 
-def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(tmp_path: Path, capsys, monkeypatch):
+def test_a_json_file_that_cannot_be_written_is_one_line_beside_the_table(tmp_path: Path, capsys, monkeypatch):
     # refused before anything runs where the folder cannot be written; a disk that fills up is found only at the end,
     # where it was a traceback after the whole run
     checkout = str(nanogpt_checkout(tmp_path))
@@ -246,6 +249,36 @@ def test_a_json_file_that_cannot_be_written_is_one_line_after_the_table(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert bench.main(["--nanogpt", checkout, "--json", str(earlier)]) == 0  # an earlier result is replaced
     assert json.loads(earlier.read_text(encoding="utf-8")) == {"cpu_flags": [], "rows": [], "new": True}
+
+
+def test_a_stdout_that_fails_at_the_end_loses_no_json(tmp_path: Path, capsys, monkeypatch):
+    # `> /dev/full` or `| true`: the table was printed first, its OSError was a traceback, and the JSON never written
+    checkout = str(nanogpt_checkout(tmp_path))
+    monkeypatch.setattr(bench, "measure", lambda *a: {"cpu_flags": [], "rows": [], "new": True})
+    monkeypatch.setattr(bench, "markdown", lambda report: "| the table |")
+    monkeypatch.setattr(bench, "discard_stdout", lambda: None)
+    for error, status in ((OSError(errno.ENOSPC, "No space left on device"), 1), (BrokenPipeError(), 0)):
+        def failing_print(*args, error=error, **kwargs):
+            if kwargs.get("file") is None:
+                raise error
+            BUILTIN_PRINT(*args, **kwargs)
+
+        result = tmp_path / f"r{status}.json"
+        monkeypatch.setattr(builtins, "print", failing_print)
+        try:
+            assert bench.main(["--nanogpt", checkout, "--json", str(result)]) == status
+        finally:
+            monkeypatch.setattr(builtins, "print", BUILTIN_PRINT)
+        assert json.loads(result.read_text(encoding="utf-8"))["new"] is True
+        err = capsys.readouterr().err
+        assert err == ("" if status == 0 else "error: cannot write the table to stdout (No space left on device); "
+                       f"the results are in '{result}'\n")
+
+
+def test_json_through_links_in_a_loop_is_one_line(tmp_path: Path, capsys):
+    (tmp_path / "loop").symlink_to("loop")
+    assert json_problem(str(tmp_path / "loop")) == (f"cannot use '{tmp_path / 'loop'}' (its links go round in a "
+                                                    "loop); give another file name")
 
 
 @pytest.mark.parametrize("held", ["notes\n", '{"rows": []}', "[1, 2]", "[" * 100_000, "\udcff",
