@@ -22,6 +22,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,9 @@ _STEP_LINE = re.compile(rb"^step \d+")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
+    from configs.userinput import OneLineParser
+
+    parser = OneLineParser(prog="python -m data.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=_positive, default=100, help="size of the big corpus in MB (1e6 bytes)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument(
@@ -79,7 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from configs.userinput import shown
     from data import DataError, shakespeare_path
+    from data.bench_report import json_problem, table
 
+    if args.json is not None and (why := json_problem(args.json)):
+        parser.error(f"--json: {why}")  # before the run, not after it
+    if args.workdir == "":
+        parser.error("--workdir: '' is empty; give a folder, or leave --workdir out for the temp folder")
+    if not args.no_train and not Path(args.train_script).is_file():
+        parser.error(f"--train-script: no file '{shown(args.train_script)}'; give the path of a train.py")
+    if sys.stdout is None and args.json is None:
+        parser.error("stdout is closed, and the table is written there; redirect it, or give --json FILE")
     try:
         shakespeare = shakespeare_path().read_bytes()
     except DataError as e:
@@ -91,12 +103,26 @@ def main(argv: list[str] | None = None) -> int:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         print(f"error: --workdir: cannot make a folder in '{shown(args.workdir)}' ({why})", file=sys.stderr)
         return 2
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:  # SIGTERM as Ctrl-C: the children end, the sub-folder goes
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        if args.size_mb * 1e6 > (free := shutil.disk_usage(work).free):
-            print(f"error: --size-mb {args.size_mb:g} is more than the {free / 1e6:,.0f} MB free in "
-                  f"'{shown(work.parent)}'; ask for less, or give another --workdir", file=sys.stderr)
+        # the corpus, its cached ids (up to 4 bytes a character) and the train.py runs' copies: measured, 20 MB of
+        # disk for --size-mb 5
+        if 4 * args.size_mb * 1e6 > (free := shutil.disk_usage(work).free):
+            print(f"error: --size-mb {args.size_mb:g} needs about {4 * args.size_mb:,.0f} MB of disk, more than the "
+                  f"{free / 1e6:,.0f} MB free in '{shown(work.parent)}'; ask for less, or give another --workdir",
+                  file=sys.stderr)
             return 2
         results = _measure(args, work, shakespeare)
+    except KeyboardInterrupt:
+        signum = stopped[0] if stopped else signal.SIGINT
+        print(f"interrupted ({signal.Signals(signum).name}); nothing measured is printed", file=sys.stderr)
+        return 128 + signum
     finally:
         if not args.keep:
             # only what the bench made: a --workdir given may hold anything else (or be '.', or a home folder)
@@ -108,14 +134,27 @@ def main(argv: list[str] | None = None) -> int:
                     pass
     if args.keep:
         print(f"kept: '{shown(work)}'", file=sys.stderr)
-    print(_table(results))
-    if args.json:
+    status = 0
+    if args.json:  # first: a stdout that fails must not lose the figures
         try:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-        except OSError as e:  # the table above is all there is of the figures then
+        except OSError as e:  # the table below is all there is of the figures then
             print(f"error: --json: cannot write '{shown(args.json)}' ({e.strerror or e})", file=sys.stderr)
-            return 2
-    return 0
+            status = 1
+    try:
+        print(table(results), flush=True)
+    except OSError as e:  # a full disk, or a reader gone (BrokenPipeError): quiet for that one
+        try:  # what is still buffered goes to /dev/null at exit, not into a second failure
+            fd = sys.stdout.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (OSError, ValueError):  # a stdout of no descriptor
+            pass
+        if not isinstance(e, BrokenPipeError):
+            print(f"error: cannot write the table to stdout ({e.strerror or e})", file=sys.stderr)
+            return 1
+    return status
 
 
 def _positive(text: str) -> float:
@@ -252,14 +291,19 @@ def _train(script: str, corpus: Path, cache: Path, out_dir: Path, cap: int) -> d
     start = time.perf_counter()
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
-        # Set from outside rather than in preexec_fn (unsafe with threads); the child needs seconds to reach the
-        # reading of its data, long before any limit matters.
-        resource.prlimit(proc.pid, resource.RLIMIT_AS, (cap, cap))
-        first_step = None
-        for line in proc.stdout:
-            if first_step is None and _STEP_LINE.match(line):
-                first_step = time.perf_counter() - start
-        status = proc.wait()
+        try:
+            # Set from outside rather than in preexec_fn (unsafe with threads); the child needs seconds to reach
+            # the reading of its data, long before any limit matters.
+            resource.prlimit(proc.pid, resource.RLIMIT_AS, (cap, cap))
+            first_step = None
+            for line in proc.stdout:
+                if first_step is None and _STEP_LINE.match(line):
+                    first_step = time.perf_counter() - start
+            status = proc.wait()
+        except BaseException:  # stopped (Ctrl-C, SIGTERM): the child goes too
+            proc.kill()
+            proc.wait()
+            raise
         err.seek(0)
         tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
     memory = json.loads(report.read_text()) if report.exists() else {}
@@ -290,60 +334,6 @@ def _train_child(script: str, report: str, overrides: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- report
-
-
-def _table(r: dict) -> str:
-    """The figures as two markdown tables: per corpus, and get_batch timings."""
-    p, b = r["prepare"], r["batches"]
-    rows = [
-        (
-            "prepare, fresh cache: speed",
-            *(f"{p[k]['mb_per_s']:.0f} MB/s ({p[k]['seconds']:.2f} s)" for k in ("big", "small")),
-        ),
-        ("prepare: peak RSS of the process", *(f"{p[k]['peak_rss_mb']:.0f} MB" for k in ("big", "small"))),
-        ("prepare: RSS after imports (before)", *(f"{p[k]['rss_after_imports_mb']:.0f} MB" for k in ("big", "small"))),
-        ("prepare again (cache hit)", f"{p['big_again']['seconds'] * 1e3:.0f} ms", ""),
-        (
-            "tokens, vocabulary, ids",
-            *(f"{p[k]['n_tokens']:,}, {p[k]['vocab']}, {p[k]['dtype']}" for k in ("big", "small")),
-        ),
-        ("get_batch loop: prepare + first batch", *(f"{b[k]['first_batch_s'] * 1e3:.0f} ms" for k in ("big", "small"))),
-        ("get_batch loop: peak RSS", *(f"{b[k]['peak_rss_mb']:.0f} MB" for k in ("big", "small"))),
-        (
-            "get_batch loop: RSS anon / file-backed",
-            *(f"{b[k]['after_anon_mb']:.0f} / {b[k]['after_file_mb']:.0f} MB" for k in ("big", "small")),
-        ),
-    ]
-    if "train" in r:
-        runs = [r["train"]["big"], r["train"]["small"]]
-        rows += [
-            ("train.py: launch to first step", *(_first_step(t) for t in runs)),
-            ("train.py: peak RSS", *(_mb(t["peak_rss_mb"]) for t in runs)),
-            (
-                "train.py: RSS anon / file-backed at exit",
-                *(
-                    f"{_mb(t['memory_at_exit'].get('anon_mb'))} / {_mb(t['memory_at_exit'].get('file_mb'))}"
-                    for t in runs
-                ),
-            ),
-        ]
-    lines = [f"| measurement | {r['size_mb']:g} MB corpus | 1 MB corpus |", "|---|---|---|"]
-    lines += [f"| {label} | {big} | {small} |" for label, big, small in rows]
-    lines += ["", "| get_batch | µs per call |", "|---|---|"]
-    lines += [f"| {name} | {us:.1f} |" for name, us in r["get_batch_us"].items()]
-    return "\n".join(lines)
-
-
-def _first_step(t: dict) -> str:
-    if t["status"]:
-        return f"failed (status {t['status']}: {t['error']})"
-    if t["first_step_s"] is None:
-        return "no 'step N' line printed"
-    return f"{t['first_step_s']:.1f} s (20 steps: {t['total_s']:.1f} s)"
-
-
-def _mb(value: float | None) -> str:
-    return "?" if value is None else f"{value:.0f} MB"
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from conftest import ROOT, SMALL_TEXT
 
 import data.bench as bench
+import data.bench_report
 from configs.userinput import shown
 
 
@@ -33,21 +35,70 @@ def test_sizes_no_bench_can_have_are_refused_before_it_begins(args: list[str], c
     with pytest.raises(SystemExit) as info:
         bench.main(args)
     assert info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].startswith(f"python -m data.bench: error: argument {args[0]}: ")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: argument {args[0]}: ")  # one line, not usage and all
 
 
 def test_a_size_beyond_the_free_disk_or_a_json_it_cannot_write_is_one_line(tmp_path: Path, monkeypatch, capsys):
     # --size-mb 1e15 was a MemoryError traceback, and a --json that could not be written one after the whole bench
     monkeypatch.setattr(bench, "_measure", lambda args, work, shakespeare: {})
-    monkeypatch.setattr(bench, "_table", lambda results: "| the table |")
+    monkeypatch.setattr(data.bench_report, "table", lambda results: "| the table |")
     assert bench.main(["--workdir", str(tmp_path), "--size-mb", "1e15"]) == 2
-    assert capsys.readouterr().err.startswith("error: --size-mb 1e+15 is more than the ")
-    assert bench.main(["--workdir", str(tmp_path), "--json", str(tmp_path / "none" / "b.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: --size-mb 1e+15 needs about 4,000,000,000,000,000 MB of disk, "
+                                              "more than ")
+    assert bench.main(["--workdir", str(tmp_path), "--json", str(tmp_path / "none" / "b.json")]) == 1
     out, err = capsys.readouterr()
     json_path = shown(str(tmp_path / "none" / "b.json"))  # as messages show a path: cut in its middle past 80
     assert out == "| the table |\n"
     assert err == f"error: --json: cannot write '{json_path}' (No such file or directory)\n"
     assert list(tmp_path.iterdir()) == []  # the bench's folder removed, as ever
+
+
+def test_what_would_fail_after_the_run_is_refused_before_it(tmp_path: Path, monkeypatch, capsys):
+    # --json onto a person's file replaced it; --json '' was ignored; --workdir '' ran the whole default bench in the
+    # temp folder; a --train-script that is not there ran the bench and put "failed" in the table, status 0
+    monkeypatch.setattr(bench, "_measure", lambda *a: pytest.fail("measured"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n", encoding="utf-8")
+    for args, says in ((["--json", str(notes)], "holds something other than an earlier result of this bench"),
+                       (["--json", ""], "'' is empty"), (["--json", str(tmp_path)], "is a folder"),
+                       (["--workdir", ""], "--workdir: '' is empty"),
+                       (["--train-script", str(tmp_path / "nope.py")], "--train-script: no file")):
+        with pytest.raises(SystemExit) as info:
+            bench.main(args)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.count("\n") == 1 and says in err, err
+    assert notes.read_text(encoding="utf-8") == "my notes\n"
+
+
+def test_a_stdout_that_fails_loses_no_json_and_sigterm_stops_in_one_line(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_measure", lambda *a: {"size_mb": 1, "workdir": "w"})
+    monkeypatch.setattr(data.bench_report, "table", lambda results: "| the table |")
+    monkeypatch.setattr(bench.os, "dup2", lambda *a: None)  # pytest's own stdout stays
+    real_print = print
+
+    def full(*args, **kwargs):
+        if kwargs.get("file") is None:
+            raise OSError(28, "No space left on device")
+        real_print(*args, **kwargs)
+
+    monkeypatch.setattr("builtins.print", full)
+    assert bench.main(["--workdir", str(tmp_path), "--no-train", "--json", str(tmp_path / "r.json")]) == 1
+    monkeypatch.setattr("builtins.print", real_print)
+    assert json.loads((tmp_path / "r.json").read_text(encoding="utf-8")) == {"size_mb": 1, "workdir": "w"}
+    assert capsys.readouterr().err == "error: cannot write the table to stdout (No space left on device)\n"
+
+    def terminated(*args):
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(bench, "_measure", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert bench.main(["--workdir", str(tmp_path / "w"), "--no-train"]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err == "interrupted (SIGTERM); nothing measured is printed\n"
+    assert not (tmp_path / "w").exists()  # the bench's folders removed, the one made for --workdir too
 
 
 @pytest.mark.slow
@@ -94,4 +145,4 @@ def test_the_train_row_times_a_real_train_py_to_its_first_step(tmp_path: Path) -
     assert t["status"] == 0 and t["error"] is None
     assert 0 < t["first_step_s"] <= t["total_s"] and 0 < t["peak_rss_mb"] < 4000
     assert (tmp_path / "run" / "ckpt.pt").exists()
-    assert bench._first_step(t).startswith(f"{t['first_step_s']:.1f} s (20 steps: ")
+    assert data.bench_report._first_step(t).startswith(f"{t['first_step_s']:.1f} s (20 steps: ")
