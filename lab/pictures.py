@@ -11,6 +11,7 @@ import io
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 if not __package__:  # run as a file (python lab/pictures.py): the project's packages are one folder up
@@ -36,6 +37,9 @@ def image_format(path: str | Path) -> str:
     name = Image.registered_extensions().get(suffix)
     if name is None or name not in Image.SAVE:
         raise ValueError(f"Pillow cannot write '{suffix}' pictures; name it .png (or .jpg, .webp, .gif, ...)")
+    if name not in Image.OPEN:  # PDF, PALM: a file of it could not be told from a person's file the next time
+        raise ValueError(f"Pillow writes '{suffix}' files but cannot read them back, so a later run could not tell "
+                         f"its own picture from another file there; name it .png (or .jpg, .webp, .gif, ...)")
     if name in ICONS:
         raise ValueError(f"'{suffix}' is an icon format, which Pillow writes {ICONS[name]}, not as drawn; name it .png "
                          f"(or .jpg, .webp, .gif, ...)")
@@ -102,8 +106,10 @@ def check_picture_path(path: str | Path) -> Path:
 def is_picture(path: Path) -> bool:
     """Whether Pillow recognises the file at path as a picture (from its first bytes)."""
     try:
-        with Image.open(path):
-            return True
+        with warnings.catch_warnings():  # tinychar's own largest pictures are past Pillow's warning size
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path):
+                return True
     except Image.DecompressionBombError:  # a picture all the same, only a large one
         return True
     except (OSError, ValueError, SyntaxError):  # UnidentifiedImageError is an OSError; some plugins raise the others

@@ -284,6 +284,22 @@ def test_an_icon_format_is_refused_before_drawing(tmp_path: Path, name, says):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["map.pdf", "map.PALM"])
+def test_a_format_pillow_cannot_read_back_is_refused_before_drawing(tmp_path: Path, name):
+    # a .pdf was written once, and the same command then refused it: "a file that is not a picture is there"
+    with pytest.raises(ValueError, match=r"Pillow writes '.*' files but cannot read them back, .*; name it .png"):
+        image_format(name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_replacing_one_of_its_own_largest_pictures_warns_of_nothing(tmp_path: Path, recwarn):
+    # a picture past Pillow's warning size (tinychar draws up to 179M pixels) gave a DecompressionBombWarning, twice
+    big = tmp_path / "big.png"
+    Image.new("L", (12_000, 12_000)).save(big)  # past the warning size (89M pixels), under the error (179M)
+    assert picture_target(big)[0] == big
+    assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
 def test_a_failed_write_leaves_no_half_picture(tmp_path: Path, monkeypatch):
     def full_disk(src: object, dst: object) -> None:  # the picture is in its temporary file, and cannot take its place
         raise OSError(28, "No space left on device")
