@@ -273,6 +273,7 @@ def test_a_two_process_run_resumes_exactly_and_its_checkpoint_serves_sample_py_a
     code, stdout = quiet_main(["--resume", "--out-dir", str(out), f"train.max_iters={end + 5}"])
     assert code == 0
     assert "resume: the checkpoint was saved by 2 processes and this run has 1" in stdout
+    assert "the global batch goes from 16 to 8 sequences a step (train.batch_size and" in stdout  # said: it halves
     raw = load_checkpoint(out / "ckpt.pt")
     assert raw["step"] == end + 5 and raw["world_size"] == 1 and "per_rank" not in raw["rng"]
 
@@ -513,6 +514,16 @@ def test_a_master_addr_that_does_not_resolve_is_refused_and_one_that_does_is_not
         check_master_addr({"MASTER_ADDR": "a" * 64 + ".com"})  # longer than a DNS label may be: refused unasked
     check_master_addr({"MASTER_ADDR": "127.0.0.1"})
     check_master_addr({})  # unset: init_process_group says so itself, in one line too
+
+
+@pytest.mark.parametrize("port", ["abc", "", "70000", "-1", "29 500"])
+def test_a_master_port_that_is_no_port_number_is_refused_naming_it(port):
+    # "cannot join the other 1 process(es) ... (invalid literal for int() with base 10: 'abc')", naming no variable
+    with pytest.raises(LaunchError) as info:
+        check_master_addr({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    assert str(info.value) == (f"MASTER_PORT={port!r} is not a port number (0-65535); set MASTER_PORT to the port "
+                               "rank 0 listens on, or unset RANK and WORLD_SIZE to run one process")
+    check_master_addr({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
 
 
 def test_a_run_whose_master_addr_does_not_resolve_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):

@@ -222,10 +222,16 @@ def join_group(launch: Launch, backend: str, device: torch.device) -> None:
 
 
 def check_master_addr(environ: Mapping[str, str]) -> None:
-    """LaunchError unless MASTER_ADDR, when set, names a host this machine can find. The rendezvous would otherwise
-    retry a name that never resolves until TIMEOUT, 30 minutes, saying only that it waits. Unset, it is left to
+    """LaunchError unless MASTER_PORT, when set, is a port number, and MASTER_ADDR, when set, names a host this
+    machine can find. The rendezvous would otherwise retry a name that never resolves until TIMEOUT, 30 minutes,
+    saying only that it waits. Unset, it is left to
     init_process_group, which says so itself. Runs in join_group's helper thread: a slow name server is waited for
     there, where Ctrl-C can end the wait."""
+    port = environ.get("MASTER_PORT")
+    if port is not None and not (port.strip().isdecimal() and int(port) < 65536):
+        # it was "cannot join the other 1 process(es) ... (invalid literal for int() with base 10: 'abc')"
+        raise LaunchError(f"MASTER_PORT={_shown.repr(port)} is not a port number (0-65535); set MASTER_PORT to the "
+                          f"port rank 0 listens on, or unset RANK and WORLD_SIZE to run one process")
     host = environ.get("MASTER_ADDR")
     if host is None:
         return

@@ -217,8 +217,11 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
         log.info(f"resuming '{shown(Path(trainer.cfg.out_dir) / 'ckpt.pt')}' at step {trainer.step}")
     if trainer.reseeded:
         saved = int(payload.get("world_size", 1))
+        per_process = tc.batch_size * tc.grad_accum_steps
         log.info(f"resume: the checkpoint was saved by {saved} process{'es' if saved > 1 else ''} and this run has "
-                 f"{world}: each process draws its batches afresh from (seed, rank, step), so the batch order "
-                 f"differs from that of an uninterrupted run")
+                 f"{world}: the global batch goes from {saved * per_process:,} to {world * per_process:,} sequences "
+                 f"a step (train.batch_size and train.grad_accum_steps are per process), and each process draws its "
+                 f"batches afresh from (seed, rank, step), so the batch order differs from that of an uninterrupted "
+                 f"run")
     if trainer.step == 0:
         log.hparams(trainer.cfg, params)
