@@ -62,6 +62,8 @@ def tensorboard_writer(logdir: str | None) -> object | None:
     # a traceback on stderr beside this line.
     if os.path.isdir(logdir) and not os.access(logdir, os.W_OK | os.X_OK):
         raise ValueError(f"{refuse} (the folder cannot be written); {advice}")
+    if os.path.exists(logdir) and not os.path.isdir(logdir):  # makedirs said only "File exists"
+        raise ValueError(f"{refuse} (it is a file, not a folder); {advice}")
     try:
         return SummaryWriter(logdir)
     except OSError as e:

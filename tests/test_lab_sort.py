@@ -373,6 +373,8 @@ def test_an_unusable_logdir_is_one_line_and_exit_2_before_training(tmp_path, cap
     (tmp_path / "file").write_text("")
     err = refused_before_training(["--steps", "1", "--logdir", str(tmp_path / under)], monkeypatch, capsys)
     assert err.startswith(f"error: --logdir: cannot write TensorBoard logs into '{shown(str(tmp_path / under))}'"), err
+    if under == "file":  # it said "(File exists)"
+        assert "(it is a file, not a folder); give a folder that can be created and written" in err
 
 
 def test_a_logdir_that_is_there_but_cannot_be_written_is_one_line_before_training(tmp_path, capsys, monkeypatch):
