@@ -3,8 +3,10 @@ step into the cache once the run has ended, so that the next run of the model co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +132,43 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
     assert log.count("compiled in") == 2, log  # into the cold cache, then from it
     assert not warm.job_file(folder, key).exists() and not warm.failed_file(folder, key).exists()
     assert compile_cache.cached_compile_seconds(key) is not None
+
+
+def test_a_helper_ended_by_sigterm_stops_its_compile_and_removes_its_job(tmp_path):
+    # killed, it left its job file, and a compile it had started went on alone; here, the compile is a long sleep
+    script = tmp_path / "warm_probe.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from training import warm\n"
+        "real = subprocess.run\n"
+        "child = 'import sys, time; open(sys.argv[1], \"w\").close(); time.sleep(600)'\n"
+        "def compile_forever(args, **kw):  # the compile's process: says it has begun, then takes its time\n"
+        "    return real([sys.executable, '-c', child, sys.argv[2]], **kw)\n"
+        "warm.subprocess.run = compile_forever\n"
+        "sys.exit(warm.main(warm.Path(sys.argv[1]), 2**22 + 1))\n", encoding="utf-8")
+    job, started = warm.job_file(tmp_path, "k"), tmp_path / "compiling"
+    job.write_text("{}", encoding="utf-8")
+    helper = subprocess.Popen([sys.executable, str(script), str(job), str(started)])
+    compiling: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():  # the helper's compile has begun
+            assert helper.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        compiling += [int(p) for p in subprocess.run(["pgrep", "-P", str(helper.pid)], capture_output=True,
+                                                     text=True, check=False).stdout.split()]
+        assert len(compiling) == 1
+        helper.terminate()
+        assert helper.wait(timeout=30) == 128 + 15
+        time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{compiling[0]}") or "Z" in Path(f"/proc/{compiling[0]}/stat").read_text()
+        assert not job.exists() and not warm.failed_file(tmp_path, "k").exists()
+    finally:  # nothing left behind, whatever failed
+        helper.kill()
+        for pid in compiling:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_bad_setting_stops_train_py_in_one_line_before_out_dir_is_touched(tmp_path, monkeypatch, capsys):

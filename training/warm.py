@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -145,6 +146,11 @@ def main(job: Path, parent: int) -> int:
     """The helper: wait for the run (process parent) to end, lower its priority, compile the step in a process of
     its own (filling the cache), then again in another, as the next run will (timing it from the warm cache), and
     leave the folder tidy."""
+    def end(signum: int, frame: object) -> None:  # kill, or a shutdown: the compile under way goes too (it went on,
+        raise SystemExit(128 + signum)  # an orphan, and this job's file stayed), and the job's file is removed
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, end)
     try:
         while alive(parent):
             time.sleep(1.0)
