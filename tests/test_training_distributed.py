@@ -162,20 +162,25 @@ def test_two_processes_with_half_the_batch_take_the_same_steps_as_one_with_all_o
 # ------------------------------------------------------------------- Ctrl-C, resume, sample, 1 <-> 2 processes
 
 
-@pytest.fixture(scope="module")
-def stopped_two_process_run(tmp_path_factory) -> tuple[Path, int, str]:
-    """A two-process run stopped by Ctrl-C to torchrun: (out_dir, the step it stopped at, its output)."""
-    base = tmp_path_factory.mktemp("two")
-    out = base / "out"
-    args = ["--config", TINY, *tiny_overrides(write_corpus(base), out, **RESUME_KEYS, **{
+def two_processes_at_step_5(base: Path, out: Path, log: Path, **keys: object) -> subprocess.Popen:
+    """torchrun training two processes for a long time into out, its output in log; returned at its step 5."""
+    args = ["--config", TINY, *tiny_overrides(write_corpus(base), out, **keys, **{
         "train.max_iters": 100_000, "train.log_interval": 1, "train.eval_interval": 10})]
-    log = base / "log.txt"
     with log.open("w") as f:
         proc = subprocess.Popen(torchrun_command(*args), cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + TIMEOUT
     while not re.search(r"^step 5/", log.read_text(encoding="utf-8"), re.MULTILINE):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text(encoding="utf-8")
         time.sleep(0.01)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stopped_two_process_run(tmp_path_factory) -> tuple[Path, int, str]:
+    """A two-process run stopped by Ctrl-C to torchrun: (out_dir, the step it stopped at, its output)."""
+    base = tmp_path_factory.mktemp("two")
+    out, log = base / "out", base / "log.txt"
+    proc = two_processes_at_step_5(base, out, log, **RESUME_KEYS)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal does; torchrun passes it on to every process
     try:
         proc.wait(timeout=TIMEOUT)
@@ -193,14 +198,7 @@ def test_workers_whose_torchrun_was_killed_stop_with_a_checkpoint(tmp_path):
     """kill -9 to torchrun left both workers training to the end (43 s of 400 steps, measured), each in a session of
     its own that a Ctrl-C at the terminal no longer reached, holding out_dir's lock all the while."""
     out, log = tmp_path / "out", tmp_path / "log.txt"
-    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **{
-        "train.max_iters": 100_000, "train.log_interval": 1, "train.eval_interval": 10})]
-    with log.open("w") as f:
-        proc = subprocess.Popen(torchrun_command(*args), cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + TIMEOUT
-    while not re.search(r"^step 5/", log.read_text(encoding="utf-8"), re.MULTILINE):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text(encoding="utf-8")
-        time.sleep(0.01)
+    proc = two_processes_at_step_5(tmp_path, out, log)
     workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True,
                                               check=False).stdout.split()]
     assert len(workers) == 2, log.read_text(encoding="utf-8")
