@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from data import (
     split_ids,
 )
 from data.corpus import check_shakespeare
+from data.paths import quoted
 
 SHAKESPEARE_SIZE = 1_115_394
 MIXED = "Γειά σου κόσμε, 你好世界 😀🎉 e\u0301 n\u0303\r\nline two\r\n\tend\u00a0"
@@ -291,3 +293,29 @@ def test_data_dir_is_where_relative_data_paths_are_also_looked_up(
     with pytest.raises(DataError, match="no such file 'nothing.txt'"):
         load_corpus(DataConfig(path="nothing.txt"))
     assert sorted(p.name for p in corpora.iterdir()) == ["poems.txt"]  # nothing written into it
+
+
+def test_a_missing_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    # it said "no such file 'nope.txt'", whatever the folder, and nothing of a TINYCHAR_DATA_DIR that is no folder
+    from data.sources import resolve_inputs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(tmp_path / "corpora"))
+    for find in (lambda p: resolve_inputs(p), lambda p: load_corpus(DataConfig(path=p))):
+        with pytest.raises(DataError) as info:
+            find("nope.txt")
+        assert str(info.value) == (f"data.path: no such file 'nope.txt' (looked for from {quoted(tmp_path)} and in "
+                                   f"TINYCHAR_DATA_DIR {quoted(tmp_path / 'corpora')}, no folder); check the path")
+    with pytest.raises(DataError) as info:
+        resolve_inputs(str(tmp_path / "nope.txt"))
+    assert str(info.value) == f"data.path: no such file {quoted(tmp_path / 'nope.txt')}; check the path"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs Linux's /proc")
+def test_a_file_of_the_kernels_is_said_to_report_no_size():
+    from data.sources import resolve_inputs
+
+    with pytest.raises(DataError) as info:
+        resolve_inputs("/proc/cpuinfo")
+    assert "is empty (the kernel's files under /proc and /sys say 0 bytes whatever they hold: copy one first)" in str(
+        info.value)

@@ -18,12 +18,19 @@ import data.bench_report
 from configs.userinput import shown
 
 
-def test_the_work_folder_is_a_new_one_inside_workdir_and_only_made_folders_are_listed(tmp_path: Path) -> None:
+def test_the_work_folder_is_a_new_one_inside_workdir_and_only_made_folders_are_listed(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
     (tmp_path / "mine").mkdir()
     work, made = bench._work_folder(str(tmp_path / "mine"))
     assert work.parent == tmp_path / "mine" and work.name.startswith("tinychar-bench-") and made == []
     work, made = bench._work_folder(str(tmp_path / "new" / "deeper"))
     assert work.parent == tmp_path / "new" / "deeper" and made == [tmp_path / "new" / "deeper", tmp_path / "new"]
+    (tmp_path / "afile").write_text("a file", encoding="utf-8")
+    for where in ("afile", "afile/sub"):  # it said "File exists"
+        with pytest.raises(NotADirectoryError, match="Not a directory"):
+            bench._work_folder(str(tmp_path / where))
+    monkeypatch.chdir(tmp_path)  # the children start in the project's folder: the path they are given is whole
+    assert bench._work_folder("mine")[0].parent == tmp_path / "mine"
 
 
 @pytest.mark.parametrize(
