@@ -400,7 +400,7 @@ def test_a_plain_run_in_a_stale_torchrun_environment_says_what_it_waits_for_and_
     assert err.read_text().splitlines() == [
         f"rank 0: waiting for the other 1 process(es) of the run to join at 127.0.0.1:{port} (RANK=0, WORLD_SIZE=2); "
         f"Ctrl-C stops; to train in one process, unset RANK and WORLD_SIZE",
-        "interrupted (SIGTERM) before training started; nothing was saved"]
+        "interrupted (SIGTERM) before training started; no checkpoint was saved"]
     assert not (tmp_path / "out").exists()
 
 

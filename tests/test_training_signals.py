@@ -209,7 +209,7 @@ def test_a_signal_while_the_step_compiles_stops_the_run_instead_of_training_on(t
     text = log.read_text(encoding="utf-8")
     assert code == 128 + signum, text
     name = signal.Signals(signum).name
-    assert text.splitlines()[-1] == f"interrupted ({name}) before training started; nothing was saved", text
+    assert text.splitlines()[-1] == f"interrupted ({name}) before training started; no checkpoint was saved", text
     assert "Traceback" not in text and "Exception ignored" not in text and "cannot compile" not in text, text
     assert not (out / "ckpt.pt").exists() and not (out / "best.pt").exists()
 
@@ -248,7 +248,7 @@ def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_pa
     monkeypatch.setattr(training.runner, "prepare_corpus", reading_the_data)
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert code == 128 + signum
-    assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; nothing was saved"
+    assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; no checkpoint was saved"
     assert not out.exists()
     assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
 

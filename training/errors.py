@@ -166,7 +166,7 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
         return (f"stopped at step {e.step}{why}: saved '{shown(Path(cfg.out_dir) / 'ckpt.pt')}'; continue with: "
                 f"{resume_command(cfg.out_dir, launch)}")
     if isinstance(e, Interrupted):
-        return f"interrupted ({signal.Signals(e.signum).name}) before training started; nothing was saved"
+        return f"interrupted ({signal.Signals(e.signum).name}) before training started; no checkpoint was saved"
     if launch.torchrun and (reason := distributed.lost_peer(e)):
         return (f"error: lost contact with another process of the run ({reason}); what ended it is in its own "
                 f"output or torchrun's report")
