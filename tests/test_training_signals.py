@@ -248,7 +248,8 @@ def test_a_signal_before_training_starts_stops_at_once_and_writes_nothing(tmp_pa
     monkeypatch.setattr(training.runner, "prepare_corpus", reading_the_data)
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert code == 128 + signum
-    assert one_line(err) == f"interrupted ({signal.Signals(signum).name}) before training started; no checkpoint was saved"
+    assert one_line(err) == (f"interrupted ({signal.Signals(signum).name}) before training started; no checkpoint "
+                             "was saved")
     assert not out.exists()
     assert {sig: signal.getsignal(sig) for sig in StopSignals.SIGNALS} == handlers  # left as it found them
 
