@@ -368,8 +368,8 @@ def released_run(tmp_path_factory) -> tuple[int, str]:
     out = io.StringIO()
     real = loop.sample_text
 
-    def sample_then_release(*args):
-        text = real(*args)
+    def sample_then_release(*args, **kwargs):  # as sample_text is called (the stop check among its keywords)
+        text = real(*args, **kwargs)
         torch.cuda.empty_cache()
         return text
 
