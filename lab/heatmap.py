@@ -24,7 +24,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
-from lab.labels import INK, display_char, draw_label, fonts, label_width, legible, text_size
+from lab.labels import INK, display_char, draw_label, fonts, label_width, legible, legible_text, text_size
 from lab.pictures import picture_target, write_picture
 
 # Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
@@ -123,6 +123,7 @@ def grid_layout(n_layer: int, n_head: int, chars: list[str], title: str | None =
     T = len(chars)
     px = cell_pixels(T)
     axis_font, label_font, title_font = fonts(px)
+    title = legible_text(title_font, title) if title else title
     labels = [legible(axis_font, display_char(c)) for c in chars]
     widths = [label_width(axis_font, s) for s in labels]
     char_h = text_size(axis_font, "Hg")[1]
@@ -180,6 +181,7 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
     layout = grid_layout(len(weights), n_head, chars, title)
     px = layout.px
     axis_font, label_font, title_font = fonts(px)
+    title = legible_text(title_font, title) if title else title
     labels = [legible(axis_font, display_char(c)) for c in chars]
     widths = [label_width(axis_font, s) for s in labels]
     keys = _key_positions(widths, px, layout.col_stride)
@@ -257,6 +259,7 @@ def render_attention_map(
                          f"got {tuple(weights.shape)}")
     Tq, Tk = weights.shape
     axis_font, label_font, title_font = fonts(cell_pixels(max(Tq, Tk)))
+    title = legible_text(title_font, title) if title else title
     row_labels = [legible(axis_font, display_char(s)) if len(s) == 1 else s for s in row_labels]
     column_labels = [legible(axis_font, display_char(s)) if len(s) == 1 else s for s in column_labels]
     # Every column is labelled, so a cell is at least as wide as its widest label.

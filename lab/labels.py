@@ -4,6 +4,7 @@ font has no glyph for shown by their code point, and each label centred on its c
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -31,7 +32,31 @@ def display_char(ch: str) -> str:
     return ch.encode("unicode_escape").decode("ascii")  # '\r', '\x00', '\u200b', ...
 
 
+# Fonts that draw accented Latin, Greek and Cyrillic, tried in order where the system has them (Pillow looks in the
+# system's font folders): Linux distributions carry DejaVu Sans, macOS and Windows Arial. Pillow's built-in font
+# (Aileron) has no glyph past ASCII, so with it a French corpus's "é" is labelled U+00E9. CJK stays code points.
+WIDE_FONTS = ("DejaVuSans.ttf", "Arial.ttf", "arial.ttf")
+
+
+@functools.cache
+def _wide_font_path() -> str | None:
+    """The first of WIDE_FONTS the system has, as a path, looked for once a process; None if none."""
+    for name in WIDE_FONTS:
+        try:
+            return str(ImageFont.truetype(name, 12).path)
+        except (OSError, ImportError):  # not installed, or Pillow without FreeType
+            continue
+    return None
+
+
 def font_of(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    """A font of size pixels: a wide one where the system has it (a new object each call: pictures are drawn on a
+    thread of their own in training, and two threads should not share one FreeType face)."""
+    if (path := _wide_font_path()) is not None:
+        try:
+            return ImageFont.truetype(path, size)
+        except OSError:
+            pass
     # Pillow >= 10.1 with FreeType scales its built-in font; without FreeType there is only the fixed bitmap one.
     try:
         return ImageFont.load_default(size=size)
@@ -48,11 +73,19 @@ def legible(font: ImageFont.ImageFont, label: str) -> str:
     """The label, or its code point when the font would draw an empty box for it."""
     if label in (SPACE, NEWLINE, TAB) or len(label) != 1 or label.isascii():
         return label
+    return f"U+{ord(label):04X}" if _no_glyph(font, label) else label
+
+
+def legible_text(font: ImageFont.ImageFont, text: str) -> str:
+    """A title as the font can draw it: each character it has no glyph for (a Chinese prompt, a run folder named in
+    Cyrillic, with the built-in font) written as its code point, in place of a row of identical empty boxes."""
+    return "".join(f"<U+{ord(ch):04X}>" if not ch.isascii() and _no_glyph(font, ch) else ch for ch in text)
+
+
+def _no_glyph(font: ImageFont.ImageFont, ch: str) -> bool:
     missing = font.getmask("\uffff")  # a non-character: always the font's "no glyph" box
-    mask = font.getmask(label)
-    if mask.size == missing.size and bytes(mask) == bytes(missing):
-        return f"U+{ord(label):04X}"
-    return label
+    mask = font.getmask(ch)
+    return mask.size == missing.size and bytes(mask) == bytes(missing)
 
 
 def fonts(px: int) -> tuple[ImageFont.ImageFont, ImageFont.ImageFont, ImageFont.ImageFont]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lab import labels
 from lab.heatmap import (
     EMPTY_COLOUR,
     MAX_MAP_PIXELS,
@@ -20,6 +21,7 @@ from lab.heatmap import (
     display_char,
     grid_layout,
     render_attention_grid,
+    render_attention_map,
     save_attention_map,
 )
 from lab.pictures import image_format, log_image, picture_target
@@ -174,6 +176,29 @@ def test_whitespace_and_control_characters_are_visible():
     assert display_char("q") == "q"
     image = render_attention_grid(causal_weights(1, 1, 6), [" ", "\n", "\t", "\x00", "é", "中"])
     assert image.mode == "RGB"
+
+
+def test_a_title_in_characters_the_font_lacks_is_drawn_as_their_code_points():
+    """sample.py's title names the prompt: a Chinese one was a row of identical empty boxes."""
+    weights = causal_weights(1, 1, 4)
+    as_code_points = "run: '<U+4E2D><U+6587>'"
+    for title in ("run: '中文'", as_code_points):
+        assert labels.legible_text(labels.fonts(20)[2], title) == as_code_points
+    drawn = render_attention_grid(weights, list("abcd"), title="run: '中文'")
+    assert drawn.tobytes() == render_attention_grid(weights, list("abcd"), title=as_code_points).tobytes()
+    assert drawn.tobytes() != render_attention_grid(weights, list("abcd"), title="run: '??'").tobytes()
+    one = render_attention_map(torch.full((2, 2), 0.5), ["a", "b"], ["c", "d"], title="中")
+    assert one.tobytes() == render_attention_map(torch.full((2, 2), 0.5), ["a", "b"], ["c", "d"],
+                                                 title="<U+4E2D>").tobytes()
+
+
+@pytest.mark.skipif(labels._wide_font_path() is None, reason="no DejaVu Sans or Arial on this system")
+def test_accented_latin_greek_and_cyrillic_are_drawn_as_themselves_where_the_system_has_a_wide_font(monkeypatch):
+    font = labels.font_of(14)
+    assert [labels.legible(font, c) for c in "éßΩж中"] == ["é", "ß", "Ω", "ж", "U+4E2D"]
+    assert labels.legible_text(font, "café") == "café"
+    monkeypatch.setattr(labels, "_wide_font_path", lambda: None)  # Pillow's own font: ASCII only
+    assert labels.legible(labels.font_of(14), "é") == "U+00E9"
 
 
 def test_mismatched_shapes_are_refused():
