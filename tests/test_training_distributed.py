@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, tiny_overrides
+from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
 from test_train import bitwise_equal, child_env, weights
 
 import sample
@@ -39,9 +39,11 @@ from training.distributed import (
     LaunchError,
     check_master_addr,
     check_same_run,
+    cores_here,
     derived_seed,
     join_wait_line,
     launch_from_env,
+    oversubscribed,
     resolve_backend,
     threads_per_process,
 )
@@ -565,6 +567,29 @@ def test_processes_times_threads_never_exceed_the_cores():
         threads = threads_per_process(Launch(world_size=processes, local_world_size=processes, torchrun=True))
         assert threads >= 1 and (processes * threads <= cores or threads == 1)
     assert threads_per_process(Launch(world_size=1, local_world_size=1, torchrun=True)) == cores
+
+
+def test_more_threads_than_cores_is_one_note_naming_the_setting_that_fits(tmp_path, capsys):
+    cores = cores_here()
+    alone, pair = Launch(), Launch(world_size=2, local_world_size=2, torchrun=True)
+    assert oversubscribed(0, alone) is None and oversubscribed(cores, alone) is None
+    assert oversubscribed(0, pair) is None and oversubscribed(max(1, cores // 2), pair) is None
+    more = cores + 1
+    assert oversubscribed(more, alone) == (
+        f"note: train.threads={more} on {cores} core{'s' if cores > 1 else ''}: threads beyond the cores take turns "
+        f"and slow every step; train.threads=0 takes one a core")
+    assert oversubscribed(cores, pair) == (
+        f"note: train.threads={cores} x 2 processes = {2 * cores} threads on {cores} core{'s' if cores > 1 else ''}: "
+        f"threads beyond the cores take turns and slow every step; train.threads=0 shares the cores out among them")
+    before = torch.get_num_threads()
+    try:
+        train_small_run(tmp_path, **{"train.threads": more, "train.max_iters": 2})
+        (tmp_path / "fits").mkdir()
+    finally:
+        torch.set_num_threads(before)  # the run set torch's threads for this whole worker process
+    assert capsys.readouterr().out.count(f"note: train.threads={more} on {cores} core") == 1
+    train_small_run(tmp_path / "fits", **{"train.threads": 1, "train.max_iters": 2})
+    assert "threads beyond the cores" not in capsys.readouterr().out
 
 
 def test_train_backend_is_checked_and_may_change_on_resume(tmp_path, capsys):

@@ -202,6 +202,8 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     for note in start.corpus.notes:
         log.info(note)
     log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}")
+    if start.device.type == "cpu" and (busy := distributed.oversubscribed(tc.threads, trainer.launch)):
+        log.info(busy)
     if start.device.type == "cpu" and start.dtype == torch.float16 and not cpu_has_fast_float16():
         log.info("note: this CPU has no fast float16 products (PyTorch multiplies float16 in slow loops here: about "
                  "10x slower than float32); train.dtype=auto takes the fastest this CPU has")
