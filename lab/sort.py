@@ -266,15 +266,27 @@ def contradiction(args: object) -> str | None:
     return None
 
 
+# The options that set SortConfig's fields: its checks name the fields, the command line's refusals the options.
+OPTION_OF = {"model": "--model", "score": "--score", "length": "--length", "digits": "--digits", "steps": "--steps",
+             "batch_size": "--batch-size", "learning_rate": "--lr", "seed": "--seed"}
+
+
 def config_from(args: object) -> SortConfig:
+    """The SortConfig the options ask for; a ValueError naming the option (--lr, not learning_rate) if one is bad."""
     transformer = args.model == "transformer"
-    return SortConfig(
-        model=args.model, length=args.length if args.length is not None else 8, digits=args.digits,
-        score=args.score if args.score is not None else "additive",
-        attention=not args.no_attention, batch_size=args.batch_size, seed=args.seed,
-        steps=args.steps if args.steps is not None else (600 if transformer else 400),
-        learning_rate=args.lr if args.lr is not None else (1e-3 if transformer else 3e-3),
-    )
+    try:
+        return SortConfig(
+            model=args.model, length=args.length if args.length is not None else 8, digits=args.digits,
+            score=args.score if args.score is not None else "additive",
+            attention=not args.no_attention, batch_size=args.batch_size, seed=args.seed,
+            steps=args.steps if args.steps is not None else (600 if transformer else 400),
+            learning_rate=args.lr if args.lr is not None else (1e-3 if transformer else 3e-3),
+        )
+    except ValueError as e:
+        field, must, rest = str(e).partition(" must ")
+        if must and field in OPTION_OF:
+            raise ValueError(f"{OPTION_OF[field]} must {rest}") from None
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -297,13 +297,16 @@ def test_a_run_without_attention_draws_no_heatmap(tmp_path, capsys, monkeypatch)
     (["--no-attention", "--heatmap", "x.png"], "--no-attention has no attention to draw a heatmap of"),
     (["--logdir", ""], "--logdir is empty"),
     (["--heatmap", ""], "--heatmap is empty"),
-    (["--seed", str(2**64)], "seed must fit in a signed 64-bit integer, got 18446744073709551616"),
-    (["--seed", str(-(2**63) - 1)], "seed must fit in a signed 64-bit integer"),
-    (["--lr", "1e39"], "learning_rate must be at most float32's largest number"),
-    (["--steps", str(10**12)], "steps must be at most 100,000"),  # it trained on for weeks
-    (["--batch-size", "1" + "0" * 400], "batch_size must be at most 2**63 - 1, got 1.000e+400"),  # an OverflowError
-    (["--length", "1" + "0" * 400], "length must be at most 2**63 - 1"),
-    (["--digits", "1" + "0" * 400], "digits must be at most 2**63 - 1"),
+    (["--seed", str(2**64)], "--seed must fit in a signed 64-bit integer, got 18446744073709551616"),
+    (["--seed", str(-(2**63) - 1)], "--seed must fit in a signed 64-bit integer"),
+    (["--lr", "1e39"], "--lr must be at most float32's largest number"),
+    (["--steps", str(10**12)], "--steps must be at most 100,000"),  # it trained on for weeks
+    (["--batch-size", "1" + "0" * 400], "--batch-size must be at most 2**63 - 1, got 1.000e+400"),  # an OverflowError
+    (["--length", "1" + "0" * 400], "--length must be at most 2**63 - 1"),
+    (["--digits", "1" + "0" * 400], "--digits must be at most 2**63 - 1"),
+    (["--digits", "1"], "error: --digits must be at least 2, got 1 "),  # the option, not SortConfig's field
+    (["--lr", "-1"], "error: --lr must be a finite number > 0, got -1.0 "),
+    (["--batch-size", "0"], "error: --batch-size must be at least 1, got 0 "),
 ])
 def test_options_the_run_would_ignore_or_cannot_take_are_one_line_before_training(argv, says, capsys, monkeypatch,
                                                                                    tmp_path):
@@ -435,7 +438,7 @@ def test_the_real_command_refuses_bad_options_in_one_line():
     done = subprocess.run([sys.executable, "-m", "lab", "sort", "--score", "cosine"], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.count("\n") == 1 and "score must be one of additive, dot" in done.stderr
+    assert done.stderr.count("\n") == 1 and "--score must be one of additive, dot" in done.stderr
 
 
 def test_tensorboard_gets_the_held_out_accuracy_and_the_heatmap(tmp_path):
