@@ -451,3 +451,46 @@ def test_an_entry_of_out_dir_in_the_way_is_named(tmp_path, capsys, entry, make, 
     assert code == 2 and err.count("\n") == 1
     assert f"cannot write into out_dir '{shown(str(out))}' ('{shown(str(out / entry))}': " in err
     assert files() == before
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_saved_into_out_dir_while_this_one_was_starting_is_never_written_over(tmp_path, capsys, monkeypatch,
+                                                                                     resume):
+    """The checks ran before the corpus was read and the model built, the lock was taken after: a second run into
+    the same out_dir, checked while a first one was still going (minutes, for a large corpus's first encoding),
+    replaced that run's checkpoints once it had ended, exit status 0; a resume wrote its older step over them."""
+    import training.runner
+
+    for name in ("first", "other"):
+        (tmp_path / name).mkdir()
+    out = train_small_run(tmp_path / "first")
+    other = train_small_run(tmp_path / "other", **{"train.max_iters": 10})  # what the other run saves meanwhile
+    real = training.runner.prepare_corpus
+
+    def another_run_saves_meanwhile(*args, **kwargs):
+        for name in ("ckpt.pt", "best.pt"):
+            (out / name).unlink(missing_ok=True)
+            if not resume or name == "ckpt.pt":
+                shutil.copy2(other / name, out / name)
+        return real(*args, **kwargs)
+
+    if not resume:  # a fresh run: out_dir held no run when it was checked
+        for name in ("ckpt.pt", "best.pt", "config.yaml"):
+            (out / name).unlink()
+    monkeypatch.setattr(training.runner, "prepare_corpus", another_run_saves_meanwhile)
+    args = ["--resume", "--out-dir", str(out)] if resume else ["--config", TINY, *tiny_overrides(
+        write_corpus(tmp_path), out)]
+    code, _, err = call(train_main, args + (["train.max_iters=30"] if resume else []), capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    if resume:
+        assert err == (f"error: '{shown(str(out / 'ckpt.pt'))}' was replaced by another run while this one was "
+                       f"starting, and this run would write over its steps; resume again to continue from the new "
+                       f"one\n")
+    else:
+        assert err == (f"error: '{shown(str(out))}' now holds a run (ckpt.pt) that another run saved while this one "
+                       f"was starting; continue it with --resume, choose another out_dir=..., or start afresh with "
+                       f"--overwrite\n")
+        assert (out / "best.pt").read_bytes() == (other / "best.pt").read_bytes()
+    assert (out / "ckpt.pt").read_bytes() == (other / "ckpt.pt").read_bytes()
+    assert load_checkpoint(out / "ckpt.pt")["step"] == 10
+    assert not RunLock(out).busy()  # released on the refusal

@@ -27,6 +27,8 @@ from .errors import UsageError
 from .lock import RunLock, in_use
 from .memory import check_fits, model_need
 
+# The key under which load_run keeps the file_identity of the ckpt.pt it read, in the payload it returns.
+LOADED_FROM = "_loaded_from"
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
@@ -70,6 +72,16 @@ def save_checkpoint(payload: dict[str, Any], path: str | Path, *copies: str | Pa
             if i == 0:
                 raise
             raise IncompleteSave(e, targets[:i]) from e
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells one version of a file from another (device, inode, size, modification time); None if absent. A
+    checkpoint is replaced by a rename (write_atomic), so a new one always differs."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
@@ -341,6 +353,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
             raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
                              f"continue from that step, copy it: cp {shell_word(str(best))} {shell_word(str(ckpt))}")
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
+    loaded = file_identity(ckpt)  # before it is read: claim_out_dir checks that no other run replaced it since
     try:
         payload = load_checkpoint(ckpt)
         check_training_state(payload, ckpt)
@@ -358,4 +371,5 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
                          f"'{shown(str(ckpt))}' is; to train on, give a larger train.max_iters")
     if recovered:
         changes.insert(0, f"the run that an interrupted --overwrite left in {ASIDE}/ is put back and continued")
+    payload[LOADED_FROM] = loaded
     return cfg, payload, changes

@@ -12,7 +12,7 @@ import yaml
 from configs import to_dict
 from configs.userinput import shown
 
-from .checkpoints import ASIDE, write_atomic  # ASIDE: where --overwrite keeps the old run
+from .checkpoints import ASIDE, file_identity, write_atomic  # ASIDE: where --overwrite keeps the old run
 from .config import RunConfig
 from .errors import UsageError
 from .lock import LOCK, RunLock, in_use
@@ -77,16 +77,37 @@ def not_a_runs_config(out_dir: Path) -> bool:
         return True
 
 
-def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: bool) -> tuple[RunLock, str | None]:
-    """Make out_dir this run's (rank 0 alone, once every check has passed): take the lock, put back a run that an
-    interrupted --overwrite left aside, clear what a killed writer left, move the old run aside on --overwrite, and
-    write the resolved config.yaml. Returns the lock (held until released) and a line saying what --overwrite
-    replaced, if anything."""
+def changed_since_checked(out_dir: Path, *, resume: bool, overwrite: bool, loaded: tuple | None) -> str | None:
+    """Why out_dir no longer is as prepare_out_dir found it, now that this run holds its lock: another run saved into
+    it while this one read its corpus and built its model (minutes, for a large corpus's first encoding), and this
+    run would write over that one's checkpoints. loaded: the file_identity of the ckpt.pt a resume loaded. None if
+    nothing changed."""
+    if resume:
+        if loaded is not None and file_identity(out_dir / "ckpt.pt") != loaded:
+            return (f"'{shown(str(out_dir / 'ckpt.pt'))}' was replaced by another run while this one was starting, "
+                    f"and this run would write over its steps; resume again to continue from the new one")
+        return None
+    held = [name for name in ("ckpt.pt", "best.pt") if (out_dir / name).exists()]
+    if overwrite or not held:
+        return None
+    return (f"'{shown(str(out_dir))}' now holds a run ({held[0]}) that another run saved while this one was "
+            f"starting; continue it with --resume, choose another out_dir=..., or start afresh with --overwrite")
+
+
+def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: bool,
+                  loaded: tuple | None = None) -> tuple[RunLock, str | None]:
+    """Make out_dir this run's (rank 0 alone, once every check has passed): take the lock, check that no other run
+    saved into out_dir since the checks (loaded: see changed_since_checked), put back a run that an interrupted
+    --overwrite left aside, clear what a killed writer left, move the old run aside on --overwrite, and write the
+    resolved config.yaml. Returns the lock (held until released) and a line saying what --overwrite replaced, if
+    anything."""
     lock = RunLock(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
         recover_aside(out_dir)
+        if why := changed_since_checked(out_dir, resume=resume, overwrite=overwrite, loaded=loaded):
+            raise UsageError(why)
         for pattern in STALE_TEMPORARY:  # this run owns out_dir now; no other writer can be midway
             for stale in out_dir.glob(pattern):
                 stale.unlink(missing_ok=True)

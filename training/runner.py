@@ -18,7 +18,7 @@ from data.paths import quoted
 from model import build_model
 
 from . import distributed
-from .checkpoints import restore_best
+from .checkpoints import LOADED_FROM, restore_best
 from .compile_cache import user_cache_problem
 from .config import RunConfig
 from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
@@ -60,7 +60,8 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     lock, replaced = None, None
     with agreeing(launch):
         if launch.main:
-            lock, replaced = claim_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite)
+            lock, replaced = claim_out_dir(out_dir, cfg, resume=resume, overwrite=overwrite,
+                                           loaded=payload.get(LOADED_FROM) if payload else None)
     if replaced is not None:
         trainer.after_first_save = partial(drop_aside, out_dir)
     # rank 0 alone moved the old run aside; a stop must end every process alike (saving is collective)
