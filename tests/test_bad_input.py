@@ -40,13 +40,15 @@ class Case:
     def data(self, path: Path) -> list[str]:
         return self.train(corpus=path)
 
-    def resume(self, change: Callable[[dict], None] | None = None, *extra: str) -> list[str]:
+    def resume(self, change: Callable[[dict], None] | None = None, *extra: str, to: int = 30) -> list[str]:
+        """A resume of the run (to step `to`: at its end, step 20, a resume is refused for that), its checkpoint
+        changed first by change."""
         if change is not None:
             payload = load_checkpoint(self.run / "ckpt.pt")
             change(payload)
             save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")},
                             self.run / "ckpt.pt")
-        return ["--resume", "--out-dir", str(self.run), *extra]
+        return ["--resume", "--out-dir", str(self.run), f"train.max_iters={to}", *extra]
 
     def replace_checkpoint(self, write: Callable[[Path], object]) -> list[str]:
         write(self.run / "ckpt.pt")
@@ -232,6 +234,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "unknown config key 'train.foo' (in the config saved in '"),
     ("resume-below-the-step", "train", lambda c: c.resume(None, "train.max_iters=1"),
      "train.max_iters=1 is below step "),
+    # it evaluated and saved the last step again, and logged its points to TensorBoard twice
+    ("resume-at-the-end", "train", lambda c: c.resume(None, to=20), "train.max_iters=20 is step 20, where '"),
     ("resume-only-best-pt", "train", lambda c: _only_best(c), "only best.pt, the run's best step; to continue from "
      "that step, copy it: cp "),
     ("resume-changed-data", "train", lambda c: c.resume(None, "data.val_fraction=0.2"), "data.val_fraction"),

@@ -271,11 +271,31 @@ def test_resume_with_a_changed_key_that_defines_the_run_is_refused(finished_run,
     assert snapshot(out) == before
 
 
+def test_a_resume_that_stretches_the_decay_says_what_the_learning_rate_does_and_how_to_keep_it(tmp_path, capsys):
+    # A finished 20-step run (warmup 2, learning rate 0.01 down to 0.001) resumed to 40 steps: lr_decay_iters follows
+    # max_iters, so the rate went from 0.001 back up to 0.0059 with no word but "train.max_iters: 20 -> 40"
+    run = train_small_run(tmp_path)
+    kept = tmp_path / "kept"
+    shutil.copytree(run, kept)
+    stretched = lr_at(20, load_config(TINY, ["train.warmup_iters=2", "train.max_iters=40"]).train)
+    assert 0.0058 < stretched < 0.0059
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=40"], progress=False) == 0
+    assert (f"resume: the learning rate at step 20 goes from 0.001 to {stretched:.3g}: train.lr_decay_iters follows "
+            f"train.max_iters; to keep the saved run's decay, add train.lr_decay_iters=20\n") in capsys.readouterr().out
+    assert train.main(["--resume", "--out-dir", str(kept), "train.max_iters=40", "train.lr_decay_iters=20"],
+                      progress=False) == 0
+    assert "the learning rate at step" not in capsys.readouterr().out
+    assert load_checkpoint(kept / "ckpt.pt")["step"] == 40
+
+
 def test_a_resume_without_a_config_checks_its_overrides_against_the_saved_run(tmp_path, capsys):
-    # tiny.yaml's learning rate is 0.01: min_lr=0.05 is valid for this run alone, which the resume continues
+    # tiny.yaml's learning rate is 0.01: min_lr=0.05 is valid for this run alone, which the resume continues (to 22:
+    # at step 20, where it ended, it would have nothing to train)
     run = train_small_run(tmp_path, **{"train.learning_rate": 0.1, "train.min_lr": 0.01})
     capsys.readouterr()
-    assert train.main(["--resume", "--out-dir", str(run), "train.min_lr=0.05"], progress=False) == 0
+    assert train.main(["--resume", "--out-dir", str(run), "train.min_lr=0.05", "train.max_iters=22"],
+                      progress=False) == 0
     assert "resume: train.min_lr: 0.01 -> 0.05" in capsys.readouterr().out
     assert load_checkpoint(run / "ckpt.pt")["config"]["train"]["min_lr"] == 0.05
     # checked against the saved run, a bad value is blamed on the command line and the saved config

@@ -26,6 +26,7 @@ from .distributed import BATCHES, DROPOUT, Launch, derived_seed
 from .errors import UsageError
 from .lock import RunLock, in_use
 from .memory import check_fits, model_need
+from .optim import schedule_note
 
 # The key under which load_run keeps the file_identity of the ckpt.pt it read, in the payload it returns.
 LOADED_FROM = "_loaded_from"
@@ -366,9 +367,14 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if config is None:  # no config named: continue with the saved one
         cfg = load_config(None, overrides, base=payload["config"], origin=f"the config saved in '{shown(str(ckpt))}'")
     changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
-    if cfg.train.max_iters < payload["step"]:  # it would only evaluate and save the same step again, without a word
-        raise UsageError(f"train.max_iters={cfg.train.max_iters:,} is below step {payload['step']:,}, where "
-                         f"'{shown(str(ckpt))}' is; to train on, give a larger train.max_iters")
+    # Not even at it: the run would only evaluate and save the same step again, and log its points twice
+    if cfg.train.max_iters <= payload["step"]:
+        where = "is below" if cfg.train.max_iters < payload["step"] else "is"
+        done = "" if where == "is below" else ": the run is done"
+        raise UsageError(f"train.max_iters={cfg.train.max_iters:,} {where} step {payload['step']:,}, where "
+                         f"'{shown(str(ckpt))}' is{done}; to train on, give a larger train.max_iters")
+    if note := schedule_note(payload["config"].get("train") or {}, cfg.train, payload["step"]):
+        changes.append(note)
     if recovered:
         changes.insert(0, f"the run that an interrupted --overwrite left in {ASIDE}/ is put back and continued")
     payload[LOADED_FROM] = loaded

@@ -7,6 +7,7 @@ import inspect
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +36,25 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.min_lr
     progress = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def schedule_note(saved: dict, train: TrainConfig, step: int) -> str | None:
+    """The line for a resume whose learning rate at step changes (saved: the checkpoint's train section), or None.
+    train.lr_decay_iters follows train.max_iters unless set, so a longer run stretches the cosine: resuming a
+    finished 20-step tiny run with max_iters=40 took the rate from 1.07e-03 to 5.50e-03 in two steps, unannounced."""
+    kept = {k: saved[k] for k in ("max_iters", "lr_decay_iters", "min_lr") if k in saved}
+    try:
+        before = replace(train, **kept)
+    except (TypeError, ValueError):  # values no run saves: the resume's own checks speak of the config
+        return None
+    old, new = lr_at(step, before), lr_at(step, train)
+    if math.isclose(old, new, rel_tol=1e-6):
+        return None
+    line = f"the learning rate at step {step:,} goes from {old:.3g} to {new:.3g}"
+    if train.lr_decay_iters is None and before.lr_decay_iters is None and before.max_iters != train.max_iters:
+        line += (f": train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
+                 f"train.lr_decay_iters={before.max_iters}")
+    return line
 
 
 def orthogonalize(m: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
