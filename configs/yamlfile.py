@@ -77,7 +77,8 @@ def _numbers_as_written(node: Any, wanted: frozenset[str], prefix: str = "") -> 
         if not isinstance(key_node, yaml.ScalarNode):
             continue
         dotted = prefix + key_node.value
-        if isinstance(value, yaml.MappingNode):
+        # Only towards a wanted key: a mapping that holds itself (`data: &d {x: *d}`) recursed without end
+        if isinstance(value, yaml.MappingNode) and any(w.startswith(dotted + ".") for w in wanted):
             for keys, written in _numbers_as_written(value, wanted, dotted + "."):
                 yield [key_node.value, *keys], written
         elif (isinstance(value, yaml.ScalarNode) and dotted in wanted and value.tag in _NUMBER_TAGS

@@ -87,6 +87,14 @@ def test_a_misspelt_key_in_the_file_names_the_nearest_valid_key(tmp_path, text, 
         ("learning_rate=1", "train.learning_rate"),
         ("trian.max_iters=5", "train.max_iters"),
         ("model.nlayer=2", "model.n_layer"),
+        # other trainers' names, which spelling alone took for another setting (train.min_lr, train.threads, ...)
+        ("train.lr=0.01", "train.learning_rate"),
+        ("train.steps=100", "train.max_iters"),
+        ("data.file=a.txt", "data.path"),
+        ("model.d_model=64", "model.n_embd"),
+        ("model.num_heads=4", "model.n_head"),
+        ("model.context_length=64", "model.block_size"),
+        ("train.adam.beta1=0.9", "train.beta1"),
     ],
 )
 def test_a_misspelt_override_names_the_nearest_valid_key(override, suggestion):
@@ -98,6 +106,10 @@ def test_a_misspelt_override_names_the_nearest_valid_key(override, suggestion):
 def test_an_unguessable_key_points_at_help(tmp_path):
     message = refused(write_yaml(tmp_path, "zzzzqqqq: 1\n"))
     assert "zzzzqqqq" in message and "--help" in message
+    # the section's name in common is no likeness: train.adam was taken for train.threads, data.x for data
+    for text, key in (("train:\n  adam:\n    beta1: 0.9\n", "train.adam"), ("data:\n  x: 1\n", "data.x")):
+        message = refused(write_yaml(tmp_path, text))
+        assert f"unknown config key '{key}'" in message and "did you mean" not in message and "--help" in message
 
 
 def test_an_override_must_be_key_equals_value():

@@ -59,6 +59,14 @@ def test_keys_that_repeat_only_across_mappings_or_by_merging_are_not_duplicates(
     assert load_config(str(write_yaml(tmp_path, merged, "merged.yaml")), []).train.max_iters == 6
 
 
+@pytest.mark.parametrize("text", ["data: &d\n  x: *d\n", "train: &t\n  max_iters: 5\n  more: *t\n",
+                                  "a: &a {b: *a}\n"])
+def test_a_mapping_that_holds_itself_is_one_line(tmp_path, text):
+    # `data: &d {x: *d}` recursed without end looking for numbers to keep as written: a RecursionError traceback
+    message = refused(write_yaml(tmp_path, text))
+    assert "unknown config key" in message and "\n" not in message
+
+
 def test_a_file_whose_keys_are_all_distinct_loads_every_value(tmp_path):
     text = "seed: 7\nout_dir: here\ndata:\n  val_fraction: 0.2\nmodel:\n  n_layer: 2\ntrain:\n  max_iters: 9\n"
     cfg = load_config(str(write_yaml(tmp_path, text)), [])
