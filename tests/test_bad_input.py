@@ -162,6 +162,10 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- command-line overrides
     ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
     ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
+    # the rate warmed up to its peak until step 100, then dropped straight to min_lr, without a word
+    ("decay-ends-before-warmup", "train", lambda c: c.train("train.warmup_iters=100", "train.lr_decay_iters=10"),
+     "train.lr_decay_iters (10) must be above train.warmup_iters (100), or the rate drops from its warmup straight "
+     "to min_lr"),
     ("override-no-key", "train", lambda c: c.train("=5"), "override '=5' must look like KEY=VALUE"),  # key ''
     ("override-a-section", "train", lambda c: c.train("train=1"),  # was "did you mean 'train.dtype'?"
      "'train' is a section of the config, not a key; give train.KEY=VALUE (such as train.batch_size=...;"),

@@ -99,6 +99,10 @@ class TrainConfig:
             raise ValueError(f"train.min_lr ({self.min_lr}) must not exceed train.learning_rate ({self.learning_rate})")
         if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
             raise ValueError(f"train.lr_decay_iters must be >= 1 or null, got {self.lr_decay_iters}")
+        if self.decay_lr and self.lr_decay_iters is not None and self.lr_decay_iters <= self.warmup_iters:
+            # the rate would warm up to near its peak, then drop straight to min_lr: the cosine has no steps left
+            raise ValueError(f"train.lr_decay_iters ({self.lr_decay_iters:,}) must be above train.warmup_iters "
+                             f"({self.warmup_iters:,}), or the rate drops from its warmup straight to min_lr")
         for name in ("beta1", "beta2", "ema_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
