@@ -37,6 +37,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for a person."""
 
 
+class NotThisVersion(CheckpointError):
+    """A whole checkpoint that a later tinychar wrote: no reason to replace it with another file."""
+
+
 # Characters of a path that a message quotes, as configs.userinput.shown quotes one for the rest of tinychar (this
 # package imports only torch): enough to recognise it, its start and its end, where the file's name is.
 PATH_LIMIT = 80
@@ -136,7 +140,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"checkpoint {quoted(path)} has a damaged format version (not an integer)")
     if version > VERSION:
         shown = f"{version}" if version < 10**6 else "a far later one"
-        raise CheckpointError(f"checkpoint {quoted(path)} is in format version {shown}, newer than this tinychar reads "
+        raise NotThisVersion(f"checkpoint {quoted(path)} is in format version {shown}, newer than this tinychar reads "
                               f"({VERSION}); load it with the tinychar that wrote it, or a later one")
     for key in ("model", "model_config", "vocab"):
         if key not in payload:
@@ -193,7 +197,7 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(str(key) for key in payload["model_config"] if key not in known)
     if unknown:
-        raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: {', '.join(unknown[:5])[:200]} "
+        raise NotThisVersion(f"checkpoint {quoted(path)} has an unusable model config: {', '.join(unknown[:5])[:200]} "
                               f"is no setting this tinychar knows; load it with the tinychar that wrote it")
     try:
         config = GPTConfig(**payload["model_config"])

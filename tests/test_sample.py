@@ -18,6 +18,7 @@ from PIL import Image
 
 import sample
 from model import load_checkpoint, model_from_checkpoint
+from model.checkpoint import VERSION
 from sampling import request, stops, writing
 
 PROMPT = "First Citizen:\n"  # longer than block_size 8, so generation starts from a cropped context
@@ -663,6 +664,12 @@ def test_a_damaged_best_pt_names_the_runs_other_checkpoint(run, run_dir, tmp_pat
     assert ok(run("--checkpoint", str(tmp_path / "ckpt.pt"), "--max-new-tokens", "5"))
     one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))  # chosen by name: no other is offered
     assert "--checkpoint" not in one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))
+    # a best.pt that a later tinychar wrote is whole: the line says which tinychar reads it, and offers no other file
+    payload = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    payload["version"] = VERSION + 1
+    torch.save(payload, tmp_path / "best.pt")
+    line = one_error_line(run(out_dir=tmp_path))
+    assert line.endswith("load it with the tinychar that wrote it, or a later one") and "--checkpoint" not in line
 
 
 def test_a_closed_stderr_keeps_the_messages_out_of_the_samples(run_dir):

@@ -520,6 +520,29 @@ def test_a_resume_from_a_damaged_ckpt_pt_says_how_to_go_on(tmp_path, capsys):
         "it is not a whole file that torch.save wrote; start afresh with --overwrite, or choose another out_dir")
 
 
+def test_a_resume_is_pointed_at_best_pt_only_where_best_pt_would_do(tmp_path, capsys):
+    # A checkpoint a later tinychar wrote, whole, was to be replaced by best.pt (cp best.pt ckpt.pt), which lost the
+    # newest steps and helped nothing where best.pt was of that version too; a damaged best.pt was offered as well.
+    from model.checkpoint import VERSION
+
+    run = train_small_run(tmp_path, **{"train.max_iters": 4, "train.eval_interval": 2})
+    for name in ("ckpt.pt", "best.pt"):
+        payload = load_checkpoint(run / name)
+        payload["version"] = VERSION + 1
+        torch.save(payload, run / name)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=6"], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(
+        f"is in format version {VERSION + 1}, newer than this tinychar reads ({VERSION}); load it with the tinychar "
+        f"that wrote it, or a later one")
+    assert snapshot(run) == before
+    (run / "ckpt.pt").write_text("junk\n", encoding="utf-8")
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=6"], progress=False) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(  # best.pt, of the later version, would not do either
+        "it is not a whole file that torch.save wrote; start afresh with --overwrite, or choose another out_dir")
+
+
 def test_a_resume_whose_text_is_gone_from_its_full_path_says_how_to_go_on(tmp_path, capsys):
     # It said only "no such file", with no way forward for a resume.
     corpus, out = tmp_path / "corpus.txt", tmp_path / "out"

@@ -19,7 +19,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import shell_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, error_reasons
+from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
@@ -325,6 +325,15 @@ def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
 
 
+def resumable(path: Path) -> bool:
+    """Whether a run could continue from the checkpoint at path (read whole: an error path's check)."""
+    try:
+        check_training_state(load_checkpoint(path), path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[RunConfig, dict | None, list[str]]:
     """The run's config and, for a resume, the checkpoint it continues (checked) and what the resume changes, as
     'key: old -> new' lines to show."""
@@ -358,10 +367,12 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     try:
         payload = load_checkpoint(ckpt)
         check_training_state(payload, ckpt)
-    except CheckpointError as e:  # say what will do: the run's best step, or a new run
+    except NotThisVersion:  # whole, for the tinychar that wrote it: nothing is to replace it
+        raise
+    except CheckpointError as e:  # say what will do: the run's best step, if best.pt is whole, or a new run
         best = out_dir / "best.pt"
         way = ("to continue from the run's best step instead, copy best.pt over it (cp best.pt ckpt.pt, in "
-               "out_dir)" if best.is_file() and not recovered else
+               "out_dir)" if not recovered and resumable(best) else
                "start afresh with --overwrite, or choose another out_dir")
         raise CheckpointError(f"{e}; {way}") from None
     if config is None:  # no config named: continue with the saved one
