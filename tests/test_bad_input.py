@@ -133,6 +133,21 @@ def _unseen_vocab(c: Case) -> Path:
     return path
 
 
+def _saved_config_crafted(c: Case, shape: str) -> list[str]:
+    """A resume with --config of a checkpoint whose saved config is crafted: comparing it with the config given
+    recursed without end (a mapping that holds itself), failed on a key that is no string (TypeError), or went on
+    filling memory (a mapping of 2**40 paths in a few hundred bytes)."""
+    def craft(payload: dict) -> None:
+        junk: dict = {"leaf": 1}
+        if shape == "itself":
+            junk["x"] = junk
+        else:
+            for _ in range(40):
+                junk = {"a": junk, "b": junk}
+        payload["config"]["train"]["junk"] = junk
+    return ["--config", str(TINY), *c.resume(craft)]
+
+
 def _folder(c: Case, name: str = "a_folder") -> Path:
     (c.tmp / name).mkdir()
     return c.tmp / name
@@ -236,6 +251,10 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "saved by 0 processes"),
     ("resume-unknown-key-saved", "train", lambda c: c.resume(lambda p: p["config"]["train"].update(foo=1)),
      "unknown config key 'train.foo' (in the config saved in '"),
+    ("resume-with-config-saved-config-holds-itself", "train", lambda c: _saved_config_crafted(c, "itself"),
+     "unknown config key 'train.junk' (in the config saved in '"),
+    ("resume-with-config-saved-config-of-2-40-paths", "train", lambda c: _saved_config_crafted(c, "paths"),
+     "unknown config key 'train.junk' (in the config saved in '"),
     ("resume-below-the-step", "train", lambda c: c.resume(None, "train.max_iters=1"),
      "train.max_iters=1 is below step "),
     # it evaluated and saved the last step again, and logged its points to TensorBoard twice

@@ -375,8 +375,11 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
                "out_dir)" if not recovered and resumable(best) else
                "start afresh with --overwrite, or choose another out_dir")
         raise CheckpointError(f"{e}; {way}") from None
+    saved = f"the config saved in '{shown(str(ckpt))}'"
     if config is None:  # no config named: continue with the saved one
-        cfg = load_config(None, overrides, base=payload["config"], origin=f"the config saved in '{shown(str(ckpt))}'")
+        cfg = load_config(None, overrides, base=payload["config"], origin=saved)
+    else:  # checked all the same before it is compared: comparing a crafted one went on without end
+        load_config(None, [], base=payload["config"], origin=saved)
     changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
     # Not even at it: the run would only evaluate and save the same step again, and log its points twice
     if cfg.train.max_iters <= payload["step"]:
