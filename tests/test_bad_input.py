@@ -108,6 +108,12 @@ def _nan_training_weights(payload: dict) -> None:
     payload["training_weights"] = {k: torch.full_like(v, float("nan")) for k, v in payload["model"].items()}
 
 
+def _expanded_training_weights(payload: dict) -> None:
+    # 10**12 values from one, in a file of a few MB: the finite check allocated 4 TB (a traceback)
+    payload["training_weights"] = {k: v.clone() for k, v in payload["model"].items()}
+    payload["training_weights"]["lm_head.weight"] = torch.zeros(1).expand(10**6, 10**6)
+
+
 def _only_best(c: Case) -> list[str]:
     (c.run / "ckpt.pt").unlink()  # train.py without --resume refuses the folder, which holds a run (best.pt)
     return ["--resume", "--out-dir", str(c.run)]
@@ -229,6 +235,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-optimizer-not-a-mapping", "train", lambda c: c.resume(lambda p: p.update(optimizer="x")),
      "has a damaged optimizer state"),
     ("resume-nan-training-weights", "train", lambda c: c.resume(_nan_training_weights), "has damaged training weights"),
+    ("resume-training-weights-of-another-shape", "train", lambda c: c.resume(_expanded_training_weights),
+     "has damaged training weights (the weights its average was taken of: not the model's shapes"),
     # the optimizer's state, which torch loads unchecked: a crash of the process in the fused AdamW kernel (a
     # segmentation fault, after config.yaml and best.pt were rewritten), tracebacks, or NaNs blamed on the learning rate
     ("resume-optimizer-moment-of-another-shape", "train",

@@ -24,7 +24,7 @@ from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, NotThisVersio
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, Launch, derived_seed
 from .errors import UsageError
-from .lock import RunLock, in_use
+from .lock import RunLock, file_identity, in_use
 from .memory import check_fits, model_need
 from .optim import schedule_note
 
@@ -73,16 +73,6 @@ def save_checkpoint(payload: dict[str, Any], path: str | Path, *copies: str | Pa
             if i == 0:
                 raise
             raise IncompleteSave(e, targets[:i]) from e
-
-
-def file_identity(path: Path) -> tuple[int, int, int, int] | None:
-    """What tells one version of a file from another (device, inode, size, modification time); None if absent. A
-    checkpoint is replaced by a rename (write_atomic), so a new one always differs."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
@@ -196,11 +186,13 @@ def check_training_state(payload: dict, path: Path) -> None:
     if not isinstance(payload["optimizer"], dict):
         raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state (not a mapping); it cannot be "
                               f"resumed")
-    trained = payload.get("training_weights")
-    if trained is not None and (not isinstance(trained, dict) or not all(
-            isinstance(t, torch.Tensor) and bool(torch.isfinite(t).all()) for t in trained.values())):
+    trained, weights = payload.get("training_weights"), payload["model"]
+    # The shapes first: a tensor of 10**12 values, expanded from one in a 2 MB file, was checked whole (4 TB)
+    if trained is not None and (not isinstance(trained, dict) or trained.keys() != weights.keys() or not all(
+            isinstance(t, torch.Tensor) and t.shape == weights[k].shape for k, t in trained.items()) or not all(
+            bool(torch.isfinite(t).all()) for t in trained.values())):
         raise CheckpointError(f"'{shown(str(path))}' has damaged training weights (the weights its average was taken "
-                              f"of: not all finite numbers); it cannot be resumed")
+                              f"of: not the model's shapes, or not all finite numbers); it cannot be resumed")
 
 
 # What a checkpoint that does not fit the run it describes makes torch or the code below raise.

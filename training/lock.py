@@ -163,3 +163,13 @@ def not_a_lock(path: Path, mode: int) -> UsageError:
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
     return UsageError(f"'{shown(str(path))}' is {kind}, not a lock file that tinychar made; remove it (a run makes "
                       f"its own .lock), or choose another out_dir")
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells one version of a file from another (device, inode, size, modification time); None if absent. A
+    checkpoint is replaced by a rename (write_atomic), so a new one always differs."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

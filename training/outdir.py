@@ -12,10 +12,10 @@ import yaml
 from configs import to_dict
 from configs.userinput import shown
 
-from .checkpoints import ASIDE, file_identity, write_atomic  # ASIDE: where --overwrite keeps the old run
+from .checkpoints import ASIDE, write_atomic  # ASIDE: where --overwrite keeps the old run
 from .config import RunConfig
 from .errors import UsageError
-from .lock import LOCK, RunLock, in_use
+from .lock import LOCK, RunLock, file_identity, in_use
 
 # The first line of the config.yaml a run writes: a config.yaml without it, in a folder that holds no run, is a
 # person's own (their experiment's config kept in its folder), and no run replaces it.
