@@ -71,6 +71,28 @@ def shell_word(text: str) -> str:
     return "$'" + "".join(parts) + "'"
 
 
+def path_word(path: str) -> str:
+    """A path as one word of a command line (shell_word), written ./-x where it starts with '-', which a command
+    would take for an option: `sample.py --out-dir -x` was "expected one argument", `cp -x/best.pt ...` a bad flag."""
+    return shell_word(f"./{path}" if path.startswith("-") else path)
+
+
+# The project's folder, where train.py and sample.py are.
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script_word(name: str) -> str:
+    """How to name the project's script name (train.py, sample.py) in a command run from the current folder: as is
+    from the project's folder, else by its path. A run started as `python tinychar/train.py` printed `python
+    sample.py ...`, which no file answered where the person was."""
+    path = os.path.join(_PROJECT, name)
+    try:
+        relative = os.path.relpath(path)
+    except (OSError, ValueError):  # the current folder is gone; another drive (Windows)
+        relative = path
+    return path_word(path if relative.startswith("..") else relative)
+
+
 def file_kind(mode: int) -> str | None:
     """What a file of this st_mode is, in words, when it is not a regular file (None for a regular file)."""
     kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a pipe (a FIFO, or <(command) in a shell)"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from configs.userinput import read_user_file, shell_word, shown
+from configs.userinput import path_word, read_user_file, shown
 from data.paths import LOG_PATH
 from model import (
     GPT,
@@ -204,7 +204,7 @@ def load_run_checkpoint(path: Path, chosen_for_the_run: bool) -> dict:
         if not chosen_for_the_run or path.name != "best.pt" or not latest.is_file() or isinstance(e, NotThisVersion):
             raise
         raise CheckpointError(f"{e}; the run's latest checkpoint may be whole: --checkpoint "
-                              f"{shell_word(str(latest))}") from None
+                              f"{path_word(str(latest))}") from None
 
 
 def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]] | int:

@@ -8,6 +8,7 @@ import io
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -518,6 +519,32 @@ def test_a_resume_from_a_damaged_ckpt_pt_says_how_to_go_on(tmp_path, capsys):
     assert train.main(["--resume", "--out-dir", str(run)], progress=False) == 2
     assert one_error_line(capsys.readouterr().err).endswith(
         "it is not a whole file that torch.save wrote; start afresh with --overwrite, or choose another out_dir")
+
+
+def test_the_printed_commands_run_from_where_the_run_was_started_and_for_a_folder_named_like_an_option(
+        tmp_path, capsys, monkeypatch):
+    # `out_dir=-dash` printed `python sample.py --out-dir -dash` ("expected one argument"); a run started as
+    # `python tinychar/train.py` printed `python sample.py`, which is no file where the person is
+    from configs.userinput import path_word, script_word
+
+    assert (path_word("-dash"), path_word("runs/x"), path_word("my runs")) == ("./-dash", "runs/x", "'my runs'")
+    monkeypatch.chdir(ROOT)
+    assert script_word("sample.py") == "sample.py"
+    monkeypatch.chdir(ROOT.parent)
+    assert script_word("sample.py") == path_word(f"{ROOT.name}/sample.py")
+    monkeypatch.chdir(tmp_path)  # no way down from here: the full path
+    assert script_word("train.py") == path_word(str(ROOT / "train.py"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    capsys.readouterr()
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, Path("-dash"), **{"train.max_iters": 4})],
+                      progress=False) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    command = line.partition("sample with: ")[2]
+    assert command == f"python {script_word('sample.py')} --out-dir ./-dash"
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:], "--max-new-tokens", "3", "--device", "cpu"],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_resume_is_pointed_at_best_pt_only_where_best_pt_would_do(tmp_path, capsys):

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import torch
 
 from configs import apply_overrides, flatten, to_dict
-from configs.userinput import shell_word, shown
+from configs.userinput import path_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
 from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons
@@ -353,7 +353,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
         best = out_dir / "best.pt"
         if best.is_file():  # a train.py without --resume would refuse the folder for holding a run: say what will do
             raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
-                             f"continue from that step, copy it: cp {shell_word(str(best))} {shell_word(str(ckpt))}")
+                             f"continue from that step, copy it: cp {path_word(str(best))} {path_word(str(ckpt))}")
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
     loaded = file_identity(ckpt)  # before it is read: claim_out_dir checks that no other run replaced it since
     try:

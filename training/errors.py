@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from configs import ConfigError
-from configs.userinput import shell_word, shown
+from configs.userinput import path_word, script_word, shown
 from data import DataError
 from model import CheckpointError
 
@@ -138,7 +138,7 @@ def exit_status(e: Exception) -> int:
 
 def resume_command(out_dir: str, launch: Launch) -> str:
     """The command that continues this run, with as many processes (so that it continues exactly)."""
-    tail = f"train.py --out-dir {shell_word(out_dir)} --resume"
+    tail = f"{script_word('train.py')} --out-dir {path_word(out_dir)} --resume"
     if not launch.torchrun:
         return f"python {tail}"
     if launch.local_world_size == launch.world_size:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from configs.userinput import shell_word, shown
+from configs.userinput import path_word, script_word, shell_word, shown
 from data import Corpus, DataError, prepare_corpus, split_ids
 from data.paths import quoted
 from model import build_model
@@ -80,7 +80,8 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
                 lock.release()
     if launch.main:
         trainer.log.info(f"done: step {trainer.step}, val loss {stats['val']:.4f} (best {trainer.best_val:.4f}) in "
-                         f"{stats['seconds']:.1f}s; sample with: python sample.py --out-dir {shell_word(cfg.out_dir)}")
+                         f"{stats['seconds']:.1f}s; sample with: python {script_word('sample.py')} --out-dir "
+                         f"{path_word(cfg.out_dir)}")
     return stats
 
 
