@@ -105,6 +105,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if kind is not None:  # opening a pipe waits for a writer, forever; a device may never end
         raise CheckpointError(f"{quoted(path)} is {kind}, not a checkpoint file; give the path of a file torch.save "
                               f"wrote")
+    if safetensors(path):  # torch said "safetensors is not installed" of one named .safetensors, as if that would help
+        raise CheckpointError(f"{quoted(path)} is a safetensors file; tinychar reads the .pt checkpoints its own "
+                              f"train.py writes")
     check_archive(path)
     try:
         with warnings.catch_warnings():
@@ -134,7 +137,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"cannot read checkpoint {quoted(path)} (truncated or not a checkpoint): "
                               f"{detail}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{quoted(path)} is not a tinychar checkpoint")
+        raise CheckpointError(f"{quoted(path)} is not a tinychar checkpoint{foreign_kind(payload)}; tinychar reads "
+                              f"the checkpoints its own train.py writes (configs/shakespeare_char.yaml trains "
+                              f"nanoGPT's baby GPT)")
     version = payload.get("version", VERSION)  # every checkpoint tinychar wrote has one; a hand-made one may not
     if not isinstance(version, int) or isinstance(version, bool):
         raise CheckpointError(f"checkpoint {quoted(path)} has a damaged format version (not an integer)")
@@ -155,6 +160,27 @@ def first_sentence(text: str, limit: int = 160) -> str:
     if len(text) <= limit:
         return text
     return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def safetensors(path: Path) -> bool:
+    """Whether the file starts as a safetensors file does: the length of a JSON header, then the header's '{'."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+        return len(head) == 9 and head[8:] == b"{" and 2 <= int.from_bytes(head[:8], "little") < os.path.getsize(path)
+    except OSError:
+        return False
+
+
+def foreign_kind(payload: object) -> str:
+    """What a loaded file that is no tinychar checkpoint looks like, as ': ...' (or '' when it is no telling)."""
+    if not isinstance(payload, dict):
+        return f": it holds {type(payload).__name__ if not isinstance(payload, torch.Tensor) else 'a tensor'}"
+    if "model_args" in payload and ("iter_num" in payload or "model" in payload):
+        return ": it looks like nanoGPT's (model_args, iter_num), whose model and vocabulary tinychar cannot rebuild"
+    if payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
+        return f": it holds weights only ({len(payload):,} tensors), without the model config and vocabulary"
+    return ""
 
 
 def check_archive(path: Path) -> None:

@@ -123,6 +123,22 @@ def _foreign(path: Path) -> None:
     torch.save({"state_dict": {"weight": torch.zeros(2, 2)}, "epoch": 3}, path)
 
 
+def _nanogpt(path: Path) -> None:
+    """What nanoGPT's train.py saves (out/ckpt.pt): a model and an optimizer state beside its model_args."""
+    weights = {"transformer.wte.weight": torch.zeros(65, 8), "lm_head.weight": torch.zeros(65, 8)}
+    torch.save({"model": weights, "optimizer": {}, "model_args": {"n_layer": 1, "n_embd": 8}, "iter_num": 250,
+                "best_val_loss": torch.tensor(1.47), "config": {"dataset": "shakespeare_char"}}, path)
+
+
+def _state_dict_only(path: Path) -> None:
+    torch.save({"transformer.wte.weight": torch.zeros(65, 8), "lm_head.weight": torch.zeros(65, 8)}, path)
+
+
+def _safetensors(path: Path) -> None:
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+
+
 def _copy(path: Path, folder: Path, change: Callable[[Path], None]) -> Path:
     copy = Path(shutil.copy(path, folder / "copy.pt"))
     change(copy)
@@ -285,7 +301,16 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("checkpoint-truncated", "sample", lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _truncate)),
      "truncated or not a checkpoint"),
     ("checkpoint-another-program", "sample", lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _foreign)),
-     "not a tinychar checkpoint"),
+     "not a tinychar checkpoint; tinychar reads the checkpoints its own train.py writes"),
+    # each said only "is not a tinychar checkpoint"; safetensors' that its package was not installed
+    ("checkpoint-of-nanogpt", "sample", lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _nanogpt)),
+     "is not a tinychar checkpoint: it looks like nanoGPT's (model_args, iter_num), whose model and vocabulary "
+     "tinychar cannot rebuild; tinychar reads"),
+    ("checkpoint-weights-only", "sample",
+     lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _state_dict_only)),
+     "is not a tinychar checkpoint: it holds weights only (2 tensors), without the model config and vocabulary"),
+    ("checkpoint-safetensors", "sample", lambda c: c.sample(checkpoint=_copy(c.run / "best.pt", c.tmp, _safetensors)),
+     "is a safetensors file; tinychar reads the .pt checkpoints its own train.py writes"),
     ("checkpoint-vocab-not-the-weights", "sample", lambda c: c.sample(checkpoint=_unseen_vocab(c)),
      "weights do not match"),
     ("checkpoint-is-text", "sample", lambda c: c.sample(checkpoint=c.corpus), "not a file that torch.save wrote"),
