@@ -102,6 +102,23 @@ def nearest(key: str, candidates: list[str]) -> str | None:
     return by_last[match[0]] if match else None
 
 
+def option_as_setting(argv: list[str], cls: type, options: set[str]) -> str:
+    """For a setting written as an option (--max_iters 3, --train.max_iters=3), which argparse calls an unrecognized
+    argument: '; ...' saying how it is written (train.max_iters=3), or '' for nothing of the kind in argv. options:
+    the command's own options, which are no settings."""
+    for at, word in enumerate(argv):
+        name, equals, value = word[2:].partition("=")
+        if not word.startswith("--") or not name or word.partition("=")[0] in options:
+            continue
+        if not equals and at + 1 < len(argv) and not argv[at + 1].startswith("-") and "=" not in argv[at + 1]:
+            value = argv[at + 1]
+        keys = valid_keys(cls)
+        key = name.replace("-", "_") if name.replace("-", "_") in keys else nearest(name.replace("-", "_"), keys)
+        if key is not None:
+            return f"; settings are KEY=VALUE words, not options: {key}={shown(value or 'VALUE', 40)}"
+    return ""
+
+
 def _section_keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted section name of a config class: ['data', 'model', 'train']."""
     hints = typing.get_type_hints(cls)

@@ -11,6 +11,7 @@ import reprlib
 import shlex
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -152,9 +153,15 @@ class OneLineParser(argparse.ArgumentParser):
         self._argv = list(sys.argv[1:] if args is None else args)  # for error(): what the option was followed by
         return super().parse_known_args(args, namespace)
 
+    # For an unrecognized argument: argv -> '; how to write it' or '' (train.py: a setting written as an option)
+    unknown_hint: Callable[[list[str]], str] | None = None
+
     def error(self, message: str) -> NoReturn:
         # argparse quotes what it refuses whole: a value thousands of characters long stays one short line
-        self.exit(2, f"error: {shown(message, ERROR_LIMIT)}{self._dash_hint(message)} (see {self.prog} --help)\n")
+        hint = self._dash_hint(message)
+        if not hint and self.unknown_hint is not None and message.startswith("unrecognized arguments"):
+            hint = self.unknown_hint(getattr(self, "_argv", []))
+        self.exit(2, f"error: {shown(message, ERROR_LIMIT)}{hint} (see {self.prog} --help)\n")
 
     def _dash_hint(self, message: str) -> str:
         """For an option whose value starts with '-' (--prompt -ROMEO, --temperature -1e-3), which argparse takes

@@ -199,6 +199,11 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- command-line overrides
     ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
     ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
+    # "unrecognized arguments: --max_iters", and no more
+    ("setting-as-option", "train", lambda c: c.train("--max_iters", "3"),
+     "settings are KEY=VALUE words, not options: train.max_iters=3 (see train.py --help)"),
+    ("setting-as-dotted-option", "train", lambda c: c.train("--train.lr=0.1"),
+     "not options: train.learning_rate=0.1 "),
     # the rate warmed up to its peak until step 100, then dropped straight to min_lr, without a word
     ("decay-ends-before-warmup", "train", lambda c: c.train("train.warmup_iters=100", "train.lr_decay_iters=10"),
      "train.lr_decay_iters (10) must be above train.warmup_iters (100), or the rate drops from its warmup straight "
