@@ -170,6 +170,11 @@ def _saved_config_crafted(c: Case, shape: str) -> list[str]:
     return ["--config", str(TINY), *c.resume(craft)]
 
 
+def _dangling_link(c: Case) -> list[str]:
+    (c.tmp / "link").symlink_to(c.tmp / "nowhere")
+    return c.train(f"out_dir={c.tmp / 'link'}")
+
+
 def _folder(c: Case, name: str = "a_folder") -> Path:
     (c.tmp / name).mkdir()
     return c.tmp / name
@@ -199,6 +204,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- command-line overrides
     ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
     ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
+    ("out-dir-a-link-to-nowhere", "train", _dangling_link,  # was "cannot write into out_dir 'link' (File exists)"
+     "is a symbolic link that leads nowhere (to '"),
     # "unrecognized arguments: --max_iters", and no more
     ("setting-as-option", "train", lambda c: c.train("--max_iters", "3"),
      "settings are KEY=VALUE words, not options: train.max_iters=3 (see train.py --help)"),

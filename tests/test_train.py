@@ -547,6 +547,21 @@ def test_the_printed_commands_run_from_where_the_run_was_started_and_for_a_folde
     assert done.returncode == 0, done.stderr
 
 
+def test_a_resume_on_a_data_path_of_a_run_trained_on_a_dataset_names_both(tmp_path, capsys):
+    # "cannot resume with a changed data.dataset ('shakespeare_char' -> None)": a key the person never typed
+    out = tmp_path / "out"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    args = [*tiny_overrides(corpus, out, **{"train.max_iters": 2, "train.eval_iters": 1}), "data.path=null"]
+    assert train.main(["--config", TINY, *args], progress=False) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(out), f"data.path={corpus}", "train.max_iters=4"],
+                      progress=False) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"error: cannot resume on data.path={str(corpus)!r}: this run was trained on data.dataset=shakespeare_char; "
+        f"start a new run in another out_dir for another text")
+
+
 def test_a_resume_is_pointed_at_best_pt_only_where_best_pt_would_do(tmp_path, capsys):
     # A checkpoint a later tinychar wrote, whole, was to be replaced by best.pt (cp best.pt ckpt.pt), which lost the
     # newest steps and helped nothing where best.pt was of that version too; a damaged best.pt was offered as well.

@@ -310,6 +310,9 @@ def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     refused = [k for k in changed if k not in RESUMABLE_CHANGES and not (fingerprinted and k == "data.path"
                                                                           and new.get(k) is not None)]
+    if refused == ["data.dataset"] and new.get("data.path") is not None:  # a data.path given, not a dataset changed
+        raise UsageError(f"cannot resume on data.path={new['data.path']!r}: this run was trained on data.dataset="
+                         f"{old['data.dataset']}; start a new run in another out_dir for another text")
     if refused:
         shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
         raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "

@@ -34,6 +34,10 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse a folder a live run holds, a finished run without --resume or --overwrite, and a file in the way."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"out_dir '{shown(str(out_dir))}' exists and is not a folder; choose another out_dir")
+    if out_dir.is_symlink() and not out_dir.exists():  # claiming it said "File exists", of nothing there
+        raise UsageError(f"out_dir '{shown(str(out_dir))}' is a symbolic link that leads nowhere (to "
+                         f"'{shown(os.readlink(out_dir))}', which is missing, or round a loop of links); make the "
+                         f"folder it names, or choose another out_dir")
     if holder := RunLock(out_dir).busy():
         raise in_use(out_dir, holder)
     if foreign := not_aside(out_dir):
