@@ -65,7 +65,8 @@ class TrainConfig:
     tensorboard: bool = field(default=True, metadata={"help": "write TensorBoard logs into out_dir"})
     device: str = field(default="auto", metadata={"help": "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps"})
     dtype: str = field(default="auto", metadata={
-        "help": "auto, float32, bfloat16 or float16 (autocast); auto = bfloat16 on CUDA if supported, else float32"})
+        "help": "auto, float32, bfloat16 or float16 (autocast); auto = bfloat16 on CUDA if supported (else float16), "
+                "and on a CPU with native bfloat16 (AVX-512 BF16 or AMX) from n_embd 128; else float32"})
     compile: bool | str = field(default="auto", metadata={
         "help": "torch.compile the training step: auto (where the run is long enough to win the compile time "
                 "back), true or false"})
