@@ -562,6 +562,25 @@ def test_a_resume_on_a_data_path_of_a_run_trained_on_a_dataset_names_both(tmp_pa
         f"start a new run in another out_dir for another text")
 
 
+def test_running_out_of_memory_past_the_estimate_is_one_line_naming_what_to_lower(tmp_path, capsys, monkeypatch):
+    # 70,000 distinct characters under `ulimit -v 2500000`: the estimate let the run start, and the first
+    # evaluation's logits failed to allocate in a traceback
+    import training.loop
+
+    def allocation_fails(self):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 573440000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(training.loop.Trainer, "evaluate", allocation_fails)
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    capsys.readouterr()
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 1
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: out of memory (asking for 0.57 GB more); no checkpoint was saved. Lower train.batch_size or "
+        "train.eval_iters, train a smaller model, or cap a vocabulary of very many characters with data.max_vocab")
+
+
 def test_a_resume_is_pointed_at_best_pt_only_where_best_pt_would_do(tmp_path, capsys):
     # A checkpoint a later tinychar wrote, whole, was to be replaced by best.pt (cp best.pt ckpt.pt), which lost the
     # newest steps and helped nothing where best.pt was of that version too; a damaged best.pt was offered as well.

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+
+import torch
 
 from configs import ConfigError
 from configs.userinput import path_word, script_word, shown
@@ -113,6 +116,16 @@ def divergence_advice(e: Diverged, cfg: RunConfig) -> str:
 INPUT_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError, UsageError, LaunchError)
 
 
+def out_of_memory(e: Exception) -> str | None:
+    """For an allocation that failed (the CPU's allocator, or CUDA's): ' (asking for N GB more)', or '' without the
+    size; None for any other exception."""
+    text = str(e)
+    if not (isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in text)):
+        return None
+    size = re.search(r"allocate (\d+) bytes", text)
+    return f" (asking for {int(size.group(1)) / 1e9:.2f} GB more)" if size else ""
+
+
 def path_error(e: Exception) -> bool:
     """An OSError about a path a person gave (a name too long, a loop of links, no permission, not a folder):
     their input, said in one line, wherever in the code the path was first touched."""
@@ -167,6 +180,12 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
                 f"{resume_command(cfg.out_dir, launch)}")
     if isinstance(e, Interrupted):
         return f"interrupted ({signal.Signals(e.signum).name}) before training started; no checkpoint was saved"
+    if (asked := out_of_memory(e)) is not None:  # past the estimate that let the run start: a traceback, before
+        ckpt = Path(cfg.out_dir) / "ckpt.pt" if cfg is not None else None
+        kept = (f"'{shown(str(ckpt))}' holds the last evaluation's step" if ckpt is not None and ckpt.is_file()
+                else "no checkpoint was saved")
+        return (f"error: out of memory{asked}; {kept}. Lower train.batch_size or train.eval_iters, train a smaller "
+                f"model, or cap a vocabulary of very many characters with data.max_vocab")
     if launch.torchrun and (reason := distributed.lost_peer(e)):
         return (f"error: lost contact with another process of the run ({reason}); what ended it is in its own "
                 f"output or torchrun's report")
