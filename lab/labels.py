@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import unicodedata
 
 if not __package__:  # run as a file (python lab/labels.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,16 +21,21 @@ SPACE, NEWLINE, TAB = "␣", "↵", "→"
 
 
 def display_char(ch: str) -> str:
-    """How a character is written on an axis: whitespace made visible, other control characters escaped."""
+    """How a character is written on an axis: whitespace made visible, control characters escaped ('\r', '\x00'),
+    and the characters that show nothing alone as their code point: a combining mark (a Devanagari vowel sign, an
+    Arabic fatha: the font drew a dotted circle and a box, which the check for a missing glyph does not catch) or an
+    invisible one (U+200D, the joiner of emoji)."""
     if ch == " ":
         return SPACE
     if ch == "\n":
         return NEWLINE
     if ch == "\t":
         return TAB
-    if ch.isprintable():
-        return ch
-    return ch.encode("unicode_escape").decode("ascii")  # '\r', '\x00', '\u200b', ...
+    if unicodedata.category(ch) == "Cc":
+        return ch.encode("unicode_escape").decode("ascii")
+    if not ch.isprintable() or unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf"):
+        return f"U+{ord(ch):04X}"
+    return ch
 
 
 # Fonts that draw accented Latin, Greek and Cyrillic, tried in order where the system has them (Pillow looks in the
@@ -79,7 +85,14 @@ def legible(font: ImageFont.ImageFont, label: str) -> str:
 def legible_text(font: ImageFont.ImageFont, text: str) -> str:
     """A title as the font can draw it: each character it has no glyph for (a Chinese prompt, a run folder named in
     Cyrillic, with the built-in font) written as its code point, in place of a row of identical empty boxes."""
-    return "".join(f"<U+{ord(ch):04X}>" if not ch.isascii() and _no_glyph(font, ch) else ch for ch in text)
+    out, base_missing = [], False
+    for ch in text:
+        mark = unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf")
+        # a mark on a letter written as its code point has nothing to sit on (a box, where HarfBuzz draws it)
+        missing = not ch.isascii() and (_no_glyph(font, ch) or (mark and base_missing))
+        out.append(f"<U+{ord(ch):04X}>" if missing else ch)
+        base_missing = missing if not mark else base_missing
+    return "".join(out)
 
 
 def _no_glyph(font: ImageFont.ImageFont, ch: str) -> bool:

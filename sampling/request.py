@@ -7,6 +7,7 @@ import argparse
 import codecs
 import os
 import sys
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -185,11 +186,19 @@ def check_map_path(name: str) -> None:
         raise UsageError(f"--attention-map '{shown(name)}': {e}") from None
 
 
+def shown_char(ch: str) -> str:
+    """A character in a message: quoted, or its code point where it shows nothing alone (a combining mark sat on
+    the quote before it: '́'; a joiner was '\u200d' beside U+ codes elsewhere)."""
+    if unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf") or (not ch.isprintable() and ch not in "\n\r\t"):
+        return f"U+{ord(ch):04X}"
+    return repr(ch)
+
+
 def check_known(prompt: str, index: dict[str, int]) -> None:
     """UsageError for a prompt holding characters that are not in the vocabulary (index)."""
     unseen = sorted({c for c in prompt if c not in index})
     if unseen:
-        listed = ", ".join(repr(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
+        listed = ", ".join(shown_char(c) for c in unseen[:10]) + (" ..." if len(unseen) > 10 else "")
         raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; "
                          f"remove or replace them")
 

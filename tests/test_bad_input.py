@@ -301,6 +301,9 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-changed-model", "train", lambda c: c.resume(None, "model.dropout=0.3"), "model.dropout"),
     # --- prompts and sampling options
     ("prompt-unseen-characters", "sample", lambda c: c.sample("--prompt", "Zebra \u20ac"), "never saw"),
+    # a lone mark sat on the quote before it ('́'), a joiner was '\u200d'
+    ("prompt-unseen-marks", "sample", lambda c: c.sample("--prompt", "a\u0301\u200d"),
+     "never saw in training: U+0301, U+200D; remove or replace them"),
     ("prompt-empty", "sample", lambda c: c.sample("--prompt", ""), "prompt is empty"),
     ("prompt-file-latin-1", "sample", lambda c: c.sample("--prompt-file", str(_latin1(c))), "is not UTF-8"),
     ("max-new-tokens-negative", "sample", lambda c: c.sample("--max-new-tokens", "-1"), "must be >= 0"),

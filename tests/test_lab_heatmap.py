@@ -178,6 +178,17 @@ def test_whitespace_and_control_characters_are_visible():
     assert image.mode == "RGB"
 
 
+def test_combining_marks_and_invisible_characters_are_labelled_by_their_code_points():
+    # A Devanagari vowel sign or virama was drawn as a dotted circle and a box (the missing-glyph check does not
+    # catch a lone mark), a joiner as '\u200d' beside the U+ codes of the rest
+    assert [display_char(c) for c in "\u094d\u0947\u064e\u0301\u200d\u200b"] == [
+        "U+094D", "U+0947", "U+064E", "U+0301", "U+200D", "U+200B"]
+    assert [display_char(c) for c in "\r\x00é"] == ["\\r", "\\x00", "é"]  # controls keep their escapes
+    title_font = labels.fonts(20)[2]
+    assert labels.legible_text(title_font, "नमस्ते") == "<U+0928><U+092E><U+0938><U+094D><U+0924><U+0947>"
+    render_attention_grid(causal_weights(1, 1, 4), list("न\u094dते"), title="नमस्ते")
+
+
 def test_a_title_in_characters_the_font_lacks_is_drawn_as_their_code_points():
     """sample.py's title names the prompt: a Chinese one was a row of identical empty boxes."""
     weights = causal_weights(1, 1, 4)
