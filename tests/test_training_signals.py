@@ -350,6 +350,38 @@ def test_autograd_warning_of_the_interrupt_on_its_way_up_is_not_shown():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("at", [10, 20], ids=["midway", "the-last-step"])
+def test_an_evaluation_a_signal_cut_short_is_run_by_the_resume_first(straight, tmp_path, capsys, monkeypatch, at):
+    """Stopped during the last step's evaluation, the run printed a resume command that was refused (nothing left to
+    train), and its best.pt and last points were never made; stopped during one midway, the resume trained on from
+    the next step, and TensorBoard had a gap there for good."""
+    out = tmp_path / "out"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS)]
+    real = training.loop.estimate_loss
+
+    def cut_short_at(model, *rest, **kwargs):
+        if trainer_step[0] == at:
+            send(signal.SIGTERM)  # the evaluation sees it before its first batch, and returns no result
+        return real(model, *rest, **kwargs)
+
+    trainer_step = [0]
+    real_evaluate = training.loop.Trainer.evaluate
+    monkeypatch.setattr(training.loop.Trainer, "evaluate",
+                        lambda self: trainer_step.__setitem__(0, self.step) or real_evaluate(self))
+    monkeypatch.setattr(training.loop, "estimate_loss", cut_short_at)
+    code, _, err = call(train_main, args, capsys)
+    assert code == 143 and f"stopped at step {at}" in err
+    assert load_checkpoint(out / "ckpt.pt")["eval_pending"] is True
+    monkeypatch.undo()
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out)], capsys)
+    assert code == 0, err
+    assert stdout.count(f"step {at}: train loss") == 1  # evaluated first, and once
+    assert_continues_the_straight_run(out, straight)
+    mine, theirs = load_checkpoint(out / "best.pt"), load_checkpoint(straight[0] / "best.pt")
+    assert (mine["step"], mine["best_val_loss"]) == (theirs["step"], theirs["best_val_loss"])
+    assert load_checkpoint(out / "ckpt.pt")["eval_pending"] is False
+
+
 def test_a_signal_during_a_long_evaluation_stops_it_at_once_without_logging_it(tmp_path):
     """An evaluation of 10**8 batches (or the GPU config's on a CPU) stops between two batches: a scheduler's
     SIGTERM-then-SIGKILL grace period is enough, and the cut-short evaluation is not logged as a result."""

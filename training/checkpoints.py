@@ -28,8 +28,9 @@ from .lock import RunLock, file_identity, in_use
 from .memory import check_fits, model_need
 from .optim import schedule_note
 
-# The key under which load_run keeps the file_identity of the ckpt.pt it read, in the payload it returns.
-LOADED_FROM = "_loaded_from"
+# The key under which load_run keeps the file_identity of the ckpt.pt it read, in the payload it returns; and the
+# one under which a checkpoint says that a stop cut its step's evaluation short.
+LOADED_FROM, EVAL_PENDING = "_loaded_from", "eval_pending"
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
 # Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
@@ -317,7 +318,9 @@ def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False
         shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
         raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "
                          f"the saved run; start a new run in another out_dir instead")
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
+    inexact = {"train.threads", "train.dtype", "train.compile", "train.device"}  # another order of the sums
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" + (" (the run goes on, no longer bit-identical to one that "
+            "never stopped)" if k in inexact else "") for k in changed if k != "out_dir"]
 
 
 def resumable(path: Path) -> bool:
@@ -376,8 +379,9 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     else:  # checked all the same before it is compared: comparing a crafted one went on without end
         load_config(None, [], base=payload["config"], origin=saved)
     changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
-    # Not even at it: the run would only evaluate and save the same step again, and log its points twice
-    if cfg.train.max_iters <= payload["step"]:
+    # At it, the run would only evaluate and save the same step again (unless a stop cut that evaluation short)
+    if cfg.train.max_iters < payload["step"] or (cfg.train.max_iters == payload["step"] and not payload.get(
+            EVAL_PENDING)):
         where = "is below" if cfg.train.max_iters < payload["step"] else "is"
         done = "" if where == "is below" else ": the run is done"
         raise UsageError(f"train.max_iters={cfg.train.max_iters:,} {where} step {payload['step']:,}, where "

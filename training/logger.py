@@ -207,9 +207,10 @@ class Logger:
 
             # TensorBoard hides every earlier event at or after purge_step: those a killed or stopped run logged
             # past its last checkpoint, which this run logs again. Events at `start` itself were written before
-            # that checkpoint (see flush) and stay, unless this run logs `start` again (nothing left to train); a
-            # fresh run owns every step, so a run that died before its first checkpoint leaves nothing behind.
-            first = 0 if start == 0 else start + 1 if start < total else start
+            # that checkpoint (see flush) and stay (a resume logs at `start` only the evaluation a stop cut short,
+            # which logged nothing); a fresh run owns every step, so one that died before its first checkpoint
+            # leaves nothing behind.
+            first = 0 if start == 0 else start + 1
             self.out_dir = out_dir
             with self.writing():
                 self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)

@@ -23,6 +23,7 @@ from . import distributed
 from .average import WeightAverage
 from .checkpoints import (
     DAMAGED,
+    EVAL_PENDING,
     IncompleteSave,
     checkpoint_payload,
     damaged,
@@ -82,6 +83,8 @@ class Trainer:
         self.engine = "eager"
         self.step, self.best_val = step, best_val
         self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
+        self.evaluated_step: int | None = None  # the last step whose evaluation ran to its end
+        self.eval_pending = False  # resumed where a stop cut the evaluation of the step short: it comes first
         self.reseeded = False  # resumed with another number of processes: batches drawn afresh (see restore_rng)
         self.after_first_save: Callable[[], None] | None = None  # rank 0: called once, after the first save
         # An --overwrite that moved an old run aside (in every process): until this run's first checkpoint, a stop
@@ -129,6 +132,7 @@ class Trainer:
             except DAMAGED as e:
                 raise damaged(path, e) from None
         self.saved_step = self.step
+        self.eval_pending = bool(payload.get(EVAL_PENDING, False))
         self.reseeded = not restore_rng(payload, self.gen, self.launch, self.device, self.cfg.seed, path)
 
     # ------------------------------------------------------------------------------------------- one step
@@ -249,6 +253,9 @@ class Trainer:
         # The handlers stay until the end of the run, so a signal while the logs are closed cannot cut that short.
         with self.stop:
             try:
+                if self.eval_pending and not self.stopping():  # cut short by the stop this run resumes from
+                    self.eval_pending = False
+                    self.evaluate_and_save()
                 self.throughput.resume()
                 while self.step < tc.max_iters and not self.stopping():
                     taken = self.train_step()
@@ -332,11 +339,11 @@ class Trainer:
                     if self.tc.sample_chars:
                         sample = sample_text(self.model, self.tokenizer, self.tc.sample_chars, self.cfg.seed,
                                              self.device, stop=lambda: self.stop.signal is not None)
-                        if sample is not None:  # else a signal cut it short (this process's own: no collective
-                            # here), and the loop saves and stops, under torchrun once the processes agree
+                        if sample is not None:  # else a signal cut it short: the loop saves and stops
                             log.text(step, "sample", "```\n" + sample + "\n```")
                     log.attention(step, self.model, self.attention_prompt, self.tokenizer,
                                   background=self.device.type == "cuda")
+        self.evaluated_step = self.step
         self.save(improved)
         self.last_losses.update(losses)
         self.val_history.append((time.perf_counter() - self.started, losses["val"]))
@@ -370,13 +377,13 @@ class Trainer:
                                        self.best_val, self.gen, ranks)
             if self.average is not None:  # "model" is what is evaluated and sampled; the trained weights go apart
                 state["training_weights"], state["model"] = state["model"], self.average.state_dict()
-            state["data_fingerprint"] = self.data_fingerprint
-            state["engine"] = self.engine
-            state["is_best"] = improved  # so that a resume can put it into a best.pt that failed to follow it
-            # The curves up to this step reach the disk before the checkpoint does, so a run killed after saving
-            # and resumed from here shows no gap in TensorBoard (the resumed run logs only the steps after this one).
-            # The attention picture drawn in the background may come later: a run killed before it is logged lacks
-            # the picture of this one step.
+            # is_best: for a resume to put it into a best.pt that failed to follow it; EVAL_PENDING: a stop cut this
+            # step's due evaluation short, which a resume runs first (it was lost; at the last step, unfinishable)
+            due = self.step % self.tc.eval_interval == 0 or self.step == self.tc.max_iters
+            state.update({"data_fingerprint": self.data_fingerprint, "engine": self.engine, "is_best": improved,
+                          EVAL_PENDING: self.step > 0 and due and self.evaluated_step != self.step})
+            # The curves up to this step reach the disk before the checkpoint, so a run killed after saving and
+            # resumed shows no gap in TensorBoard; the attention picture drawn in the background may come later.
             self.log.flush(pictures=False)
             try:
                 save_checkpoint(state, self.out_dir / "ckpt.pt", *([self.out_dir / "best.pt"] if improved else []))
