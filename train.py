@@ -34,7 +34,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
 
     import torch
 
-    from configs import describe, option_as_setting
+    from configs import describe, option_as_setting, valid_keys
     from configs.userinput import OneLineParser, shown
     from training import distributed
     from training.checkpoints import load_run
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="start afresh even if out_dir holds a run")
     parser.add_argument("--out-dir", default=None, help="same as the override out_dir=DIR")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.max_iters=500")
-    parser.unknown_hint = partial(option_as_setting, cls=RunConfig, options=set(parser._option_string_actions))
+    parser.unknown_hint = partial(option_as_setting, keys=valid_keys(RunConfig),
+                                  options=set(parser._option_string_actions))
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the flags
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite contradict each other; choose one")

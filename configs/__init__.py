@@ -8,7 +8,6 @@ that uses them; this module only knows how to fill them from plain data and to d
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -16,6 +15,8 @@ import typing
 from typing import Any
 
 from .errors import CHECK_LIMIT, ConfigError
+from .names import nearest as nearest
+from .names import option_as_setting as option_as_setting
 from .origins import Overridden, as_typed, source
 from .userinput import path_kind, shown
 from .yamlfile import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
@@ -53,70 +54,6 @@ def path_keys(cls: type, prefix: str = "") -> frozenset[str]:
         elif f.metadata.get("path"):
             keys.add(prefix + f.name)
     return frozenset(keys)
-
-
-# What other trainers call a setting, by its last part: spelling alone led astray (train.lr was taken for
-# train.min_lr, train.steps for train.threads, data.file for data.errors, model.d_model for model.score).
-OTHER_NAMES = {
-    **dict.fromkeys(("lr", "max_lr", "learning-rate", "peak_lr"), "train.learning_rate"),
-    **dict.fromkeys(("steps", "max_steps", "num_steps", "iters", "iterations", "epochs", "num_epochs",
-                     "train_steps", "total_steps"), "train.max_iters"),
-    **dict.fromkeys(("bs", "batch", "micro_batch_size", "batch-size"), "train.batch_size"),
-    **dict.fromkeys(("warmup", "warmup_steps"), "train.warmup_iters"),
-    **dict.fromkeys(("wd",), "train.weight_decay"),
-    **dict.fromkeys(("clip", "max_grad_norm", "clip_grad_norm", "grad_norm_clip"), "train.grad_clip"),
-    **dict.fromkeys(("eval_every", "eval_steps", "eval_freq"), "train.eval_interval"),
-    **dict.fromkeys(("log_every", "log_steps", "log_freq"), "train.log_interval"),
-    **dict.fromkeys(("d_model", "dim", "hidden_size", "hidden", "embed_dim", "emb_dim", "n_embed", "width"),
-                    "model.n_embd"),
-    **dict.fromkeys(("layers", "n_layers", "num_layers", "depth"), "model.n_layer"),
-    **dict.fromkeys(("heads", "n_heads", "num_heads"), "model.n_head"),
-    **dict.fromkeys(("context", "context_length", "context_size", "ctx_len", "seq_len", "max_seq_len", "block",
-                     "sequence_length"), "model.block_size"),
-    **dict.fromkeys(("file", "input", "input_file", "text", "corpus", "data_path", "train_file", "dataset_path"),
-                    "data.path"),
-    **dict.fromkeys(("out", "output", "output_dir", "outdir", "save_dir", "checkpoint_dir", "ckpt_dir"), "out_dir"),
-}
-
-
-def nearest(key: str, candidates: list[str]) -> str | None:
-    """The valid key a misspelt one most likely meant: another trainer's name for it (OTHER_NAMES), a key whose last
-    part it ends in (learning_rate: train.learning_rate), the closest spelling among its own section's keys (the
-    section's name in common made train.adam look like train.threads), else the closest whole dotted key (a
-    misspelt section: trian.max_iters) or last part."""
-    section, _, last = key.rpartition(".")
-    if OTHER_NAMES.get(last.lower()) in candidates:
-        return OTHER_NAMES[last.lower()]
-    same = [c for c in candidates if c.rpartition(".")[2] == last and c != key]
-    if same:
-        return same[0]
-    if section and any(c.startswith(section + ".") for c in candidates):
-        by_last = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == section}
-        match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.6)
-        return by_last[match[0]] if match else None
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    if match:
-        return match[0]
-    by_last = {c.rpartition(".")[2]: c for c in candidates}
-    match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.6)
-    return by_last[match[0]] if match else None
-
-
-def option_as_setting(argv: list[str], cls: type, options: set[str]) -> str:
-    """For a setting written as an option (--max_iters 3, --train.max_iters=3), which argparse calls an unrecognized
-    argument: '; ...' saying how it is written (train.max_iters=3), or '' for nothing of the kind in argv. options:
-    the command's own options, which are no settings."""
-    for at, word in enumerate(argv):
-        name, equals, value = word[2:].partition("=")
-        if not word.startswith("--") or not name or word.partition("=")[0] in options:
-            continue
-        if not equals and at + 1 < len(argv) and not argv[at + 1].startswith("-") and "=" not in argv[at + 1]:
-            value = argv[at + 1]
-        keys = valid_keys(cls)
-        key = name.replace("-", "_") if name.replace("-", "_") in keys else nearest(name.replace("-", "_"), keys)
-        if key is not None:
-            return f"; settings are KEY=VALUE words, not options: {key}={shown(value or 'VALUE', 40)}"
-    return ""
 
 
 def _section_keys(cls: type, prefix: str = "") -> list[str]:
