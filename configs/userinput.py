@@ -11,6 +11,7 @@ import reprlib
 import shlex
 import stat
 import sys
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -70,6 +71,12 @@ def shell_word(text: str) -> str:
         else:  # os.fsencode's bytes: a lone surrogate is a byte a path held that was not UTF-8
             parts.extend(f"\\x{byte:02x}" for byte in os.fsencode(ch))
     return "$'" + "".join(parts) + "'"
+
+
+def shows_nothing_alone(ch: str) -> bool:
+    """Whether a character draws nothing of its own: a combining mark (an accent, a Devanagari vowel sign, which
+    sits on whatever comes before it, a quote mark in a message) or an invisible one (U+200D, the joiner of emoji)."""
+    return unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf")
 
 
 def path_word(path: str) -> str:

@@ -14,6 +14,8 @@ if not __package__:  # run as a file (python lab/labels.py): the project's packa
 
 from PIL import ImageDraw, ImageFont
 
+from configs.userinput import shows_nothing_alone
+
 INK = (40, 40, 40)
 
 # Symbols the default font has no glyph for; they are drawn as small line figures instead.
@@ -33,7 +35,7 @@ def display_char(ch: str) -> str:
         return TAB
     if unicodedata.category(ch) == "Cc":
         return ch.encode("unicode_escape").decode("ascii")
-    if not ch.isprintable() or unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf"):
+    if not ch.isprintable() or shows_nothing_alone(ch):
         return f"U+{ord(ch):04X}"
     return ch
 
@@ -87,7 +89,7 @@ def legible_text(font: ImageFont.ImageFont, text: str) -> str:
     Cyrillic, with the built-in font) written as its code point, in place of a row of identical empty boxes."""
     out, base_missing = [], False
     for ch in text:
-        mark = unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf")
+        mark = shows_nothing_alone(ch)
         # a mark on a letter written as its code point has nothing to sit on (a box, where HarfBuzz draws it)
         missing = not ch.isascii() and (_no_glyph(font, ch) or (mark and base_missing))
         out.append(f"<U+{ord(ch):04X}>" if missing else ch)

@@ -7,12 +7,11 @@ import argparse
 import codecs
 import os
 import sys
-import unicodedata
 from pathlib import Path
 
 import torch
 
-from configs.userinput import path_word, read_user_file, shown
+from configs.userinput import path_word, read_user_file, shown, shows_nothing_alone
 from data.paths import LOG_PATH
 from model import (
     GPT,
@@ -189,7 +188,7 @@ def check_map_path(name: str) -> None:
 def shown_char(ch: str) -> str:
     """A character in a message: quoted, or its code point where it shows nothing alone (a combining mark sat on
     the quote before it: '́'; a joiner was '\u200d' beside U+ codes elsewhere)."""
-    if unicodedata.category(ch) in ("Mn", "Mc", "Me", "Cf") or (not ch.isprintable() and ch not in "\n\r\t"):
+    if shows_nothing_alone(ch) or (not ch.isprintable() and ch not in "\n\r\t"):
         return f"U+{ord(ch):04X}"
     return repr(ch)
 
