@@ -24,11 +24,12 @@ CPU = torch.device("cpu")
 def test_the_log_expects_a_compile_from_the_cache_to_take_what_the_last_one_from_it_took(monkeypatch, tmp_path):
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
     key = sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
-    assert compile_cache.compile_expectation(key, CPU) == "first time for this model: about 15-25 s"
+    # tiny.yaml's 3 layers compiled in 26 s on a Zen 4 EPYC and in 61 s on a Zen 1 (it said 15-25 there)
+    assert compile_cache.compile_expectation(key, CPU) == "first time for this model: about 15-60 s"
     # the step unrolls its layers and micro-batches: configs/shakespeare_char.yaml's 6 layers compiled in 49 s (it
     # said 15-25), 2 layers of 3 micro-batches in 62 s
-    assert compile_cache.compile_expectation(key, CPU, layers=6) == "first time for this model: about 30-50 s"
-    assert compile_cache.compile_expectation(key, CPU, 2, 3) == "first time for this model: about 45-75 s"
+    assert compile_cache.compile_expectation(key, CPU, layers=6) == "first time for this model: about 30-120 s"
+    assert compile_cache.compile_expectation(key, CPU, 2, 3) == "first time for this model: about 45-180 s"
     cuda = torch.device("cuda")
     assert compile_cache.compile_expectation(key, cuda, 6) == "first time for this model: about 30 s on an H100"
     compile_cache.remember_compile(key, 26.0, cold=True)  # from an empty cache: the next compile reads it, faster
