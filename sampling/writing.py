@@ -16,6 +16,7 @@ import torch
 from model import GPT
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
 from training import compile_cache, engine
+from training.compile_errors import compile_failed, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, interrupting
 
 from .stops import Stops, interruption
@@ -123,12 +124,12 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         cold = compiled and compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
         try:
-            with engine.compiler_log_quiet():
+            with compiler_log_quiet():
                 sampler.warm_up(len(batch), device)
         except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
             if (stop := interrupting(e)) is not None:  # a signal (write_samples's InterruptSignals), which the
                 raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own
-            why = engine.compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({engine.one_line(e)})"
+            why = compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({one_line(e)})"
             print(f"{why}; sampling eagerly", file=sys.stderr)
             sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
         else:

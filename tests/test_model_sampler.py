@@ -15,7 +15,8 @@ from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from training.compile_cache import COMPILE_OPTIONS
-from training.engine import SAMPLE_CHUNK, one_line
+from training.compile_errors import one_line
+from training.engine import SAMPLE_CHUNK
 
 
 @pytest.fixture(scope="module")

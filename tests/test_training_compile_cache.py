@@ -43,6 +43,22 @@ def test_the_log_expects_a_compile_from_the_cache_to_take_what_the_last_one_from
     assert compile_cache.cached_compile_seconds(key) is None
 
 
+def test_the_marker_keeps_the_step_times_measured_beside_the_compile_time(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
+    key = sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
+    compile_cache.remember_step_times(key, 54.0, 33.0)
+    assert compile_cache.measured_saving(key) is None  # timed, but never compiled here: the cache is cold
+    compile_cache.remember_compile(key, 8.3)
+    assert compile_cache.measured_saving(key) == (54.0, 33.0, 8.3)
+    compile_cache.remember_compile(key, 40.0, cold=True)  # a compile from an empty cache: the warm one is a share
+    assert compile_cache.measured_saving(key) == (54.0, 33.0, 40.0 * compile_cache.WARM_SHARE)
+    compile_cache.remember_step_times(key, 50.0, 30.0)  # either write keeps what the other wrote
+    assert compile_cache.measured_saving(key) == (50.0, 30.0, 40.0 * compile_cache.WARM_SHARE)
+    assert compile_cache.cached_compile_seconds(key) == 40.0
+    compile_cache._marker(key).write_text('{"seconds": 8.3, "eager_ms": "x", "compiled_ms": 1}', encoding="utf-8")
+    assert compile_cache.measured_saving(key) is None and compile_cache.cached_compile_seconds(key) == 8.3
+
+
 def test_inductor_options_keep_the_cpp_wrapper_to_cpus(monkeypatch):
     """The C++ wrapper saves a CPU step's overhead; on CUDA it tripled the cold compile (H100: 102.7 s vs 29.3 s).
     On CUDA, mix-order reduction is turned off where torch has it (it read a workspace it had not written)."""

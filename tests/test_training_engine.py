@@ -19,7 +19,7 @@ from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
-from training import compile_cache, engine, load_config
+from training import compile_cache, compile_errors, engine, load_config
 from training.compiled_step import CompiledStep
 from training.engine import (
     COLD_MIN_STEPS,
@@ -75,6 +75,28 @@ def test_auto_compiles_only_where_the_run_wins_the_compile_time_back():
     assert auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_WARM_MIN_STEPS, cuda, warm=True)[0]
     assert not auto_compiles(OVERHEAD_BOUND_FLOPS * 2, CUDA_WARM_MIN_STEPS - 1, cuda, warm=True)[0]
     assert CUDA_WARM_MIN_STEPS < CUDA_MIN_STEPS
+
+
+def test_with_a_warm_cache_auto_weighs_the_saving_measured_here_against_the_compile():
+    """The counts of steps are one CPU's (on a Zen 1, tiny.yaml's 1,500 steps win back a compile from the warm cache;
+    on a Zen 4, not): where the helper timed the step eagerly and compiled, auto compiles iff the steps left times the
+    saving come to MEASURED_MARGIN times the compile from the warm cache."""
+    small, margin = OVERHEAD_BOUND_FLOPS / 10, engine.MEASURED_MARGIN
+    zen1 = (54.0, 33.0, 8.3)  # tiny.yaml on a Zen 1: 21 ms a step saved, 8.3 s to compile from the cache
+    wanted, reason = auto_compiles(small, 1_500, CPU, warm=True, measured=zen1)
+    assert wanted, reason
+    assert reason == ("measured here, a step takes 54.0 ms eager and 33.0 ms compiled: 1,500 steps win back 31.5 s, "
+                      f"over {margin:g}x the 8.3 s of a compile from the warm cache")
+    needed = math.ceil(margin * 8.3 / 0.021)  # the fewest steps that win it back twice over
+    assert auto_compiles(small, needed, CPU, warm=True, measured=zen1)[0]
+    wanted, reason = auto_compiles(small, needed - 1, CPU, warm=True, measured=zen1)
+    assert not wanted and "less than" in reason and "train.compile=true forces it" in reason
+    # a step that compiling makes no faster never compiles, however long the run: above WARM_MIN_STEPS too
+    wanted, reason = auto_compiles(small, 10**9, CPU, warm=True, measured=(10.0, 10.5, 2.2))
+    assert not wanted and "would win back 0.0 s" in reason
+    # the saving decides only from a warm cache: cold, the counts do (the helper warms it), and a bound step stays
+    assert not auto_compiles(small, 1_500, CPU, warm=False, measured=zen1)[0]
+    assert not auto_compiles(OVERHEAD_BOUND_FLOPS * 2, 10**9, CPU, warm=True, measured=zen1)[0]
 
 
 def test_a_step_multiplies_through_onednn_when_a_linear_layer_takes_its_rows_there(monkeypatch):
@@ -196,7 +218,7 @@ def test_unreadable_entries_of_the_compile_cache_are_one_line_not_a_traceback_ea
     log.addHandler(handler)
     capfd.readouterr()
     try:
-        with engine.compiler_log_quiet():
+        with compile_errors.compiler_log_quiet():
             for _ in range(3):
                 try:
                     raise ValueError("invalid load key, 'x'.")

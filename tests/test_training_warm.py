@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,12 +25,14 @@ from data import CharTokenizer
 from model import GPT
 from training import compile_cache, engine, load_config, warm
 from training.distributed import Launch
-from training.engine import WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
+from training.engine import WARM_HELPER_MIN_STEPS, WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
 from training.errors import UsageError
 
 CPU = torch.device("cpu")
-# the steps from which auto compiles this model from a warm cache: WARM_MIN_STEPS for each micro-batch a step unrolls
+# the steps from which auto compiles this model from a warm cache (where the step was never timed here): WARM_MIN_STEPS
+# for each micro-batch a step unrolls; and the fewest from which an eager run leaves a helper to warm the cache
 WARM_STEPS = WARM_MIN_STEPS * ENGINE_KEYS["train.grad_accum_steps"]
+HELPER_STEPS = WARM_HELPER_MIN_STEPS * ENGINE_KEYS["train.grad_accum_steps"]
 
 
 def trainer_for(tmp_path: Path, max_iters: int) -> SimpleNamespace:
@@ -42,10 +45,10 @@ def trainer_for(tmp_path: Path, max_iters: int) -> SimpleNamespace:
                            tokens_per_step=cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum_steps)
 
 
-def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compiled(a_compiler, tmp_path, monkeypatch):
+def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_could_compile(a_compiler, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
-    trainer = trainer_for(tmp_path, WARM_STEPS)
+    trainer = trainer_for(tmp_path, HELPER_STEPS)
     key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("eager", key) and "cold cache" in choice.reason
@@ -60,7 +63,7 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
     assert spec == {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": "float32",
                     "threads": torch.get_num_threads()}
 
-    assert choose_engine(trainer_for(tmp_path, WARM_STEPS - 1), None, CPU).warm_key is None  # too short anyway
+    assert choose_engine(trainer_for(tmp_path, HELPER_STEPS - 1), None, CPU).warm_key is None  # too short anyway
     assert choose_engine(trainer, None, torch.device("cuda")).warm_key is None  # CPUs only
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "0")
     assert choose_engine(trainer, None, CPU) == EngineChoice("eager", choice.reason)
@@ -70,9 +73,17 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_would_have_compile
             choose_engine(SimpleNamespace(**{**vars(trainer), "tc": replace(trainer.tc, compile=compile)}), None, CPU)
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "1")
     compile_cache.compile_cache_dir().mkdir(parents=True, exist_ok=True)
-    compile_cache.remember_compile(key, 3.0)  # warm: auto compiles, nothing is left to warm
+    compile_cache.remember_compile(key, 3.0)  # warm, but the step never timed here: the counts decide
     choice = choose_engine(trainer, None, CPU)
-    assert (choice.kind, choice.warm_key) == ("step", None), choice.reason
+    assert (choice.kind, choice.warm_key) == ("eager", None) and "too few" in choice.reason
+    assert choose_engine(trainer_for(tmp_path, WARM_STEPS), None, CPU).kind == "step"
+    # timed by the helper: what compiling saves here decides, and nothing is left to warm
+    compile_cache.remember_step_times(key, 10.0, 5.0)  # HELPER_STEPS x 5 ms win back over twice the 3 s
+    choice = choose_engine(trainer, None, CPU)
+    assert (choice.kind, choice.warm_key) == ("step", None) and "measured here" in choice.reason
+    compile_cache.remember_step_times(key, 10.0, 10.2)  # slower compiled: eager, however many steps
+    choice = choose_engine(trainer_for(tmp_path, 10 * WARM_STEPS), None, CPU)
+    assert (choice.kind, choice.warm_key) == ("eager", None) and "less than" in choice.reason
 
 
 def test_more_micro_batches_than_the_compiled_step_unrolls_compile_the_blocks(a_compiler, tmp_path):
@@ -131,7 +142,11 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
     log = Path(f"{warm.job_file(folder, key)}.log").read_text(encoding="utf-8")
     assert log.count("compiled in") == 2, log  # into the cold cache, then from it
     assert not warm.job_file(folder, key).exists() and not warm.failed_file(folder, key).exists()
-    assert compile_cache.cached_compile_seconds(key) is not None
+    eager_ms, compiled_ms, seconds = compile_cache.measured_saving(key)  # and timed the step both ways, from it
+    assert eager_ms > 0 and compiled_ms > 0 and seconds == compile_cache.cached_compile_seconds(key)
+    said = re.search(r"a step: ([0-9.]+) ms eager, ([0-9.]+) ms compiled", log)
+    assert said is not None, log
+    assert [float(said[1]), float(said[2])] == pytest.approx([eager_ms, compiled_ms], abs=0.01)
 
 
 def test_a_helper_ended_by_sigterm_stops_its_compile_and_removes_its_job(tmp_path):

@@ -182,13 +182,21 @@ def _marker(key: str) -> Path:
     return compile_cache_dir() / f"tinychar-{key}.json"
 
 
+def _read_marker(key: str) -> dict:
+    try:
+        last = json.loads(_marker(key).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return last if isinstance(last, dict) else {}
+
+
 def _last_compile(key: str) -> tuple[float, bool] | None:
     """How long the last compile of this step took, and whether it began with a cold cache (None: never compiled
     here, so the cache is cold)."""
+    last = _read_marker(key)
     try:
-        last = json.loads(_marker(key).read_text(encoding="utf-8"))
         return float(last["seconds"]), bool(last.get("cold", False))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -198,15 +206,44 @@ def cached_compile_seconds(key: str) -> float | None:
     return None if last is None else last[0]
 
 
-def remember_compile(key: str, seconds: float, cold: bool = False) -> None:
-    """Note that this step compiled here in seconds; cold: from an empty cache (a compile from the cache takes a
-    fraction of that: tiny.yaml's step 26.0 s cold, 3.5 s next time)."""
+def _update_marker(key: str, fields: dict) -> None:
     marker = _marker(key)
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"seconds": round(seconds, 2), "cold": cold}), encoding="utf-8")
+        marker.write_text(json.dumps({**_read_marker(key), **fields}), encoding="utf-8")
     except OSError:
         pass  # a read-only cache only costs the next run its estimate
+
+
+def remember_compile(key: str, seconds: float, cold: bool = False) -> None:
+    """Note that this step compiled here in seconds; cold: from an empty cache (a compile from the cache takes a
+    fraction of that: tiny.yaml's step 26.0 s cold, 3.5 s next time)."""
+    _update_marker(key, {"seconds": round(seconds, 2), "cold": cold})
+
+
+def remember_step_times(key: str, eager_ms: float, compiled_ms: float) -> None:
+    """Note what a step took here eagerly and compiled, measured side by side (training.warm.time_steps)."""
+    _update_marker(key, {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)})
+
+
+# A compile from the warm cache takes this share of a compile from an empty one, or less (measured, tiny.yaml's step:
+# 26.0 -> 3.5 s and 14-16 -> 2.2 s on a Zen 4 EPYC, 60.8 -> 8.3 s on a Zen 1): where the marker holds only a cold
+# compile's time, the warm one is taken to be this share of it.
+WARM_SHARE = 0.25
+
+
+def measured_saving(key: str) -> tuple[float, float, float] | None:
+    """What compiling this step was measured to save here: (ms a step eager, ms compiled, the seconds a compile from
+    the warm cache costs); None where the cache is cold or the steps were never timed side by side."""
+    last, compiled = _read_marker(key), _last_compile(key)
+    try:
+        eager_ms, compiled_ms = float(last["eager_ms"]), float(last["compiled_ms"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if compiled is None:
+        return None
+    seconds, cold = compiled
+    return eager_ms, compiled_ms, seconds * WARM_SHARE if cold else seconds
 
 
 def compile_expectation(key: str, device: torch.device, layers: int = 3, micro_batches: int = 1) -> str:

@@ -12,13 +12,9 @@ the compiled code is kept, and how a run knows its cache is warm: training/compi
 
 from __future__ import annotations
 
-import logging
-import os
 import platform
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -36,9 +32,11 @@ from .compile_cache import (
     cannot_compile,
     compile_cache_dir,
     compile_expectation,
+    measured_saving,
     prepare_compile,
     remember_compile,
 )
+from .compile_errors import compile_failed, compiler_log_quiet
 from .compiled_step import CompiledStep
 from .config import TrainConfig
 from .devices import autocast_context
@@ -54,6 +52,16 @@ if TYPE_CHECKING:
 # model saves 1.4 ms and wins from 10,700 and 1,900. Cold: about twice the slowest crossover; warm: about it.
 COLD_MIN_STEPS = 20_000
 WARM_MIN_STEPS = 2_000
+# Those counts are one CPU's: on a 2-core Zen 1 EPYC (AVX2) tiny.yaml's step saves 11-20 ms compiled, not 2.6, and a
+# compile from the warm cache takes 8.3 s, so its 1,500 steps win from a warm cache there and not on the Zen 4. So the
+# helper that warms the cache (training.warm) also times the step eagerly and compiled, side by side, and with that
+# measurement auto compiles from a warm cache where the steps left times the saving come to this many times the
+# compile: the helper times the bare step, and a whole run gains less (tiny.yaml on the Zen 1: 54 -> 31-36 ms a step,
+# the whole run 11 ms a step faster).
+MEASURED_MARGIN = 2.0
+# The shortest run that leaves such a helper: a shorter one would need more than 4.4 ms saved a step to win back the
+# fastest compile from a warm cache measured (2.2 s, Zen 4) twice over, 17 ms for the Zen 1's 8.3 s.
+WARM_HELPER_MIN_STEPS = 1_000
 # On CUDA compiling fuses the elementwise work that dominates a GPU step at any size. Measured on an H100 (torch
 # 2.11, configs/shakespeare_char.yaml, bfloat16): 14.6-16.9 ms/step eager, 7.2-8.4 ms compiled, compile 29-36 s
 # cold and 9.5 s warm, so compiling wins from about 4,500 steps cold and 1,200 warm. On an H200 whose host compiled
@@ -132,14 +140,33 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
     return steps >= need, ""
 
 
+def bound_by_multiplies(flops_per_step: float, device: torch.device, onednn: bool) -> bool:
+    """Whether a CPU step is bound by its matrix multiplies, which compiling does not speed up (see
+    OVERHEAD_BOUND_FLOPS)."""
+    return device.type == "cpu" and flops_per_step > OVERHEAD_BOUND_FLOPS and not onednn
+
+
 def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.device, warm: bool,
-                  onednn: bool = False, micro_batches: int = 1) -> tuple[bool, str]:
+                  onednn: bool = False, micro_batches: int = 1,
+                  measured: tuple[float, float, float] | None = None) -> tuple[bool, str]:
     """train.compile=auto: (compile?, the reason, for the log). onednn: the step's matrix multiplies run through
     oneDNN (see OVERHEAD_BOUND_FLOPS). micro_batches: how many the compiled step unrolls, each one as much to compile
-    again (see MAX_STEP_ACCUM)."""
-    if device.type == "cpu" and flops_per_step > OVERHEAD_BOUND_FLOPS and not onednn:
+    again (see MAX_STEP_ACCUM). measured: (ms a step eager, ms compiled, seconds of a compile from the warm cache),
+    as the warm-cache helper timed them here (compile_cache.measured_saving); with a warm cache it decides
+    in place of the counts of steps (see MEASURED_MARGIN)."""
+    if bound_by_multiplies(flops_per_step, device, onednn):
         return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is bound by matrix multiplies, which compiling "
                        f"does not speed up on a CPU")
+    if warm and measured is not None and device.type == "cpu":
+        eager_ms, compiled_ms, seconds = measured
+        won = remaining_steps * (eager_ms - compiled_ms) / 1000
+        said = f"measured here, a step takes {eager_ms:.1f} ms eager and {compiled_ms:.1f} ms compiled"
+        if won < MEASURED_MARGIN * seconds:
+            return False, (f"{said}: {remaining_steps:,} steps would win back {max(won, 0):.1f} s, less than "
+                           f"{MEASURED_MARGIN:g}x the {seconds:.1f} s of a compile from the warm cache "
+                           f"(train.compile=true forces it)")
+        return True, (f"{said}: {remaining_steps:,} steps win back {won:.1f} s, over {MEASURED_MARGIN:g}x the "
+                      f"{seconds:.1f} s of a compile from the warm cache")
     need = WARM_MIN_STEPS if warm else COLD_MIN_STEPS
     if device.type == "cuda":
         need = CUDA_WARM_MIN_STEPS if warm else CUDA_MIN_STEPS
@@ -162,67 +189,6 @@ def sampling_graphs(device: torch.device) -> bool:
     7,428; compiled as well, 1,847, 6,012 and 12,298, for 10.5, 5.2 and 4.0 s of compiling: sample.py compiles
     only when asked (--compile true)."""
     return device.type == "cuda"
-
-
-def compile_failed(e: Exception) -> str:
-    """Forget what torch.compile began and say, in one bounded line, why it failed: the compiler's own error, and
-    the one it wraps where that says more ("TorchRuntimeError: RuntimeError when making fake tensor call" alone
-    does not say what the call met)."""
-    torch._dynamo.reset()
-    root = e
-    for _ in range(20):  # the chain of errors each raised while handling the one before
-        inner = root.__cause__ or root.__context__
-        if not isinstance(inner, Exception):
-            break
-        root = inner
-    head = one_line(e).rstrip(":")  # "BackendCompilerFailed: backend='inductor' raised:" ends where its cause begins
-    cause = "" if root is e or one_line(root) in head else f"; from {one_line(root)}"
-    return f"cannot compile here ({head}{cause})"
-
-
-@contextmanager
-def compiler_log_quiet() -> Iterator[None]:
-    """While compiling: torch's fake-tensor kernels log the traceback of an error and then raise it (fake_tensor.py:
-    log.exception, then raise), and the raise reaches the caller, which says why in one line (compile_failed) and goes
-    on eagerly; the log only put the same error before that line as a page of traceback. Left as it is when the user
-    asked for torch's logs (TORCH_LOGS)."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    if os.environ.get("TORCH_LOGS") or log.disabled:
-        yield
-        return
-    log.disabled = True
-    damaged = _UnreadableEntries()
-    cache_log = logging.getLogger("torch._inductor.codecache")
-    cache_log.addFilter(damaged)
-    try:
-        yield
-    finally:
-        log.disabled = False
-        cache_log.removeFilter(damaged)
-        if damaged.count:
-            print(f"compile cache: {damaged.count} compiled graph(s) in it could not be read (damaged files?), and "
-                  f"were compiled again", file=sys.stderr, flush=True)
-
-
-class _UnreadableEntries(logging.Filter):
-    """Counts, and keeps out of the log, inductor's warning that an entry of its cache cannot be read: a traceback
-    for each damaged file (21 lines of them for one damaged cache), where the graph is simply compiled again."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith("fx graph cache unable to load compiled graph"):
-            self.count += 1
-            return False
-        return True
-
-
-def one_line(e: Exception) -> str:
-    """An exception's type and the first line of its message, at most 300 characters of it."""
-    detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    return f"{type(e).__name__}: {detail}"
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -312,13 +278,13 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
             trainer.model, tc.batch_size * trainer.cfg.model.block_size)
         warm_now = cached_compile_seconds(key) is not None
         micro = tc.grad_accum_steps if kind == "step" else 1
-        wanted, reason = auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=warm_now,
-                                       onednn=onednn, micro_batches=micro)
+        remaining = tc.max_iters - trainer.step
+        wanted, reason = auto_compiles(flops_per_step, remaining, device, warm=warm_now, onednn=onednn,
+                                       micro_batches=micro, measured=measured_saving(key) if kind == "step" else None)
         reason = f"auto: {reason}{unrolled}"
         if (not wanted and not warm_now and why_not is None and device.type == "cpu" and kind == "step"
-                and trainer.launch.main and warm_later
-                and auto_compiles(flops_per_step, tc.max_iters - trainer.step, device, warm=True, onednn=onednn,
-                                  micro_batches=micro)[0]):
+                and trainer.launch.main and warm_later and remaining >= WARM_HELPER_MIN_STEPS * micro
+                and not bound_by_multiplies(flops_per_step, device, onednn)):
             return EngineChoice("eager", reason, warm_key=key)
     if wanted and why_not is not None:
         return EngineChoice("eager", f"auto: {why_not}")
@@ -341,8 +307,9 @@ def warm_in_background(trainer: Trainer, key: str) -> str:
     why_not = warm.start(compile_cache_dir(), key, spec)
     if why_not is not None:
         return f"engine: the compile cache stays cold: {why_not}"
-    return ("engine: once this run ends, a helper compiles its step into the cache at the lowest priority (about "
-            "20 s), so that the next run of this model compiles in seconds (TINYCHAR_WARM_CACHE=0: never)")
+    return ("engine: once this run ends, a helper compiles its step into the cache at the lowest priority (15-60 s "
+            "of CPU) and times it, so that the next run of this model compiles in seconds where that pays "
+            "(TINYCHAR_WARM_CACHE=0: never)")
 
 
 def multiplies_through_onednn(model: nn.Module, rows: int) -> bool:

@@ -1,12 +1,13 @@
 """Warming the compile cache in the background, so that a repeated run of a model compiles in seconds.
 
 ``train.compile: auto`` trains a run of a few thousand steps eagerly while the compile cache is cold: compiling would
-cost more (15-60 s on a 2-core CPU) than the run wins back. From a warm cache it costs 3-9 s, and auto compiles then
-(engine.WARM_MIN_STEPS). Left alone, though, the cache never warms: every later run of the same model is eager too.
-So such a run starts a helper process, which sleeps until the run has ended, then compiles the run's step into the
-cache at the lowest priority (nice 19, for its scheduling group too: see lowest_priority) and writes the marker that
-tells the next run its cache is warm. It never competes with the run that started it, and yields to any run started
-after it; TINYCHAR_WARM_CACHE=0 turns it off.
+cost more (15-60 s on a 2-core CPU) than the run wins back. From a warm cache it costs 3-9 s, and auto may compile
+then (engine.MEASURED_MARGIN). Left alone, though, the cache never warms: every later run of the same model is eager
+too. So such a run starts a helper process, which sleeps until the run has ended, then compiles the run's step into the
+cache at the lowest priority (nice 19, for its scheduling group too: see lowest_priority), times the step eagerly and
+compiled (time_steps), and writes the marker that tells the next run its cache is warm and what compiling saves
+here, by which `auto` decides (engine.MEASURED_MARGIN). It never competes with the run that started it, and yields
+to any run started after it; TINYCHAR_WARM_CACHE=0 turns it off.
 
 The helper is this file run as a script. Until the run ends it imports nothing but the standard library (a few MB);
 its state lives in the cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it),
@@ -22,6 +23,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the helper imports torch only once the run has ended
+    import torch
+    from torch import nn
+
+    from training.compiled_step import CompiledStep
+    from training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("1", "0")
@@ -96,7 +105,8 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
 
 def compile_step(job: Path, remember: bool) -> float:
     """Compile the step the job file describes (into the cache that TORCHINDUCTOR_CACHE_DIR names); with remember,
-    write the marker that tells the next run its cache is warm, with the seconds this took."""
+    time it eagerly and compiled, and write the marker that tells the next run its cache is warm, with the seconds
+    this compile took and the two times."""
     import torch
 
     from model import GPT, GPTConfig
@@ -116,10 +126,63 @@ def compile_step(job: Path, remember: bool) -> float:
     model = GPT(model_cfg)
     step = CompiledStep(model, make_optimizer(model, tc, device, dtype), tc, device, dtype)
     xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
-    seconds = step.warm_up(xs, xs.roll(1, -1))
-    if remember:
-        compile_cache.remember_compile(key, seconds, cold=True)  # a helper compiles only what is not cached
+    ys = xs.roll(1, -1)
+    seconds = step.warm_up(xs, ys)
+    if remember:  # this second compile read the cache the first one filled, as the next run will
+        compile_cache.remember_compile(key, seconds, cold=False)
+        eager_ms, compiled_ms = time_steps(step, GPT(model_cfg), tc, dtype, xs, ys)
+        compile_cache.remember_step_times(key, eager_ms, compiled_ms)
+        print(f"a step: {eager_ms:.2f} ms eager, {compiled_ms:.2f} ms compiled", flush=True)
     return seconds
+
+
+# time_steps: rounds of this many steps of each engine in turn, at most TIMING_ROUNDS of them, no more than
+# TIMING_SECONDS in all once two are done. Each engine's time is its fastest round's: a machine busy with
+# something else (the helper runs at the lowest priority) only ever adds time.
+TIMING_STEPS, TIMING_ROUNDS, TIMING_SECONDS = 5, 5, 10.0
+
+
+def time_steps(step: CompiledStep, model: nn.Module, tc: TrainConfig, dtype: torch.dtype, xs: torch.Tensor,
+               ys: torch.Tensor) -> tuple[float, float]:
+    """Milliseconds an optimizer step of tc's takes here eagerly (model, a fresh copy of the run's, as the trainer's
+    eager path takes it: forward and backward for each micro-batch, clipping, the optimizer's step) and through the
+    compiled step, timed in turns on the same batches."""
+    import math
+
+    import torch
+
+    from training.devices import autocast_context
+    from training.optim import make_optimizer
+
+    device = torch.device("cpu")
+    optimizer = make_optimizer(model, tc, device, dtype)
+    params = list(model.parameters())
+
+    def eager() -> None:
+        for x, y in zip(xs, ys, strict=True):
+            with autocast_context(device, dtype):
+                _, loss = model(x, y)
+            (loss / tc.grad_accum_steps).backward()
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def compiled() -> None:
+        step(xs, ys, tc.min_lr)
+
+    best = {eager: math.inf, compiled: math.inf}
+    for run in best:  # the first step of each allocates what the later ones reuse
+        run()
+    start = time.perf_counter()
+    for done in range(1, TIMING_ROUNDS + 1):
+        for run in best:
+            began = time.perf_counter()
+            for _ in range(TIMING_STEPS):
+                run()
+            best[run] = min(best[run], (time.perf_counter() - began) / TIMING_STEPS)
+        if done >= 2 and time.perf_counter() - start > TIMING_SECONDS:
+            break
+    return best[eager] * 1000, best[compiled] * 1000
 
 
 def lowest_priority() -> None:
@@ -144,8 +207,8 @@ def lowest_priority() -> None:
 
 def main(job: Path, parent: int) -> int:
     """The helper: wait for the run (process parent) to end, lower its priority, compile the step in a process of
-    its own (filling the cache), then again in another, as the next run will (timing it from the warm cache), and
-    leave the folder tidy."""
+    its own (filling the cache), then again in another, as the next run will (timing that compile from the warm
+    cache, and the step eagerly and compiled), and leave the folder tidy."""
     def end(signum: int, frame: object) -> None:  # kill, or a shutdown: the compile under way goes too (it went on,
         raise SystemExit(128 + signum)  # an orphan, and this job's file stayed), and the job's file is removed
 
