@@ -78,7 +78,7 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_could_compile(a_co
     assert (choice.kind, choice.warm_key) == ("eager", None) and "too few" in choice.reason
     assert choose_engine(trainer_for(tmp_path, WARM_STEPS), None, CPU).kind == "step"
     # timed by the helper: what compiling saves here decides, and nothing is left to warm
-    compile_cache.remember_step_times(key, 10.0, 5.0)  # HELPER_STEPS x 5 ms win back over twice the 3 s
+    compile_cache.remember_step_times(key, 10.0, 5.0)  # HELPER_STEPS x 5 ms: 10 s, over 1.5 x the 3 s
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("step", None) and "measured here" in choice.reason
     compile_cache.remember_step_times(key, 10.0, 10.2)  # slower compiled: eager, however many steps
