@@ -143,6 +143,24 @@ def test_an_evaluation_on_a_gpu_takes_longer_passes():
     assert eval_pass_sequences(8, 32, 20) == eval_pass_sequences(8, 32, 20, cpu) == 640
 
 
+def test_a_large_vocabulary_takes_shorter_evaluation_passes_and_the_memory_check_counts_them():
+    """A pass's logits are vocab_size values a token: with 60,000 characters tiny.yaml's passes of 1,024 windows
+    peaked at 5.9 GB (128 windows: 0.97 GB, and no slower), and the memory check refused machines that had room."""
+    from training.evaluation import EVAL_PASS_LOGITS, eval_pass_sequences
+    from training.memory import training_need
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert eval_pass_sequences(8, 128, 20, cpu, 65) == 1024  # tiny.yaml on Tiny Shakespeare: as before
+    assert eval_pass_sequences(8, 128, 20, cuda, 65) == 2560
+    assert eval_pass_sequences(8, 128, 20, cpu, 5_000) == EVAL_PASS_LOGITS // 5_000 // 8 == 209
+    assert eval_pass_sequences(8, 128, 20, cpu, 60_000) == 128  # never less than a batch
+    assert eval_pass_sequences(8, 128, 20, cuda, 60_000) == 128
+    model = GPTConfig(vocab_size=60_000, block_size=8, n_layer=3, n_head=4, n_embd=64)
+    passes = eval_pass_sequences(8, 128, 20, cpu, 60_000)
+    before, now = training_need(model, 128, 1024), training_need(model, 128, passes)
+    assert before.total > 5 * 2**30 and now.total < 2**30  # measured: 5.9 GB peak before, 0.97 GB of passes now
+
+
 def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     """estimate_loss's passes (EVAL_PASS_TOKENS tokens at most, the last one shorter) see the windows one pass would
     and weigh each window alike: the loss is the same up to the order of the additions."""
@@ -158,6 +176,9 @@ def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     for tokens in (10**6, 7 * 8):  # one pass of 5 x 6 = 30 windows; passes of 7, 7, 7, 7 and 2
         monkeypatch.setattr(training.evaluation, "EVAL_PASS_TOKENS", tokens)
         losses[tokens] = estimate_loss(model, splits, 8, 5, 6, 3, torch.device("cpu"))
+    monkeypatch.setattr(training.evaluation, "EVAL_PASS_TOKENS", 10**6)
+    monkeypatch.setattr(training.evaluation, "EVAL_PASS_LOGITS", 11 * 7 * 8)  # the model's 11 characters: 7 windows
+    assert estimate_loss(model, splits, 8, 5, 6, 3, torch.device("cpu")) == losses[56]  # the same passes
     assert losses[10**6].keys() == {"train", "val"}
     for split in ("train", "val"):
         assert losses[56][split] == pytest.approx(losses[10**6][split], rel=1e-6, abs=0)

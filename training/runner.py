@@ -163,7 +163,7 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
         train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
         model_cfg = replace(cfg.model, vocab_size=start.corpus.vocab_size)
         # Before the first allocation: a run that cannot fit is refused in one line, not killed by the kernel.
-        evaluated = eval_pass_sequences(block_size, tc.batch_size, tc.eval_iters, device)
+        evaluated = eval_pass_sequences(block_size, tc.batch_size, tc.eval_iters, device, start.corpus.vocab_size)
         need = training_need(model_cfg, tc.batch_size, evaluated, averaged=tc.ema_decay > 0)
         check_fits(need, device, launch.local_world_size if device.type == "cpu" else 1)
 
