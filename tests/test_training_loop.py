@@ -145,7 +145,7 @@ def test_an_evaluation_on_a_gpu_takes_longer_passes():
 
 def test_a_large_vocabulary_takes_shorter_evaluation_passes_and_the_memory_check_counts_them():
     """A pass's logits are vocab_size values a token: with 60,000 characters tiny.yaml's passes of 1,024 windows
-    peaked at 5.9 GB (128 windows: 0.97 GB, and no slower), and the memory check refused machines that had room."""
+    peaked at 5.8 GiB (128 windows: 0.94 GiB, and no slower), and the memory check refused machines that had room."""
     from training.evaluation import EVAL_PASS_LOGITS, eval_pass_sequences
     from training.memory import training_need
 
@@ -158,7 +158,7 @@ def test_a_large_vocabulary_takes_shorter_evaluation_passes_and_the_memory_check
     model = GPTConfig(vocab_size=60_000, block_size=8, n_layer=3, n_head=4, n_embd=64)
     passes = eval_pass_sequences(8, 128, 20, cpu, 60_000)
     before, now = training_need(model, 128, 1024), training_need(model, 128, passes)
-    assert before.total > 5 * 2**30 and now.total < 2**30  # measured: 5.9 GB peak before, 0.97 GB of passes now
+    assert before.total > 5 * 2**30 and now.total < 2**30  # measured: a peak of 5.8 GiB before, 0.94 GiB now
 
 
 def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):

@@ -65,8 +65,8 @@ EVAL_PASS_TOKENS_CUDA = 65536
 # At most this many logits a pass (32 MiB of float32): a pass's logits, and the log-softmax made of them, are vocab_size
 # values a token, and a corpus of many characters made them the run's largest memory by far. Measured (2-core Zen 1
 # EPYC, 2 threads, float32, tiny.yaml's model with a vocabulary of 60,000 characters, its 2,560 windows of 8, best of
-# 3): passes of 1,024 windows 7.95 s and 5.9 GB at the peak, passes of 128 windows 7.49 s and 0.97 GB; with 5,000
-# characters 0.78 s and 734 MB against 0.73 s and 325 MB. Tiny Shakespeare's 65 characters never reach it.
+# 3): passes of 1,024 windows 7.95 s and 5,944 MiB at the peak, passes of 128 windows 7.49 s and 965 MiB; with 5,000
+# characters 0.78 s and 734 MiB against 0.73 s and 325 MiB. Tiny Shakespeare's 65 characters never reach it.
 EVAL_PASS_LOGITS = 2**23
 
 
