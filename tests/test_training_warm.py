@@ -22,7 +22,7 @@ from test_training_engine import ENGINE_KEYS
 from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
-from model import GPT
+from model import GPT, GPTConfig
 from training import compile_cache, engine, load_config, warm
 from training.distributed import Launch
 from training.engine import WARM_HELPER_MIN_STEPS, WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
@@ -147,6 +147,36 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
     said = re.search(r"a step: ([0-9.]+) ms eager, ([0-9.]+) ms compiled", log)
     assert said is not None, log
     assert [float(said[1]), float(said[2])] == pytest.approx([eager_ms, compiled_ms], abs=0.01)
+
+
+def test_the_helper_times_real_eager_steps_beside_the_compiled_one_and_keeps_slow_steps_few(monkeypatch):
+    """time_steps, with a stand-in for the compiled step (the real one is timed in the test above): the eager side
+    trains the model it is given, as the trainer's eager path does; the rounds take the fastest of each."""
+    from training.config import TrainConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    before = [p.detach().clone() for p in model.parameters()]
+    tc = TrainConfig(batch_size=4, grad_accum_steps=2, optimizer="muon")
+    xs = torch.randint(0, 11, (2, 4, 8))
+    calls: list[float] = []
+
+    def compiled(xs_: torch.Tensor, ys_: torch.Tensor, lr: float) -> None:
+        calls.append(lr)
+        time.sleep(0.02)
+
+    eager_ms, compiled_ms = warm.time_steps(compiled, model, tc, torch.float32, xs, xs.roll(1, -1))
+    assert compiled_ms >= 20 and 0 < eager_ms < 1000
+    assert len(calls) == 1 + warm.TIMING_ROUNDS * warm.TIMING_STEPS  # one first step, then the rounds
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # trained
+
+    # a step slower than a round may take: one step a round, and two rounds once the time is up
+    monkeypatch.setattr(warm, "TIMING_ROUND_SECONDS", 0.1)
+    monkeypatch.setattr(warm, "TIMING_SECONDS", 0.1)
+    calls.clear()
+    slow = lambda *args: calls.append(0.0) or time.sleep(0.2)  # noqa: E731
+    warm.time_steps(slow, model, tc, torch.float32, xs, xs.roll(1, -1))
+    assert len(calls) == 1 + 2
 
 
 def test_a_helper_ended_by_sigterm_stops_its_compile_and_removes_its_job(tmp_path):

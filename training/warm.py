@@ -136,10 +136,11 @@ def compile_step(job: Path, remember: bool) -> float:
     return seconds
 
 
-# time_steps: rounds of this many steps of each engine in turn, at most TIMING_ROUNDS of them, no more than
-# TIMING_SECONDS in all once two are done. Each engine's time is its fastest round's: a machine busy with
-# something else (the helper runs at the lowest priority) only ever adds time.
-TIMING_STEPS, TIMING_ROUNDS, TIMING_SECONDS = 5, 5, 10.0
+# time_steps: rounds of up to TIMING_STEPS steps of each engine in turn (no more than fit in TIMING_ROUND_SECONDS,
+# at least one), at most TIMING_ROUNDS of them, no more than TIMING_SECONDS in all once two
+# are done. Each engine's time is its fastest round's: a machine busy with something else (the helper runs at the
+# lowest priority) only ever adds time.
+TIMING_STEPS, TIMING_ROUNDS, TIMING_SECONDS, TIMING_ROUND_SECONDS = 5, 5, 10.0, 1.0
 
 
 def time_steps(step: CompiledStep, model: nn.Module, tc: TrainConfig, dtype: torch.dtype, xs: torch.Tensor,
@@ -171,15 +172,18 @@ def time_steps(step: CompiledStep, model: nn.Module, tc: TrainConfig, dtype: tor
         step(xs, ys, tc.min_lr)
 
     best = {eager: math.inf, compiled: math.inf}
+    start = time.perf_counter()
     for run in best:  # the first step of each allocates what the later ones reuse
         run()
+    first = (time.perf_counter() - start) / 2
+    steps = max(1, min(TIMING_STEPS, int(TIMING_ROUND_SECONDS / max(first, 1e-9))))
     start = time.perf_counter()
     for done in range(1, TIMING_ROUNDS + 1):
         for run in best:
             began = time.perf_counter()
-            for _ in range(TIMING_STEPS):
+            for _ in range(steps):
                 run()
-            best[run] = min(best[run], (time.perf_counter() - began) / TIMING_STEPS)
+            best[run] = min(best[run], (time.perf_counter() - began) / steps)
         if done >= 2 and time.perf_counter() - start > TIMING_SECONDS:
             break
     return best[eager] * 1000, best[compiled] * 1000
