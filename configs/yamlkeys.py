@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import yaml
 
-# '<<: *base' merges another mapping in; several of them in one mapping are all merged, so they are not duplicates.
+# '<<: *base' merges another mapping in, and a key of the mapping itself wins over a merged one, as YAML means it to.
+# '<<: [*a, *b]' merges several, the first listed winning; but two '<<' keys in one mapping that both bring a key
+# leave only the last one's value, without a word, as a key given twice does: that is refused too.
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -51,8 +53,16 @@ def _duplicate_in(node: yaml.MappingNode, path: str) -> Duplicate | None:
     # tag and text, so 'seed' and "seed" are one key while 1 and "1" are two. Keys that are lists or mappings cannot
     # be built at all, and safe_load refuses them later.
     lines: dict[tuple[str, str], int] = {}
-    for key, _ in node.value:
-        if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
+    merged: dict[tuple[str, str], tuple[int, int]] = {}  # a key a '<<' brings in: which '<<' (its index), its line
+    for i, (key, value) in enumerate(node.value):
+        if isinstance(key, yaml.ScalarNode) and key.tag == _MERGE_TAG:
+            line = key.start_mark.line + 1
+            for brought in _merged_keys(value, set()):
+                first = merged.setdefault((brought.tag, brought.value), (i, line))
+                if first[0] != i:
+                    return Duplicate(_join(path, brought), first[1], line)
+            continue
+        if not isinstance(key, yaml.ScalarNode):
             continue
         line = key.start_mark.line + 1
         first = lines.get((key.tag, key.value))
@@ -60,6 +70,25 @@ def _duplicate_in(node: yaml.MappingNode, path: str) -> Duplicate | None:
             return Duplicate(_join(path, key), first, line)
         lines[key.tag, key.value] = line
     return None
+
+
+def _merged_keys(node: yaml.Node, seen: set[int]) -> list[yaml.ScalarNode]:
+    """The text keys that a '<<' of this value brings in: a mapping's own, and those of its own '<<'; of each
+    mapping of a list of them."""
+    if id(node) in seen:  # a mapping that merges itself, through an alias: safe_load says what is wrong with it
+        return []
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        return [k for item in node.value for k in _merged_keys(item, seen)]
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    keys = []
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.tag == _MERGE_TAG:
+            keys += _merged_keys(value, seen)
+        elif isinstance(key, yaml.ScalarNode):
+            keys.append(key)
+    return keys
 
 
 def _join(path: str, key: yaml.Node) -> str:
