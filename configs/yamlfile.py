@@ -42,8 +42,10 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dic
     if duplicate is not None:
         first, second = duplicate.first_line, duplicate.second_line
         lines = f"lines {first} and {second}" if first != second else f"both on line {first}"
+        why = ("merges ('<<') bring it in twice, and which one YAML keeps differs between versions of PyYAML"
+               if duplicate.merged else "YAML would silently use only the last")
         raise ConfigError(f"config file '{name}' sets '{shown(duplicate.key)}' twice ({lines}); keep one, since "
-                          f"YAML would silently use only the last")
+                          f"{why}")
     misread = _first_misread_number(root, as_written)
     if misread is not None:
         key, node, value = misread

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import yaml
 
 # '<<: *base' merges another mapping in, and a key of the mapping itself wins over a merged one, as YAML means it to.
-# '<<: [*a, *b]' merges several, the first listed winning; but two '<<' keys in one mapping that both bring a key
-# leave only the last one's value, without a word, as a key given twice does: that is refused too.
+# A key that merges bring in twice (two '<<' of one mapping, or two mappings of one '<<: [*a, *b]') keeps one value
+# without a word, and which one changed with PyYAML's version (6.0.3: the last '<<', the first of a list; 6.0.4: the
+# first '<<', the last of a list): refused as a key given twice is.
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -20,6 +21,7 @@ class Duplicate:
     key: str
     first_line: int
     second_line: int
+    merged: bool = False  # both brought in by '<<' merges
 
 
 def first_duplicate(root: yaml.Node | None) -> Duplicate | None:
@@ -53,14 +55,14 @@ def _duplicate_in(node: yaml.MappingNode, path: str) -> Duplicate | None:
     # tag and text, so 'seed' and "seed" are one key while 1 and "1" are two. Keys that are lists or mappings cannot
     # be built at all, and safe_load refuses them later.
     lines: dict[tuple[str, str], int] = {}
-    merged: dict[tuple[str, str], tuple[int, int]] = {}  # a key a '<<' brings in: which '<<' (its index), its line
-    for i, (key, value) in enumerate(node.value):
+    merged: dict[tuple[str, str], int] = {}  # a key that merges bring in, and the line it is written on
+    for key, value in node.value:
         if isinstance(key, yaml.ScalarNode) and key.tag == _MERGE_TAG:
-            line = key.start_mark.line + 1
             for brought in _merged_keys(value, set()):
-                first = merged.setdefault((brought.tag, brought.value), (i, line))
-                if first[0] != i:
-                    return Duplicate(_join(path, brought), first[1], line)
+                line, name = brought.start_mark.line + 1, (brought.tag, brought.value)
+                if name in merged:
+                    return Duplicate(_join(path, brought), merged[name], line, merged=True)
+                merged[name] = line
             continue
         if not isinstance(key, yaml.ScalarNode):
             continue

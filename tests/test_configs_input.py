@@ -42,13 +42,16 @@ def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         ("model: {n_layer: 2, n_head: 2, n_layer: 3}\n", "'model.n_layer' twice (both on line 1)"),
         # anywhere in the file, and before any other check
         ("zzz:\n  - {a: 1}\n  - {b: 1, b: 2}\n", "'zzz[1].b' twice (both on line 3)"),
-        # two '<<' that both bring a key: YAML kept the last one's value without a word
+        # a key that merges bring in twice: YAML keeps one of them without a word, PyYAML 6.0.3 the last '<<' and
+        # the first of a list, 6.0.4 the first '<<' and the last of a list (named: the lines of the two keys)
         ("a: &x {max_iters: 5}\nb: &y {max_iters: 7}\ntrain:\n  <<: *x\n  <<: *y\n",
-         "'train.max_iters' twice (lines 4 and 5)"),
+         "'train.max_iters' twice (lines 1 and 2); keep one, since merges"),
         ("a: &x {max_iters: 5}\nb: &y {max_iters: 7}\ntrain: {<<: *x, <<: *y}\n",
-         "'train.max_iters' twice (both on line 3)"),
+         "'train.max_iters' twice (lines 1 and 2); keep one, since merges"),
+        ("train:\n  <<: [{max_iters: 5},\n       {max_iters: 4}]\n",
+         "'train.max_iters' twice (lines 2 and 3); keep one, since merges"),
         ("a: &x {<<: {max_iters: 5}}\ntrain:\n  <<: *x\n  <<: {max_iters: 7}\n",  # merged into what is merged
-         "'train.max_iters' twice (lines 3 and 4)"),
+         "'train.max_iters' twice (lines 1 and 4); keep one, since merges"),
     ],
 )
 def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path, text, fragment):
@@ -64,10 +67,10 @@ def test_keys_that_repeat_only_across_mappings_or_by_merging_are_not_duplicates(
         "one": [{"a": 1}, {"a": 2}], "two": {"a": 3}, "three": [{"a": 3}, {"a": 3}]}
     merged = "train: {<<: [{max_iters: 5}, {batch_size: 4}], max_iters: 6}\n"  # merge keys; the explicit one wins
     assert load_config(str(write_yaml(tmp_path, merged, "merged.yaml")), []).train.max_iters == 6
-    # a list of merges says which wins (the first), and two '<<' that bring different keys lose nothing
-    merged = "train:\n  <<: [{max_iters: 5}, {max_iters: 4}]\n  <<: {batch_size: 3}\n"
+    # merges that bring different keys lose nothing, in a list or in two '<<'
+    merged = "train:\n  <<: [{max_iters: 5}, {warmup_iters: 4}]\n  <<: {batch_size: 3}\n"
     train = load_config(str(write_yaml(tmp_path, merged, "merges.yaml")), []).train
-    assert (train.max_iters, train.batch_size) == (5, 3)
+    assert (train.max_iters, train.warmup_iters, train.batch_size) == (5, 4, 3)
 
 
 @pytest.mark.parametrize("text", ["data: &d\n  x: *d\n", "train: &t\n  max_iters: 5\n  more: *t\n",
