@@ -178,7 +178,10 @@ def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
         losses[tokens] = estimate_loss(model, splits, 8, 5, 6, 3, torch.device("cpu"))
     monkeypatch.setattr(training.evaluation, "EVAL_PASS_TOKENS", 10**6)
     monkeypatch.setattr(training.evaluation, "EVAL_PASS_LOGITS", 11 * 7 * 8)  # the model's 11 characters: 7 windows
+    passes: list[int] = []  # the windows of each pass, as drawn
+    monkeypatch.setattr(training.evaluation, "get_batch", lambda *a: passes.append(a[2]) or get_batch(*a))
     assert estimate_loss(model, splits, 8, 5, 6, 3, torch.device("cpu")) == losses[56]  # the same passes
+    assert passes == [7, 7, 7, 7, 2] * 2  # each split's
     assert losses[10**6].keys() == {"train", "val"}
     for split in ("train", "val"):
         assert losses[56][split] == pytest.approx(losses[10**6][split], rel=1e-6, abs=0)
