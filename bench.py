@@ -49,8 +49,8 @@ from benchmark.speed import sample_rows, step_rows
 from configs.userinput import OneLineParser, shown
 from model.linear import onednn_min_macs
 from training.config import MAX_THREADS
-from training.logger import discard_stdout
 from training.signals import Interrupted, InterruptSignals
+from training.streams import discard_stdout
 
 
 def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:

@@ -28,7 +28,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from sampling.writing import write_samples
     from training.config import COMPILE
-    from training.logger import discard_stdout, stderr_kept_open, stdout_encodes_any_text
+    from training.streams import discard_stdout, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise

@@ -22,27 +22,24 @@ import sys
 # one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
 # AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
 HELD_SIGINT: list[int] = []
+STARTING_INTERRUPTED = "interrupted ({}) while starting; nothing was saved"
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda signum, _frame: HELD_SIGINT.append(signum))
 
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
     import contextlib
+    import importlib
     import io
     import os
     from functools import partial
 
-    import torch
-
-    from configs import describe, option_as_setting, valid_keys
+    from configs import ConfigError, describe, option_as_setting, valid_keys
     from configs.userinput import OneLineParser, shown
-    from training import distributed
-    from training.checkpoints import load_run
-    from training.config import DEFAULT_CONFIG, RunConfig
-    from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
-    from training.logger import say, stderr_kept_open, stdout_encodes_any_text
-    from training.runner import run
+    from training.config import DEFAULT_CONFIG, RunConfig, load_config
+    from training.launch import Launch, LaunchError, launch_from_env
     from training.signals import InterruptSignals
+    from training.streams import say, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -51,7 +48,7 @@ except KeyboardInterrupt:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if HELD_SIGINT:
-        print("interrupted (SIGINT) while starting; nothing was saved", file=sys.stderr)
+        print(STARTING_INTERRUPTED.format("SIGINT"), file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
 
 
@@ -93,13 +90,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# What training needs besides its config, torch above all (seconds to import): imported once the command line and
+# the config have been read, so that a bad one is refused at once.
+TRAINER_MODULES = ("torch", "training.checkpoints", "training.distributed", "training.errors", "training.runner")
+
+
+def import_trainer() -> int | None:
+    """Import TRAINER_MODULES; the signal that came meanwhile, if one did. Ctrl-C and SIGTERM wait until the modules
+    have loaded, for the reason HELD_SIGINT gives, and then end the run, as they would have at any moment of it."""
+    missing = [name for name in TRAINER_MODULES if name not in sys.modules]
+    if not missing:
+        return None
+    held: list[int] = []
+    previous: dict[int, object] = {}
+    try:
+        for sig in InterruptSignals.SIGNALS:
+            previous[sig] = signal.signal(sig, lambda signum, _frame: held.append(signum))
+    except ValueError:  # not the main thread, whose signals these are: nothing to hold
+        pass
+    try:
+        for name in missing:
+            importlib.import_module(name)
+    except KeyboardInterrupt:  # raised inside an import all the same
+        held.append(signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return held[0] if held else None
+
+
 def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
     """Run train.py with argv (default sys.argv[1:]); the exit status. progress: a tqdm bar (None: on a terminal)."""
     stderr_kept_open()
     stdout_encodes_any_text()
     try:
-        launch = distributed.launch_from_env()
-    except distributed.LaunchError as e:
+        launch = launch_from_env()
+    except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args, refused, said = None, None, io.StringIO()
@@ -114,18 +140,44 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
             # joins the others, so that they stop too instead of waiting for it (rank 0 has already said why).
             if not launch.torchrun or not e.code:
                 raise
-            refused = UsageError(said.getvalue().strip().removeprefix("error: ") or "bad command line")
+            refused = said.getvalue().strip().removeprefix("error: ") or "bad command line"
     cfg = None
+    if not launch.torchrun and not args.resume:  # a new run's config is read before torch is imported
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except Exception:  # noqa: S110 - not the config's words: read again below, and reported as a run reports it
+            pass
+    if (signum := import_trainer()) is not None:
+        print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
+        return 128 + signum
+    return train(args, cfg, launch, refused, progress)
+
+
+def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refused: str | None,
+          progress: bool | None) -> int:
+    """The run the command line asks for, cfg its config if already read; the exit status. refused: why this process
+    of a torchrun launch refused its command line (rank 0 has said it), to be agreed on with the others."""
+    import torch
+
+    from training import distributed
+    from training.checkpoints import load_run
+    from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
+    from training.runner import run
+
     try:
         with InterruptSignals():
             failure, payload, backend, device = None, None, "gloo", torch.device("cpu")
             try:
                 if refused is not None:
-                    raise refused
-                cfg, payload, changes = load_run(args.config, args.overrides, args.resume)
-                if launch.main:
-                    for change in changes:
-                        say(f"resume: {change}")
+                    raise UsageError(refused)
+                if cfg is None:
+                    cfg, payload, changes = load_run(args.config, args.overrides, args.resume)
+                    if launch.main:
+                        for change in changes:
+                            say(f"resume: {change}")
                 if launch.torchrun:
                     device = distributed.rank_device(cfg.train.device, launch)
                     backend = distributed.resolve_backend(cfg.train.backend, device)

@@ -22,7 +22,7 @@ def output_failed(e: OSError) -> int:
     """The exit status of a command whose writing to stdout raised e: 0 where the reader went away (`| head`: stop
     quietly, as command-line tools do), 1 with one line for a full disk or a closed descriptor. Raises e where it is
     not stdout's."""
-    from training.logger import discard_stdout
+    from training.streams import discard_stdout
 
     if not isinstance(e, BrokenPipeError) and (e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF)
                                                or e.filename is not None):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         command = importlib.import_module(f"lab.{COMMANDS[argv[0]][0]}")
-        from training.logger import stderr_kept_open, stdout_encodes_any_text
+        from training.streams import stderr_kept_open, stdout_encodes_any_text
     except KeyboardInterrupt:  # raised all the same, by a module that set a handler of its own
         held.append(signal.SIGINT)
     finally:

@@ -1,25 +1,33 @@
-"""tinychar's model: ``from model import GPT, GPTConfig``. Imports only torch."""
+"""tinychar's model: ``from model import GPT, GPTConfig``. Imports only torch. Its names load
+with their modules, on first use: GPTConfig alone (model.config) imports no torch.
+"""
 
-from .attention import CausalSelfAttention, KVCache, masked_attention
-from .baselines import Bigram, GRUModel, build_model
-from .checkpoint import CheckpointError, checkpoint_config, find_checkpoint, load_checkpoint, model_from_checkpoint
-from .config import GPTConfig
-from .gpt import GPT, NonFiniteLogits, sample_next
+from __future__ import annotations
 
-__all__ = [
-    "GPT",
-    "Bigram",
-    "CausalSelfAttention",
-    "CheckpointError",
-    "GPTConfig",
-    "GRUModel",
-    "KVCache",
-    "NonFiniteLogits",
-    "build_model",
-    "checkpoint_config",
-    "find_checkpoint",
-    "load_checkpoint",
-    "masked_attention",
-    "model_from_checkpoint",
-    "sample_next",
-]
+import importlib
+
+# Each name's module, imported when the name is first used
+_HOMES = {
+    "Bigram": "baselines",
+    "CausalSelfAttention": "attention",
+    "CheckpointError": "checkpoint",
+    "GPT": "gpt",
+    "GPTConfig": "config",
+    "GRUModel": "baselines",
+    "KVCache": "attention",
+    "NonFiniteLogits": "gpt",
+    "build_model": "baselines",
+    "checkpoint_config": "checkpoint",
+    "find_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "masked_attention": "attention",
+    "model_from_checkpoint": "checkpoint",
+    "sample_next": "gpt",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -97,6 +97,36 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_status_130(tmp_path, script):
     assert not (tmp_path / "out").exists()
 
 
+# train.py as __main__, a signal sent to itself as torch starts to load: since train.py reads its config before it
+# imports torch, a signal then lands in train.main, where Ctrl-C and SIGTERM are otherwise ignored
+SIGNAL_WHILE_TORCH_LOADS = """
+import os, runpy, signal, sys
+
+class Signal:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
+
+sys.meta_path.insert(0, Signal())
+script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, ".")
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_train_py_loads_torch_ends_it_once_torch_has_loaded(small_corpus, tmp_path, name):
+    hook = tmp_path / "send_signal.py"  # not signal.py, which would stand for the module
+    hook.write_text(SIGNAL_WHILE_TORCH_LOADS, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(hook), "train.py", "--config", TINY,
+                             *tiny_overrides(small_corpus, tmp_path / "out")], check=False, cwd=ROOT,
+                            env={**child_env(), "SIGNAL": name}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 128 + getattr(signal, name)
+    assert result.stderr == f"interrupted ({name}) while starting; nothing was saved\n"
+    assert result.stdout == "" and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_a_real_ctrl_c_soon_after_launch_is_one_line_and_status_130(small_corpus, tmp_path):
     """Wherever the signal lands (the imports, the arguments, reading the data), one line and 130. On a loaded

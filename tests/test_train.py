@@ -461,7 +461,7 @@ def test_a_resume_on_a_data_path_in_an_unknown_users_home_is_one_line(tmp_path):
     # The hint for a run started on a relative data.path asked pathlib whether the path was absolute, and its
     # expanduser raised RuntimeError for '~nouser': `--resume data.path=~nouser/corpus.txt` was a traceback.
     from data import DataError
-    from training.distributed import Launch
+    from training.launch import Launch
     from training.runner import prepare
 
     cfg = load_config(TINY, ["data.path=~no_such_user_of_tinychar/corpus.txt", f"out_dir={tmp_path / 'out'}"])
@@ -617,3 +617,38 @@ def test_a_resume_whose_text_is_gone_from_its_full_path_says_how_to_go_on(tmp_pa
         "where it is now (data.path=...), which a resume takes")
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={moved}"],
                       progress=False) == 0
+
+
+# train.py run as a person runs it, with what it imported listed at the end
+IMPORTED = """
+import runpy, sys
+script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, ".")
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    print(" ".join(sorted(name for name in ("torch", "numpy") if name in sys.modules)) or "-", file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "status", "said"), [
+    (["model.n_layr=3"], 2, "error: unknown config key 'model.n_layr' (command line); did you mean 'model.n_layer'?"),
+    (["--config", "configs/nothing.yaml"], 2, "error: config file: no such file 'configs/nothing.yaml'"),
+    (["model.n_head=3"], 2, "error: model.n_embd must be divisible by model.n_head, got 64 and 3 (command line: "
+                            "model.n_head=3; model.n_embd in configs/tiny.yaml)"),
+    (["--help"], 0, None)])
+def test_a_bad_config_or_help_comes_before_torch_is_imported(tmp_path, args, status, said):
+    """Reading the config takes milliseconds, importing torch seconds: a new run's config is refused, and --help
+    answered, without torch (or numpy)."""
+    hook = tmp_path / "imported.py"
+    hook.write_text(IMPORTED, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(hook), "train.py", *args], check=False, cwd=ROOT, env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == status
+    lines = result.stderr.splitlines()
+    assert lines[-1] == "-"  # neither was imported
+    assert lines[:-1] == ([said] if said else [])
+    if said is None:
+        assert "config keys (set in the YAML file or as KEY=VALUE overrides):" in result.stdout
+

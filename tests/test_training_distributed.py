@@ -35,18 +35,16 @@ from training.checkpoints import check_resume_config
 from training.config import TrainConfig, load_config
 from training.devices import DeviceError
 from training.distributed import (
-    Launch,
-    LaunchError,
     check_master_addr,
     check_same_run,
     cores_here,
     derived_seed,
     join_wait_line,
-    launch_from_env,
     oversubscribed,
     resolve_backend,
     threads_per_process,
 )
+from training.launch import Launch, LaunchError, launch_from_env
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # A launch starts three interpreters (torchrun and two workers) that each import torch: seconds, not minutes. A run

@@ -24,9 +24,9 @@ from training_runs import call, train_main, write_corpus
 from data import CharTokenizer
 from model import GPT, GPTConfig
 from training import compile_cache, engine, load_config, warm
-from training.distributed import Launch
 from training.engine import WARM_HELPER_MIN_STEPS, WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
 from training.errors import UsageError
+from training.launch import Launch
 
 CPU = torch.device("cpu")
 # the steps from which auto compiles this model from a warm cache (where the step was never timed here): WARM_MIN_STEPS

@@ -22,8 +22,9 @@ from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, mode
 from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons
 
 from .config import RunConfig, load_config
-from .distributed import BATCHES, DROPOUT, Launch, derived_seed
+from .distributed import BATCHES, DROPOUT, derived_seed
 from .errors import UsageError
+from .launch import Launch
 from .lock import RunLock, file_identity, in_use
 from .memory import check_fits, model_need
 from .optim import schedule_note

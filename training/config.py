@@ -14,14 +14,13 @@ from data import DataConfig
 from model import GPTConfig
 from model.config import short_int
 
-from .distributed import BACKENDS
-
 # The config train.py runs without --config, found from the current folder or else beside train.py.
 DEFAULT_CONFIG = "configs/tiny.yaml"
 _PROJECT = Path(__file__).resolve().parents[1]
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "true", "false")
+BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adamw", "muon")
 # More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
 MAX_THREADS = 4096

@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import os
 import re
-import reprlib
 import signal
 import socket
 import sys
@@ -23,7 +22,6 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,9 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.userinput import shown
 
+from .config import BACKENDS
 from .devices import DeviceError, resolve_device
+from .launch import Launch, LaunchError, cut_short
 
-BACKENDS = ("auto", "gloo", "nccl")
 # How long a collective waits for the slowest process before it fails rather than hang. Generous, because some waits
 # are long and legitimate: the other processes wait while the first one on each machine encodes a large corpus.
 TIMEOUT = datetime.timedelta(minutes=30)
@@ -51,59 +50,6 @@ _MASK64 = 2**64 - 1
 # as a lone process does): derived_seed(seed, stream, rank), and derived_seed(seed, stream, rank, step) after a
 # resume with another number of processes.
 BATCHES, DROPOUT, EVALUATION = range(3)
-# The most processes torch.distributed's rendezvous takes (its store counts them in a C int): a WORLD_SIZE of 2**31
-# was a TypeError traceback from the store's constructor.
-MAX_WORLD_SIZE = 2**31 - 1
-
-
-class LaunchError(ValueError):
-    """torchrun's environment is unusable, or the processes could not join; the message is one line for a person."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Launch:
-    """This process's place in its run: rank ``rank`` of ``world_size`` processes, ``local_rank`` of
-    ``local_world_size`` on this machine. ``torchrun``: started by torchrun, so a process group joins the processes
-    (even a group of one)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    torchrun: bool = False
-
-    @property
-    def main(self) -> bool:
-        """Rank 0: the one process that prints, writes TensorBoard logs and saves checkpoints."""
-        return self.rank == 0
-
-
-def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
-    """The Launch that torchrun's variables describe; rank 0 of 1 when they are absent."""
-    env = os.environ if environ is None else environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return Launch()
-    raw = {"RANK": env["RANK"], "WORLD_SIZE": env["WORLD_SIZE"], "LOCAL_RANK": env.get("LOCAL_RANK", "0"),
-           # without LOCAL_WORLD_SIZE (a launcher other than torchrun), assume one machine
-           "LOCAL_WORLD_SIZE": env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])}
-    try:
-        rank, world, local_rank, local_world = (int(raw[name]) for name in raw)
-    except ValueError:
-        values = ", ".join(f"{k}={_shown.repr(v)}" for k, v in raw.items())  # each cut short: any length is set
-        raise LaunchError(f"torchrun's environment variables are not whole numbers ({values}); start the run with "
-                          f"torchrun, or unset RANK and WORLD_SIZE to run one process") from None
-    if world > MAX_WORLD_SIZE:
-        raise LaunchError(f"torchrun's WORLD_SIZE={world} is more processes than torch.distributed takes (at most "
-                          f"{MAX_WORLD_SIZE:,}); start the run with torchrun, or unset RANK and WORLD_SIZE to run one "
-                          f"process")
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        rank, world, local_rank, local_world = (_shown.repr(n) for n in (rank, world, local_rank, local_world))
-        raise LaunchError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK="
-                          f"{local_rank}, LOCAL_WORLD_SIZE={local_world}; start the run with torchrun, or unset RANK "
-                          f"and WORLD_SIZE to run one process")
-    return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, torchrun=True)
-
-
 def rank_device(name: str, launch: Launch) -> torch.device:
     """The device this process trains on. Under torchrun, one process per GPU: a CUDA run uses GPU LOCAL_RANK of its
     machine whatever index train.device names; auto means CUDA if there is a GPU, else the CPU (DDP has no MPS)."""
@@ -247,7 +193,7 @@ def check_master_addr(environ: Mapping[str, str]) -> None:
     port = environ.get("MASTER_PORT")
     if port is not None and not (port.strip().isdecimal() and int(port) < 65536):
         # it was "cannot join the other 1 process(es) ... (invalid literal for int() with base 10: 'abc')"
-        raise LaunchError(f"MASTER_PORT={_shown.repr(port)} is not a port number (0-65535); set MASTER_PORT to the "
+        raise LaunchError(f"MASTER_PORT={cut_short(port)} is not a port number (0-65535); set MASTER_PORT to the "
                           f"port rank 0 listens on, or unset RANK and WORLD_SIZE to run one process")
     host = environ.get("MASTER_ADDR")
     if host is None:
@@ -256,7 +202,7 @@ def check_master_addr(environ: Mapping[str, str]) -> None:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:  # UnicodeError: not a name DNS can carry (a label over 63 characters)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
-        raise LaunchError(f"MASTER_ADDR={_shown.repr(host)} is not a host name or address this machine can resolve "
+        raise LaunchError(f"MASTER_ADDR={cut_short(host)} is not a host name or address this machine can resolve "
                           f"({reason}); set MASTER_ADDR to the address of the machine of rank 0, or unset RANK and "
                           f"WORLD_SIZE to run one process") from None
 
@@ -303,8 +249,6 @@ def settings_of(config: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-_shown = reprlib.Repr()
-_shown.maxstring = _shown.maxother = 60
 
 
 def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str) -> None:
@@ -321,7 +265,7 @@ def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str) 
         for key in [*first, *(k for k in theirs if k not in first)]:  # in the config's order, the same in every process
             if key not in PER_PROCESS_KEYS and first.get(key) != theirs.get(key):
                 raise LaunchError(f"the processes of this run were given different settings: {key} is "
-                                  f"{_shown.repr(first.get(key))} in rank 0 and {_shown.repr(theirs.get(key))} in "
+                                  f"{cut_short(first.get(key))} in rank 0 and {cut_short(theirs.get(key))} in "
                                   f"rank {rank}; give every process the same command line and config file")
         if text != first_text:
             raise LaunchError(f"the processes of this run read different text: {_text_source(theirs)} in rank {rank} "
@@ -330,7 +274,7 @@ def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str) 
 
 def _text_source(settings: Mapping[str, Any]) -> str:
     if settings.get("data.path") is not None:
-        return f"data.path {_shown.repr(settings['data.path'])}"
+        return f"data.path {cut_short(settings['data.path'])}"
     return f"data.dataset={settings.get('data.dataset')}"
 
 

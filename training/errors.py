@@ -20,7 +20,7 @@ from model import CheckpointError
 from . import distributed
 from .config import RunConfig
 from .devices import DeviceError
-from .distributed import Launch, LaunchError
+from .launch import Launch, LaunchError
 from .signals import Interrupted, Stopped
 
 

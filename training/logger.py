@@ -3,15 +3,12 @@ images and hyperparameters, and the training throughput they report."""
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TextIO
 
 import torch
 import yaml
@@ -25,6 +22,7 @@ from model import GPT, NonFiniteLogits
 
 from .config import RunConfig
 from .errors import LogError
+from .streams import discard_stdout, stdout_lost
 
 
 class Throughput:
@@ -57,25 +55,6 @@ class Throughput:
         return taken
 
 
-def say(line: str) -> None:
-    """Print line to stdout; if its reader has gone, or it cannot be written, discard this and all later output
-    instead of failing."""
-    try:
-        print(line, flush=True)
-    except BrokenPipeError:
-        discard_stdout()
-    except OSError as e:
-        stdout_lost(e)
-
-
-def stdout_lost(e: OSError) -> None:
-    """stdout cannot be written (`> file` on a full disk, a failing device): the run goes on without its lines, as
-    with a closed stdout, and says so once on stderr. Unlike a pipe whose reader left, nobody asked it to stop."""
-    discard_stdout()
-    print(f"warning: cannot write to stdout ({e.strerror or e}); training goes on without its progress lines "
-          f"(the checkpoints and TensorBoard logs are written as usual)", file=sys.stderr, flush=True)
-
-
 def _quiet_tensorboard_thread(hook: Callable) -> Callable:
     """threading.excepthook that says nothing of an OSError in TensorBoard's writer thread (the Logger reports it)
     and hands everything else to hook."""
@@ -86,100 +65,6 @@ def _quiet_tensorboard_thread(hook: Callable) -> Callable:
         hook(args)
 
     return quiet
-
-
-def stderr_kept_open() -> None:
-    """For a process started with stderr closed (`2>&-`): point descriptor 2 and sys.stderr at /dev/null. Python
-    leaves sys.stderr None there, and print(file=None) writes to stdout: sample.py's messages went into the samples.
-    Left closed, descriptor 2 would also be the next file opened (an attention map being written, say), and whatever
-    the libraries write to stderr would go into it. So too where descriptor 2 is open for reading only (a launcher's
-    script, as pyenv's shim leaves it after `2>&-`): every message failed, and the samples were never written.
-
-    And once stderr's reader has gone (`2>&1 | head`), what is written there later goes to /dev/null instead of
-    failing: a message was a BrokenPipeError, the samples still to come were lost, and the exit status was 1."""
-    closed = not _writable(2)
-    if closed:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        if devnull != 2:
-            os.dup2(devnull, 2)
-            os.close(devnull)
-    if closed or sys.stderr is None:
-        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's own stderr, open until it ends
-    if not isinstance(sys.stderr, _ReaderMayLeave):
-        sys.stderr = _ReaderMayLeave(sys.stderr)
-
-
-def _writable(fd: int) -> bool:
-    """Whether descriptor fd is open, and for writing where the platform can tell."""
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    try:
-        import fcntl  # not on Windows
-    except ImportError:
-        return True
-    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
-
-
-class _ReaderMayLeave:
-    """sys.stderr, less the BrokenPipeError of a reader that has gone: from then on, descriptor 2 and what is written
-    go to /dev/null. Everything else is the stream's own."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._gone()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._gone()
-
-    def _gone(self) -> None:
-        try:
-            fd = self._stream.fileno()
-        except (OSError, ValueError):  # a stream of no descriptor (a test's capture): only its lines are lost
-            fd = None
-        if fd is not None:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)  # what the old stream still holds is flushed there, harmlessly, at exit
-            os.close(devnull)
-        self._stream = open(os.devnull, "w")  # noqa: SIM115 - stands for stderr until the process ends
-
-    def __getattr__(self, name: str) -> object:  # fileno, isatty, encoding, ...: the stream's
-        return getattr(self._stream, name)
-
-
-def stdout_encodes_any_text() -> None:
-    """Make stdout write every character: in UTF-8 to a file or pipe whose encoding could not (`> out.txt` on Windows,
-    cp1252; PYTHONIOENCODING=ascii), so that the samples are the model's text; on a terminal in its own encoding,
-    a character it cannot show as '?'. Writing a Chinese sample or an out_dir with an umlaut there was a
-    UnicodeEncodeError: a traceback, and the samples lost."""
-    out = sys.stdout
-    if out is None or not hasattr(out, "reconfigure") or codecs.lookup(out.encoding).name == "utf-8":
-        return
-    try:
-        terminal = out.isatty()
-    except (OSError, ValueError):
-        terminal = False
-    if terminal:
-        out.reconfigure(errors="replace")
-    else:
-        out.reconfigure(encoding="utf-8")
-
-
-def discard_stdout() -> None:
-    """Point stdout at /dev/null, so that nothing written later, nor the flush at exit, fails on a closed pipe."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 class Logger:

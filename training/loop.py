@@ -34,9 +34,10 @@ from .checkpoints import (
 )
 from .config import RunConfig
 from .devices import autocast_context
-from .distributed import EVALUATION, Launch, derived_seed
+from .distributed import EVALUATION, derived_seed
 from .errors import Diverged, SaveError, agreeing
 from .evaluation import estimate_loss
+from .launch import Launch
 from .logger import Logger, Throughput, sample_text
 from .optim import compiler_loaded, lr_at
 from .signals import Stopped, StopSignals

@@ -22,10 +22,11 @@ from .checkpoints import LOADED_FROM, restore_best
 from .compile_cache import user_cache_problem
 from .config import RunConfig
 from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
-from .distributed import BATCHES, DROPOUT, Launch, derived_seed
+from .distributed import BATCHES, DROPOUT, derived_seed
 from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
 from .evaluation import eval_pass_sequences
+from .launch import Launch
 from .logger import Logger
 from .loop import Trainer
 from .memory import check_fits, training_need
