@@ -15,6 +15,7 @@ import sys
 # the run in one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
 # AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
 HELD_SIGINT: list[int] = []
+STARTING_INTERRUPTED = "interrupted ({}) while starting; nothing was sampled"
 if __name__ == "__main__":
     for _stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_stop, lambda signum, _frame: HELD_SIGINT.append(signum))
@@ -22,12 +23,12 @@ if __name__ == "__main__":
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
 
+    from configs.errors import UsageError
     from configs.userinput import OneLineParser
-    from model import NonFiniteLogits
-    from sampling.request import integer, prepare, real
+    from sampling.options import check_options, integer, real
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
-    from sampling.writing import write_samples
     from training.config import COMPILE
+    from training.signals import import_holding_signals
     from training.streams import discard_stdout, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -40,9 +41,12 @@ if __name__ == "__main__":
     if not HELD_SIGINT:  # else the imports may have stopped short of terminated
         signal.signal(signal.SIGTERM, terminated)
     if HELD_SIGINT:
-        print(f"interrupted ({signal.Signals(HELD_SIGINT[0]).name}) while starting; nothing was sampled",
-              file=sys.stderr)
+        print(STARTING_INTERRUPTED.format(signal.Signals(HELD_SIGINT[0]).name), file=sys.stderr)
         sys.exit(128 + HELD_SIGINT[0])
+
+# What sampling needs besides the command line, torch above all (seconds to import): imported once the options have
+# been checked, so that a bad one is refused at once.
+SAMPLER_MODULES = ("torch", "model.gpt", "sampling.request", "sampling.writing")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         print("error: stdout is closed, and the samples are written there; redirect it to a file (> out.txt) or to "
               "/dev/null instead of closing it", file=sys.stderr)
         return 2
+    try:
+        check_options(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (signum := import_holding_signals(SAMPLER_MODULES)) is not None:
+        print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
+        return 128 + signum
+    from model import NonFiniteLogits
+    from sampling.request import prepare
+    from sampling.writing import write_samples
+
     try:
         ready = prepare(args)
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while the checkpoint loads or the attention map is drawn

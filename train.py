@@ -29,7 +29,6 @@ if __name__ == "__main__":
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
     import contextlib
-    import importlib
     import io
     import os
     from functools import partial
@@ -38,7 +37,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs.userinput import OneLineParser, shown
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
     from training.launch import Launch, LaunchError, launch_from_env
-    from training.signals import InterruptSignals
+    from training.signals import InterruptSignals, import_holding_signals
     from training.streams import say, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -95,30 +94,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 TRAINER_MODULES = ("torch", "training.checkpoints", "training.distributed", "training.errors", "training.runner")
 
 
-def import_trainer() -> int | None:
-    """Import TRAINER_MODULES; the signal that came meanwhile, if one did. Ctrl-C and SIGTERM wait until the modules
-    have loaded, for the reason HELD_SIGINT gives, and then end the run, as they would have at any moment of it."""
-    missing = [name for name in TRAINER_MODULES if name not in sys.modules]
-    if not missing:
-        return None
-    held: list[int] = []
-    previous: dict[int, object] = {}
-    try:
-        for sig in InterruptSignals.SIGNALS:
-            previous[sig] = signal.signal(sig, lambda signum, _frame: held.append(signum))
-    except ValueError:  # not the main thread, whose signals these are: nothing to hold
-        pass
-    try:
-        for name in missing:
-            importlib.import_module(name)
-    except KeyboardInterrupt:  # raised inside an import all the same
-        held.append(signal.SIGINT)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return held[0] if held else None
-
-
 def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
     """Run train.py with argv (default sys.argv[1:]); the exit status. progress: a tqdm bar (None: on a terminal)."""
     stderr_kept_open()
@@ -150,7 +125,7 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
             return 2
         except Exception:  # noqa: S110 - not the config's words: read again below, and reported as a run reports it
             pass
-    if (signum := import_trainer()) is not None:
+    if (signum := import_holding_signals(TRAINER_MODULES)) is not None:
         print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
         return 128 + signum
     return train(args, cfg, launch, refused, progress)

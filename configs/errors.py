@@ -1,4 +1,4 @@
-"""The error a config that cannot be used raises, and how much of a message it may quote."""
+"""The errors a config or a command line that cannot be used raises, and how much of a message may quote."""
 
 from __future__ import annotations
 
@@ -9,3 +9,7 @@ CHECK_LIMIT = 160
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message is one line for a person."""
+
+
+class UsageError(ValueError):
+    """A request that cannot be carried out as asked; the message is one line for a person."""

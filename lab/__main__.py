@@ -13,6 +13,8 @@ if not __package__:  # run as a file (python lab/__main__.py): the project's pac
 
 from configs.userinput import shown
 from lab import output_failed
+from training.signals import import_holding_signals
+from training.streams import stderr_kept_open, stdout_encodes_any_text
 
 # command -> (its module in lab/, what it does)
 COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, step by step, computed by tinychar"),
@@ -36,22 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {given}; the commands are: {', '.join(COMMANDS)} (see python -m lab --help)", file=sys.stderr)
         return 2
     # Imported only when run: torch and the models are slow to load for --help. Ctrl-C or SIGTERM meanwhile waits until
-    # they have loaded (raised inside an import, it can leave torch half-made: see train.py), then ends the command in
-    # one line (SIGTERM ended it without a word).
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        command = importlib.import_module(f"lab.{COMMANDS[argv[0]][0]}")
-        from training.streams import stderr_kept_open, stdout_encodes_any_text
-    except KeyboardInterrupt:  # raised all the same, by a module that set a handler of its own
-        held.append(signal.SIGINT)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if held:
-        print(f"interrupted ({signal.Signals(held[0]).name}) while starting; nothing was done", file=sys.stderr)
-        return 128 + held[0]
+    # they have loaded, then ends the command in one line (SIGTERM ended it without a word).
+    module = f"lab.{COMMANDS[argv[0]][0]}"
+    if (signum := import_holding_signals((module,))) is not None:
+        print(f"interrupted ({signal.Signals(signum).name}) while starting; nothing was done", file=sys.stderr)
+        return 128 + signum
+    command = importlib.import_module(module)
     stderr_kept_open()
     stdout_encodes_any_text()
     return command.main(argv[1:])

@@ -28,74 +28,15 @@ from training.devices import DeviceError, resolve_device
 from training.errors import UsageError, path_error, path_message
 from training.memory import MemoryNeed, check_fits, model_need, text_bytes
 
-# generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
-# text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
-MAX_NEW_TOKENS = 10_000_000
-MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text
+from .options import check_options, number
 
-
-def integer(text: str) -> int:
-    """An int from the command line; refused with the text cut to its ends (argparse's own type=int quotes it
-    whole)."""
-    try:
-        return int(text)
-    except ValueError:  # not a number, or one of more than 4,300 digits (Python's int-from-text limit)
-        raise argparse.ArgumentTypeError(f"invalid int value: '{shown(text)}'") from None
-
-
-def real(text: str) -> float:
-    """A float from the command line; refused with the text cut to its ends."""
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: '{shown(text)}'") from None
-
-
-def number(n: int) -> str:
-    """n as an error line quotes it: whole up to 20 digits, else its ends and how many digits it has."""
-    digits = str(abs(n))
-    if len(digits) <= 20:
-        return str(n)
-    return f"{'-' if n < 0 else ''}{digits[:4]}...{digits[-4:]} ({len(digits):,} digits)"
+MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text (--max-new-tokens: options.py)
 
 
 def check_args(args: argparse.Namespace) -> None:
     if (why := compile_cache.user_cache_problem()) is not None:  # where sampling compiles, and where it looks
         raise UsageError(why)
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1, got {number(args.num_samples)}")
-    if args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {number(args.max_new_tokens)}")
-    if args.max_new_tokens > MAX_NEW_TOKENS:
-        raise UsageError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS:,}, got {number(args.max_new_tokens)}")
-    if not -(2**63) <= args.seed < 2**63:  # what torch.Generator.manual_seed takes without an overflow
-        raise UsageError(f"--seed must fit in a signed 64-bit integer, got {number(args.seed)}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
-        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise UsageError(f"--top-k must be >= 1, got {number(args.top_k)}")
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, value, what in (("--out-dir", args.out_dir, "a run folder (or leave it out: runs/tiny)"),
-                              ("--checkpoint", args.checkpoint, "a checkpoint file"),
-                              ("--prompt-file", args.prompt_file, "a UTF-8 text file"),
-                              ("--attention-map", args.attention_map, "the picture's file name, such as map.png")):
-        if value == "":  # Path("") is the current folder: never what was meant
-            raise UsageError(f"{flag} is empty; give {what}")
-    if args.prompt is not None:
-        check_utf8(args.prompt)
-
-
-def check_utf8(prompt: str) -> None:
-    """UsageError when --prompt is not UTF-8: Python hands bytes that are not (b'\\xff' in argv) over as surrogates
-    (U+DCFF), which no model has seen and which cannot be written out."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = prompt[e.start]
-        what = f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"a lone surrogate {c!r}"
-        raise UsageError(f"--prompt is not UTF-8 text ({what} at character {e.start}); give it as UTF-8, or in a "
-                         f"--prompt-file saved as UTF-8") from None
+    check_options(args)
 
 
 def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:

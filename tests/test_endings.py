@@ -97,8 +97,8 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_status_130(tmp_path, script):
     assert not (tmp_path / "out").exists()
 
 
-# train.py as __main__, a signal sent to itself as torch starts to load: since train.py reads its config before it
-# imports torch, a signal then lands in train.main, where Ctrl-C and SIGTERM are otherwise ignored
+# train.py or sample.py as __main__, a signal sent to itself as torch starts to load: since both read their command
+# line (train.py its config too) before they import torch, a signal then lands in main, past the scripts' own imports
 SIGNAL_WHILE_TORCH_LOADS = """
 import os, runpy, signal, sys
 
@@ -115,15 +115,18 @@ runpy.run_path(script, run_name="__main__")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
-def test_a_signal_while_train_py_loads_torch_ends_it_once_torch_has_loaded(small_corpus, tmp_path, name):
+@pytest.mark.parametrize(("script", "lost", "name"), [("train.py", "saved", "SIGINT"), ("train.py", "saved", "SIGTERM"),
+                                                      ("sample.py", "sampled", "SIGTERM")])  # as train.py holds it
+def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torch_has_loaded(
+        small_corpus, tmp_path, script, lost, name):
     hook = tmp_path / "send_signal.py"  # not signal.py, which would stand for the module
     hook.write_text(SIGNAL_WHILE_TORCH_LOADS, encoding="utf-8")
-    result = subprocess.run([sys.executable, str(hook), "train.py", "--config", TINY,
-                             *tiny_overrides(small_corpus, tmp_path / "out")], check=False, cwd=ROOT,
+    args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if script == "train.py" else
+            ["--out-dir", str(tmp_path / "out")])
+    result = subprocess.run([sys.executable, str(hook), script, *args], check=False, cwd=ROOT,
                             env={**child_env(), "SIGNAL": name}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 128 + getattr(signal, name)
-    assert result.stderr == f"interrupted ({name}) while starting; nothing was saved\n"
+    assert result.stderr == f"interrupted ({name}) while starting; nothing was {lost}\n"
     assert result.stdout == "" and not (tmp_path / "out").exists()
 
 

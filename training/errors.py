@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from configs import ConfigError
+from configs.errors import UsageError
 from configs.userinput import path_word, script_word, shown
 from data import DataError
 from model import CheckpointError
@@ -22,10 +23,6 @@ from .config import RunConfig
 from .devices import DeviceError
 from .launch import Launch, LaunchError
 from .signals import Interrupted, Stopped
-
-
-class UsageError(ValueError):
-    """A request that cannot be carried out as asked; the message is one line for a person."""
 
 
 class Diverged(RuntimeError):

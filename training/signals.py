@@ -3,6 +3,7 @@ before the loop at once."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import sys
@@ -138,3 +139,27 @@ def interrupting(e: BaseException | None = None) -> BaseException | None:
     if InterruptSignals.received is not None:
         return Interrupted(InterruptSignals.received)
     return None
+
+
+def import_holding_signals(names: tuple[str, ...]) -> int | None:
+    """Import the modules named (torch among them: seconds); the stop signal that came meanwhile, if one did, for
+    the caller to end on. Ctrl-C and SIGTERM wait until the modules have loaded: raised inside an import, a
+    KeyboardInterrupt can leave torch or numpy half-made (seen: an AttributeError from numpy instead) or be lost in
+    their C code (seen: the run went on to the end)."""
+    missing = [name for name in names if name not in sys.modules]
+    if not missing:
+        return None
+    held: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # elsewhere, signals are not this thread's to take
+        for sig in StopSignals.SIGNALS:
+            previous[sig] = signal.signal(sig, lambda signum, _frame: held.append(signum))
+    try:
+        for name in missing:
+            importlib.import_module(name)
+    except KeyboardInterrupt as e:  # raised inside an import all the same
+        held.append(getattr(e, "signum", signal.SIGINT))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return held[0] if held else None
