@@ -25,9 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from benchmark.products import matmul_gflops, products_ms
 from benchmark.quality import gpu_quality_rows, quality_rows
 from benchmark.report import json_problem, markdown, plain, write_json
 from benchmark.runs import (
@@ -47,7 +44,6 @@ from benchmark.runs import (
 )
 from benchmark.speed import sample_rows, step_rows
 from configs.userinput import OneLineParser, shown
-from model.linear import onednn_min_macs
 from training.config import MAX_THREADS
 from training.signals import Interrupted, InterruptSignals
 from training.streams import discard_stdout
@@ -55,6 +51,10 @@ from training.streams import discard_stdout
 
 def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:
     """Every row, in the table's order, with the machine they were measured on; scratch holds all the runs' files."""
+    import torch
+
+    from benchmark.products import matmul_gflops, products_ms
+
     cpuinfo = Path("/proc/cpuinfo")
     cpu, flags = cpu_info(cpuinfo.read_text(encoding="utf-8", errors="replace") if cpuinfo.exists() else "")
     flags = usable_flags(flags, args.isa)
@@ -107,6 +107,12 @@ def checkout_problem(folder: Path) -> str | None:
     return None
 
 
+def cuda_available() -> bool:
+    import torch  # only for --gpu: the other options are checked before torch is imported (seconds)
+
+    return torch.cuda.is_available()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     p = OneLineParser(prog="bench.py", description=__doc__.split("\n\n")[0])
@@ -127,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}")
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.gpu and not torch.cuda.is_available():
+    if args.gpu and not cuda_available():
         p.error("--gpu needs a CUDA GPU, and PyTorch finds none here; run without --gpu for the CPU rows")
     if args.gpu and args.isa != "native":
         p.error("--isa limits the CPU's libraries; it has no meaning with --gpu")
@@ -145,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
               "--json FILE", file=sys.stderr)
         return 2
     problem = checkout_problem(Path(args.nanogpt)) if args.nanogpt else f"--nanogpt DIR is required; {CLONE_HINT}"
-    try:
-        onednn_min_macs()  # TINYCHAR_ONEDNN, which the matmul ceilings read after the checkout is copied
-    except ValueError as e:
-        problem = problem or str(e)
+    if not problem:  # TINYCHAR_ONEDNN, which the matmul ceilings read after the checkout is copied
+        from model.linear import onednn_min_macs  # imports torch: not for a refusal that can do without it
+
+        try:
+            onednn_min_macs()
+        except ValueError as e:
+            problem = str(e)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -8,8 +8,6 @@ import math
 import os
 from pathlib import Path
 
-from training.checkpoints import write_atomic
-
 from .runs import CPU_FLAGS, ISA_LIMITS
 
 
@@ -160,4 +158,6 @@ def write_json(name: str, text: str) -> None:
         return
     if (why := json_problem(name)) is not None:  # the file was changed while the rows ran
         raise OSError(why)
+    from training.checkpoints import write_atomic  # imports torch, which the rows have loaded by now
+
     write_atomic(path.resolve(), lambda f: f.write(text.encode("utf-8")))

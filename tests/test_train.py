@@ -642,10 +642,14 @@ finally:
     (["sample.py", "--temperature", "-1"], 2,
      "error: --temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["sample.py", "--top-k", "0"], 2, "error: --top-k must be >= 1, got 0"),
-    (["sample.py", "--help"], 0, None)])
+    (["sample.py", "--help"], 0, None),
+    (["bench.py", "--rounds", "0"], 2, "error: --rounds must be >= 1, got 0 (see bench.py --help)"),
+    (["bench.py"], 2, "error: --nanogpt DIR is required; get a checkout with: git clone "
+                      "https://github.com/karpathy/nanoGPT"),
+    (["bench.py", "--help"], 0, None)])
 def test_a_bad_config_or_option_or_help_comes_before_torch_is_imported(tmp_path, args, status, said):
     """Reading the options and config takes milliseconds, importing torch seconds: train.py refuses a new run's bad
-    config, sample.py a bad option, and both answer --help, without torch (or numpy)."""
+    config, sample.py and bench.py a bad option, and all three answer --help, without torch (or numpy)."""
     hook = tmp_path / "imported.py"
     hook.write_text(IMPORTED, encoding="utf-8")
     result = subprocess.run([sys.executable, str(hook), *args], check=False, cwd=ROOT, env=child_env(),
