@@ -51,13 +51,11 @@ def get_batch(
     if n_starts < 1:
         raise ValueError(f"get_batch needs more than block_size = {block_size} ids, got {data.size(0)}")
     starts = torch.randint(n_starts, (batch_size,), generator=generator)  # (B,)
-    # Built afresh each call: caching it saved about 1 us of a 15-40 us call when measured, not worth module state.
-    offsets = torch.arange(block_size + 1, device=data.device)  # (T+1,)
-    # One gather of B windows of T+1 ids; x and y are two overlapping views of it, so each id is copied and moved
-    # to the device once instead of twice.
+    # One gather of B windows of T+1 ids, rows of the (n - T, T+1) view of every window (no copy: unfold), so that each
+    # id is read, widened and moved to the device once.
     signed, mask = _SIGNED_VIEW.get(data.dtype, (None, 0))
     source = data if signed is None else data.view(signed)
-    windows = source[starts.to(data.device)[:, None] + offsets]  # (B, T+1)
+    windows = source.unfold(0, block_size + 1, 1)[starts.to(data.device)]  # (B, T+1)
     windows = windows.to(torch.int64)
     if mask:
         windows &= mask  # in place on the int64 copy that .to just made
@@ -67,6 +65,8 @@ def get_batch(
         windows = windows.pin_memory().to(device, non_blocking=True)
     else:
         windows = windows.to(device)
-    # Contiguous copies rather than views: a view of windows cannot be .view()-ed, which code written in the
-    # nanoGPT style does to targets; the copies cost a few microseconds, next to milliseconds for a step.
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # (B, T), (B, T)
+    # x and y: the windows' first and last T ids, copied by one operator into one (2, B, T) buffer whose halves are
+    # contiguous, so that they can be .view()-ed (as code written in the nanoGPT style does to targets). With the
+    # unfolded gather above: the whole call 109-115 -> 83-94 us (2-core Zen 1 EPYC, B=32 T=8, uint8 ids).
+    x, y = windows.unfold(1, block_size, 1).transpose(0, 1).contiguous()
+    return x, y  # (B, T), (B, T)

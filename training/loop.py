@@ -181,7 +181,7 @@ class Trainer:
         # scaler skips a step whose gradients overflow and lowers its scale; a loss that overflows is no matter of
         # scale (the forward pass is not scaled), and neither are gradients that overflow at a scale below 1: the
         # scaler would skip every step to the end, and the run end with NaN losses and its weights where they were.
-        if not torch.isfinite(loss_sum) or (self.scaler is None and not torch.isfinite(grad_norm)):
+        if not math.isfinite(float(loss_sum)) or (self.scaler is None and not math.isfinite(float(grad_norm))):
             raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step,
                            dtype=self.dtype_name)
         if self.scaler is not None:
@@ -211,14 +211,15 @@ class Trainer:
         step draws them, so both engines train on the same batches."""
         pairs = [get_batch(self.splits["train"], self.cfg.model.block_size, self.tc.batch_size, self.gen, self.device)
                  for _ in range(self.tc.grad_accum_steps)]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+        stack = (lambda ts: ts[0].unsqueeze(0)) if len(pairs) == 1 else torch.stack  # one: a view, not a copy
+        return stack([x for x, _ in pairs]), stack([y for _, y in pairs])
 
     def compiled_train_step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         """train_step through the compiled engine: forward, backward, clipping and AdamW in one call, which updates
         nothing when the loss or gradient norm is not finite."""
         xs, ys = self.micro_batches()
         loss_sum, grad_norm = self.compiled_step(xs, ys, lr)
-        if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+        if not (math.isfinite(float(loss_sum)) and math.isfinite(float(grad_norm))):  # 1 us; torch.isfinite's 27
             raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step, compiled=True,
                            dtype=self.dtype_name)
         self.step += 1
