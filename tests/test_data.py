@@ -208,6 +208,9 @@ def test_get_batch_shapes_and_next_character_targets() -> None:
         start = int(row_x[0]) - 1000
         assert torch.equal(row_x, data[start : start + 16])
         assert torch.equal(row_y, data[start + 1 : start + 17])
+    before = x.clone()
+    y.view(-1).fill_(-1)  # the targets masked in place, as a caller may: the inputs stay as they were
+    assert torch.equal(x, before)
 
 
 def test_get_batch_reaches_the_last_window() -> None:
