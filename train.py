@@ -33,7 +33,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     import os
     from functools import partial
 
-    from configs import ConfigError, describe, option_as_setting, valid_keys
+    from configs import ConfigError, apply_overrides, describe, option_as_setting, valid_keys
     from configs.userinput import OneLineParser, shown
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
     from training.launch import Launch, LaunchError, launch_from_env
@@ -117,9 +117,14 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
                 raise
             refused = said.getvalue().strip().removeprefix("error: ") or "bad command line"
     cfg = None
-    if not launch.torchrun and not args.resume:  # a new run's config is read before torch is imported
+    if not launch.torchrun:  # the config, or a resume's overrides, read before torch is imported
         try:
-            cfg = load_config(args.config, args.overrides)
+            if not args.resume:
+                cfg = load_config(args.config, args.overrides)
+            elif args.config is not None:  # read again by load_run, beside the checkpoint
+                load_config(args.config, args.overrides)
+            else:  # the overrides' keys and types, as load_run checks them first
+                apply_overrides({}, args.overrides, RunConfig)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

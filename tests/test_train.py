@@ -639,6 +639,8 @@ finally:
     (["train.py", "model.n_head=3"], 2, "error: model.n_embd must be divisible by model.n_head, got 64 and 3 "
                                         "(command line: model.n_head=3; model.n_embd in configs/tiny.yaml)"),
     (["train.py", "--help"], 0, None),
+    (["train.py", "--resume", "train.max_iter=9"], 2,
+     "error: unknown config key 'train.max_iter' (command line); did you mean 'train.max_iters'?"),
     (["sample.py", "--temperature", "-1"], 2,
      "error: --temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["sample.py", "--top-k", "0"], 2, "error: --top-k must be >= 1, got 0"),
