@@ -4,6 +4,7 @@ cache change nothing, and bad requests are one line on stderr with exit status 2
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import signal
@@ -223,6 +224,35 @@ def test_compile_true_on_the_plain_path_says_it_samples_without_compiling(run, t
     assert code == 0 and len(out) == len("All:") + 3 + 1
     (note,) = [line for line in err.splitlines() if line.startswith("--compile true, but")]
     assert note.endswith("takes the plain path: sampling without compiling") or "bigram model samples" in note
+
+
+def test_an_eager_sample_notes_what_a_character_took_for_compile_auto(run, monkeypatch, tmp_path):
+    """--compile auto compiles once compiling was measured to win here (training.engine.sampling_compiles): each sample
+    on a CPU notes its milliseconds a character, unless too short to time, streamed (its writes wait on the reader),
+    or stopped before the end."""
+    monkeypatch.setattr(writing.compile_cache, "_USER_CACHE", str(tmp_path))
+    markers = lambda: sorted(tmp_path.glob("*/tinychar-sample-*.json"))  # noqa: E731
+    enough = str(writing.TIMED_MIN_STEPS)
+    ok(run("--max-new-tokens", str(writing.TIMED_MIN_STEPS - 1), "--compile", "false"))
+    ok(run("--max-new-tokens", enough, "--compile", "false", "--stream"))
+    assert markers() == []
+    ok(run("--max-new-tokens", enough, "--compile", "false"))
+    ok(run("--max-new-tokens", enough, "--num-samples", "2"))  # auto: too few characters to compile
+    one, two = (json.loads(path.read_text(encoding="utf-8")) for path in markers())  # a marker for each batch
+    assert set(one) == set(two) == {"eager_ms"} and 0 < one["eager_ms"] < 1000 and 0 < two["eager_ms"] < 1000
+
+    def drawn(count: int, stop_after: int) -> list[int]:
+        got = []
+        for step in writing.timed_steps(iter(range(count)), "sample-timed", "compiled_ms", count):
+            got.append(step)
+            if len(got) == stop_after:
+                break
+        return got
+
+    key_marker = writing.compile_cache._marker("sample-timed")
+    assert drawn(5, stop_after=3) == [0, 1, 2] and not key_marker.exists()  # stopped early: not noted
+    assert drawn(5, stop_after=0) == [0, 1, 2, 3, 4]
+    assert set(json.loads(key_marker.read_text(encoding="utf-8"))) == {"compiled_ms"}
 
 
 def test_nothing_is_compiled_for_no_new_characters(run, monkeypatch):

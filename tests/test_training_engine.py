@@ -132,6 +132,30 @@ def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compi
     assert sampling_compiles("true", 1, key, cuda) == (True, "")
 
 
+def test_sampling_compiles_once_the_time_it_saves_here_was_measured_wins_the_compile_back(a_compiler, monkeypatch,
+                                                                                           tmp_path):
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
+    key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
+    compile_cache.remember_step_times(key, eager_ms=4.8)  # an eager sample alone: the counts still decide
+    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS - 1, key, CPU) == (False, "")
+    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS, key, CPU) == (True, "")
+    # the block-64 model on the Zen 1: 4.8 ms a character eagerly, 2.0 compiled, after a cold compile of 21 s, which
+    # from the warm cache takes about SAMPLE_WARM_SHARE of that: 2.8 ms saved wins back 1.5 x 11.55 s from 6,188
+    compile_cache.remember_compile(key, 21.0, cold=True)
+    compile_cache.remember_step_times(key, compiled_ms=2.0)
+    needed = engine.MEASURED_MARGIN * 21.0 * engine.SAMPLE_WARM_SHARE / (2.8 / 1000)
+    assert 6_100 < needed < 6_200 < SAMPLE_WARM_MIN_STEPS
+    assert sampling_compiles("auto", 6_200, key, CPU) == (True, "")
+    assert sampling_compiles("auto", 6_100, key, CPU) == (False, "")
+    compile_cache.remember_compile(key, 30.0)  # a slower compile from the warm cache, as timed: 1.5 x 30 s
+    assert sampling_compiles("auto", 16_000, key, CPU) == (False, "")
+    assert sampling_compiles("auto", 16_200, key, CPU) == (True, "")
+    # compiled no faster here: auto samples eagerly however long the text; true still compiles
+    compile_cache.remember_step_times(key, compiled_ms=4.9)
+    assert sampling_compiles("auto", 10**9, key, CPU) == (False, "")
+    assert sampling_compiles("true", 1, key, CPU) == (True, "")
+
+
 def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(compile_cache.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)

@@ -221,9 +221,11 @@ def remember_compile(key: str, seconds: float, cold: bool = False) -> None:
     _update_marker(key, {"seconds": round(seconds, 2), "cold": cold})
 
 
-def remember_step_times(key: str, eager_ms: float, compiled_ms: float) -> None:
-    """Note what a step took here eagerly and compiled, measured side by side (training.warm.time_steps)."""
-    _update_marker(key, {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3)})
+def remember_step_times(key: str, eager_ms: float | None = None, compiled_ms: float | None = None) -> None:
+    """Note what a step took here eagerly and compiled: measured side by side (training.warm.time_steps), or one of
+    them, as a sampling run timed its characters (sampling.writing); the other keeps what it held."""
+    times = {"eager_ms": eager_ms, "compiled_ms": compiled_ms}
+    _update_marker(key, {name: round(ms, 3) for name, ms in times.items() if ms is not None})
 
 
 # A compile from the warm cache takes this share of a compile from an empty one, or less (measured, tiny.yaml's step:
@@ -232,9 +234,10 @@ def remember_step_times(key: str, eager_ms: float, compiled_ms: float) -> None:
 WARM_SHARE = 0.25
 
 
-def measured_saving(key: str) -> tuple[float, float, float] | None:
+def measured_saving(key: str, warm_share: float = WARM_SHARE) -> tuple[float, float, float] | None:
     """What compiling this step was measured to save here: (ms a step eager, ms compiled, the seconds a compile from
-    the warm cache costs); None where the cache is cold or the steps were never timed side by side."""
+    the warm cache costs, taken as warm_share of a cold one where only that was timed); None where the cache is cold
+    or the step was not timed both ways."""
     last, compiled = _read_marker(key), _last_compile(key)
     try:
         eager_ms, compiled_ms = float(last["eager_ms"]), float(last["compiled_ms"])
@@ -243,7 +246,7 @@ def measured_saving(key: str) -> tuple[float, float, float] | None:
     if compiled is None:
         return None
     seconds, cold = compiled
-    return eager_ms, compiled_ms, seconds * WARM_SHARE if cold else seconds
+    return eager_ms, compiled_ms, seconds * warm_share if cold else seconds
 
 
 def compile_expectation(key: str, device: torch.device, layers: int = 3, micro_batches: int = 1) -> str:
