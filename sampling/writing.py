@@ -131,7 +131,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
                 raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own
             why = compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({one_line(e)})"
             print(f"{why}; sampling eagerly", file=sys.stderr)
-            sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p)
+            sampler, compiled = WindowSampler(model, args.temperature, args.top_k, args.top_p), False
         else:
             if (stop := interrupting()) is not None:  # a signal the compiler swallowed, compiling to the end
                 raise interruption(getattr(stop, "signum", signal.SIGINT))

@@ -249,6 +249,16 @@ def test_an_eager_sample_notes_what_a_character_took_for_compile_auto(run, monke
                 break
         return got
 
+    # a compile that failed samples eagerly, and is timed as what it is
+    for path in markers():
+        path.unlink()
+    monkeypatch.setattr(writing.compile_cache, "prepare_compile", lambda: tmp_path)
+    monkeypatch.setattr(writing.WindowSampler, "warm_up", lambda *a: (_ for _ in ()).throw(RuntimeError("no C++")))
+    code, out, err = run("--max-new-tokens", enough, "--compile", "true")
+    assert code == 0 and "sampling eagerly" in err, err
+    (path,) = markers()
+    assert set(json.loads(path.read_text(encoding="utf-8"))) == {"eager_ms"}
+
     key_marker = writing.compile_cache._marker("sample-timed")
     assert drawn(5, stop_after=3) == [0, 1, 2] and not key_marker.exists()  # stopped early: not noted
     assert drawn(5, stop_after=0) == [0, 1, 2, 3, 4]
