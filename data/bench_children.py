@@ -26,12 +26,22 @@ def memory() -> dict[str, float]:
 
 
 def child(mode: str, corpus: str, cache: str) -> int:
-    import torch
+    """One measurement: "prepare" or "batches" of a corpus, whose peak memory is this process's own; or "timings",
+    get_batch's on several corpora (corpus: a JSON list of [path, cold]), which take no memory figure, so one process
+    serves them all (each process is 2-3 s of importing torch)."""
+    import torch  # noqa: F401 - imported before the figures, as in the other children
 
     from data import DataConfig, prepare_corpus
 
+    if mode == "timings":
+        result: dict = {"mode": mode, "us": {}}
+        for path, cold in json.loads(corpus):
+            result["us"].update(timings(DataConfig(path=path, dataset=None, cache_dir=cache), cold))
+        result["peak_rss_mb"] = memory()["peak_mb"]
+        print(json.dumps(result), flush=True)
+        return 0
     cfg = DataConfig(path=corpus, dataset=None, cache_dir=cache)
-    result: dict = {"mode": mode, "bytes": os.path.getsize(corpus)}
+    result = {"mode": mode, "bytes": os.path.getsize(corpus)}
     if mode == "prepare":
         before = memory()
         start = time.perf_counter()
@@ -48,29 +58,31 @@ def child(mode: str, corpus: str, cache: str) -> int:
         )
     elif mode == "batches":
         result.update(batches(cfg))
-    elif mode in ("timing", "timing-cold"):
-        c = prepare_corpus(cfg, min_chars=9, progress=False)
-        kind = str(c.ids.dtype).replace("torch.", "")
-        size = f"{result['bytes'] / 1e6:g} MB"
-        if mode == "timing":  # the CPU cost of get_batch: the small ids are soon all in the page cache
-            tensors = {f"{kind} memmap ({size})": c.ids}
-            if kind == "uint8":
-                tensors[f"int64 tensor ({size}, in memory)"] = c.ids.to(torch.int64)
-            result["us"] = {
-                f"{name}, B={batch} T={block}": time_get_batch(ids, batch, block)
-                for name, ids in tensors.items()
-                for batch, block in ((32, 8), (12, 64))
-            }
-        else:  # the first windows of a corpus just prepared: each is a read from disk (a page fault)
-            result["us"] = {
-                f"{kind} memmap ({size}, cold pages), B={batch} T={block}": time_get_batch(
-                    c.ids, batch, block, calls=500, repeats=1, warmup=0
-                )
-                for batch, block in ((32, 8), (12, 64))
-            }
     result["peak_rss_mb"] = memory()["peak_mb"]
     print(json.dumps(result), flush=True)
     return 0
+
+
+def timings(cfg: DataConfig, cold: bool) -> dict[str, float]:
+    """get_batch's microseconds on a corpus (prepared first if it is not yet), by what it reads and the batch shape.
+    cold: the first windows of a corpus just prepared, each a read from disk (a page fault); else the CPU's cost of
+    get_batch, the small ids soon all in the page cache."""
+    import torch
+
+    from data import prepare_corpus
+
+    c = prepare_corpus(cfg, min_chars=9, progress=False)
+    kind = str(c.ids.dtype).replace("torch.", "")
+    size = f"{os.path.getsize(cfg.path) / 1e6:g} MB"
+    shapes = ((32, 8), (12, 64))
+    if cold:
+        return {f"{kind} memmap ({size}, cold pages), B={batch} T={block}": time_get_batch(
+                    c.ids, batch, block, calls=500, repeats=1, warmup=0) for batch, block in shapes}
+    tensors = {f"{kind} memmap ({size})": c.ids}
+    if kind == "uint8":
+        tensors[f"int64 tensor ({size}, in memory)"] = c.ids.to(torch.int64)
+    return {f"{name}, B={batch} T={block}": time_get_batch(ids, batch, block)
+            for name, ids in tensors.items() for batch, block in shapes}
 
 
 def batches(cfg: DataConfig) -> dict:
