@@ -144,6 +144,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
 
     from training import distributed
     from training.checkpoints import load_run
+    from training.devices import flush_denormals
     from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
     from training.runner import run
 
@@ -153,6 +154,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
             try:
                 if refused is not None:
                     raise UsageError(refused)
+                flush_denormals()  # before torch first works in parallel (a resume's checks may): its threads copy it
                 if cfg is None:
                     cfg, payload, changes = load_run(args.config, args.overrides, args.resume)
                     if launch.main:

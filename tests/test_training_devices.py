@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -84,3 +88,73 @@ def test_a_float16_cpu_run_measures_its_mfu_against_the_products_it_runs(tmp_pat
     mfu = [float(m) for m in re.findall(r"MFU (\d+\.\d+)%", out)]
     assert mfu and max(mfu) < 100, out
     assert ("note: this CPU has no fast float16 products" in out) is not fast
+
+
+# Run after a real train.py or sample.py in its process: does every thread of torch's pool, two of them, treat denormal
+# numbers as zero? One multiply of a million denormals, which torch splits between the two threads.
+DENORMALS_LEFT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import {program}
+status = {program}.main({args!r})
+torch.set_num_threads(2)
+print()  # after any sample text
+print(status, int((torch.full((1 << 20,), 1e-39) * 0.5 != 0).sum()))
+"""
+
+
+def denormals_left(program: str, args: list[str], flush: str | None, tmp_path) -> tuple[int, int]:
+    """(exit status, how many of a million denormals a 2-thread multiply left non-zero) after program.main(args)."""
+    from conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env.pop("TINYCHAR_FLUSH_DENORMALS", None)
+    if flush is not None:
+        env["TINYCHAR_FLUSH_DENORMALS"] = flush
+    script = DENORMALS_LEFT.format(root=str(ROOT), program=program, args=args)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    status, left = done.stdout.split()[-2:]
+    return int(status), int(left)
+
+
+@pytest.mark.slow
+def test_training_and_sampling_treat_denormal_numbers_as_zero_on_every_thread(tmp_path):
+    """flush_denormals, called by train.py and sample.py before torch's pool of threads exists, so that the pool's
+    threads copy it; TINYCHAR_FLUSH_DENORMALS=0 keeps IEEE's denormals."""
+    from conftest import ROOT, tiny_overrides
+    from training_runs import write_corpus
+
+    if not torch.set_flush_denormal(True):  # this process's main thread only: conftest has set it already
+        pytest.skip("this CPU has no mode that treats denormal numbers as zero (x86 SSE3 and later have)")
+    run = tmp_path / "run"
+    train_args = ["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(write_corpus(tmp_path), run, **{
+        "train.max_iters": 4, "train.eval_interval": 4, "train.threads": 2})]
+    assert denormals_left("train", train_args, None, tmp_path) == (0, 0)
+    # 40 rows of the 8 x 16 window: more values than sample.py keeps to one thread (SAMPLE_ONE_THREAD_MAX)
+    sample_args = ["--out-dir", str(run), "--device", "cpu", "--compile", "false", "--num-samples", "40",
+                   "--max-new-tokens", "5"]
+    assert denormals_left("sample", sample_args, None, tmp_path) == (0, 0)
+    assert denormals_left("sample", sample_args, "0", tmp_path) == (0, 1 << 20)
+
+
+@pytest.mark.parametrize("program", ["train", "sample"])
+def test_a_bad_flush_denormals_setting_is_one_line_before_anything_is_written(program, tmp_path, monkeypatch,
+                                                                              capsys):
+    from conftest import ROOT
+    from test_train import one_error_line
+    from training_runs import call, train_main
+
+    import sample
+
+    monkeypatch.setenv("TINYCHAR_FLUSH_DENORMALS", "yes")
+    out = tmp_path / "out"
+    if program == "train":
+        status, _, err = call(train_main, ["--config", str(ROOT / "configs" / "tiny.yaml"), f"out_dir={out}"], capsys)
+        assert not out.exists()
+    else:
+        status, _, err = call(sample.main, ["--out-dir", str(out)], capsys)
+    assert status == 2
+    assert one_error_line(err) == ("error: TINYCHAR_FLUSH_DENORMALS must be 1 (treat denormal numbers as zero, the "
+                                   "default) or 0 (keep them), got 'yes'")
