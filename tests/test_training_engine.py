@@ -112,6 +112,20 @@ def test_a_step_multiplies_through_onednn_when_a_linear_layer_takes_its_rows_the
     assert engine.multiplies_through_onednn(model, 32)
 
 
+def test_under_bfloat16_a_cpu_steps_multiplies_run_through_onednn_so_compiling_may_pay_at_any_size(monkeypatch):
+    """bfloat16 autocast sends every CPU product to oneDNN (with AMX, 4x float32's speed), which leaves the step to
+    its other operators: auto weighs compiling as for any overhead-bound step, whatever its FLOPs."""
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "0")  # float32 keeps PyTorch's BLAS: bound by its multiplies at this size
+    model = GPT(GPTConfig(vocab_size=5, n_layer=1, n_embd=128, n_head=4, block_size=64))
+    assert not engine.multiplies_outside_blas(model, 768, CPU, torch.float32)
+    assert engine.multiplies_outside_blas(model, 768, CPU, torch.bfloat16)
+    assert not engine.multiplies_outside_blas(model, 768, torch.device("cuda"), torch.bfloat16)  # no BLAS rule there
+    bound = OVERHEAD_BOUND_FLOPS * 2
+    onednn = engine.multiplies_outside_blas(model, 768, CPU, torch.bfloat16)
+    assert not auto_compiles(bound, 10**9, CPU, warm=True, onednn=False)[0]
+    assert auto_compiles(bound, 2_000, CPU, warm=True, onednn=onednn, measured=(32.0, 21.0, 10.0))[0]
+
+
 def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compiler, monkeypatch, tmp_path):
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
     key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)

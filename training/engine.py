@@ -80,7 +80,8 @@ MAX_STEP_ACCUM = 8
 # GFLOP 1.3x, 1.9 GFLOP 1.1x, 4.0 GFLOP (nanoGPT's CPU config, float32) 1.0x). Through oneDNN (model/linear.py)
 # the multiplies take half the time and compiling removes most of the rest, whatever the size: on a 2-core Zen 5
 # EPYC, float32, nanoGPT's CPU config 29 ms/step eager, 20.8 ms compiled (cold compile about 20 s, warm 3-6 s: it
-# wins from about 2,400 steps cold and 700 warm); tiny.yaml 12.8 -> 8.75 ms (15.5 s cold: about 3,900 steps).
+# wins from about 2,400 steps cold and 700 warm); tiny.yaml 12.8 -> 8.75 ms (15.5 s cold: about 3,900 steps). So too
+# under bfloat16 autocast, which sends every CPU product to oneDNN (multiplies_outside_blas).
 OVERHEAD_BOUND_FLOPS = 2.5e9
 
 
@@ -287,8 +288,8 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
     else:
         key = compile_key(trainer.model.config, tc, device, trainer.dtype)
         flops_per_step = trainer.flops_per_token * trainer.tokens_per_step / trainer.launch.world_size
-        onednn = device.type == "cpu" and trainer.dtype == torch.float32 and multiplies_through_onednn(
-            trainer.model, tc.batch_size * trainer.cfg.model.block_size)
+        onednn = multiplies_outside_blas(trainer.model, tc.batch_size * trainer.cfg.model.block_size, device,
+                                         trainer.dtype)
         warm_now = cached_compile_seconds(key) is not None
         micro = tc.grad_accum_steps if kind == "step" else 1
         remaining = tc.max_iters - trainer.step
@@ -323,6 +324,17 @@ def warm_in_background(trainer: Trainer, key: str) -> str:
     return ("engine: once this run ends, a helper compiles its step into the cache at the lowest priority (15-60 s "
             "of CPU) and times it, so that the next run of this model compiles in seconds where that pays "
             "(TINYCHAR_WARM_CACHE=0: never)")
+
+
+def multiplies_outside_blas(model: nn.Module, rows: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a CPU step's matrix multiplies run through oneDNN rather than PyTorch's default BLAS, so that compiling
+    the rest pays at any size (see OVERHEAD_BOUND_FLOPS): all of them under bfloat16 autocast, which sends them there
+    (measured on a 2-core Xeon with AMX, 2026-12-01: shakespeare_char_cpu.yaml's step 31-33 ms eager, 20-22.5 ms
+    compiled, its 2,000 steps 68.3-71.0 s against 55.3-58.8 s with a compile of 10 s from the warm cache), float32
+    ones where model/linear.py sends them (multiplies_through_onednn)."""
+    if device.type != "cpu":
+        return False
+    return dtype == torch.bfloat16 or dtype == torch.float32 and multiplies_through_onednn(model, rows)
 
 
 def multiplies_through_onednn(model: nn.Module, rows: int) -> bool:
