@@ -144,17 +144,18 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
 
     from training import distributed
     from training.checkpoints import load_run
-    from training.devices import flush_denormals
+    from training.devices import denormals_as_zero
     from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
     from training.runner import run
 
     try:
-        with InterruptSignals():
+        with InterruptSignals(), contextlib.ExitStack() as numerics:
             failure, payload, backend, device = None, None, "gloo", torch.device("cpu")
             try:
                 if refused is not None:
                     raise UsageError(refused)
-                flush_denormals()  # before torch first works in parallel (a resume's checks may): its threads copy it
+                # before torch first works in parallel (a resume's checks may): its threads copy the setting
+                numerics.enter_context(denormals_as_zero())
                 if cfg is None:
                     cfg, payload, changes = load_run(args.config, args.overrides, args.resume)
                     if launch.main:

@@ -24,7 +24,7 @@ from model import (
 from model.checkpoint import NotThisVersion
 from model.config import GPTConfig
 from training import compile_cache
-from training.devices import DeviceError, flush_denormals, resolve_device
+from training.devices import DeviceError, resolve_device
 from training.errors import UsageError, path_error, path_message
 from training.memory import MemoryNeed, check_fits, model_need, text_bytes
 
@@ -160,7 +160,6 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
     """The model in eval mode on its device, the prompt's ids, the prompt and the vocabulary; or the exit status of a
     request refused in one line. The checkpoint's line and any attention map are written here."""
     try:
-        flush_denormals()  # as training does (training.devices), before torch first works in parallel
         check_args(args)
         if args.attention_map is not None:
             check_map_path(args.attention_map)

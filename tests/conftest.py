@@ -37,16 +37,6 @@ os.environ["TMPDIR"] = os.path.join(_SESSION_CACHE, "tmp")
 os.environ["XDG_CACHE_HOME"] = _SESSION_CACHE
 os.environ.pop("TINYCHAR_DATA_DIR", None)
 
-# train.py and sample.py treat denormal numbers as zero on every thread (training.devices.flush_denormals) by setting
-# it before torch makes its pool of threads. Tests that call them in this process come after others that made the
-# pool, whose threads would keep IEEE's denormals: set it here, before any test, so that a run in this process
-# computes what the same run as a process of its own does.
-# (A user's TINYCHAR_FLUSH_DENORMALS=0 would make the two differ.)
-import torch  # noqa: E402 - after the environment above, which torch's import may read
-
-os.environ.pop("TINYCHAR_FLUSH_DENORMALS", None)
-torch.set_flush_denormal(True)
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(

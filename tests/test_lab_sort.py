@@ -191,13 +191,15 @@ def test_ctrl_c_while_the_lab_loads_is_one_line_and_status_130(monkeypatch, caps
     monkeypatch.delattr(lab, "sort")  # both put back afterwards: the import below makes the module afresh
     monkeypatch.delitem(sys.modules, "lab.sort")
     monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    # Python's own handler, or SIG_IGN where pytest was started in the background of a shell (`pytest &`): restored
+    before = signal.getsignal(signal.SIGINT)
     try:
         code = lab_main(["sort", "--steps", "1"])
     except KeyboardInterrupt:  # a failure of this test, not a Ctrl-C of the session
         pytest.fail("the Ctrl-C came out of the import as a KeyboardInterrupt")
     assert code == 130
     assert capsys.readouterr().err == "interrupted (SIGINT) while starting; nothing was done\n"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_sigterm_while_the_lab_loads_is_one_line_and_status_143(monkeypatch, capsys, request):

@@ -90,71 +90,78 @@ def test_a_float16_cpu_run_measures_its_mfu_against_the_products_it_runs(tmp_pat
     assert ("note: this CPU has no fast float16 products" in out) is not fast
 
 
-# Run after a real train.py or sample.py in its process: does every thread of torch's pool, two of them, treat denormal
-# numbers as zero? One multiply of a million denormals, which torch splits between the two threads.
+# After a real train.py in its process (train.main): how many of a million denormals does a 2-thread multiply leave
+# non-zero? torch gives each thread half. The main thread prints what it finds of its own arithmetic too.
 DENORMALS_LEFT = """
 import sys, torch
 sys.path.insert(0, {root!r})
-import {program}
-status = {program}.main({args!r})
+import train
+status = train.main({args!r}, progress=False)
 torch.set_num_threads(2)
-print()  # after any sample text
-print(status, int((torch.full((1 << 20,), 1e-39) * 0.5 != 0).sum()))
+print(status, int((torch.full((1 << 20,), 1e-39) * 0.5 != 0).sum()), sys.float_info.min / 2 > 0)
 """
 
 
-def denormals_left(program: str, args: list[str], flush: str | None, tmp_path) -> tuple[int, int]:
-    """(exit status, how many of a million denormals a 2-thread multiply left non-zero) after program.main(args)."""
+def denormals_left(args: list[str], flush: str | None, tmp_path) -> tuple[int, int, bool]:
+    """(exit status, how many of a million denormals a 2-thread multiply left non-zero, whether Python's floats
+    keep them) in a process, after train.main(args)."""
     from conftest import ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     env.pop("TINYCHAR_FLUSH_DENORMALS", None)
     if flush is not None:
         env["TINYCHAR_FLUSH_DENORMALS"] = flush
-    script = DENORMALS_LEFT.format(root=str(ROOT), program=program, args=args)
+    script = DENORMALS_LEFT.format(root=str(ROOT), args=args)
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    status, left = done.stdout.split()[-2:]
-    return int(status), int(left)
+    status, left, kept = done.stdout.split()[-3:]
+    return int(status), int(left), kept == "True"
 
 
 @pytest.mark.slow
-def test_training_and_sampling_treat_denormal_numbers_as_zero_on_every_thread(tmp_path):
-    """flush_denormals, called by train.py and sample.py before torch's pool of threads exists, so that the pool's
-    threads copy it; TINYCHAR_FLUSH_DENORMALS=0 keeps IEEE's denormals."""
+def test_training_treats_denormal_numbers_as_zero_on_every_thread_of_torch_and_gives_python_them_back(tmp_path):
+    """train.py enters denormals_as_zero before torch makes its pool of threads, whose threads copy the setting and
+    keep it; on leaving, the calling thread has IEEE's denormals back (Python's floats, here 2.2e-308 / 2, obey it
+    too). TINYCHAR_FLUSH_DENORMALS=0 keeps them everywhere."""
     from conftest import ROOT, tiny_overrides
     from training_runs import write_corpus
 
-    if not torch.set_flush_denormal(True):  # this process's main thread only: conftest has set it already
+    if not torch.set_flush_denormal(False):  # what this process had already
+        pytest.skip("this CPU has no mode that treats denormal numbers as zero (x86 SSE3 and later have)")
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(write_corpus(tmp_path), tmp_path / "run",
+            **{"train.max_iters": 4, "train.eval_interval": 4, "train.threads": 2})]
+    # The pool's thread flushed its half; the main thread's half is kept, as are Python's floats.
+    assert denormals_left(args, None, tmp_path) == (0, 1 << 19, True)
+    assert denormals_left([*args, "--overwrite"], "0", tmp_path) == (0, 1 << 20, True)
+
+
+def test_in_this_process_a_run_leaves_python_its_denormals(tmp_path):
+    """As a test or a notebook calls it: after train.main, Python's floats keep their denormals (left flushed, a
+    top_p of 5e-324 compared as 0 and the sampler refused it, in a test of tests/test_model_sampler.py run after a
+    training test in the same process), and the flag is back as it was."""
+    from conftest import tiny_overrides
+    from training_runs import train_main, write_corpus
+
+    if not torch.set_flush_denormal(False):
         pytest.skip("this CPU has no mode that treats denormal numbers as zero (x86 SSE3 and later have)")
     run = tmp_path / "run"
-    train_args = ["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(write_corpus(tmp_path), run, **{
-        "train.max_iters": 4, "train.eval_interval": 4, "train.threads": 2})]
-    assert denormals_left("train", train_args, None, tmp_path) == (0, 0)
-    # 40 rows of the 8 x 16 window: more values than sample.py keeps to one thread (SAMPLE_ONE_THREAD_MAX)
-    sample_args = ["--out-dir", str(run), "--device", "cpu", "--compile", "false", "--num-samples", "40",
-                   "--max-new-tokens", "5"]
-    assert denormals_left("sample", sample_args, None, tmp_path) == (0, 0)
-    assert denormals_left("sample", sample_args, "0", tmp_path) == (0, 1 << 20)
+    assert devices.subnormals_kept()
+    assert train_main(tiny_overrides(write_corpus(tmp_path), run, **{"train.max_iters": 2})) == 0
+    assert devices.subnormals_kept() and 5e-324 > 0
+    with devices.denormals_as_zero():
+        assert not devices.subnormals_kept()
+    assert devices.subnormals_kept()
 
 
-@pytest.mark.parametrize("program", ["train", "sample"])
-def test_a_bad_flush_denormals_setting_is_one_line_before_anything_is_written(program, tmp_path, monkeypatch,
-                                                                              capsys):
+def test_a_bad_flush_denormals_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
     from conftest import ROOT
     from test_train import one_error_line
     from training_runs import call, train_main
 
-    import sample
-
     monkeypatch.setenv("TINYCHAR_FLUSH_DENORMALS", "yes")
     out = tmp_path / "out"
-    if program == "train":
-        status, _, err = call(train_main, ["--config", str(ROOT / "configs" / "tiny.yaml"), f"out_dir={out}"], capsys)
-        assert not out.exists()
-    else:
-        status, _, err = call(sample.main, ["--out-dir", str(out)], capsys)
-    assert status == 2
+    status, _, err = call(train_main, ["--config", str(ROOT / "configs" / "tiny.yaml"), f"out_dir={out}"], capsys)
+    assert status == 2 and not out.exists()
     assert one_error_line(err) == ("error: TINYCHAR_FLUSH_DENORMALS must be 1 (treat denormal numbers as zero, the "
                                    "default) or 0 (keep them), got 'yes'")

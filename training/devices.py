@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -18,30 +20,50 @@ class DeviceError(ValueError):
     """A device or dtype that this machine cannot provide; the message is one line for a person."""
 
 
-# TINYCHAR_FLUSH_DENORMALS: 1 (the default) or 0; see flush_denormals.
+# TINYCHAR_FLUSH_DENORMALS: 1 (the default) or 0; see denormals_as_zero.
 FLUSH_SETTINGS = ("1", "0")
 
 
-def flush_denormals() -> bool:
-    """Have this process's CPU arithmetic treat numbers too small for a normal float (below 1.2e-38, "denormals") as
-    zero, in and out; whether it now does. TINYCHAR_FLUSH_DENORMALS=0 leaves the IEEE default; another value is a
-    DeviceError.
-
-    Attention at block 64 makes them: in a model 500 steps into training, 1.2% of the attention weights (those of
-    positions scoring 87-104 below the highest, exp(-87) being the smallest normal float32) were denormal, and so was
-    what the backward pass and the product with the values made of them. On an Intel CPU each one costs a microcode
-    assist: a float32 multiply over denormals took 11x as long (2.4 ms against 0.22 for a million values, 2-core Xeon
-    with AMX, 2 threads), and the block-64 step slowed by a quarter partway through training. What is thrown away is
-    under 1.2e-38, beside sums of order 1: far below float32's rounding of them.
-
-    The CPU holds this setting per thread, and a thread starts with its creator's: call this before torch first works
-    in parallel, when it makes its pool of threads, or the pool's threads keep the default (measured: half of a
-    2-thread multiply flushed)."""
+def flush_wanted() -> bool:
+    """TINYCHAR_FLUSH_DENORMALS: whether to treat denormal numbers as zero (1, unset or empty) or not (0); another
+    value is a DeviceError."""
     setting = os.environ.get("TINYCHAR_FLUSH_DENORMALS", "1").strip() or "1"
     if setting not in FLUSH_SETTINGS:
         raise DeviceError(f"TINYCHAR_FLUSH_DENORMALS must be 1 (treat denormal numbers as zero, the default) or 0 "
                           f"(keep them), got {setting!r}")
-    return setting == "1" and torch.set_flush_denormal(True)
+    return setting == "1"
+
+
+def subnormals_kept() -> bool:
+    """Whether this thread's arithmetic keeps denormal numbers (IEEE's default), as Python's own floats show it."""
+    return sys.float_info.min / 2 > 0
+
+
+@contextmanager
+def denormals_as_zero() -> Iterator[None]:
+    """While inside, this process's CPU arithmetic treats numbers too small for a normal float (below 1.2e-38 in
+    float32, "denormals") as zero, in and out, unless TINYCHAR_FLUSH_DENORMALS=0 (flush_wanted).
+
+    Attention at block 64 makes them: in a model 500 steps into training with AdamW at 6e-3, 1.2% of the attention
+    weights (those of positions scoring 87 or more below the highest) were denormal, and so was what the backward
+    pass and the product with the values made of them. On an Intel CPU each one costs a microcode assist: a float32
+    multiply over denormals took 11x as long (2.4 ms against 0.22 for a million values, 2-core Xeon with AMX, 2
+    threads), and such a block-64 run trained 1.28x slower. What is thrown away is under 1.2e-38, beside sums of order
+    1: far below float32's rounding of them.
+
+    The CPU holds the setting per thread, and a thread starts with its creator's: enter this before torch first works
+    in parallel, when it makes its pool of threads, or the pool's threads keep the default (measured: half of a
+    2-thread multiply flushed). On leaving, the calling thread has IEEE's denormals back if it had them before, for
+    the Python that goes on in the process (a test, a notebook): its floats obey the same setting, under which 5e-324
+    > 0 is False. The pool's threads keep it."""
+    if not flush_wanted() or not subnormals_kept():
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def _mps_available() -> bool:

@@ -113,11 +113,11 @@ def compile_step(job: Path, remember: bool) -> float:
     from training import compile_cache, engine
     from training.compiled_step import CompiledStep
     from training.config import TrainConfig
-    from training.devices import flush_denormals
+    from training.devices import flush_wanted
     from training.optim import make_optimizer
 
     spec = json.loads(job.read_text(encoding="utf-8"))
-    flush_denormals()  # as the run does, so that the step is timed as it will run
+    torch.set_flush_denormal(flush_wanted())  # as the run does (training.devices.denormals_as_zero), to time it so
     torch.set_num_threads(spec["threads"])
     model_cfg, tc = GPTConfig(**spec["model"]), TrainConfig(**spec["train"])
     dtype, device = getattr(torch, spec["dtype"]), torch.device("cpu")
