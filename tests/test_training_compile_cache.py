@@ -204,3 +204,41 @@ def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_o
     assert capsys.readouterr().err == line
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "cache"))
     assert compile_cache.user_cache_problem() is None
+
+
+def test_code_compiled_under_autocast_is_kept_in_aotautograds_cache_and_keyed_by_the_autocasts_dtype(monkeypatch,
+                                                                                                   tmp_path):
+    """A bfloat16 step enters autocast inside its compiled code, which AOTAutograd's cache declined until
+    prepare_compile marked autocast's functions cacheable (a compile from the warm cache 15 s -> 6 s). Another
+    autocast dtype must still be another entry: float16 after bfloat16 compiles anew and gives float16."""
+    import types
+
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
+    kept = inductor_config.unsafe_marked_cacheable_functions  # by hand: see the test above
+    try:
+        inductor_config.unsafe_marked_cacheable_functions = {"user.function": "1"}
+        compile_cache.prepare_compile()
+        assert inductor_config.unsafe_marked_cacheable_functions["user.function"] == "1"
+
+        def product(w: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            with torch.autocast("cpu", dtype):
+                return x @ w
+
+        w, x = torch.randn(8, 8), torch.randn(2, 8)
+        seen = []
+        for dtype in (torch.bfloat16, torch.bfloat16, torch.float16):
+            # a new code object each time: dynamo's own cache of the last compile does not answer, AOTAutograd's may
+            fresh = types.FunctionType(product.__code__.replace(), product.__globals__)
+            before = dict(counters["aot_autograd"])
+            y = torch.compile(fresh, fullgraph=True, dynamic=False)(w, x, dtype)
+            assert y.dtype == dtype and torch.equal(y, (x.to(dtype) @ w.to(dtype)))
+            seen.append({k for k, v in counters["aot_autograd"].items() if v != before.get(k, 0)} - {"total", "ok"})
+        assert seen == [{"autograd_cache_miss", "autograd_cache_saved"}, {"autograd_cache_hit"},
+                        {"autograd_cache_miss", "autograd_cache_saved"}]
+    finally:
+        inductor_config.unsafe_marked_cacheable_functions = kept
