@@ -206,15 +206,32 @@ def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_o
     assert compile_cache.user_cache_problem() is None
 
 
-def test_code_compiled_under_autocast_is_kept_in_aotautograds_cache_and_keyed_by_the_autocasts_dtype(monkeypatch,
-                                                                                                   tmp_path):
-    """A bfloat16 step enters autocast inside its compiled code, which AOTAutograd's cache declined until
-    prepare_compile marked autocast's functions cacheable (a compile from the warm cache 15 s -> 6 s). Another
-    autocast dtype must still be another entry: float16 after bfloat16 compiles anew and gives float16."""
+
+def cache_events(fresh_functions: list, args: tuple) -> list[tuple[set[str], torch.Tensor]]:
+    """Compile each function in turn, with prepare_compile's settings and a cache of the test's own, and call it on
+    args: what AOTAutograd's cache did for each (hit, miss, saved, bypass) and what it returned."""
+    from torch._dynamo.utils import counters
+
+    seen = []
+    for f in fresh_functions:
+        before = dict(counters["aot_autograd"])
+        y = torch.compile(f, fullgraph=True, dynamic=False)(*args)
+        seen.append(({k for k, v in counters["aot_autograd"].items() if v != before.get(k, 0)} - {"total", "ok"}, y))
+    return seen
+
+
+def fresh(f, **constants):  # noqa: ANN001, ANN201
+    """f as a function of a new code object, so that dynamo compiles it again (its own cache is per code object)
+    while inductor's and AOTAutograd's caches may answer; constants become globals it reads."""
     import types
 
+    return types.FunctionType(f.__code__.replace(), {**f.__globals__, **constants})
+
+
+@pytest.fixture
+def marked_functions(monkeypatch, tmp_path):  # noqa: ANN201
+    """prepare_compile run with a cache of the test's own, torch's setting put back after the test."""
     import torch._inductor.config as inductor_config
-    from torch._dynamo.utils import counters
 
     monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -223,22 +240,46 @@ def test_code_compiled_under_autocast_is_kept_in_aotautograds_cache_and_keyed_by
     try:
         inductor_config.unsafe_marked_cacheable_functions = {"user.function": "1"}
         compile_cache.prepare_compile()
-        assert inductor_config.unsafe_marked_cacheable_functions["user.function"] == "1"
-
-        def product(w: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            with torch.autocast("cpu", dtype):
-                return x @ w
-
-        w, x = torch.randn(8, 8), torch.randn(2, 8)
-        seen = []
-        for dtype in (torch.bfloat16, torch.bfloat16, torch.float16):
-            # a new code object each time: dynamo's own cache of the last compile does not answer, AOTAutograd's may
-            fresh = types.FunctionType(product.__code__.replace(), product.__globals__)
-            before = dict(counters["aot_autograd"])
-            y = torch.compile(fresh, fullgraph=True, dynamic=False)(w, x, dtype)
-            assert y.dtype == dtype and torch.equal(y, (x.to(dtype) @ w.to(dtype)))
-            seen.append({k for k, v in counters["aot_autograd"].items() if v != before.get(k, 0)} - {"total", "ok"})
-        assert seen == [{"autograd_cache_miss", "autograd_cache_saved"}, {"autograd_cache_hit"},
-                        {"autograd_cache_miss", "autograd_cache_saved"}]
+        assert inductor_config.unsafe_marked_cacheable_functions["user.function"] == "1"  # the user's entry kept
+        yield
     finally:
         inductor_config.unsafe_marked_cacheable_functions = kept
+
+
+MISS, HIT = {"autograd_cache_miss", "autograd_cache_saved"}, {"autograd_cache_hit"}
+
+
+def product_under_autocast(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", DTYPE):  # noqa: F821 (a global of each fresh copy)
+        return x @ w
+
+
+def test_code_compiled_under_autocast_is_kept_in_the_cache_and_keyed_by_the_autocasts_dtype(marked_functions):
+    """A bfloat16 step enters autocast inside its compiled code, which AOTAutograd's cache declined until
+    prepare_compile marked autocast's functions cacheable (a compile from the warm cache 15 s -> 6 s). Another
+    autocast dtype must still be another entry: float16 after bfloat16 compiles anew and gives float16."""
+    w, x = torch.randn(8, 8), torch.randn(2, 8)
+    dtypes = (torch.bfloat16, torch.bfloat16, torch.float16)
+    seen = cache_events([fresh(product_under_autocast, DTYPE=d) for d in dtypes], (w, x))
+    assert [events for events, _ in seen] == [MISS, HIT, MISS]
+    for (_, y), dtype in zip(seen, dtypes, strict=True):
+        assert y.dtype == dtype and torch.equal(y, x.to(dtype) @ w.to(dtype))
+
+
+def doubled_while_below(x: torch.Tensor) -> torch.Tensor:
+    from torch._higher_order_ops import while_loop
+
+    start = (torch.zeros(1, dtype=torch.long), x)
+    return while_loop(lambda i, _: i[0] < BOUND, lambda i, y: (i + 1, y * 2), start)[1]  # noqa: F821 (a global)
+
+
+def test_a_while_loop_is_kept_in_the_cache_and_keyed_by_its_body(marked_functions):
+    """The compiled sampler draws its characters in a while_loop, which inductor's and AOTAutograd's caches declined
+    until prepare_compile marked it cacheable (sample.py's compile from the warm cache 14-16 s -> 6.5 s). The loops
+    below differ only inside the loop's condition, a graph of its own: the second, the same as the first, comes from
+    the cache; the third must not."""
+    x = torch.ones(3)
+    bounds = (3, 3, 4)
+    seen = cache_events([fresh(doubled_while_below, BOUND=b) for b in bounds], (x,))
+    assert [events for events, _ in seen] == [MISS, HIT, MISS]
+    assert [y.tolist() for _, y in seen] == [[8.0] * 3, [8.0] * 3, [16.0] * 3]

@@ -109,8 +109,9 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
     return cache_key("sample", parts)
 
 
-# sample.py --compile auto: the same trade for the sampling step. Compiling it takes about 10 s cold and 4 s warm (its
-# loop keeps inductor from caching the graph; the C++ is cached). What it saves per character depends on the machine:
+# sample.py --compile auto: the same trade for the sampling step. Compiling it took about 10 s cold and 4 s warm on a
+# Zen 4 EPYC, when inductor's cache still declined its loop (see compile_cache.CACHEABLE_FUNCTIONS; the C++ alone came
+# from the cache). What it saves per character depends on the machine:
 # at block 8, 0.63 ms on one 2-core EPYC (1,400 -> 10,600 characters/s) and 0.3 ms on a faster one (2,650 -> 12,800),
 # so compiling wins from 8,000-17,000 characters warm and 17,000-36,000 cold; at block 64, 1.8 ms (370 -> 1,075).
 # Those counts hold until this machine has timed both: sample.py notes what a character took eagerly and compiled
@@ -118,11 +119,11 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
 # saves, come to MEASURED_MARGIN times a compile from the warm cache. Measured on a 2-core Zen 1 EPYC (AVX2, whole
 # sample.py processes, 2026-11-27), the counts were 2-3x too high there: compiling won from 8,500 characters warm and
 # 14,000 cold at block 8 (2.0 -> 0.27 ms a character), from 5,800 and 9,500 at block 64 (4.5-5.2 -> 2.0-2.1 ms).
+# Both with the loop declined by the cache; a compile from the warm cache now takes about WARM_SHARE of a cold one,
+# as the training step's does (a Xeon with AMX, the block-64 model: 32.0 s cold, 6.5-6.6 s warm, against 13.8-15.9 s
+# warm before), so the counts err further on the side of eager until this machine has timed both.
 SAMPLE_COLD_MIN_STEPS = 30_000
 SAMPLE_WARM_MIN_STEPS = 10_000
-# The loop that keeps inductor from caching the sampling graph also keeps a compile from the warm cache at about half
-# a cold one (the Zen 1: 21.3-22.4 s cold, 11.1-12.2 s warm; a Zen 4: about 10 and 4 s), not WARM_SHARE.
-SAMPLE_WARM_SHARE = 0.55
 # The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
 # torch.compile's guards cost ~100 us per call, once per 32 characters instead of once per character (measured,
 # block 8, one thread: 4,400 -> 10,600 characters/s; 64 is no faster). The loop body compiles once, so the compile
@@ -146,7 +147,7 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
         # Measured on an H100 (torch 2.11, the 6-layer block-256 model, 2,000 characters, one stream): sample.py
         # took 12.7 s eager and 33.7 s compiled, 14.8 s of it compiling; the characters were the same.
         return False, ""
-    measured = measured_saving(key, SAMPLE_WARM_SHARE)
+    measured = measured_saving(key)
     if measured is not None:
         eager_ms, compiled_ms, seconds = measured
         return steps * (eager_ms - compiled_ms) / 1000 >= MEASURED_MARGIN * seconds, ""
