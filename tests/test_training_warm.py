@@ -52,6 +52,11 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_could_compile(a_co
     key = engine.compile_key(trainer.model.config, trainer.tc, CPU, torch.float32)
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("eager", key) and "cold cache" in choice.reason
+    # a step bound by its multiplies (OVERHEAD_BOUND_FLOPS) leaves one too: what the helper times decides later
+    with monkeypatch.context() as m:
+        m.setattr(engine, "OVERHEAD_BOUND_FLOPS", 1.0)
+        bound = choose_engine(trainer, None, CPU)
+    assert (bound.kind, bound.warm_key) == ("eager", key) and "matrix multiplies" in bound.reason
 
     started = []
     monkeypatch.setattr(warm, "start", lambda *args: started.append(args) or None)

@@ -82,6 +82,9 @@ MAX_STEP_ACCUM = 8
 # EPYC, float32, nanoGPT's CPU config 29 ms/step eager, 20.8 ms compiled (cold compile about 20 s, warm 3-6 s: it
 # wins from about 2,400 steps cold and 700 warm); tiny.yaml 12.8 -> 8.75 ms (15.5 s cold: about 3,900 steps). So too
 # under bfloat16 autocast, which sends every CPU product to oneDNN (multiplies_outside_blas).
+# The rule is the AMD CPUs': on a Xeon with AMX (MKL's own AVX-512 code), nanoGPT's CPU config in float32 took 42-46
+# ms a step eager and 30-33 compiled (2026-12-01, one process). So a bound step leaves the helper too, and once it
+# has timed the step here, the measurement decides, as for any step (auto_compiles).
 OVERHEAD_BOUND_FLOPS = 2.5e9
 
 
@@ -168,11 +171,8 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
     oneDNN (see OVERHEAD_BOUND_FLOPS). micro_batches: how many the compiled step unrolls, each one as much to compile
     again (see MAX_STEP_ACCUM). measured: (ms a step eager, ms compiled, seconds of a compile from the warm cache),
     as the warm-cache helper timed them here (compile_cache.measured_saving); with a warm cache it decides
-    in place of the counts of steps (see MEASURED_MARGIN)."""
-    if bound_by_multiplies(flops_per_step, device, onednn):
-        return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is bound by matrix multiplies, which compiling "
-                       f"does not speed up on a CPU")
-    if warm and measured is not None and device.type == "cpu":
+    in place of the counts of steps and of the bound of multiplies (see MEASURED_MARGIN, OVERHEAD_BOUND_FLOPS)."""
+    if warm and measured is not None and device.type == "cpu":  # what this machine measured outweighs the rules
         eager_ms, compiled_ms, seconds = measured
         won = remaining_steps * (eager_ms - compiled_ms) / 1000
         said = f"measured here, a step takes {eager_ms:.1f} ms eager and {compiled_ms:.1f} ms compiled"
@@ -182,6 +182,9 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
                            f"(train.compile=true forces it)")
         return True, (f"{said}: {remaining_steps:,} steps win back {won:.1f} s, over {MEASURED_MARGIN:g}x the "
                       f"{seconds:.1f} s of a compile from the warm cache")
+    if bound_by_multiplies(flops_per_step, device, onednn):
+        return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is bound by matrix multiplies, which compiling "
+                       f"does not speed up on a CPU")
     need = WARM_MIN_STEPS if warm else COLD_MIN_STEPS
     if device.type == "cuda":
         need = CUDA_WARM_MIN_STEPS if warm else CUDA_MIN_STEPS
@@ -298,8 +301,7 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
                                        micro_batches=micro, measured=measured_saving(key) if kind == "step" else None)
         reason = f"auto: {reason}{unrolled}"
         if (not wanted and not warm_now and why_not is None and device.type == "cpu" and kind == "step"
-                and trainer.launch.main and warm_later and remaining >= WARM_HELPER_MIN_STEPS * micro
-                and not bound_by_multiplies(flops_per_step, device, onednn)):
+                and trainer.launch.main and warm_later and remaining >= WARM_HELPER_MIN_STEPS * micro):
             return EngineChoice("eager", reason, warm_key=key)
     if wanted and why_not is not None:
         return EngineChoice("eager", f"auto: {why_not}")
