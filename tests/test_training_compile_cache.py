@@ -206,7 +206,6 @@ def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_o
     assert compile_cache.user_cache_problem() is None
 
 
-
 def cache_events(fresh_functions: list, args: tuple) -> list[tuple[set[str], torch.Tensor]]:
     """Compile each function in turn, with prepare_compile's settings and a cache of the test's own, and call it on
     args: what AOTAutograd's cache did for each (hit, miss, saved, bypass) and what it returned."""
@@ -236,7 +235,7 @@ def marked_functions(monkeypatch, tmp_path):  # noqa: ANN201
     monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
-    kept = inductor_config.unsafe_marked_cacheable_functions  # by hand: see the test above
+    kept = inductor_config.unsafe_marked_cacheable_functions  # by hand, as in the prepare_compile test above
     try:
         inductor_config.unsafe_marked_cacheable_functions = {"user.function": "1"}
         compile_cache.prepare_compile()

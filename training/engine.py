@@ -183,8 +183,8 @@ def auto_compiles(flops_per_step: float, remaining_steps: int, device: torch.dev
         return True, (f"{said}: {remaining_steps:,} steps win back {won:.1f} s, over {MEASURED_MARGIN:g}x the "
                       f"{seconds:.1f} s of a compile from the warm cache")
     if bound_by_multiplies(flops_per_step, device, onednn):
-        return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is bound by matrix multiplies, which compiling "
-                       f"does not speed up on a CPU")
+        return False, (f"{flops_per_step / 1e9:.1f} GFLOP per step is likely bound by matrix multiplies, which "
+                       f"compiling seldom speeds up on a CPU (not timed here yet; train.compile=true forces it)")
     need = WARM_MIN_STEPS if warm else COLD_MIN_STEPS
     if device.type == "cuda":
         need = CUDA_WARM_MIN_STEPS if warm else CUDA_MIN_STEPS
