@@ -104,6 +104,7 @@ def race(p: Programs, name: str, nano_args: list[str], goals: list[Goal], conten
     lowest target; the others are read from the same runs' evaluations."""
     nano: dict[int, list[float]] = {}
     tiny: dict[tuple[int, int, str], list[float]] = {}
+    engines: dict[tuple[int, str], list[str]] = {}  # (contender, when): the engine of each round's run
     best: dict[tuple[int, int, str], float] = {}
     targets: list[Eval] = []
     for r in range(rounds):
@@ -115,7 +116,8 @@ def race(p: Programs, name: str, nano_args: list[str], goals: list[Goal], conten
             nano.setdefault(g, []).append(first_at(evals, target))
         lowest = min(val for _, _, val in targets)
         for i, (config, extra, _) in enumerate(contenders):
-            for when, run in tinychar_to(p, config, lowest, iters, extra, device):
+            for when, run, engine in tinychar_to(p, config, lowest, iters, extra, device):
+                engines.setdefault((i, when), []).append(engine or "unknown")
                 low = min((val for _, _, val in run), default=math.nan)
                 for g, (_, _, target) in enumerate(targets):
                     tiny.setdefault((g, i, when), []).append(first_at(run, target))
@@ -125,7 +127,8 @@ def race(p: Programs, name: str, nano_args: list[str], goals: list[Goal], conten
         _, step, target = targets[g]
         label = f"launch to val <= {target:.4f}, {goals[g][1].format(step=step)}{contenders[i][2]}; tinychar {when}"
         rows.append({**compare(label, "s", nano[g], tiny[g, i, when]), "target": target,
-                     "tinychar_best": best[g, i, when]})
+                     "tinychar_best": best[g, i, when], "tinychar_engines": engines[i, when],
+                     "runs": f"{Path(contenders[i][0]).name}{contenders[i][2]}, {when}"})
     return rows
 
 
@@ -160,9 +163,9 @@ def evaluations(run: Run) -> list[Eval]:
 
 
 def tinychar_to(p: Programs, config: str, target: float, iters: int | None, extra: list[str],
-               device: str = "cpu") -> list[tuple[str, list[Eval]]]:
+               device: str = "cpu") -> list[tuple[str, list[Eval], str | None]]:
     """tinychar's config (with the overrides in extra) run to val <= target from empty caches, then repeated: (when,
-    the run's evaluations) for each."""
+    the run's evaluations, the engine it said it trained with) for each."""
     cache, out = p.fresh("cache"), []
     for when in WHENS:
         if when == "repeated run":
@@ -175,5 +178,5 @@ def tinychar_to(p: Programs, config: str, target: float, iters: int | None, extr
                                           f"train.eval_interval={iters // 2}", f"train.warmup_iters={iters // 10}"]
         run = p.tinychar("train.py", ["--config", config, f"train.device={device}", *quick, *extra], cache=cache,
                          stop_at=target)
-        out.append((when, run.evals))
+        out.append((when, run.evals, run.engine))
     return out

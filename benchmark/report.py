@@ -74,7 +74,22 @@ def markdown(report: dict) -> str:
         spread = f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}x" if row["spread"] else "-"
         lines.append(f"| {row['label']} | {row['unit']} | {cell(row['nanogpt'], row['unit'])} | {tiny} | {ratio} | "
                      f"{spread} |")
-    return "\n".join([*lines, "", GPU_NOTES if report.get("gpu") else NOTES])
+    said = engines_line(report["rows"])
+    return "\n".join([*lines, "", *([said, ""] if said else []), GPU_NOTES if report.get("gpu") else NOTES])
+
+
+def engines_line(rows: list[dict]) -> str | None:
+    """What each of tinychar's race runs trained with, round by round, as its train.py said (its "engine:" line),
+    once for each config and when; None for a report without races (or from before bench.py kept them)."""
+    seen: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("tinychar_engines") and row.get("runs"):
+            seen.setdefault(row["runs"], row["tinychar_engines"])
+    if not seen:
+        return None
+    parts = [f"{runs}: " + (f"{engines[0]} in all {len(engines)}" if len(engines) > 1 and len(set(engines)) == 1
+                            else ", ".join(engines)) for runs, engines in seen.items()]
+    return "tinychar's engine in the races' runs, round by round, as train.py said: " + "; ".join(parts) + "."
 
 
 def plain(value: object) -> object:

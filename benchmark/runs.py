@@ -122,11 +122,27 @@ Eval = tuple[float, int, float]
 
 @dataclass
 class Run:
-    """One finished process: its wall time from launch to exit, and (seconds since launch, step, val loss) of each
-    evaluation line it printed."""
+    """One finished process: its wall time from launch to exit, (seconds since launch, step, val loss) of each
+    evaluation line it printed, and the engine a tinychar train.py said it trained with (engine_of)."""
 
     seconds: float
     evals: list[Eval]
+    engine: str | None = None
+
+
+def engine_of(line: str) -> str | None:
+    """The engine a line of tinychar's train.py settles on (training/engine.py's "engine: ..." lines): "compiled"
+    (the whole step), "compiled block by block" or "eager"; None for any other line, such as "engine: compiling the
+    training step (...)", which a failed compile may still turn into "eager"."""
+    if not line.startswith("engine: "):
+        return None
+    if line.startswith("engine: compiled in "):
+        return "compiled"
+    if line.startswith("engine: model compiled block by block"):
+        return "compiled block by block"
+    if line.startswith("engine: eager") or "training without compiling" in line:
+        return "eager"
+    return None
 
 
 def note(message: str) -> None:
@@ -216,6 +232,7 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
     """Run cmd to its end, timestamping each evaluation line as it arrives. With stop_at, the run is stopped (SIGTERM)
     at its first val loss at or below it: the time to get there is all that is wanted of it."""
     evals: list[Eval] = []
+    engine: str | None = None
     stopped = False
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
         start = time.perf_counter()
@@ -223,6 +240,7 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
                                 encoding="utf-8", errors="replace")
         try:
             for line in proc.stdout:
+                engine = engine_of(line) or engine
                 found = parse_eval(line)
                 if found is not None and not stopped:
                     evals.append((time.perf_counter() - start, *found))
@@ -240,4 +258,4 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
             last = next((s for s in reversed(err.read().splitlines()) if s.strip()), "no message")
             raise BenchError(f"{Path(cmd[2]).name} {' '.join(cmd[3:6])} ... (in {cwd}) exited with status {code}: "
                              f"{last.strip()}")
-    return Run(seconds, evals)
+    return Run(seconds, evals, engine)

@@ -107,6 +107,7 @@ def test_table_has_header_rows_and_says_when_tinychar_missed_the_target():
     assert "| train step, block 8 | ms/step | 4.10 | 2.00 | 2.05x | 2.00-2.10x |" in lines
     assert "| launch to val <= 1.9300 | s | 41.2 | not reached (best 1.9500) | n/a | - |" in lines
     assert not any("linear products" in line for line in lines)  # a report without them (older JSON) has no line
+    assert not any("engine" in line for line in lines)  # nor one without the races' engines
     report["products"] = {"block8": {"label": "block 8, batch 32, 3L/4H/32", "ms": 0.512, "bound": 3.4567}}
     assert markdown(report).splitlines()[4] == (
         "Float32 linear products of one training step, each timed alone through PyTorch's default BLAS, and nanoGPT's "
@@ -346,7 +347,8 @@ class FakePrograms:
 
     def tinychar(self, script: str, args: list[str], cache: Path, stop_at: float) -> Run:
         self.tiny_runs.append((args, stop_at))
-        return Run(20.0, [(10.0, 400, 1.97), (20.0, 800, stop_at - 0.01)])
+        engine = "eager" if len(self.tiny_runs) % 2 else "compiled"  # as auto: eager from empty caches, then compiled
+        return Run(20.0, [(10.0, 400, 1.97), (20.0, 800, stop_at - 0.01)], engine)
 
 
 def test_time_to_quality_alternates_the_programs_and_times_nanogpt_to_its_first_target_every_round():
@@ -366,6 +368,38 @@ def test_time_to_quality_alternates_the_programs_and_times_nanogpt_to_its_first_
     assert row["nanogpt"] == 75.0 and row["tinychar"] == 20.0 and row["ratio"] == 3.75
     assert row["spread"] == [2.5, 5.0]
     assert row["target"] == 1.95 and row["tinychar_best"] == pytest.approx(1.94)
+    # what each run trained with, round by round, under the table
+    assert [(r["runs"], r["tinychar_engines"]) for r in rows] == [
+        ("tiny.yaml, empty caches", ["eager"] * 3), ("tiny.yaml, repeated run", ["compiled"] * 3),
+        ("tiny.yaml, float32, empty caches", ["eager"] * 3), ("tiny.yaml, float32, repeated run", ["compiled"] * 3)]
+    report = {"date": "2026-12-02", "cpu": "Intel Xeon", "cpu_flags": ["avx2"], "cores": 2, "torch": "2.13.0",
+              "threads": 2, "rounds": 3, "rows": rows}
+    assert ("tinychar's engine in the races' runs, round by round, as train.py said: tiny.yaml, empty caches: eager "
+            "in all 3; tiny.yaml, repeated run: compiled in all 3; tiny.yaml, float32, empty caches: eager in all 3; "
+            "tiny.yaml, float32, repeated run: compiled in all 3.") in markdown(report).splitlines()
+    rows[1]["tinychar_engines"] = ["eager", "compiled", "unknown"]  # rounds that differ are listed one by one
+    assert "tiny.yaml, repeated run: eager, compiled, unknown;" in markdown(report)
+
+
+def test_a_launch_reads_which_engine_a_tinychar_run_settled_on(tmp_path):
+    """The engine lines of tinychar's train.py (training/engine.py; tests/test_training_engine.py checks these words
+    against real runs' output): the last one that settles it counts; nanoGPT prints none."""
+    cases = {
+        "compiled": ["engine: compiling the training step (train.compile=true; 15-60 s)",
+                     "engine: compiled in 3.1 s (compile cache: /c)"],
+        "compiled block by block": ["engine: compiling the model block by block (torchrun)",
+                                    "engine: model compiled block by block (torchrun; compiled in 9.0 s)"],
+        "eager": ["engine: eager (train.compile=auto, but the compile cache is cold)",
+                  "engine: once this run ends, a helper compiles its step into the cache at the lowest priority"],
+        None: ["iter 0: loss 4.2, time 10.0ms"],
+    }
+    cases["eager, the compile having failed"] = ["engine: compiling the training step (train.compile=true; 15-60 s)",
+                                                 "engine: cannot compile here (RuntimeError: x); training without "
+                                                 "compiling"]
+    for want, lines in cases.items():
+        script = f"for line in {[*lines, 'step 0: train loss 4.2000, val loss 4.1000']!r}: print(line)"
+        run = launch([sys.executable, "-c", script], tmp_path, dict(os.environ))
+        assert run.engine == (want and want.split(",")[0]) and run.evals[0][1:] == (0, 4.1), want
 
 
 def test_the_gpu_rows_race_nanogpts_gpu_recipe_against_the_baby_gpt_compiled_and_eager(monkeypatch):

@@ -17,6 +17,7 @@ from conftest import SMALL_TEXT, needs_cpu_compile, tiny_overrides
 from test_train import bitwise_equal, logged_losses
 from training_runs import call, train_main, write_corpus
 
+from benchmark.runs import engine_of
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
 from training import compile_cache, compile_errors, engine, load_config
@@ -247,6 +248,7 @@ def test_a_failed_compile_is_one_line_naming_the_error_underneath_and_torch_s_lo
     assert not logged  # nor through any handler
     assert ("engine: cannot compile here (TypeError: RuntimeError when making fake tensor call; from RuntimeError: "
             "expected scalar type torch.float32 but found torch.bfloat16); training without compiling") in out
+    assert engine_read_by_the_bench(out) == "eager"
     assert not logging.getLogger("torch._subclasses.fake_tensor").disabled  # as it was, after the compile
 
 
@@ -346,8 +348,14 @@ def test_the_block_by_block_path_compiles_before_training_and_falls_back_to_eage
         assert load_checkpoint(tmp_path / "compiled" / "ckpt.pt")["engine"] == "eager"
     else:
         assert re.search(r"engine: model compiled block by block \(train.compile=true; compiled in [0-9.]+ s\)", out)
+    assert engine_read_by_the_bench(out) == ("eager" if compiler == "fails" else "compiled block by block")
     _, eager = run_losses(corpus, tmp_path / "eager", capsys, **keys, **{"train.compile": "false"})
     assert losses == eager and len(losses) == 3
+
+
+def engine_read_by_the_bench(out: str) -> str | None:
+    """The engine bench.py's races report for a run that printed out (benchmark.runs.engine_of, its last say)."""
+    return next((e for e in map(engine_of, reversed(out.splitlines())) if e is not None), None)
 
 
 def run_losses(corpus: Path, out: Path, capsys, *extra: str, **keys: object) -> tuple[str, dict[int, str]]:
@@ -363,9 +371,10 @@ def test_compiled_step_agrees_with_eager_and_resumes_exactly(tmp_path, capsys, m
     # gradients inside the compiled step's torch.func transform, and its operator called from compiled code.
     monkeypatch.setenv("TINYCHAR_ONEDNN", "1" if torch.backends.mkldnn.is_available() else "0")
     corpus = write_corpus(tmp_path)
-    _, eager = run_losses(corpus, tmp_path / "eager", capsys, **{"train.compile": "false"})
+    out, eager = run_losses(corpus, tmp_path / "eager", capsys, **{"train.compile": "false"})
+    assert engine_read_by_the_bench(out) == "eager"
     out, compiled = run_losses(corpus, tmp_path / "compiled", capsys, **{"train.compile": "true"})
-    assert "engine: compiled in" in out
+    assert "engine: compiled in" in out and engine_read_by_the_bench(out) == "compiled"
     assert eager.keys() == compiled.keys() == set(range(1, 21))
     assert max(abs(float(eager[s]) - float(compiled[s])) for s in eager) < LOSS_TOLERANCE
     eager_w = load_checkpoint(tmp_path / "eager" / "ckpt.pt")["model"]
