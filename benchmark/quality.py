@@ -128,7 +128,7 @@ def race(p: Programs, name: str, nano_args: list[str], goals: list[Goal], conten
         label = f"launch to val <= {target:.4f}, {goals[g][1].format(step=step)}{contenders[i][2]}; tinychar {when}"
         rows.append({**compare(label, "s", nano[g], tiny[g, i, when]), "target": target,
                      "tinychar_best": best[g, i, when], "tinychar_engines": engines[i, when],
-                     "runs": f"{Path(contenders[i][0]).name}{contenders[i][2]}, {when}"})
+                     "runs": f"{Path(contenders[i][0]).name}{contenders[i][2].replace(', tinychar ', ' ')}, {when}"})
     return rows
 
 

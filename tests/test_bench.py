@@ -424,6 +424,9 @@ def test_the_gpu_rows_race_nanogpts_gpu_recipe_against_the_baby_gpt_compiled_and
     assert [r["tinychar"] for r in rows] == [20.0] * 4 + [10.0] * 4  # each target read from the same runs
     assert [r["nanogpt"] for r in rows] == [50.0] * 4 + [30.0] * 4
     assert all(r["tinychar_best"] == pytest.approx(1.94) for r in rows)
+    assert [r["runs"] for r in rows[:4]] == [  # as the line under the table names them
+        f"shakespeare_char.yaml{eager}, {when}" for eager in ("", " eager (train.compile=false)")
+        for when in ("empty caches", "repeated run")]
     report = {"date": "2026-11-26", "cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 16, "torch": "2.11.0+cu130",
               "threads": 16, "rounds": 1, "gpu": "NVIDIA H200", "rows": rows}
     table = markdown(report)
