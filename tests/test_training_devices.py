@@ -90,6 +90,37 @@ def test_a_float16_cpu_run_measures_its_mfu_against_the_products_it_runs(tmp_pat
     assert ("note: this CPU has no fast float16 products" in out) is not fast
 
 
+def test_a_process_measures_each_ceiling_once_and_again_for_other_threads_dtypes_or_onednn(monkeypatch):
+    """Each run's MFU yardstick, measured once a process: the tests train 135 times in two processes, and each
+    measurement took 0.22 s of a 0.58 s run. Another thread count, dtype or oneDNN setting is another ceiling."""
+    monkeypatch.setattr(devices, "_CEILINGS", {})
+    measured = []
+
+    def measure(*args):
+        measured.append(args[:2] + args[3:])  # device, dtype, n, onednn
+        return real(*args)
+
+    real = devices._measure_ceiling
+    monkeypatch.setattr(devices, "_measure_ceiling", measure)
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "0")
+    first = devices.matmul_ceiling(cpu, torch.float32, seconds=0.01, n=64)
+    assert first > 0 and devices.matmul_ceiling(cpu, torch.float32, seconds=0.01, n=64) == first
+    assert len(measured) == 1
+    devices.matmul_ceiling(cpu, torch.bfloat16, seconds=0.01, n=64)
+    monkeypatch.setenv("TINYCHAR_ONEDNN", "1")
+    devices.matmul_ceiling(cpu, torch.float32, seconds=0.01, n=64)
+    try:
+        torch.set_num_threads(threads + 1)
+        devices.matmul_ceiling(cpu, torch.float32, seconds=0.01, n=64)
+    finally:
+        torch.set_num_threads(threads)
+    onednn = torch.backends.mkldnn.is_available()
+    assert measured == [(cpu, torch.float32, 64, False), (cpu, torch.bfloat16, 64, False),
+                        (cpu, torch.float32, 64, onednn), (cpu, torch.float32, 64, onednn)]
+    assert devices.matmul_ceiling(cpu, torch.float32, seconds=0.01, n=64) > 0 and len(measured) == 4
+
+
 # After a real train.py in its process (train.main): how many of a million denormals does a 2-thread multiply leave
 # non-zero? torch gives each thread half. The main thread prints what it finds of its own arithmetic too.
 DENORMALS_LEFT = """

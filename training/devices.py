@@ -146,15 +146,30 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> AbstractContex
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+# The ceilings this process has measured, by device, dtype, size, threads and whether float32 may take oneDNN: a
+# process that trains more than once (the tests, in theirs: 135 runs in two processes, 0.22 s each) measures once.
+_CEILINGS: dict[tuple, float] = {}
+
+
 def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, n: int | None = None) -> float:
     """Measured FLOP/s of a large square matrix multiply in dtype on device: the best of a few short timings,
-    the yardstick for model FLOPs utilisation (MFU).
+    the yardstick for model FLOPs utilisation (MFU). Measured once a process for each device, dtype, size, thread
+    count and oneDNN setting (TINYCHAR_ONEDNN); later calls take that measurement, whatever their ``seconds``.
 
     n defaults to 8192 on CUDA, where 1024 is far too small to fill the chip (measured on an H100, bfloat16: 104
     TFLOP/s at 1024, 437 at 2048, 731 at 4096, 781 at 8192, so MFU read over 100%), and 1024 elsewhere."""
     cuda = device.type == "cuda"
     if n is None:
         n = 8192 if cuda else 1024
+    onednn = device.type == "cpu" and dtype == torch.float32 and onednn_min_macs() is not None
+    key = (str(device), dtype, n, torch.get_num_threads(), onednn)
+    if key not in _CEILINGS:
+        _CEILINGS[key] = _measure_ceiling(device, dtype, seconds, n, onednn)
+    return _CEILINGS[key]
+
+
+def _measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float, n: int, onednn: bool) -> float:
+    cuda = device.type == "cuda"
     # Its own generator (on the GPU there, where drawing 8192 x 8192 values is quick): drawing from torch's global
     # ones would shift a run's dropout masks and break exact resume.
     where = device if cuda else torch.device("cpu")
@@ -162,7 +177,7 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
     a = torch.randn(n, n, generator=gen, device=where).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=gen, device=where).to(device=device, dtype=dtype)
     multiplies = [torch.matmul]
-    if device.type == "cpu" and dtype == torch.float32 and onednn_min_macs() is not None:
+    if onednn:
         multiplies.append(onednn_linear_nobias)  # the model's large float32 products run there (model/linear.py)
     if device.type == "cpu" and dtype == torch.float16:
         # The CPU's matmul has no fast float16 kernel (measured on a Zen 4 EPYC, 2 threads: 1 GFLOP/s, so a run's MFU
