@@ -42,7 +42,7 @@ COMPILE_OPTIONS = {"cpp_wrapper": True}
 # configs/shakespeare_char.yaml, 2026-11-26), the compiled step with it trained to val 1.748 at step 500 against
 # 1.721 without (two runs without: 1.7212 and 1.7226, their losses alike to 3 decimals). Once PyTorch's cache was
 # released, those rows held whatever the memory held: a test's NaN (the step then skips its update), or in training
-# garbage (the loss from 2.07 to 3.5 in two steps after a CUDA graph's capture; README, "On a GPU"). Off, both pass,
+# garbage (the loss from 2.07 to 3.5 in two steps after a CUDA graph's capture; docs/gpu-record.md). Off, both pass,
 # and the step is as fast (2.27-2.43M tokens/s either way). A torch without the option has no such reduction.
 CUDA_OPTIONS = {"triton.mix_order_reduction": False}
 
