@@ -3,10 +3,13 @@ whole when they are done)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 from pathlib import Path
+
+from configs.userinput import resolved
 
 from .runs import CPU_FLAGS, ISA_LIMITS
 
@@ -111,16 +114,16 @@ def json_problem(name: str) -> str | None:
     try:
         if path.is_dir():
             return f"'{name}' is a folder; give a file name, such as bench.json"
-        folder = path.resolve().parent
+        folder = resolved(path).parent
         if not folder.is_dir():
             if path.is_symlink():  # the file goes where the link points (write_json), a folder that is not there
                 return (f"'{name}' is a link to '{os.readlink(path)}', in a folder '{folder}' that is not there; "
                         f"make that folder, or give another file name")
             return f"no folder '{path.parent}' to write '{name}' into"
-    except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
+    except OSError as e:  # a loop of links (resolved), or a name too long for the system: Path.is_dir raises it
+        if e.errno == errno.ELOOP:
+            return f"cannot use '{name}' (its links go round in a loop); give another file name"
         return f"cannot use '{name}' ({e.strerror or type(e).__name__}); give another file name"
-    except RuntimeError:  # Path.resolve on links that lead round in a loop (Python 3.11; later ones: OSError)
-        return f"cannot use '{name}' (its links go round in a loop); give another file name"
     # A regular file is replaced by a new one made in its folder (write_json): the folder must take it. A pipe or a
     # device is written into.
     device = path.exists() and not path.is_file()

@@ -5,6 +5,7 @@ point and package opens a user's small file (a config, a prompt) and quotes a us
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import reprlib
@@ -192,3 +193,19 @@ def path_kind(path: str | Path) -> str | None:
         return file_kind(os.stat(path).st_mode)
     except (OSError, ValueError):  # ValueError: a NUL character in the path
         return None
+
+
+def resolved(path: str | Path) -> Path:
+    """Path(path).resolve(), the file that path's links lead to, where a loop of symbolic links on the way raises
+    OSError with errno ELOOP on every Python: 3.11 and 3.12 raise RuntimeError for it, and 3.13 gives such a path back
+    as it is (a loop named 'out.png' would pass for a new file of that name). Nothing there yet (a file still to be
+    written) or another reason it cannot be looked at resolves as Path.resolve does."""
+    p = Path(path)
+    try:
+        return p.resolve(strict=True)
+    except RuntimeError:  # 3.11 and 3.12: "Symlink loop from ..."
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise
+        return p.resolve()

@@ -19,7 +19,7 @@ if not __package__:  # run as a file (python lab/pictures.py): the project's pac
 
 from PIL import Image
 
-from configs.userinput import shown
+from configs.userinput import resolved, shown
 
 # Formats that hold icons of fixed sizes: a picture saved in them is not the picture drawn (measured, Pillow 13: a
 # 900 x 700 picture came back 256 x 199 from .ico and 1024 x 1024 from .icns).
@@ -58,8 +58,8 @@ def picture_target(path: str | Path) -> tuple[Path, str]:
     which the rename that writes it would replace; or a loop of symbolic links on the way."""
     kind = image_format(path)
     try:
-        target = Path(path).resolve()
-    except (RuntimeError, OSError):  # Python 3.11 says RuntimeError for a loop, later ones OSError
+        target = resolved(path)
+    except OSError:  # a loop of links (resolved raises nothing else)
         raise ValueError("a loop of symbolic links is on the way there; give another path") from None
     try:
         folder, there = target.is_dir(), target.exists()

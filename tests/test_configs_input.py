@@ -4,6 +4,7 @@ to billions of values, keys with newlines) refused quickly in one short line."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import socket
@@ -14,7 +15,7 @@ import pytest
 from test_configs import TINY, refused, write_yaml
 
 from configs import MAX_CONFIG_BYTES, ConfigError, load_yaml, to_dict
-from configs.userinput import QUOTE_LIMIT, shown
+from configs.userinput import QUOTE_LIMIT, resolved, shown
 from training.config import load_config
 
 # A message quotes a value in at most ~80 characters; with its own words, one line stays well under this. The tests
@@ -341,3 +342,42 @@ def test_numbers_that_read_as_they_look_are_taken(tmp_path):
     cfg = load_config(str(write_yaml(tmp_path, text.replace("00", "0_1"))), [])
     assert (cfg.seed, cfg.train.batch_size, cfg.train.max_iters, cfg.train.eval_interval) == (7, 8, 10, 16)
     assert cfg.train.eval_iters == 1
+
+
+def _resolve_as_in_python_313(self: Path, strict: bool = False) -> Path:
+    """Path.resolve as Python 3.13 answers for a loop of links: strict, ELOOP; otherwise the path given back whole."""
+    if strict:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(self))
+    return Path(os.path.abspath(self))
+
+
+def _resolve_as_in_python_311(self: Path, strict: bool = False) -> Path:
+    raise RuntimeError(f"Symlink loop from '{self}'")
+
+
+def test_a_loop_of_links_is_found_on_every_python(tmp_path, monkeypatch):
+    # Python 3.13 resolves a loop of links to the loop's own name (strict=False), where 3.11 and 3.12 raise
+    # RuntimeError: bench.py --json and sample.py --attention-map took such a name for a new file there
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    for path in (loop, loop / "out.png"):
+        with pytest.raises(OSError) as seen:
+            resolved(path)
+        assert seen.value.errno == errno.ELOOP
+    for emulated in (_resolve_as_in_python_313, _resolve_as_in_python_311):
+        with monkeypatch.context() as m:
+            m.setattr(Path, "resolve", emulated)
+            with pytest.raises(OSError) as seen:
+                resolved(loop)
+            assert seen.value.errno == errno.ELOOP
+
+
+def test_what_is_not_a_loop_resolves_as_path_resolve_does(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "a.png").write_bytes(b"")
+    (tmp_path / "link").symlink_to("real")
+    (tmp_path / "dangling").symlink_to("nowhere/b.png")
+    for name in ("link/a.png", "link/new.png", "new.png", "missing/new.png", "dangling", "real/a.png/x"):
+        assert resolved(tmp_path / name) == (tmp_path / name).resolve(), name
+    assert resolved(tmp_path / "link" / "a.png") == tmp_path.resolve() / "real" / "a.png"
+
