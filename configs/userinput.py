@@ -202,10 +202,11 @@ def resolved(path: str | Path) -> Path:
     written) or another reason it cannot be looked at resolves as Path.resolve does."""
     p = Path(path)
     try:
-        return p.resolve(strict=True)
+        try:
+            return p.resolve(strict=True)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise
+        return p.resolve()
     except RuntimeError:  # 3.11 and 3.12: "Symlink loop from ..."
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise
-        return p.resolve()
