@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as command-line tools do
         discard_stdout()  # so the exit-time flush cannot fail too
     except NonFiniteLogits:  # finite for the prompt (sampling.request.OVERFLOW), not for a later window: the text
-        # so far stays
-        print("\nerror: the model's output stopped being a finite number partway through the text (its weights are "
+        # so far was written (write_samples)
+        print("error: the model's output stopped being a finite number partway through the text (its weights are "
               "so large that float32 overflows); sample from another checkpoint", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while sampling: the text so far is written (or was streamed)

@@ -143,6 +143,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     version = payload.get("version", VERSION)  # every checkpoint tinychar wrote has one; a hand-made one may not
     if not isinstance(version, int) or isinstance(version, bool):
         raise CheckpointError(f"checkpoint {quoted(path)} has a damaged format version (not an integer)")
+    if version < 1:  # the first format was 1
+        raise CheckpointError(f"checkpoint {quoted(path)} has a damaged format version (below 1, the first)")
     if version > VERSION:
         shown = f"{version}" if version < 10**6 else "a far later one"
         raise NotThisVersion(f"checkpoint {quoted(path)} is in format version {shown}, newer than this tinychar reads "
@@ -260,6 +262,11 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
     model = build_model(config)
     weights = payload["model"]
     if isinstance(weights, dict):
+        # load_state_dict takes every name for a string (an int was an AttributeError traceback from its prefix check)
+        odd = [type(k).__name__ for k in weights if not isinstance(k, str)]
+        if odd:
+            raise CheckpointError(f"checkpoint {quoted(path)} names a weight by a value of type {odd[0]}, not by a "
+                                  f"string; it is damaged or from another program")
         # load_state_dict would keep the real part of a complex tensor, with a warning on stderr, and take integers or
         # booleans as the numbers they are (True as 1.0), without a word: no model tinychar builds holds either
         name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor)

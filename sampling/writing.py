@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from model import GPT
+from model import GPT, NonFiniteLogits
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
 from training import compile_cache, engine
 from training.compile_errors import compile_failed, compiler_log_quiet, one_line
@@ -29,13 +29,15 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
     """The samples to stdout, each the prompt, then its characters, then a newline. All of them are generated as one
     batch; with --stream the first one is printed as it comes and the others when they are complete. Stopped by a
     signal between characters (stops: see ctrl_c_between_characters), the samples so far are written, then
-    KeyboardInterrupt (or Terminated) is raised; a signal while they are written raises at once."""
+    KeyboardInterrupt (or Terminated) is raised; a signal while they are written raises at once. Logits that stop
+    being finite numbers partway (weights so large that a later window overflows) end the samples there too: what
+    was drawn is written, then NonFiniteLogits is raised."""
     stops = stops or Stops()
     out = sys.stdout
     # the ids of every sample until they are written: 4-byte ints, with room to grow (training.memory.KEPT_ID: 5 bytes
     # a character), checked to fit
     kept = [array("i") for _ in range(args.num_samples)]
-    stop: KeyboardInterrupt | None = None
+    stop: KeyboardInterrupt | NonFiniteLogits | None = None
     with sampling_threads(model, args.num_samples, ids.device):
         try:
             # Ctrl-C or SIGTERM while the sampler is made and compiled (seconds, cold) stops it at once, as in
@@ -44,7 +46,14 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 steps = character_steps(model, ids.expand(args.num_samples, -1), args)
         except Interrupted as e:
             raise interruption(e.signum) from None
-        for step_ids in steps:
+        while True:
+            try:
+                step_ids = next(steps, None)
+            except NonFiniteLogits as e:  # a later window overflowed: the text so far is written, then the error
+                stop = e
+                break
+            if step_ids is None:
+                break
             column = step_ids[:, 0].tolist()
             if args.stream:
                 if not kept[0]:

@@ -249,6 +249,19 @@ def test_complex_weights_are_refused_not_cut_to_their_real_part(saved, tmp_path)
                                   "another program")
 
 
+@pytest.mark.parametrize("key", [0, ("transformer", "ln_f"), 2.5, None, b"transformer.ln_f.bias"])
+def test_a_weight_named_by_anything_but_a_string_is_refused(saved, tmp_path, key):
+    # load_state_dict took every name for a string: an AttributeError traceback from its prefix check ('int' object
+    # has no attribute 'startswith')
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = {**payload["model"], key: torch.zeros(1)}
+    path = tmp_path / "odd-name.pt"
+    save_checkpoint(payload, path)
+    assert refusal(path) == (f"checkpoint {quoted(path)} names a weight by a value of type {type(key).__name__}, not "
+                             f"by a string; it is damaged or from another program")
+
+
 @pytest.mark.parametrize(("dtype", "kind"), [(torch.bool, "booleans"), (torch.int64, "integers"),
                                              (torch.uint8, "integers")])
 def test_integer_or_boolean_weights_are_refused_not_taken_as_numbers(saved, tmp_path, dtype, kind):
@@ -267,6 +280,9 @@ def test_integer_or_boolean_weights_are_refused_not_taken_as_numbers(saved, tmp_
     (2, "is in format version 2, newer than this tinychar reads (1); load it with the tinychar that wrote it"),
     (10**400, "is in format version a far later one, newer than this tinychar reads (1)"),
     ("1", "has a damaged format version (not an integer)"),
+    (0, "has a damaged format version (below 1, the first)"),
+    (-5, "has a damaged format version (below 1, the first)"),
+    (-10**400, "has a damaged format version (below 1, the first)"),
     (True, "has a damaged format version (not an integer)"),
 ])
 def test_a_checkpoint_of_an_unknown_format_version_is_refused(saved, tmp_path, version, fragment):

@@ -493,16 +493,24 @@ def _overflowing_later(run_dir: Path, tmp_path: Path, prompt: str) -> tuple[Path
 
 
 @pytest.mark.parametrize("how", [[], ["--no-cache"], ["--temperature", "0"], ["--no-cache", "--temperature", "0"],
-                                 ["--compile", "false", "--num-samples", "2"]])
-def test_an_output_that_overflows_partway_through_is_one_line_and_exit_2_on_every_path(run, run_dir, tmp_path, how):
+                                 ["--compile", "false", "--num-samples", "2"], ["--num-samples", "3"]])
+@pytest.mark.parametrize("stream", [["--stream"], []])
+def test_an_output_that_overflows_partway_through_is_one_line_and_exit_2_on_every_path(run, run_dir, tmp_path, how,
+                                                                                       stream):
     """Finite for the prompt, which the probe checks, but not one character later. The default path ended in
-    torch.multinomial's traceback, and the others printed a text of one or two characters over and over, exit 0."""
+    torch.multinomial's traceback, and the others printed a text of one or two characters over and over, exit 0.
+    Every sample keeps the characters drawn before, streamed or not (without --stream they were lost: nothing was
+    written)."""
     path, char = _overflowing_later(run_dir, tmp_path, "the ")
-    code, out, err = run("--checkpoint", str(path), "--prompt", "the ", "--max-new-tokens", "20", "--stream", *how)
+    code, out, err = run("--checkpoint", str(path), "--prompt", "the ", "--max-new-tokens", "20", *stream, *how)
     assert code == 2 and "Traceback" not in err
-    assert out.startswith("the " + char) and len(out) <= len("the ") + 2  # the character drawn before stays printed
-    assert err.splitlines()[-1] == ("error: the model's output stopped being a finite number partway through the text "
-                                    "(its weights are so large that float32 overflows); sample from another checkpoint")
+    samples = out.split(writing.SEPARATOR)
+    assert len(samples) == (int(how[how.index("--num-samples") + 1]) if "--num-samples" in how else 1)
+    for text in samples:
+        assert text.startswith("the " + char) and text.endswith("\n") and len(text) <= len("the ") + 3
+    assert err.endswith("parameters, step 200, vocabulary 35\nerror: the model's output stopped being a finite number "
+                        "partway through the text (its weights are so large that float32 overflows); sample from "
+                        "another checkpoint\n")  # one line after the checkpoint's: no blank one before it
 
 
 HUGE = "9" * 4000
