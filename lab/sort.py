@@ -153,13 +153,18 @@ def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: objec
 
 def memory_need(cfg: SortConfig) -> int:
     """Bytes a run of cfg allocates at its peak, roughly and from above: what grows with the batch, the length and
-    the alphabet. Fitted to the peak memory measured for long sequences, wide alphabets and big batches (within a
-    factor of 1.2 above it); torch itself, a few hundred MB, is not counted."""
+    the alphabet. Fitted to the peak memory measured for long sequences, wide alphabets and big batches (from 1.2
+    times it, for big batches, to 1.8 times, for a transformer on long sequences); torch itself, a few hundred MB, is
+    not counted."""
     B, T, D, E, C = cfg.batch_size, cfg.length, cfg.digits, cfg.eval_size, cfg.n_embd
     floats = 4 * (3 * D * C + 30 * C * C)  # weights, gradients and Adam's two moments
     floats += 2 * B * T * D + E * D + 20 * (B + E) * T * C  # logits and their gradients; states and embeddings
     if cfg.model == "transformer":
         heads = cfg.seq2seq().n_head
+        # the encoder's and decoder's activations kept for the backward pass: about 45 x n_embd floats a training
+        # position in all (peak memory 2.2, 4.1 and 7.7 GB at --batch-size 20,000, 40,000 and 80,000, length 8, where
+        # the 20 above made 1.1, 2.0 and 3.9 GB of it)
+        floats += 28 * B * T * C
         floats += 12 * B * heads * T * T + 10 * E * heads * T * T  # attention weights: training, then greedy decoding
         # greedy decoding takes the logits of the whole prefix at each step: (E, T, D) at the last, two alive at
         # once (--digits 8000 --length 32 peaked at 5.2 GB, counted here at 0.6 GB before)
