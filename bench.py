@@ -44,6 +44,7 @@ from benchmark.runs import (
 )
 from benchmark.speed import sample_rows, step_rows
 from configs.userinput import OneLineParser, shown
+from model.config import short_int
 from training.config import MAX_THREADS
 from training.signals import Interrupted, InterruptSignals
 from training.streams import discard_stdout
@@ -130,9 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default native: all the CPU offers)")
     args = p.parse_args(argv)
     if not 1 <= args.threads <= MAX_THREADS:  # torch.set_num_threads(10**20) was a traceback
-        p.error(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}")
+        p.error(f"--threads must be from 1 to {MAX_THREADS}, got {short_int(args.threads)}")
     if args.rounds is not None and args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
+        p.error(f"--rounds must be >= 1, got {short_int(args.rounds)}")
     if args.gpu and not cuda_available():
         p.error("--gpu needs a CUDA GPU, and PyTorch finds none here; run without --gpu for the CPU rows")
     if args.gpu and args.isa != "native":

@@ -79,9 +79,10 @@ class SortConfig:
             raise ValueError("--no-attention is for the GRU; a transformer without attention has nothing left")
         for name in ("length", "steps", "batch_size", "eval_size", "n_embd"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be at least 1, got {short_int(getattr(self, name))}")
         if self.steps > MAX_STEPS:
-            raise ValueError(f"steps must be at most {MAX_STEPS:,} (the default 400 take seconds), got {self.steps:,}")
+            raise ValueError(f"steps must be at most {MAX_STEPS:,} (the default 400 take seconds), got "
+                             f"{short_int(self.steps)}")
         if self.digits < 2:
             raise ValueError(f"digits must be at least 2, got {self.digits}")
         for name in ("length", "digits", "batch_size", "eval_size", "n_embd"):
@@ -94,7 +95,7 @@ class SortConfig:
             raise ValueError(f"learning_rate must be at most float32's largest number, {FLOAT32_MAX:.4g}, got "
                              f"{self.learning_rate:g}")
         if not -(2**63) <= self.seed < 2**63:  # what torch.manual_seed takes without an overflow
-            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {short_int(self.seed)}")
 
     def seq2seq(self) -> Seq2SeqConfig:
         return Seq2SeqConfig(digits=self.digits, length=self.length, n_embd=self.n_embd, score=self.score,

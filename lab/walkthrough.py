@@ -43,6 +43,7 @@ from lab.notes import (
     trainable_attention_for_query,
     v2_as_built_in_001,
 )
+from model.config import short_int
 from training.signals import Interrupted, InterruptSignals
 
 WIDTH = 9  # one printed number: sign, digits and 4 decimals, right-aligned, with room for -inf
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if not 1 <= args.query <= len(WORDS):
-        p.error(f"--query must be from 1 to {len(WORDS)} (the words of \"{' '.join(WORDS)}\"), got {args.query}")
+        p.error(f"--query must be from 1 to {len(WORDS)} (the words of \"{' '.join(WORDS)}\"), got "
+                f"{short_int(args.query)}")
     if sys.stdout is None:  # started with stdout closed (`>&-`)
         p.error("stdout is closed, and the walk-through is written there; redirect it to a file (> notes.txt)")
     try:

@@ -202,12 +202,14 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
     assert exited.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     # measured only after a checkout is copied, or written at the end of the run: a traceback there
     for extra, says in ((["--threads", str(10**20)], "--threads must be from 1 to"),
+                        (["--threads", "9" * 4000], "got 9.999e+3999 (see"), (["--rounds", "-" + "9" * 4000],
+                                                                             "--rounds must be >= 1, got -9.999e+3999"),
                         (["--json", str(tmp_path)], "is a folder"), (["--json", ""], "is empty"),
                         (["--json", str(tmp_path / ("x" * 300 + ".json"))], "File name too long")):
         with pytest.raises(SystemExit) as exited:
             bench.main(["--nanogpt", str(tmp_path), *extra])
         err = capsys.readouterr().err
-        assert exited.value.code == 2 and err.count("\n") == 1 and says in err
+        assert exited.value.code == 2 and err.count("\n") == 1 and says in err and "99999" not in err
 
 
 def test_a_bad_onednn_setting_is_one_line_before_anything_runs(tmp_path: Path, capsys, monkeypatch):
