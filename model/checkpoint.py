@@ -64,7 +64,9 @@ def find_checkpoint(out_dir: str | Path) -> Path:
         raise CheckpointError(f"no run folder {quoted(out_dir)}; train one with `python train.py` or pass "
                               f"--checkpoint FILE")
     for name in ("best.pt", "ckpt.pt"):
-        if (out_dir / name).exists():
+        # a link that leads nowhere is found too, and load_checkpoint says so: passed over, it read as "holds no
+        # best.pt or ckpt.pt", or a best.pt in a loop of links gave way to ckpt.pt without a word
+        if (out_dir / name).exists() or (out_dir / name).is_symlink():
             return out_dir / name
     for name in ("best.pt", "ckpt.pt"):  # an --overwrite run stopped before its first checkpoint, or still before it
         if (out_dir / ASIDE / name).exists():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, CheckpointError, GPTConfig, load_checkpoint, model_from_checkpoint
+from model import GPT, CheckpointError, GPTConfig, find_checkpoint, load_checkpoint, model_from_checkpoint
 from model import checkpoint as checkpoint_module
 from model.checkpoint import quoted
 from training.checkpoints import save_checkpoint
@@ -368,6 +368,25 @@ def test_a_link_that_leads_nowhere_is_named_as_such_not_as_a_missing_checkpoint(
     for name in ("loop1", "dangling.pt"):
         with pytest.raises(CheckpointError, match="is a symbolic link that leads to no file"):
             load_checkpoint(tmp_path / name)
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+@pytest.mark.parametrize("name", ["best.pt", "ckpt.pt"])
+def test_a_run_folders_checkpoint_that_is_a_link_leading_nowhere_is_named_not_passed_over(saved, tmp_path, kind, name):
+    # sample.py --out-dir said the folder "holds no best.pt or ckpt.pt", or took ckpt.pt in place of a best.pt in a
+    # loop of links without a word
+    model, _ = saved
+    run = tmp_path / "run"
+    run.mkdir()
+    if name == "best.pt":
+        save_checkpoint(payload_for(model), run / "ckpt.pt")
+    if kind == "dangling":
+        (run / name).symlink_to(tmp_path / "gone.pt")
+    else:
+        (run / name).symlink_to(run / name)
+    assert find_checkpoint(run) == run / name
+    with pytest.raises(CheckpointError, match="is a symbolic link that leads to no file"):
+        load_checkpoint(find_checkpoint(run))
 
 
 def test_a_file_of_zeros_is_not_sent_to_torchs_advice_about_its_legacy_format(tmp_path):
