@@ -204,6 +204,11 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # --- command-line overrides
     ("override-without-value", "train", lambda c: c.train("train.max_iters"), "must look like KEY=VALUE"),
     ("override-unknown-key", "train", lambda c: c.train("model.n_embed=32"), "did you mean 'model.n_embd'"),
+    # a YAML escape ("\\x00", "\\ud800") puts either in a name: a ValueError or UnicodeEncodeError traceback at the lock
+    ("out-dir-with-a-nul", "train", lambda c: c.train(f"out_dir={c.tmp}/a\0b"),
+     "/a\\x00b' is not a usable path (it holds a NUL character); choose another (command line: "),
+    ("out-dir-with-a-lone-surrogate", "train", lambda c: c.train(f"out_dir={c.tmp}/\ud800"),
+     "/\\ud800' holds a lone surrogate (half of a UTF-16 pair); choose another (command line: "),
     ("out-dir-a-link-to-nowhere", "train", _dangling_link,  # was "cannot write into out_dir 'link' (File exists)"
      "is a symbolic link that leads nowhere (to '"),
     # "unrecognized arguments: --max_iters", and no more

@@ -87,6 +87,35 @@ def read_events(out_dir: Path):
 # ------------------------------------------------------------------------------------------ a real run
 
 
+def test_names_whose_bytes_are_not_utf8_train_or_are_one_line(small_corpus, tmp_path):
+    """A Latin-1 file name (caf\\xe9: Python holds the byte as "\\udce9"), a valid name on Linux. As data.path it was
+    a traceback at TensorBoard's hyperparameters, which write only UTF-8; as out_dir a traceback at TensorBoard's
+    writer, with the folder made and config.yaml in it. Now the text trains, its name logged as the shell shows it,
+    and such an out_dir is one line before anything is made, unless the run writes no TensorBoard logs."""
+    latin1 = os.fsdecode(b"caf\xe9")
+    corpus = tmp_path / f"{latin1}.txt"
+    shutil.copyfile(small_corpus, corpus)
+
+    def train_py(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, check=False, env=child_env())
+
+    done = train_py(*tiny_overrides(corpus, tmp_path / "run", **{"train.max_iters": 5}))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    (events,) = (tmp_path / "run").glob("events.out.tfevents.*")
+    assert b"caf\\xe9.txt" in events.read_bytes()  # data.path among the hyperparameters
+
+    folder = tmp_path / latin1
+    done = train_py(*tiny_overrides(small_corpus, folder, **{"train.max_iters": 5}))
+    line = one_error_line(done.stderr)
+    assert done.returncode == 2 and line.startswith("error: out_dir '") and (
+        "/caf\\xe9' is not UTF-8, which TensorBoard needs; choose another, or set train.tensorboard=false (command "
+        "line: 'out_dir=") in line
+    assert not folder.exists()
+    done = train_py(*tiny_overrides(small_corpus, folder, **{"train.max_iters": 5, "train.tensorboard": "false"}))
+    assert done.returncode == 0 and (folder / "best.pt").is_file(), done.stderr
+
+
 @pytest.mark.slow
 def test_a_real_run_writes_checkpoints_config_and_tensorboard_logs(small_corpus, tmp_path):
     out = tmp_path / "run"

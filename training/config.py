@@ -10,6 +10,7 @@ from pathlib import Path
 
 from configs import ConfigError, apply_overrides, build, check_keys, load_yaml, text_keys
 from configs.origins import as_typed
+from configs.userinput import shown
 from data import DataConfig
 from model import GPTConfig
 from model.config import short_int
@@ -138,8 +139,32 @@ class RunConfig:
         if self.out_dir is not None and not self.out_dir.strip():
             # '' would mean the current folder: checkpoints and logs strewn among whatever is there
             raise ValueError("out_dir is empty; give a folder name, or leave it unset for runs/<config file name>")
+        if self.out_dir is not None and (problem := out_dir_problem(self.out_dir, self.train.tensorboard)):
+            raise ValueError(problem)
         if not -(2**63) <= self.seed < 2**63:  # torch seeds are 64-bit; a larger one fails deep inside torch
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+
+
+def out_dir_problem(out_dir: str, tensorboard: bool) -> str | None:
+    """What makes out_dir no folder name a run can write into, in words; None when nothing does. Each was a traceback
+    as the run began: a NUL character (a YAML escape, "\\x00") at the run folder's lock, a lone surrogate ("\\ud800")
+    there too, and a name whose bytes are not UTF-8 (a Latin-1 'café', which Python holds as "\\udce9") in
+    TensorBoard's writer, which takes only UTF-8 names, once config.yaml had been written."""
+    # (each message within the 160 characters a config check's may take: configs.errors.CHECK_LIMIT)
+    if "\0" in out_dir:
+        return f"out_dir '{shown(out_dir, 40)}' is not a usable path (it holds a NUL character); choose another"
+    try:
+        os.fsencode(out_dir)
+    except UnicodeEncodeError:
+        return f"out_dir '{shown(out_dir, 40)}' holds a lone surrogate (half of a UTF-16 pair); choose another"
+    try:
+        out_dir.encode("utf-8")
+    except UnicodeEncodeError:
+        if tensorboard:  # the name's bytes as the shell shows them: caf\xe9
+            name = os.fsencode(out_dir).decode("utf-8", "backslashreplace")
+            return (f"out_dir '{shown(name, 40)}' is not UTF-8, which TensorBoard needs; choose another, or set "
+                    f"train.tensorboard=false")
+    return None
 
 
 def load_config(config_path: str | None, overrides: list[str], base: dict | None = None,

@@ -55,6 +55,16 @@ class Throughput:
         return taken
 
 
+def utf8(text: str) -> str:
+    """text as TensorBoard can write it (UTF-8 only): a file name's bytes that are not UTF-8 (a Latin-1 'café', held
+    as "caf\\udce9") as the shell shows them, caf\\xe9; a lone surrogate escaped. data.path's such name was a
+    UnicodeEncodeError traceback at the hyperparameters, as the run began."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _quiet_tensorboard_thread(hook: Callable) -> Callable:
     """threading.excepthook that says nothing of an OSError in TensorBoard's writer thread (the Logger reports it)
     and hands everything else to hook."""
@@ -204,7 +214,8 @@ class Logger:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flatten(to_dict(cfg)).items()}
+        flat = {k: (utf8(v) if isinstance(v, str) else v if isinstance(v, (int, float, bool)) else utf8(str(v)))
+                for k, v in flatten(to_dict(cfg)).items()}
         flat["params"] = params
         with self.writing():
             for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
