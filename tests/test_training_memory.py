@@ -16,6 +16,7 @@ from training_runs import write_corpus
 import train
 import training.memory
 from model import GPT, GPTConfig
+from training.config import load_config
 from training.errors import UsageError
 from training.memory import MemoryNeed, activation_bytes, check_fits, model_need, parameter_count, training_need
 
@@ -132,6 +133,31 @@ def test_a_run_that_cannot_fit_is_refused_before_the_model_is_built(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: this run needs about ") and part in err[0], err
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize(("model", "texts"), [(["model.type=bigram"], 3), ([], 2)])
+def test_a_run_whose_vocabulary_makes_its_need_is_told_of_data_max_vocab(tmp_path, capsys, model, texts):
+    """A bigram table of 147,952 x 147,952 characters, or the logits of 1,112,032 characters at every position (a
+    text of every character Unicode has), told to use a smaller model.n_layer or model.n_embd: neither helps."""
+    last = 0x110000 if not model else 0x20 + 150_000
+    text = "".join(chr(c) for c in range(0x20, last) if not 0xD800 <= c <= 0xDFFF)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text * texts, encoding="utf-8")
+    batch = [] if model else ["train.batch_size=2000"]
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, tmp_path / "out"), *model, *batch],
+                      progress=False) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: this run needs about ") and line.endswith(
+        f"free; use a smaller vocabulary (data.max_vocab=N keeps the N most frequent characters; this one has "
+        f"{len(text):,})")
+
+
+@pytest.mark.parametrize(("batch", "peak"), [(16, 3.73e9), (32, 5.98e9)])
+def test_the_estimate_is_above_a_huge_vocabularys_logits_and_their_gradients(batch, peak):
+    # peak memory of train.py with tiny.yaml's model on a text of 1,112,032 characters (2026-12-02, eager, float32,
+    # the weights' average on): counted as 3.42 and 5.13 GB, and batch 64 (10.46 GB) as 8.56
+    cfg = replace(load_config(TINY, []).model, vocab_size=1_112_032)
+    assert training_need(cfg, batch, 1, averaged=True).total > peak
 
 
 # train.py run with its address space limited to what it has mapped once torch is loaded, plus 1 GiB (ulimit -v)

@@ -81,7 +81,10 @@ def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:
         scores += 2 * T * C  # the (T, T, head_size) tanh hidden of every head, and its input
     if cfg.dropout > 0 and cfg.attention == "manual":
         scores += 2 * nh * T
-    ends = (3 * C + 3 * V) * FLOAT + 6 * ID  # embeddings; logits, log-softmax and its gradient; ids and windows
+    # embeddings; the logits, their log-softmax, the gradients of both and one more copy that the head's backward
+    # makes (a vocabulary of 1,112,032 characters on tiny.yaml's model, batch 16, 32 and 64, peaked at 3.78, 6.01 and
+    # 10.46 GB, about 3.9 vocabulary-wide floats a position, where 3 were counted: 3.42, 5.13 and 8.56 GB); ids
+    ends = (3 * C + 5 * V) * FLOAT + 6 * ID
     if backward:  # norms, q/k/v, attention output, projections, the 4x MLP, residuals: kept by every layer
         per_token = (L + 1) * (19 * C + scores) * FLOAT + ends
     else:  # a layer's input, q/k/v, scores and the 4x MLP, freed as the next layer starts
@@ -104,6 +107,16 @@ def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int, averaged
         activations=max(activation_bytes(cfg, batch_size, backward=True),
                         activation_bytes(cfg, eval_sequences, backward=False)),
     )
+
+
+def vocabulary_advice(cfg: GPTConfig, need: MemoryNeed, small: MemoryNeed) -> str | None:
+    """check_fits's advice where the vocabulary makes most of need (small: the same run with two characters): a
+    bigram model's vocabulary x vocabulary table, or the logits of a text of very many characters. The default advice
+    named model.n_layer and model.n_embd there, which cannot help a bigram table."""
+    if need.total <= 2 * small.total:
+        return None
+    return (f"use a smaller vocabulary (data.max_vocab=N keeps the N most frequent characters; this one has "
+            f"{cfg.vocab_size:,})")
 
 
 def model_need(cfg: GPTConfig, sequences: int = 1, text: int = 0) -> MemoryNeed:

@@ -29,7 +29,7 @@ from .evaluation import eval_pass_sequences
 from .launch import Launch
 from .logger import Logger
 from .loop import Trainer
-from .memory import check_fits, training_need
+from .memory import check_fits, training_need, vocabulary_advice
 from .optim import make_optimizer, muon_matrices
 from .outdir import claim_out_dir, drop_aside, prepare_out_dir, restore_aside
 
@@ -166,7 +166,9 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
         # Before the first allocation: a run that cannot fit is refused in one line, not killed by the kernel.
         evaluated = eval_pass_sequences(block_size, tc.batch_size, tc.eval_iters, device, start.corpus.vocab_size)
         need = training_need(model_cfg, tc.batch_size, evaluated, averaged=tc.ema_decay > 0)
-        check_fits(need, device, launch.local_world_size if device.type == "cpu" else 1)
+        small = training_need(replace(model_cfg, vocab_size=2), tc.batch_size, evaluated, averaged=tc.ema_decay > 0)
+        check_fits(need, device, launch.local_world_size if device.type == "cpu" else 1,
+                   advice=vocabulary_advice(model_cfg, need, small))
 
         torch.manual_seed(cfg.seed)  # the same initial weights in every process (and DDP broadcasts rank 0's)
         model = build_model(model_cfg).to(device)
