@@ -268,6 +268,10 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-optimizer-not-a-mapping", "train", lambda c: c.resume(lambda p: p.update(optimizer="x")),
      "has a damaged optimizer state"),
     ("resume-nan-training-weights", "train", lambda c: c.resume(_nan_training_weights), "has damaged training weights"),
+    # the resume went on from the average: silently another run (val 3.4456 against 3.3467 at step 30)
+    ("resume-without-training-weights", "train", lambda c: c.resume(lambda p: p.pop("training_weights")),
+     "holds the weights' average (train.ema_decay) without the weights it was taken of (training_weights); it is "
+     "damaged and cannot be resumed"),
     ("resume-training-weights-of-another-shape", "train", lambda c: c.resume(_expanded_training_weights),
      "has damaged training weights (the weights its average was taken of: not the model's shapes"),
     # the optimizer's state, which torch loads unchecked: a crash of the process in the fused AdamW kernel (a

@@ -189,6 +189,11 @@ def check_training_state(payload: dict, path: Path) -> None:
         raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state (not a mapping); it cannot be "
                               f"resumed")
     trained, weights = payload.get("training_weights"), payload["model"]
+    # An averaging run saves the trained weights beside the average; without them a resume went on from the average
+    train = payload["config"].get("train") if trained is None else None
+    if isinstance(train, dict) and isinstance(train.get("ema_decay"), float) and train["ema_decay"] > 0:
+        raise CheckpointError(f"'{shown(str(path))}' holds the weights' average (train.ema_decay) without the weights "
+                              f"it was taken of (training_weights); it is damaged and cannot be resumed")
     # The shapes first: a tensor of 10**12 values, expanded from one in a 2 MB file, was checked whole (4 TB)
     if trained is not None and (not isinstance(trained, dict) or trained.keys() != weights.keys() or not all(
             isinstance(t, torch.Tensor) and t.shape == weights[k].shape for k, t in trained.items()) or not all(
