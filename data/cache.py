@@ -32,6 +32,9 @@ from .sources import FORMAT_VERSION
 _CRC_PIECE = 8 << 20
 # The partial files open_part names: '.<stem>.<pid>.<8 hex digits><suffix>.part', suffix '.ids' or '.json'.
 _PART = re.compile(r"\.(?P<stem>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(?:ids|json)\.part")
+# The largest meta read: a vocabulary of every Unicode character takes under 18 MB of escaped JSON, and each source
+# file about 200 bytes; a corpus of a million files would fit.
+META_MAX_BYTES = 256 << 20
 # How long a partial file must have gone unwritten before it may be reaped (see reap_parts for why an hour).
 STALE_PART_S = 3600.0
 
@@ -59,8 +62,8 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
         try:
             dtype, n_tokens = np.dtype(info["dtype"]), int(info["n_tokens"])
             sound = info["format"] == FORMAT_VERSION and info["key"] == key and isinstance(info["crc32"], int)
-        except (ValueError, KeyError, TypeError):  # JSON, but not a meta of this version
-            continue
+        except (ValueError, KeyError, TypeError, OverflowError):  # JSON, but not a meta of this version (an infinite
+            continue  # count, 1e999, was an OverflowError traceback in every run)
         if not sound:
             continue
         damaged_path, why, state = meta_path, _meta_damage(info, dtype), "was damaged"
@@ -94,11 +97,15 @@ def _read_meta(path: Path) -> dict:
     """The JSON of the meta file at path; OSError or ValueError (DataError among them) when it cannot be one.
 
     Opened as data.path is, without blocking and only if it is a regular file: a meta that is a pipe waited forever,
-    one linked to /dev/zero filled the memory, and JSON nested past Python's recursion limit was a traceback.
+    one linked to /dev/zero filled the memory, and JSON nested past Python's recursion limit was a traceback. Nor is
+    one larger than META_MAX_BYTES read: a sparse file of 100 GB in a meta's place was a MemoryError traceback.
     """
     with open_regular(path, "data.cache_dir") as f:
+        text = f.read(META_MAX_BYTES + 1)
+        if len(text) > META_MAX_BYTES:
+            raise ValueError(f"{path} is larger than any meta ({META_MAX_BYTES:,} bytes)")
         try:
-            info = json.loads(f.read().decode("utf-8"))
+            info = json.loads(text.decode("utf-8"))
         except RecursionError:
             raise ValueError(f"{path} is JSON nested too deep to be a meta") from None
     if not isinstance(info, dict):
@@ -349,7 +356,7 @@ def prune(folder: Path, stem: str, key: str, info: dict) -> None:
                 continue
             meta_path.unlink()
             meta_path.with_suffix(".ids").unlink(missing_ok=True)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, LookupError, TypeError):  # an empty source too: an IndexError traceback
             continue  # someone else's file, or one being replaced at this moment: leave it
 
 

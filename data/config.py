@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 # Built-in corpora, which ship inside data/; ``data.path`` covers everything else.
@@ -46,6 +47,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:  # written this way so that NaN is refused too
             raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
+        if self.val_fraction < sys.float_info.min:  # a subnormal: 0 once training flushes them (1e-320 was a traceback)
+            raise ValueError(f"data.val_fraction must be at least {sys.float_info.min:.4g}, the smallest normal "
+                             f"float, got {self.val_fraction:.4g}")
         if self.path is not None and not self.path.strip():
             raise ValueError(
                 "data.path is empty; give a UTF-8 text file, a folder or a glob, or leave it unset to use data.dataset"

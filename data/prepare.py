@@ -269,7 +269,11 @@ def _encode(
         with meta_out:
             meta_out.write(json.dumps(info).encode("utf-8"))
         os.replace(part, ids_path)
-        os.replace(meta_part, meta_path)
+        try:
+            os.replace(meta_part, meta_path)
+        except OSError:  # a folder in the meta's place, say: no meta would ever name these ids
+            ids_path.unlink(missing_ok=True)
+            raise
     except OSError as e:
         raise unwritten(setting, folder, (ids_path, meta_path), e) from e
     finally:

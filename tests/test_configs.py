@@ -150,6 +150,9 @@ def test_a_wrong_type_in_the_file_is_refused_in_one_line(tmp_path, text, fragmen
         (["data.val_fraction=1"], "data.val_fraction must be between 0 and 1"),
         (["data.val_fraction=1.5"], "data.val_fraction must be between 0 and 1"),
         (["data.val_fraction=nan"], "data.val_fraction must be between 0 and 1"),
+        # a subnormal: 0 to training's flushed arithmetic, where the split refused it in a ValueError traceback
+        (["data.val_fraction=1e-320"], "data.val_fraction must be at least 2.225e-308, the smallest normal float, got "
+                                       "1e-320"),
         (["train.learning_rate=-0.001"], "train.learning_rate must be a finite number >= 0"),
         (["train.learning_rate=inf"], "train.learning_rate must be a finite number >= 0"),
         (["train.min_lr=0.5", "train.learning_rate=0.1"], "must not exceed train.learning_rate"),

@@ -411,6 +411,67 @@ def test_a_relative_tinychar_cache_dir_is_refused_in_one_line(tmp_path: Path, mo
     assert prepare(tmp_path / "t.txt").path.parent == tmp_path / "home" / "cache"
 
 
+@pytest.mark.parametrize("what", ["its own", "another entry's"])
+def test_a_meta_larger_than_any_is_not_read_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """A sparse file of 100 GB in a meta's place was read whole: a MemoryError traceback (or the memory filled), in
+    the lookup or in the pruning of the same text's older entries after an encoding."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    meta_path = first.path.with_suffix(".json")
+    if what == "another entry's":
+        meta_path = meta_path.with_name(f"t.txt-{'0' * 32}.json")
+        first.path.with_suffix(".json").unlink()
+    monkeypatch.setattr(data.cache, "META_MAX_BYTES", 1 << 20)
+    with meta_path.open("wb") as f:
+        f.truncate(100 << 30)  # sparse: no disk used
+    reads = []
+    real_read = data.cache._read_meta
+
+    def read(path: Path) -> dict:
+        try:
+            return real_read(path)
+        except ValueError as e:
+            reads.append(str(e))
+            raise
+
+    monkeypatch.setattr(data.cache, "_read_meta", read)
+    again = prepare(tmp_path / "t.txt")
+    assert not again.cache_hit and text_of(again) == text and again.fingerprint == first.fingerprint
+    assert reads == [f"{meta_path} is larger than any meta (1,048,576 bytes)"]
+    assert prepare(tmp_path / "t.txt").cache_hit
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_tokens", "1e999"), ("n_tokens", "-1e999"), ("sources", "[[]]"),
+                                              ("sources", '[""]')])
+def test_a_meta_of_absurd_values_is_passed_over_not_a_traceback(tmp_path: Path, field: str, value: str) -> None:
+    """An infinite count was an OverflowError traceback in every run; another meta of the same text whose source is
+    empty was an IndexError traceback when the new encoding pruned the old ones."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    meta_path = first.path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if field == "sources":  # another entry's, met when the new one prunes the text's older entries
+        meta_path.unlink()
+        meta_path = meta_path.with_name(f"t.txt-{'0' * 32}.json")
+    meta_path.write_text(json.dumps({**meta, field: json.loads(value)}), encoding="utf-8")
+    again = prepare(tmp_path / "t.txt")
+    assert not again.cache_hit and text_of(again) == text and again.fingerprint == first.fingerprint
+    assert prepare(tmp_path / "t.txt").cache_hit
+
+
+def test_a_folder_in_the_metas_place_leaves_no_ids_behind(tmp_path: Path, cache: Path) -> None:
+    """The refusal was right, but the ids had been renamed into place first: as large as the corpus's ids, with no
+    meta to name them, never pruned."""
+    first = prepare(write(tmp_path / "t.txt", "abcdefgh" * 64))
+    first.path.unlink()
+    meta_path = first.path.with_suffix(".json")
+    meta_path.unlink()
+    meta_path.mkdir()
+    with pytest.raises(DataError, match="a folder of that name is in the way"):
+        prepare(tmp_path / "t.txt")
+    assert entries(cache) == [meta_path.name]
+
+
 @pytest.mark.parametrize("what", ["a pipe", "JSON nested past the recursion limit", "another entry's meta, a pipe"])
 def test_a_meta_that_is_no_json_file_is_passed_over_not_read_forever(tmp_path: Path, what: str) -> None:
     """A meta was read as any file: one that was a pipe waited forever (when looked up, or pruned as another entry
