@@ -26,6 +26,10 @@ from .config import GPTConfig
 # Where --overwrite keeps the old run until the new one has a checkpoint (training.outdir), and so where a run killed
 # before then leaves it: a resume continues it from there, and sample.py --out-dir points to it.
 ASIDE = ".replaced"
+# Where the old run's files gather on their way into ASIDE, and out of it: a folder renamed whole, so that a kill
+# midway never leaves the old run split between out_dir and ASIDE (training/outdir.py).
+MOVING_ASIDE, MOVING_BACK = ".replacing", ".restoring"
+ASIDE_FOLDERS = (ASIDE, MOVING_ASIDE, MOVING_BACK)
 FORMAT = "tinychar-checkpoint"  # the "format" entry of every checkpoint, checked on loading
 VERSION = 1
 # The model config's keys that every checkpoint has held since the first: keys added later may be missing from an
@@ -69,10 +73,11 @@ def find_checkpoint(out_dir: str | Path) -> Path:
         if (out_dir / name).exists() or (out_dir / name).is_symlink():
             return out_dir / name
     for name in ("best.pt", "ckpt.pt"):  # an --overwrite run stopped before its first checkpoint, or still before it
-        if (out_dir / ASIDE / name).exists():
-            raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt of its own: the run that an "
-                                  f"--overwrite replaced waits in {quoted(out_dir / ASIDE)}; sample from it with "
-                                  f"--checkpoint {quoted(out_dir / ASIDE / name)}")
+        for folder in ASIDE_FOLDERS:
+            if (out_dir / folder / name).exists():
+                raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt of its own: the run that an "
+                                      f"--overwrite replaced waits in {quoted(out_dir / folder)}; sample from it with "
+                                      f"--checkpoint {quoted(out_dir / folder / name)}")
     raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt; train first with `python train.py`")
 
 

@@ -494,3 +494,66 @@ def test_a_run_saved_into_out_dir_while_this_one_was_starting_is_never_written_o
     assert (out / "ckpt.pt").read_bytes() == (other / "ckpt.pt").read_bytes()
     assert load_checkpoint(out / "ckpt.pt")["step"] == 10
     assert not RunLock(out).busy()  # released on the refusal
+
+
+# ------------------------------------------------------------------------------------------ --overwrite killed midway
+
+OLD_RUN = {"ckpt.pt": b"old ckpt", "best.pt": b"old best", "config.yaml": b"# old config\n",
+           "events.out.tfevents.1": b"old events 1", "events.out.tfevents.2": b"old events 2"}
+
+
+def _killed_at(monkeypatch: pytest.MonkeyPatch, renames: int) -> None:
+    """os.replace gives out after `renames` renames, as a kill -9 there would leave the folder."""
+    real, done = os.replace, []
+
+    def replace(a, b) -> None:
+        if len(done) == renames:
+            raise KeyboardInterrupt("killed")
+        done.append(a)
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def _run_files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK}
+
+
+@pytest.mark.parametrize("renames", range(len(OLD_RUN) + 2))
+def test_an_overwrite_killed_while_moving_the_old_run_aside_leaves_all_of_it_to_put_back(tmp_path, monkeypatch,
+                                                                                        renames):
+    """Killed after ckpt.pt had gone into .replaced/, the old run's best.pt, config.yaml and TensorBoard logs stayed
+    in out_dir, where the next run took them for the killed run's own and deleted them as it put the old run back."""
+    from training.outdir import move_aside, recover_aside
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for name, content in OLD_RUN.items():
+        (out / name).write_bytes(content)
+    _killed_at(monkeypatch, renames)  # the files one by one, then their folder: len(OLD_RUN) + 1 renames in all
+    with contextlib.suppress(KeyboardInterrupt):
+        move_aside(out)
+    monkeypatch.undo()
+    recover_aside(out)  # the next run in the folder, which has no ckpt.pt of its own
+    assert _run_files(out) == OLD_RUN and sorted(p.name for p in out.iterdir() if p.is_dir()) == []
+
+
+@pytest.mark.parametrize("renames", range(len(OLD_RUN) + 2))
+def test_a_run_killed_while_putting_the_old_run_back_leaves_all_of_it_to_put_back(tmp_path, monkeypatch, renames):
+    """An --overwrite stopped before its first checkpoint puts the old run back: killed midway (a second signal),
+    the files already back were taken for the new run's by the next run, and deleted, or the rest were dropped."""
+    from training.outdir import move_aside, recover_aside, restore_aside
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for name, content in OLD_RUN.items():
+        (out / name).write_bytes(content)
+    move_aside(out)
+    (out / "config.yaml").write_bytes(b"# the new run's config\n")  # what the new run wrote before it was stopped
+    (out / "events.out.tfevents.3").write_bytes(b"new events")
+    _killed_at(monkeypatch, renames)  # the folder first, then the files one by one
+    with contextlib.suppress(KeyboardInterrupt):
+        restore_aside(out)
+    monkeypatch.undo()
+    recover_aside(out)
+    assert _run_files(out) == OLD_RUN and sorted(p.name for p in out.iterdir() if p.is_dir()) == []

@@ -19,7 +19,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import path_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons
+from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
@@ -189,7 +189,6 @@ def check_training_state(payload: dict, path: Path) -> None:
         raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state (not a mapping); it cannot be "
                               f"resumed")
     trained, weights = payload.get("training_weights"), payload["model"]
-    # An averaging run saves the trained weights beside the average; without them a resume went on from the average
     train = payload["config"].get("train") if trained is None else None
     if isinstance(train, dict) and isinstance(train.get("ema_decay"), float) and train["ema_decay"] > 0:
         raise CheckpointError(f"'{shown(str(path))}' holds the weights' average (train.ema_decay) without the weights "
@@ -355,8 +354,8 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     ckpt = out_dir / "ckpt.pt"
     if holder := RunLock(out_dir).busy():  # a live run is still writing it
         raise in_use(out_dir, holder)
-    aside = out_dir / ASIDE / "ckpt.pt"
-    recovered = not ckpt.exists() and aside.exists()
+    aside = next((p for p in (out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS) if p.exists()), None)
+    recovered = not ckpt.exists() and aside is not None
     if recovered:
         # An --overwrite killed before its first checkpoint left the old run aside: that is the run to resume, and
         # claim_out_dir puts it back in place, under the run's lock, before this run writes anything.
@@ -395,6 +394,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if note := schedule_note(payload["config"].get("train") or {}, cfg.train, payload["step"]):
         changes.append(note)
     if recovered:
-        changes.insert(0, f"the run that an interrupted --overwrite left in {ASIDE}/ is put back and continued")
+        changes.insert(0, f"the run that an interrupted --overwrite left in {ckpt.parent.name}/ is put back and "
+                          f"continued")
     payload[LOADED_FROM] = loaded
     return cfg, payload, changes

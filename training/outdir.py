@@ -12,7 +12,10 @@ import yaml
 from configs import to_dict
 from configs.userinput import shown
 
-from .checkpoints import ASIDE, write_atomic  # ASIDE: where --overwrite keeps the old run
+# ASIDE: where --overwrite keeps the old run; the other two, where its files gather on their way there and back
+from model.checkpoint import ASIDE, ASIDE_FOLDERS, MOVING_ASIDE, MOVING_BACK
+
+from .checkpoints import write_atomic
 from .config import RunConfig
 from .errors import UsageError
 from .lock import LOCK, RunLock, file_identity, in_use
@@ -48,7 +51,8 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
                          f"run would replace it with its own; move it out of the folder, or choose another out_dir")
     if resume:
         return
-    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", out_dir / ASIDE / "ckpt.pt") if p.exists()]
+    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", *(out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS))
+                if p.exists()]
     if existing and not overwrite:
         held = existing[0].relative_to(out_dir).as_posix()  # .replaced/ckpt.pt: left by an --overwrite killed midway
         raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({held}); continue it with --resume, choose "
@@ -72,7 +76,7 @@ def not_a_runs_config(out_dir: Path) -> bool:
     """Whether out_dir/config.yaml is a file no run wrote: it lacks CONFIG_MARK and nothing else in out_dir is a
     run's (a run folder has .lock from its first moment, runs written before the mark included)."""
     config = out_dir / "config.yaml"
-    if not config.is_file() or any((out_dir / name).exists() for name in (LOCK, "ckpt.pt", "best.pt", ASIDE)):
+    if not config.is_file() or any((out_dir / name).exists() for name in (LOCK, "ckpt.pt", "best.pt", *ASIDE_FOLDERS)):
         return False
     try:
         with config.open("rb") as f:
@@ -138,11 +142,16 @@ def move_aside(out_dir: Path) -> str | None:
     files = _run_files(out_dir)
     if not files:
         return None
-    aside = out_dir / ASIDE
+    aside, moving = out_dir / ASIDE, out_dir / MOVING_ASIDE
     shutil.rmtree(aside, ignore_errors=True)
-    aside.mkdir()
-    for path in files:
-        os.replace(path, aside / path.name)
+    moving.mkdir()
+    try:
+        for path in files:
+            os.replace(path, moving / path.name)
+        os.replace(moving, aside)  # aside whole, or (killed before this) all of it found by recover_aside
+    except OSError:  # a file named .replaced in the way, say: the old run stays as it was, and the error is said
+        _move_back(moving, out_dir)
+        raise
     events = sum(1 for p in files if p.name.startswith("events.out.tfevents."))
     names = [p.name for p in files if not p.name.startswith("events.")]
     names += [f"{events} TensorBoard file(s)"] * bool(events)
@@ -157,9 +166,14 @@ def restore_aside(out_dir: Path) -> None:
         return
     for path in _run_files(out_dir):  # what this run wrote in their place
         path.unlink()
-    for path in aside.iterdir():
+    os.replace(aside, out_dir / MOVING_BACK)  # from here on, every run file in out_dir is the old run's
+    _move_back(out_dir / MOVING_BACK, out_dir)
+
+
+def _move_back(folder: Path, out_dir: Path) -> None:
+    for path in folder.iterdir():
         os.replace(path, out_dir / path.name)
-    aside.rmdir()
+    folder.rmdir()
 
 
 def drop_aside(out_dir: Path) -> None:
@@ -169,7 +183,13 @@ def drop_aside(out_dir: Path) -> None:
 
 def recover_aside(out_dir: Path) -> None:
     """A run killed midway through an --overwrite left the old run aside: put it back if the new run saved nothing,
-    else finish the job and delete it."""
+    else finish the job and delete it. Killed while the old run's files were on their way aside or back, it left them
+    split between out_dir and a folder of their own, with nothing of the new run's: they go back together (the
+    files in out_dir were once taken for the new run's and deleted, the old best.pt and TensorBoard logs among
+    them)."""
+    for folder in (MOVING_ASIDE, MOVING_BACK):
+        if (out_dir / folder).is_dir():
+            _move_back(out_dir / folder, out_dir)
     if (out_dir / ASIDE).is_dir():
         if (out_dir / "ckpt.pt").exists():
             drop_aside(out_dir)
