@@ -394,7 +394,7 @@ def test_a_lock_or_replaced_folder_of_the_users_is_refused_and_left_alone(tmp_pa
     """A .lock of a person's was overwritten with the run's process id; a .replaced/ of theirs was emptied into
     out_dir as an --overwrite killed midway would be put back (and a later --overwrite deleted it)."""
     corpus = write_corpus(tmp_path)
-    for name, path in ((LOCK, Path(LOCK)), (ASIDE, Path(ASIDE) / "notes.txt")):
+    for name, path in ((LOCK, Path(LOCK)), *((f, Path(f) / "notes.txt") for f in (ASIDE, ".replacing", ".restoring"))):
         folder = tmp_path / f"exp{name}"
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
         (folder / path).write_text("my precious notes\n", encoding="utf-8")
@@ -405,7 +405,7 @@ def test_a_lock_or_replaced_folder_of_the_users_is_refused_and_left_alone(tmp_pa
             assert err == (f"error: '{shown(folder / LOCK)}' holds something a run did not write (a run's .lock holds "
                            f"its process id and host); move the file away, or choose another out_dir\n")
         else:
-            assert err == (f"error: '{shown(folder / ASIDE)}' holds what no --overwrite put there (notes.txt), and a "
+            assert err == (f"error: '{shown(folder / name)}' holds what no --overwrite put there (notes.txt), and a "
                            f"run replaces or empties that folder; move it out of out_dir, or choose another out_dir\n")
         assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == sorted({path, *path.parents} - {Path(".")})
         assert (folder / path).read_text(encoding="utf-8") == "my precious notes\n"

@@ -43,9 +43,10 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
                          f"folder it names, or choose another out_dir")
     if holder := RunLock(out_dir).busy():
         raise in_use(out_dir, holder)
-    if foreign := not_aside(out_dir):
-        raise UsageError(f"'{shown(str(out_dir / ASIDE))}' holds what no --overwrite put there ({foreign}), and a run "
-                         f"replaces or empties that folder; move it out of out_dir, or choose another out_dir")
+    for folder in ASIDE_FOLDERS:
+        if foreign := not_aside(out_dir, folder):
+            raise UsageError(f"'{shown(str(out_dir / folder))}' holds what no --overwrite put there ({foreign}), and a "
+                             f"run replaces or empties that folder; move it out of out_dir, or choose another out_dir")
     if not_a_runs_config(out_dir):
         raise UsageError(f"'{shown(str(out_dir / 'config.yaml'))}' is not a config.yaml that tinychar wrote, and this "
                          f"run would replace it with its own; move it out of the folder, or choose another out_dir")
@@ -59,12 +60,12 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
                          f"another out_dir=..., or start afresh with --overwrite")
 
 
-def not_aside(out_dir: Path) -> str:
-    """The first few entries of out_dir/.replaced that are no run file --overwrite moved there, named; '' if there
-    are none (or no such folder). A person's .replaced/ was emptied into out_dir, or deleted by the next
-    --overwrite."""
+def not_aside(out_dir: Path, folder: str = ASIDE) -> str:
+    """The first few entries of out_dir/folder (.replaced, or one the old run's files pass through) that are no run
+    file --overwrite moved there, named; '' if there are none (or no such folder). A person's .replaced/ was emptied
+    into out_dir, or deleted by the next --overwrite."""
     try:
-        names = sorted(os.listdir(out_dir / ASIDE))
+        names = sorted(os.listdir(out_dir / folder))
     except OSError:  # none, or not a folder (claiming out_dir says so)
         return ""
     foreign = [n for n in names if n not in ("ckpt.pt", "best.pt", "config.yaml")
