@@ -28,8 +28,8 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from sampling.options import check_options, integer, real
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
-    from training.signals import import_holding_signals
-    from training.streams import discard_stdout, stderr_kept_open, stdout_encodes_any_text
+    from training.signals import STOP_SIGNALS, import_holding_signals
+    from training.streams import discard_stdout, reader_gone, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -39,7 +39,9 @@ except KeyboardInterrupt:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if not HELD_SIGINT:  # else the imports may have stopped short of terminated
-        signal.signal(signal.SIGTERM, terminated)
+        for _stop in STOP_SIGNALS:  # SIGTERM, and SIGHUP unless started by nohup
+            if _stop != signal.SIGINT:
+                signal.signal(_stop, terminated)
     if HELD_SIGINT:
         print(STARTING_INTERRUPTED.format(signal.Signals(HELD_SIGINT[0]).name), file=sys.stderr)
         sys.exit(128 + HELD_SIGINT[0])
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return stopped(e, "stopped sampling")
     except OSError as e:  # stdout is a full disk (or a device that refuses): not the input's fault, exit status 1
         discard_stdout()  # what is still buffered would fail again at exit
+        if reader_gone(e, sys.stdout):  # its terminal has closed: the hang-up signal, seen or on its way
+            return 128 + signal.SIGHUP
         print(f"error: cannot write the samples to stdout ({e.strerror or e})", file=sys.stderr)
         return 1
     return 0
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+    if status - 128 in STOP_SIGNALS:
         # Interrupted: leave now. Ending the interpreter normally would first wait on what torch.compile may have
         # started (its pool of compiler processes), which once kept a Ctrl-C'd run alive for minutes.
         for stream in (sys.stdout, sys.stderr):

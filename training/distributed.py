@@ -33,6 +33,7 @@ from configs.userinput import shown
 from .config import BACKENDS
 from .devices import DeviceError, resolve_device
 from .launch import Launch, LaunchError, cut_short
+from .signals import STOP_SIGNALS
 
 # How long a collective waits for the slowest process before it fails rather than hang. Generous, because some waits
 # are long and legitimate: the other processes wait while the first one on each machine encodes a large corpus.
@@ -106,15 +107,15 @@ def oversubscribed(threads: int, launch: Launch) -> str | None:
 
 @contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM during the block take effect when it ends. For collectives that run Python between their
-    steps (all_gather_object, DDP's construction): a handler that raises there would cut one process's collective
-    short and leave the others waiting for its second half. Outside the main thread this does nothing."""
+    """The stop signals (Ctrl-C, SIGTERM, SIGHUP) during the block take effect when it ends. For collectives that run
+    Python between their steps (all_gather_object, DDP's construction): a handler that raises there would cut one
+    process's collective short and leave the others waiting for its second half. Outside the main thread this does
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

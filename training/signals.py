@@ -1,5 +1,5 @@
-"""Stop signals: Ctrl-C and SIGTERM end a training run at a step boundary with a checkpoint, and end the work
-before the loop at once."""
+"""Stop signals: Ctrl-C, SIGTERM and SIGHUP (the terminal closed) end a training run at a step boundary with a
+checkpoint, and end the work before the loop at once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,20 @@ import warnings
 from typing import Any, Self
 
 
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a run: Ctrl-C (SIGINT), SIGTERM (kill, a scheduler, timeout) and, where there is one,
+    SIGHUP (the terminal closed, an ssh session dropped), which by default ended the run on the spot and lost every
+    step since its last checkpoint. Unless the process was started ignoring SIGHUP, as `nohup` starts it, to outlive
+    its terminal: that wish is kept. Read once, when this module is first imported, before anything of tinychar's
+    sets a handler."""
+    hangup = getattr(signal, "SIGHUP", None)  # not on Windows
+    kept = hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN
+    return (signal.SIGINT, signal.SIGTERM, *([hangup] if kept else []))
+
+
+STOP_SIGNALS = stop_signals()
+
+
 class Stopped(Exception):
     """The run was asked to stop by a signal and has saved its state (saved=False: an --overwrite run stopped before
     its first checkpoint, which saves nothing, so that the run it was replacing comes back)."""
@@ -22,11 +36,11 @@ class Stopped(Exception):
 
 
 class StopSignals:
-    """While active, Ctrl-C (SIGINT) and SIGTERM only ask the training loop to stop at the next step boundary,
-    so the step in flight finishes and the checkpoint written after it is whole. A second signal while saving
-    asks again and changes nothing. Outside the main thread (where handlers cannot be set) this does nothing."""
+    """While active, the stop signals (Ctrl-C, SIGTERM, SIGHUP) only ask the training loop to stop at the next step
+    boundary, so the step in flight finishes and the checkpoint written after it is whole. A second signal while
+    saving asks again and changes nothing. Outside the main thread (where handlers cannot be set) this does nothing."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -55,7 +69,7 @@ class StopSignals:
 
 
 class Interrupted(Exception):
-    """Ctrl-C or SIGTERM outside the training loop, where there is nothing to save."""
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) outside the training loop, where there is nothing to save."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"signal {signum}")
@@ -63,9 +77,9 @@ class Interrupted(Exception):
 
 
 class InterruptSignals(StopSignals):
-    """While active, Ctrl-C (SIGINT) and SIGTERM raise Interrupted at once. For the work before the training loop
-    (reading the data, building the model), which has nothing to save and should not keep anyone waiting, and so
-    that SIGTERM there ends the run with a line and status 143 as it does during training."""
+    """While active, the stop signals (Ctrl-C, SIGTERM, SIGHUP) raise Interrupted at once. For the work before the
+    training loop (reading the data, building the model), which has nothing to save and should not keep anyone
+    waiting, and so that SIGTERM there ends the run with a line and status 143 as it does during training."""
 
     def _handle(self, signum: int, frame: object) -> None:
         if InterruptSignals.received is None:
@@ -143,7 +157,7 @@ def interrupting(e: BaseException | None = None) -> BaseException | None:
 
 def import_holding_signals(names: tuple[str, ...]) -> int | None:
     """Import the modules named (torch among them: seconds); the stop signal that came meanwhile, if one did, for
-    the caller to end on. Ctrl-C and SIGTERM wait until the modules have loaded: raised inside an import, a
+    the caller to end on. The stop signals wait until the modules have loaded: raised inside an import, a
     KeyboardInterrupt can leave torch or numpy half-made (seen: an AttributeError from numpy instead) or be lost in
     their C code (seen: the run went on to the end)."""
     missing = [name for name in names if name not in sys.modules]

@@ -5,7 +5,9 @@ before it imports torch, so that a bad config is refused at once."""
 from __future__ import annotations
 
 import codecs
+import errno
 import os
+import stat
 import sys
 from typing import TextIO
 
@@ -36,8 +38,9 @@ def stderr_kept_open() -> None:
     the libraries write to stderr would go into it. So too where descriptor 2 is open for reading only (a launcher's
     script, as pyenv's shim leaves it after `2>&-`): every message failed, and the samples were never written.
 
-    And once stderr's reader has gone (`2>&1 | head`), what is written there later goes to /dev/null instead of
-    failing: a message was a BrokenPipeError, the samples still to come were lost, and the exit status was 1."""
+    And once stderr's reader has gone (`2>&1 | head`) or its terminal has closed, what is written there later goes
+    to /dev/null instead of failing: a message was a BrokenPipeError, the samples still to come were lost, and the
+    exit status was 1."""
     closed = not _writable(2)
     if closed:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -63,9 +66,21 @@ def _writable(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
 
 
+def reader_gone(e: OSError, stream: TextIO) -> bool:
+    """Whether a write to stream failed because nobody is there to read any more: a pipe's reader has gone (`| head`),
+    or a terminal has hung up (closed, its ssh session dropped), which fails with EIO. EIO from a file is a failing
+    disk, and from a stream of no descriptor nothing to judge by."""
+    if isinstance(e, BrokenPipeError):
+        return True
+    try:
+        return e.errno == errno.EIO and stat.S_ISCHR(os.fstat(stream.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 class _ReaderMayLeave:
-    """sys.stderr, less the BrokenPipeError of a reader that has gone: from then on, descriptor 2 and what is written
-    go to /dev/null. Everything else is the stream's own."""
+    """sys.stderr, less the failure of a reader that has gone (a BrokenPipeError, or EIO from a terminal that has
+    closed): from then on, descriptor 2 and what is written go to /dev/null. Everything else is the stream's own."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -73,14 +88,18 @@ class _ReaderMayLeave:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as e:
+            if not reader_gone(e, self._stream):
+                raise
             self._gone()
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as e:
+            if not reader_gone(e, self._stream):
+                raise
             self._gone()
 
     def _gone(self) -> None:
