@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from configs.userinput import shown
     from data import DataError, shakespeare_path
     from data.bench_report import json_problem, table
+    from training.signals import STOP_SIGNALS
 
     if args.json is not None and (why := json_problem(args.json)):
         parser.error(f"--json: {why}")  # before the run, not after it
@@ -106,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stopped: list[int] = []
 
-    def stop(signum: int, frame: object) -> None:  # SIGTERM as Ctrl-C: the children end, the sub-folder goes
-        stopped.append(signum)
+    def stop(signum: int, frame: object) -> None:  # SIGTERM (and SIGHUP, a closed terminal) as Ctrl-C: the children
+        stopped.append(signum)  # end, the sub-folder goes
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    for sig in STOP_SIGNALS:  # SIGHUP among them unless started by nohup
+        if sig != signal.SIGINT:
+            signal.signal(sig, stop)
     try:
         # the corpus, its cached ids (up to 4 bytes a character) and the train.py runs' copies: measured, 20 MB of
         # disk for --size-mb 5

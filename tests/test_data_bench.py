@@ -78,7 +78,7 @@ def test_what_would_fail_after_the_run_is_refused_before_it(tmp_path: Path, monk
     assert notes.read_text(encoding="utf-8") == "my notes\n"
 
 
-def test_a_stdout_that_fails_loses_no_json_and_sigterm_stops_in_one_line(tmp_path: Path, monkeypatch, capsys):
+def test_a_stdout_that_fails_loses_no_json_and_sigterm_or_sighup_stops_in_one_line(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "_measure", lambda *a: {"size_mb": 1, "workdir": "w"})
     monkeypatch.setattr(data.bench_report, "table", lambda results: "| the table |")
     monkeypatch.setattr(bench.os, "dup2", lambda *a: None)  # pytest's own stdout stays
@@ -106,6 +106,21 @@ def test_a_stdout_that_fails_loses_no_json_and_sigterm_stops_in_one_line(tmp_pat
         signal.signal(signal.SIGTERM, before)
     assert capsys.readouterr().err == "interrupted (SIGTERM); nothing measured is printed\n"
     assert not (tmp_path / "w").exists()  # the bench's folders removed, the one made for --workdir too
+
+    def hung_up(*args):  # the terminal closed: SIGHUP killed the bench and left its folders behind
+        assert callable(signal.getsignal(signal.SIGHUP)), "no handler: the signal would end pytest itself"
+        signal.raise_signal(signal.SIGHUP)
+
+    monkeypatch.setattr(bench, "_measure", hung_up)
+    # as started from a terminal's shell, whatever this process's SIGHUP (under nohup, it is left ignored)
+    monkeypatch.setattr("training.signals.STOP_SIGNALS", (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        assert bench.main(["--workdir", str(tmp_path / "w"), "--no-train"]) == 128 + signal.SIGHUP
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert capsys.readouterr().err == "interrupted (SIGHUP); nothing measured is printed\n"
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow
