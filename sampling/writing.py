@@ -123,13 +123,13 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
     graph = engine.sampling_graphs(device)
     chunk = GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1
+    if compiled:  # before torch.compile is first called: it makes the cache folder torch is told of, or fails there
+        compile_cache.prepare_compile()
     # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
     options = compile_cache.compile_options(device) if compiled else None
     sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
                             chunk=chunk, graph=graph)
     if compiled or graph:
-        if compiled:
-            compile_cache.prepare_compile()
         cold = compiled and compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, needs_cpu_compile, train_small_run
 
 from configs.userinput import shown
 from model import GPTConfig
@@ -178,6 +179,81 @@ def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_
         f"compile cache: cannot write to '{shown(str(wanted))}' (Not a directory), so compiled code goes to "
         f"'{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder\n")
     assert compile_cache.prepare_compile() == folder and capsys.readouterr().err == ""  # said once
+
+
+def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_markers_follow_the_moved_cache(
+        monkeypatch, tmp_path):
+    """Where the temp folder's stand-in could not be made either, prepare_compile raised the OSError: train.py said
+    "cannot use '<the temp folder's stand-in>'; give another path" (exit 2) of a path nobody gave, and sample.py
+    "cannot write the samples to stdout" (exit 1). And the markers stayed in the folder that could not be written,
+    so a cache moved to the temp folder never counted as warm."""
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
+    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "tinychar").write_text("a file where the cache folder goes", encoding="utf-8")
+    compile_cache.remember_compile("step-k", 12.5, cold=True)  # into the temp folder's stand-in, where code goes
+    assert compile_cache.cached_compile_seconds("step-k") == 12.5
+    moved = compile_cache.cache_folder()
+    assert (moved / "tinychar-step-k.json").is_file()
+    assert moved.parent.parent == tmp_path / "temp" / f"tinychar-{os.getuid()}"
+
+    (tmp_path / "temp").rename(tmp_path / "old")
+    (tmp_path / "temp").mkdir()
+    (tmp_path / "temp" / f"tinychar-{os.getuid()}").write_text("a file where its stand-in goes", encoding="utf-8")
+    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler, whatever is here
+    wanted = compile_cache.compile_cache_dir()
+    assert compile_cache.cannot_compile(torch.device("cpu")) == (
+        f"no folder for compiled code: cannot write to '{shown(str(wanted))}' (Not a directory) nor to "
+        f"'{shown(str(moved))}' (Not a directory); set TORCHINDUCTOR_CACHE_DIR to a folder that can be written")
+    with pytest.raises(compile_cache.NoCacheFolder):
+        compile_cache.prepare_compile()
+    assert compile_cache.cached_compile_seconds("step-k") is None  # cold, without an error
+    compile_cache.remember_compile("step-k", 1.0)  # nowhere to write it: nothing happens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_with_no_folder_for_compiled_code_train_and_sample_go_on_eagerly_in_one_line(tmp_path, script):
+    run = train_small_run(tmp_path)
+    (tmp_path / "xdg").write_text("a file where the cache folder goes", encoding="utf-8")
+    (tmp_path / "temp").mkdir()
+    (tmp_path / "temp" / f"tinychar-{os.getuid()}").write_text("a file where its stand-in goes", encoding="utf-8")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "TMPDIR": str(tmp_path / "temp"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if script == "train.py":
+        args = ["--config", str(run / "config.yaml"), f"out_dir={tmp_path / 'again'}", "train.compile=true"]
+    else:
+        args = ["--out-dir", str(run), "--compile", "true", "--max-new-tokens", "20"]
+    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "no folder for compiled code" in line]
+    assert len(said) == 1, result.stdout + result.stderr
+    assert said[0].endswith("training without compiling)" if script == "train.py" else "sampling without compiling")
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+def test_sample_py_compiles_where_torchinductor_cache_dir_names_a_file(tmp_path):
+    """torch.compile, called before the cache folder was chosen, made the folder TORCHINDUCTOR_CACHE_DIR named: a
+    file there failed the run with "cannot write the samples to stdout (File exists)", exit 1."""
+    run = train_small_run(tmp_path)
+    (tmp_path / "file").write_text("not a folder", encoding="utf-8")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "file"), "TMPDIR": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "sample.py", "--out-dir", str(run), "--compile", "true",
+                             "--max-new-tokens", "20", "--seed", "3"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "compiled code goes to" in result.stderr and "sampling step compiled" in result.stderr
+    eager = subprocess.run([sys.executable, "sample.py", "--out-dir", str(run), "--compile", "false",
+                            "--max-new-tokens", "20", "--seed", "3"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300, check=False)
+    assert result.stdout == eager.stdout and len(result.stdout) > 20
 
 
 def test_a_relative_torchinductor_cache_dir_is_taken_from_where_the_run_started(monkeypatch, tmp_path):

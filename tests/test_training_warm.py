@@ -103,6 +103,8 @@ def test_more_micro_batches_than_the_compiled_step_unrolls_compile_the_blocks(a_
 
 
 def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
+    # a helper on the job, started before Popen is replaced (it is subprocess's own, patched for every module)
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(warm.job_file(tmp_path, "k"))])
     spawned = []  # what would have been started (nothing is)
     monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(pid=-1))
     spec = {"threads": 1}
@@ -111,14 +113,47 @@ def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
     assert json.loads(job.read_text()) == {"threads": 1, "key": "k", "helper": -1}
     assert spawned[0][1:] == [str(Path(warm.__file__).resolve()), str(job), str(os.getpid())]
 
-    job.write_text(json.dumps({"helper": os.getpid()}))  # a live helper is on it
-    assert warm.start(tmp_path, "k", spec) == "another process is warming it"
+    try:
+        job.write_text(json.dumps({"helper": helper.pid}))  # a live helper is on it
+        assert warm.start(tmp_path, "k", spec) == "another process is warming it"
+    finally:
+        helper.kill()
+        helper.wait()
     job.write_text(json.dumps({"helper": 2**22 + 1}))  # above Linux's largest pid: a helper that was killed
     assert warm.start(tmp_path, "k", spec) is None and len(spawned) == 2
+    # A helper's pid that another process has since taken (after a reboot, or a kill): warming stopped for good,
+    # "another process is warming it" in every later run
+    job.write_text(json.dumps({"helper": os.getpid()}))
+    assert warm.start(tmp_path, "k", spec) is None and len(spawned) == 3
+    for damaged in ("[]", "null", "7"):  # JSON, but no record: an AttributeError traceback ended train.py
+        job.write_text(damaged)
+        assert warm.start(tmp_path, "k", spec) == "another process is warming it"  # fresh: another start() mid-way
+        os.utime(job, (time.time() - 3600, time.time() - 3600))  # stale: left by a helper long gone
+        assert warm.start(tmp_path, "k", spec) is None
+    assert len(spawned) == 6
 
     warm.failed_file(tmp_path, "j").write_text("RuntimeError: no\n")
     assert "an earlier attempt failed" in warm.start(tmp_path, "j", spec)
-    assert len(spawned) == 2
+    assert len(spawned) == 6
+
+
+@pytest.mark.parametrize("status", [1, -signal.SIGTERM, -signal.SIGKILL], ids=["failed", "SIGTERM", "SIGKILL"])
+def test_only_a_compile_that_failed_and_not_one_that_was_killed_stops_later_runs_warming(tmp_path, monkeypatch,
+                                                                                       status):
+    """A compile the OOM killer or a shutdown ended was written down as failed, and no later run warmed the cache."""
+    job = warm.job_file(tmp_path, "k")
+    job.write_text(json.dumps({"helper": os.getpid()}))
+    monkeypatch.setattr(warm, "alive", lambda pid: False)  # the run has ended
+    monkeypatch.setattr(warm, "lowest_priority", lambda: None)
+
+    def compile_child(args, **kwargs):
+        raise subprocess.CalledProcessError(status, args)
+
+    monkeypatch.setattr(warm.subprocess, "run", compile_child)
+    with pytest.raises(subprocess.CalledProcessError):
+        warm.main(job, 2**22 + 1)
+    assert not job.exists()
+    assert warm.failed_file(tmp_path, "k").exists() == (status > 0)
 
 
 @needs_cpu_compile

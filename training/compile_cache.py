@@ -121,31 +121,57 @@ def cpu_vector_flags(cpuinfo: str | None = None) -> set[str]:
     return {f for f in cpu_flags(cpuinfo) if f.startswith(VECTOR_FLAG_PREFIXES)}
 
 
+class NoCacheFolder(OSError):
+    """Neither the compile cache's folder nor its stand-in in the temp folder can be written: nothing can be compiled
+    here (inductor writes its code there before it loads it), so the run goes on eagerly, saying why."""
+
+
+def cache_folder(say: bool = False) -> Path:
+    """The folder compiled code goes to, made if need be: compile_cache_dir(), or where that cannot be written, one of
+    the same name in the temp folder (with say, this process says so once, on stderr). NoCacheFolder where neither
+    can be written (a file, or a read-only folder, in the way of both)."""
+    wanted = compile_cache_dir()
+    try:
+        _writable(wanted)
+        return wanted
+    except OSError as e:
+        # The temp folder's cache keeps a folder per instruction set too: code of two sets in one folder crashed a
+        # run kept to AVX2 followed by a native one ("corrupted size vs. prev_size", exit 134).
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled" / wanted.name
+        try:
+            _writable(folder)
+        except OSError as fallback:
+            raise NoCacheFolder(f"no folder for compiled code: cannot write to '{shown(str(wanted))}' "
+                                f"({e.strerror or type(e).__name__}) nor to '{shown(str(folder))}' "
+                                f"({fallback.strerror or type(fallback).__name__})") from None
+        if say and wanted not in _SAID_MOVED:  # once a process
+            _SAID_MOVED.add(wanted)
+            print(f"compile cache: cannot write to '{shown(str(wanted))}' ({e.strerror or type(e).__name__}), so "
+                  f"compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder",
+                  file=sys.stderr, flush=True)
+        return folder
+
+
+def _writable(folder: Path) -> None:
+    """Make folder if it is missing; OSError unless it is a folder this process can write in."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+
 def prepare_compile() -> Path:
-    """Ready torch.compile for this process: its caches in compile_cache_dir (or a temp folder if that cannot be made),
-    and no test compiles of the CPU's vector instruction sets. Returns the cache folder.
+    """Ready torch.compile for this process: its caches in cache_folder(), and no test compiles of the CPU's vector
+    instruction sets. Returns the cache folder; NoCacheFolder where there is none to write (cannot_compile says so
+    first). Called before torch.compile is first called: that imports dynamo, which makes the folder
+    $TORCHINDUCTOR_CACHE_DIR names, and fails where it cannot.
 
     Inductor otherwise builds and loads a small program for each instruction set the CPU reports before it trusts
     it: measured, 4-5 s of a 20 s first compile of tiny.yaml's step, and a process start per set on every later
     compile. The sets come from the CPU's own flags; the two a C++ compiler may lack (avx512_bf16, amx_fp16) inductor
     still tests, and a compiler that fails anyway makes the run fall back to eager. TORCHINDUCTOR_VEC_ISA_OK, when
     set, decides instead."""
-    folder = compile_cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-    except OSError as e:
-        # The temp folder's cache keeps a folder per instruction set too: code of two sets in one folder crashed a
-        # run kept to AVX2 followed by a native one ("corrupted size vs. prev_size", exit 134).
-        uid = os.getuid() if hasattr(os, "getuid") else "user"
-        wanted, folder = folder, Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled" / folder.name
-        folder.mkdir(parents=True, exist_ok=True)
-        if wanted not in _SAID_MOVED:  # once a process
-            _SAID_MOVED.add(wanted)
-            print(f"compile cache: cannot write to '{shown(str(wanted))}' ({e.strerror or type(e).__name__}), so "
-                  f"compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder",
-                  file=sys.stderr, flush=True)
+    folder = cache_folder(say=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     # The step's graph holds model/linear.py's autograd.Function, which AOTAutograd's cache declines by default (its
     # code could change unseen); the graph the cache keys on includes the function's traced forward and backward, so
@@ -189,8 +215,8 @@ def cache_marked_functions() -> None:
 
 
 def cannot_compile(device: torch.device) -> str | None:
-    """Why torch.compile cannot work here, or None: it needs Linux or macOS, a CPU or CUDA device, and a C++
-    compiler (for CPU code, and for the launchers of CUDA kernels)."""
+    """Why torch.compile cannot work here, or None: it needs Linux or macOS, a CPU or CUDA device, a C++ compiler
+    (for CPU code, and for the launchers of CUDA kernels) and a folder to write its code in (cache_folder)."""
     if sys.platform not in ("linux", "darwin"):
         return f"torch.compile is not supported by tinychar on {sys.platform}"
     if device.type not in ("cpu", "cuda"):
@@ -198,6 +224,10 @@ def cannot_compile(device: torch.device) -> str | None:
     compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
     if not any(c and shutil.which(c) for c in compilers):
         return "no C++ compiler found (install g++ or clang++)"
+    try:
+        cache_folder()
+    except NoCacheFolder as e:
+        return f"{e}; set TORCHINDUCTOR_CACHE_DIR to a folder that can be written"
     return None
 
 
@@ -207,7 +237,8 @@ def cache_key(kind: str, parts: dict) -> str:
 
 
 def _marker(key: str) -> Path:
-    return compile_cache_dir() / f"tinychar-{key}.json"
+    """The step's marker, where its compiled code goes (a NoCacheFolder where nothing can be compiled: an OSError)."""
+    return cache_folder() / f"tinychar-{key}.json"
 
 
 def _read_marker(key: str) -> dict:
@@ -235,8 +266,8 @@ def cached_compile_seconds(key: str) -> float | None:
 
 
 def _update_marker(key: str, fields: dict) -> None:
-    marker = _marker(key)
     try:
+        marker = _marker(key)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({**_read_marker(key), **fields}), encoding="utf-8")
     except OSError:

@@ -27,10 +27,11 @@ from model.linear import Linear, onednn_min_macs
 
 from . import warm
 from .compile_cache import (
+    NoCacheFolder,
+    cache_folder,
     cache_key,
     cached_compile_seconds,
     cannot_compile,
-    compile_cache_dir,
     compile_expectation,
     measured_saving,
     prepare_compile,
@@ -321,7 +322,11 @@ def warm_in_background(trainer: Trainer, key: str) -> str:
     dtype = str(trainer.dtype).removeprefix("torch.")
     spec = {"model": asdict(trainer.model.config), "train": asdict(trainer.tc), "dtype": dtype,
             "threads": torch.get_num_threads()}
-    why_not = warm.start(compile_cache_dir(), key, spec)
+    try:
+        folder = cache_folder()
+    except NoCacheFolder as e:  # since the run chose its engine (cannot_compile)
+        return f"engine: the compile cache stays cold: {e}"
+    why_not = warm.start(folder, key, spec)
     if why_not is not None:
         return f"engine: the compile cache stays cold: {why_not}"
     return ("engine: once this run ends, a helper compiles its step into the cache at the lowest priority (15-60 s "

@@ -67,6 +67,18 @@ def alive(pid: int) -> bool:
         return True
 
 
+def warming(pid: int, job: Path) -> bool:
+    """Whether process pid is alive and is the helper of this job: after a reboot, or once the helper was killed,
+    its pid may be another process's, which would keep every later run from warming the cache."""
+    if not alive(pid):
+        return False
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # no /proc (macOS): alive is all there is to go by
+        return True
+    return os.fsencode(job.name) in {os.path.basename(arg) for arg in command}
+
+
 def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str | None:
     """Start a helper that compiles the step spec describes (see compile_step) into folder once process parent (this one
     by default) has ended. Returns why it did not start (another helper is on it, an earlier one failed, the folder
@@ -80,11 +92,12 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
             fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             try:
-                helper = json.loads(job.read_text(encoding="utf-8")).get("helper")
+                record = json.loads(job.read_text(encoding="utf-8"))
             except (OSError, ValueError):
-                helper = None
+                record = None
+            helper = record.get("helper") if isinstance(record, dict) else None
             starting = helper is None and time.time() - job.stat().st_mtime < 60  # another start() mid-way
-            if starting or (isinstance(helper, int) and alive(helper)):
+            if starting or (isinstance(helper, int) and warming(helper, job)):
                 return "another process is warming it"
             job.unlink(missing_ok=True)  # left by a helper that was killed
             fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -229,6 +242,8 @@ def main(job: Path, parent: int) -> int:
                            cwd=ROOT, stdin=subprocess.DEVNULL, check=True)
         return 0
     except Exception as e:  # whatever went wrong: said once, where later runs look
+        if isinstance(e, subprocess.CalledProcessError) and e.returncode < 0:
+            raise  # the compile was killed (a shutdown, the OOM killer): no failure of its own; the next run tries
         failed_file(job.parent, job.name.removeprefix("tinychar-").removesuffix(".warming")).write_text(
             f"{type(e).__name__}: {e} (its output: {job}.log)\n", encoding="utf-8")
         raise
