@@ -82,6 +82,7 @@ def prepare_corpus(
     *,
     chunk_bytes: int = CHUNK_BYTES,
     trained_on: str | None = None,
+    out_dir: str | Path | None = None,
 ) -> Corpus:
     """The corpus cfg names, encoded into the cache on first use and memory-mapped; DataError for what a person fixes.
 
@@ -95,11 +96,13 @@ def prepare_corpus(
     trained_on is a resumed run's fingerprint of its text. A run trained before tinychar left byte-order marks out
     learnt U+FEFF from them: when the text has such marks, the run's vocabulary holds U+FEFF and the text read
     without them is not the run's, the text is read with them kept, as then, and used if it is the run's.
+
+    out_dir, the run's folder, is never part of a folder or glob's text, even before the run has marked it as its own.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     cache = cache_dirs(cfg.cache_dir)
-    inputs, source = _inputs(cfg, cache[0])
+    inputs, source = _inputs(cfg, cache[0], [Path(out_dir)] if out_dir is not None else [])
     if vocab is not None:
         CharTokenizer(vocab)  # refuses an unsorted or duplicated vocabulary before any work
     corpus, boms = _prepared(inputs, source, cfg, vocab, cache, min_chars, chunk_bytes, progress, strip_bom=True)
@@ -187,10 +190,11 @@ def fingerprint(crc32: int, n_tokens: int, chars: list[str]) -> str:
     return hashlib.blake2b(described.encode("ascii"), digest_size=8).hexdigest()
 
 
-def _inputs(cfg: DataConfig, caches: list[Path]) -> tuple[Inputs, str]:
-    """The files cfg names, and how the log names them; caches (the cache folders) are never among them."""
+def _inputs(cfg: DataConfig, caches: list[Path], runs: list[Path]) -> tuple[Inputs, str]:
+    """The files cfg names, and how the log names them; caches (the cache folders) and runs (run folders) are never
+    among them."""
     if cfg.path is not None:
-        return resolve_inputs(cfg.path, "data.path", caches), cfg.path
+        return resolve_inputs(cfg.path, "data.path", caches, runs), cfg.path
     if cfg.dataset == "shakespeare_char":
         path = shakespeare_path()
         return resolve_inputs(path, "data.dataset=shakespeare_char"), f"tiny Shakespeare ({path})"

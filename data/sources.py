@@ -73,15 +73,18 @@ class Inputs:
         return sum(s.size for s in self.sources)
 
 
-def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[Path] = ()) -> Inputs:
+def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[Path] = (),
+                   runs: Iterable[Path] = ()) -> Inputs:
     """The non-empty files that spec names, in the order they are joined; DataError if there is no text.
 
     A file is taken as it is, unless it is binary. A folder gives every file under it, sorted by relative path;
     hidden ones, binary ones, tinychar run folders and cache folders are left out (an out_dir inside data.path must
     not make its config.yaml training text for the next run, nor a --resume's text differ from the run's; a cache
     folder inside it, its meta files). caches are the folders encoded corpora are cached in (cache_dirs); a folder
-    holding a cache entry counts as one too. Anything else holding *, ? or [ is a glob (** reaches into sub-folders
-    without entering links to folders); folders it matches are walked like a folder. A pipe, device or socket is
+    holding a cache entry counts as one too. runs are run folders known as such before they are marked (the run's own
+    out_dir: a first run would train on what it held, and its resume, the folder marked by then, would not).
+    Anything else holding *, ? or [ is a glob (** reaches into sub-folders without entering links to folders);
+    folders it matches are walked like a folder. A pipe, device or socket is
     refused by what it is, after a stat that never blocks.
     """
     text = str(spec)
@@ -90,7 +93,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
     p = locate(text)
     globbed = bool(_GLOB_MAGIC & set(text))
     st = _stat_or_glob(p, label) if globbed else stat_path(p, label)
-    out = _LeftOut(label, frozenset(filter(None, map(_identity, caches))))
+    out = _LeftOut(label, _identities(caches), _identities(runs))
     if st is None and globbed:
         files = _glob(p, out)
         if not files:
@@ -135,6 +138,7 @@ class _LeftOut:
 
     label: str
     cache_ids: frozenset[tuple[int, int]]  # (device, inode) of the cache folders that exist
+    run_ids: frozenset[tuple[int, int]] = frozenset()  # of the run folders named (resolve_inputs's runs) that exist
     skipped: list[Path] = field(default_factory=list)  # binary files
     others: list[Path] = field(default_factory=list)  # pipes, sockets, devices, broken links: never opened
     hidden: list[Path] = field(default_factory=list)  # files and folders whose names start with '.'
@@ -160,10 +164,14 @@ class _LeftOut:
         return f" ({'; '.join(parts)})" if parts else ""
 
 
-def _is_run(names: Iterable[str]) -> bool:
-    """Whether a folder holding these names is a tinychar run's out_dir (config.yaml beside .lock or a checkpoint)."""
+def _is_run(names: Iterable[str], folder: Path | None = None,
+            run_ids: frozenset[tuple[int, int]] = frozenset()) -> bool:
+    """Whether a folder holding these names is a tinychar run's out_dir (config.yaml beside .lock or a checkpoint), or
+    folder is one of run_ids, marked or not."""
     names = set(names)
-    return _RUN_CONFIG in names and not _RUN_MARKS.isdisjoint(names)
+    if _RUN_CONFIG in names and not _RUN_MARKS.isdisjoint(names):
+        return True
+    return bool(run_ids) and folder is not None and _identity(folder) in run_ids
 
 
 def _is_cache(folder: Path, names: Iterable[str], cache_ids: frozenset[tuple[int, int]]) -> bool:
@@ -180,6 +188,11 @@ def _entries(names: Iterable[str]) -> set[str]:
     names = set(names)
     ids = {n for n in names if n.endswith(".ids") and _CACHE_ENTRY.fullmatch(n)}
     return ids | {f"{n[:-4]}.json" for n in ids if f"{n[:-4]}.json" in names}
+
+
+def _identities(folders: Iterable[Path]) -> frozenset[tuple[int, int]]:
+    """The identities (_identity) of those of folders that exist."""
+    return frozenset(filter(None, map(_identity, folders)))
 
 
 def _identity(folder: Path) -> tuple[int, int] | None:
@@ -199,7 +212,8 @@ def _owner(folder: Path, out: _LeftOut) -> str | None:
         except OSError:  # a folder that cannot be listed is nothing of ours to leave out; reading the file says more
             out.known[folder] = None
         else:
-            owner = "run" if _is_run(names) else "cache" if _is_cache(folder, names, out.cache_ids) else None
+            run = _is_run(names, folder, out.run_ids)
+            owner = "run" if run else "cache" if _is_cache(folder, names, out.cache_ids) else None
             out.known[folder] = owner
     return out.known[folder]
 
@@ -278,7 +292,7 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
     for root, dirs, names in walk(folder, refuse):
         here = Path(root)
         whole = not named or here != folder
-        if _is_run(names):
+        if _is_run(names, here, out.run_ids):
             if whole:
                 out.add("run", here)
                 dirs[:] = []

@@ -328,6 +328,21 @@ def test_a_glob_leaves_out_files_deep_inside_a_run_folder_as_walking_does(tmp_pa
             resolve_inputs(f"{novels}/{pattern}")
 
 
+def test_the_runs_own_out_dir_is_left_out_before_the_run_has_marked_it(tmp_path: Path) -> None:
+    """A first run trained on what its out_dir inside data.path held (notes of the person's); by the resume the
+    folder was a run's, left out, and the resume was refused for good as "not the text this run was trained on"."""
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    write(novels / "run" / "notes.txt", "notes for this experiment\n")  # out_dir, no config.yaml or .lock yet
+    for spec in (novels, f"{novels}/**/*.txt", f"{novels}/*"):
+        assert [s.path for s in resolve_inputs(spec).sources][-1] == novels / "run" / "notes.txt"  # not a run's
+        inputs = resolve_inputs(spec, runs=[novels / "run"])
+        assert [s.path for s in inputs.sources] == [novels / "a.txt"] and inputs.runs == [novels / "run"], spec
+    named = resolve_inputs(novels / "run", runs=[novels / "run"])  # data.path=out_dir: the person's chosen corpus
+    assert [s.path for s in named.sources] == [novels / "run" / "notes.txt"]
+    assert [s.path for s in resolve_inputs(novels, runs=[tmp_path / "elsewhere"]).sources][-1].name == "notes.txt"
+
+
 def test_only_config_yaml_beside_a_mark_makes_a_run_folder(tmp_path: Path) -> None:
     write(tmp_path / "c" / "notes" / "config.yaml", "a: 1\n")  # a config of the person's own, no run beside it
     write(tmp_path / "c" / "other" / "ckpt.pt.txt", "text\n")

@@ -557,3 +557,21 @@ def test_a_run_killed_while_putting_the_old_run_back_leaves_all_of_it_to_put_bac
     monkeypatch.undo()
     recover_aside(out)
     assert _run_files(out) == OLD_RUN and sorted(p.name for p in out.iterdir() if p.is_dir()) == []
+
+
+def test_an_out_dir_inside_a_data_folder_is_not_trained_on_and_the_run_resumes(tmp_path, capsys) -> None:
+    """The first run trained on what its out_dir held (the person's notes there), then marked the folder as a run's;
+    from then on the folder was left out of the text, and every resume was refused: "not the text this run was
+    trained on"."""
+    books = tmp_path / "books"
+    books.mkdir()
+    write_corpus(books)
+    (books / "run").mkdir()
+    (books / "run" / "notes.txt").write_text("notes for this experiment\n", encoding="utf-8")
+    overrides = tiny_overrides(books, books / "run", **{"train.max_iters": 10})
+    code, out, err = call(train_main, ["--config", TINY, *overrides], capsys)
+    assert code == 0, err
+    assert "left out what 1 tinychar run(s) wrote there" in out + err
+    code, out, err = call(train_main, ["--config", TINY, "--resume", *overrides, "train.max_iters=12"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(books / "run" / "ckpt.pt")["step"] == 12

@@ -121,7 +121,8 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
         try:
             return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
                                   vocab=payload["vocab"] if payload is not None else None,
-                                  trained_on=payload.get("data_fingerprint") if payload is not None else None)
+                                  trained_on=payload.get("data_fingerprint") if payload is not None else None,
+                                  out_dir=cfg.out_dir)
         except DataError as e:
             path = cfg.data.path
             # '~' starts a home folder, not a path relative to the folder the run started in (pathlib's expanduser
