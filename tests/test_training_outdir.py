@@ -4,6 +4,7 @@ which keeps the old run until the new one has its first checkpoint."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -24,6 +25,7 @@ from training_runs import TINY, call, train_main, write_corpus
 
 import training.lock
 import training.loop
+import training.outdir
 from configs.userinput import shown
 from model import load_checkpoint
 from training.errors import UsageError
@@ -188,6 +190,29 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_gives_the_old_run_b
         train_main(["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run)])
     after = {name: content for name, (content, _) in snapshot(run).items()}
     assert after == before  # every file of the old run back, byte for byte, and nothing of the new one
+
+
+def test_an_overwrite_whose_config_yaml_cannot_be_written_gives_the_old_run_back(tmp_path, capsys,
+                                                                                 monkeypatch) -> None:
+    """A full disk at the new config.yaml, just after the old run had moved aside: the line said "choose another
+    out_dir", and the old run stayed in .replaced/, where sample.py --out-dir and a plain run refused the folder."""
+    run = train_small_run(tmp_path)
+    before = {name: content for name, (content, _) in snapshot(run).items()}
+    real = training.outdir.write_atomic
+
+    def full_disk(path, write):
+        if path.name == "config.yaml":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, write)
+
+    monkeypatch.setattr(training.outdir, "write_atomic", full_disk)
+    code, _, err = call(train_main, ["--config", TINY, "--overwrite", *tiny_overrides(tmp_path / "corpus.txt", run)],
+                        capsys)
+    assert code == 2
+    assert err == (f"error: cannot write into out_dir '{shown(run)}' ('{shown(run / 'config.yaml')}': No space left "
+                   f"on device); the run it was replacing is back in place; choose another out_dir\n")
+    after = {name: content for name, (content, _) in snapshot(run).items()}
+    assert after == before  # every file of the old run back, byte for byte, and no .replaced/
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

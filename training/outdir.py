@@ -110,7 +110,7 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
     --overwrite left aside, clear what a killed writer left, move the old run aside on --overwrite, and write the
     resolved config.yaml. Returns the lock (held until released) and a line saying what --overwrite replaced, if
     anything."""
-    lock = RunLock(out_dir)
+    lock, replaced = RunLock(out_dir), None
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
@@ -127,6 +127,13 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
         lock.release()
         raise
     except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
+        back = ""
+        if replaced is not None:  # config.yaml failed (a full disk): the old run goes back before the lock goes
+            try:
+                restore_aside(out_dir)
+                back = "; the run it was replacing is back in place"
+            except OSError:
+                back = f"; the run it was replacing is in '{shown(str(out_dir / ASIDE))}', which --resume puts back"
         lock.release()
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
         # which entry: a folder named config.yaml, a file named .replaced (a rename's target is its filename2)
@@ -134,7 +141,7 @@ def claim_out_dir(out_dir: Path, cfg: RunConfig, *, resume: bool, overwrite: boo
         if entry is not None and Path(os.fsdecode(entry)) != out_dir:
             reason = f"'{shown(os.fsdecode(entry))}': {reason}"
         raise UsageError(
-            f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}); choose another out_dir") from None
+            f"cannot write into out_dir '{shown(str(out_dir))}' ({reason}){back}; choose another out_dir") from None
     return lock, replaced
 
 
