@@ -427,6 +427,30 @@ def test_a_signal_while_the_logged_sample_is_drawn_stops_it_at_the_next_characte
     assert load_checkpoint(out / "ckpt.pt")["step"] == 5
 
 
+def test_a_signal_after_the_last_step_was_evaluated_and_saved_ends_the_run_as_done(tmp_path, capsys, monkeypatch):
+    """A signal while the last evaluation's sample was drawn (the losses logged, the checkpoint saved) said "stopped at
+    step 10: ... continue with: ... --resume", exit 143, and that resume was refused: the run was done."""
+    out, drawn = tmp_path / "out", []
+    real = GPT.generate_iter
+
+    def generate_iter(self, *args, **kwargs):
+        for next_id in real(self, *args, **kwargs):
+            drawn.append(next_id)
+            if len(drawn) == 50:
+                send(signal.SIGTERM)
+            yield next_id
+
+    monkeypatch.setattr(GPT, "generate_iter", generate_iter)
+    keys = {"train.max_iters": 10, "train.eval_interval": 10, "train.sample_chars": 100_000}
+    code, out_text, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **keys)],
+                               capsys)
+    assert code == 0 and err == "" and "stopped" not in out_text, err
+    assert re.search(r"^done: step 10, val loss", out_text, re.MULTILINE), out_text
+    assert len(drawn) == 50  # the sample stopped all the same
+    saved = load_checkpoint(out / "ckpt.pt")
+    assert saved["step"] == 10 and not saved["eval_pending"]
+
+
 def pasted(word: str) -> bytes:
     """What bash makes of a word of a suggested command: the bytes it would pass on."""
     return subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True).stdout

@@ -272,7 +272,10 @@ class Trainer:
                         self.evaluate_and_save()
                     self.throughput.resume()
                 self.throughput.pause()
-                if self.stopping():
+                # A stop that comes once the last step is evaluated and saved (while its logged sample is drawn, say)
+                # ends nothing: the run is done, and a resume of it would be refused
+                done = self.step >= tc.max_iters and self.evaluated_step == self.step == self.saved_step
+                if self.stopping() and not done:
                     keep = not (self.replacing and self.saved_step is None)
                     if keep and self.saved_step != self.step:
                         self.save(improved=False)
