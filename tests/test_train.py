@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from data.batches import split_ids
 from data.paths import quoted
 from model import load_checkpoint, model_from_checkpoint
 from training.config import RunConfig, load_config
-from training.optim import lr_at
+from training.optim import lr_at, schedule_note
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 TAGS = ("loss/train", "loss/val", "lr", "grad_norm", "tokens_per_sec", "mfu")
@@ -317,6 +318,21 @@ def test_a_resume_that_stretches_the_decay_says_what_the_learning_rate_does_and_
                       progress=False) == 0
     assert "the learning rate at step" not in capsys.readouterr().out
     assert load_checkpoint(kept / "ckpt.pt")["step"] == 40
+
+
+def test_a_resume_within_the_warmup_that_stretches_the_decay_says_so_too():
+    """Within the warmup both schedules agree at the resumed step: a 400-step run stopped at step 169 of a 300-step
+    warmup, resumed to 800, said only "train.max_iters: 400 -> 800", and its rate at step 400 was 9.05e-03, not
+    the saved run's 1e-03."""
+    saved = load_config(TINY, ["train.warmup_iters=300", "train.max_iters=400"]).train
+    longer = replace(saved, max_iters=800)
+    assert lr_at(169, saved) == lr_at(169, longer) and lr_at(400, saved) == saved.min_lr
+    assert schedule_note(asdict(saved), longer, 169) == (
+        f"the learning rate's schedule changes: at step 400 it will be {lr_at(400, longer):.3g}, not "
+        f"{saved.min_lr:.3g}: train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
+        f"train.lr_decay_iters=400")
+    assert schedule_note(asdict(saved), replace(longer, lr_decay_iters=400), 169) is None
+    assert schedule_note(asdict(saved), saved, 169) is None
 
 
 def test_a_resume_without_a_config_checks_its_overrides_against_the_saved_run(tmp_path, capsys):

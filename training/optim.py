@@ -39,7 +39,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def schedule_note(saved: dict, train: TrainConfig, step: int) -> str | None:
-    """The line for a resume whose learning rate at step changes (saved: the checkpoint's train section), or None.
+    """The line for a resume whose learning rate from step on changes (saved: the checkpoint's train section), or None.
     train.lr_decay_iters follows train.max_iters unless set, so a longer run stretches the cosine: resuming a
     finished 20-step tiny run with max_iters=40 took the rate from 1.07e-03 to 5.50e-03 in two steps, unannounced."""
     kept = {k: saved[k] for k in ("max_iters", "lr_decay_iters", "min_lr") if k in saved}
@@ -47,10 +47,16 @@ def schedule_note(saved: dict, train: TrainConfig, step: int) -> str | None:
         before = replace(train, **kept)
     except (TypeError, ValueError):  # values no run saves: the resume's own checks speak of the config
         return None
-    old, new = lr_at(step, before), lr_at(step, train)
-    if math.isclose(old, new, rel_tol=1e-6):
+    # Where the two schedules part: now, or (within the warmup, which they share) where the saved decay began or ended
+    saved_end = before.lr_decay_iters if before.lr_decay_iters is not None else before.max_iters
+    for at in (step, max(step, train.warmup_iters), max(step, saved_end)):
+        old, new = lr_at(at, before), lr_at(at, train)
+        if not math.isclose(old, new, rel_tol=1e-6):
+            break
+    else:
         return None
-    line = f"the learning rate at step {step:,} goes from {old:.3g} to {new:.3g}"
+    line = (f"the learning rate at step {step:,} goes from {old:.3g} to {new:.3g}" if at == step else
+            f"the learning rate's schedule changes: at step {at:,} it will be {new:.3g}, not {old:.3g}")
     if train.lr_decay_iters is None and before.lr_decay_iters is None and before.max_iters != train.max_iters:
         line += (f": train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
                  f"train.lr_decay_iters={before.max_iters}")
