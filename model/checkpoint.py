@@ -162,6 +162,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return payload
 
 
+def saved_step(path: Path) -> int | None:
+    """The step the checkpoint at path was saved at; None where it is no checkpoint load_checkpoint reads."""
+    try:
+        step = load_checkpoint(path).get("step")
+    except CheckpointError:
+        return None
+    return step if isinstance(step, int) else None
+
+
 def first_sentence(text: str, limit: int = 160) -> str:
     """text up to the end of its first sentence, and at most limit characters of it, cut at a word ('...')."""
     end = text.find(". ")

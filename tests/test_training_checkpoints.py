@@ -345,6 +345,23 @@ def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path, monkeypatch
     assert (out / "best.pt").read_bytes() == b"the same bytes"
 
 
+def test_a_best_pt_of_a_later_step_than_a_checkpoint_copied_back_is_kept(tmp_path):
+    """An older ckpt.pt (the best at its step) copied back over the newer one, to go on from there: the resume copied
+    it over the newer, better best.pt, saying "the save that wrote ckpt.pt could not write best.pt"."""
+    from conftest import train_small_run
+
+    run = train_small_run(tmp_path)
+    payload = load_checkpoint(run / "ckpt.pt")
+    later = {**payload, "step": payload["step"] + 20}
+    torch.save(later, run / "best.pt")
+    kept = (run / "best.pt").read_bytes()
+    assert training.checkpoints.restore_best(run, {**payload, "is_best": True}) is None
+    assert (run / "best.pt").read_bytes() == kept
+    torch.save({**payload, "step": payload["step"] - 10}, run / "best.pt")  # an earlier best: the failed save's case
+    assert "copied from ckpt.pt" in training.checkpoints.restore_best(run, {**payload, "is_best": True})
+    assert (run / "best.pt").read_bytes() == (run / "ckpt.pt").read_bytes()
+
+
 def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path, capsys):
     from conftest import train_small_run
 

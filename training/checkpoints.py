@@ -19,7 +19,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import path_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons
+from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons, saved_step
 
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
@@ -111,11 +111,11 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
 def restore_best(out_dir: Path, payload: dict) -> str | None:
     """Copy ckpt.pt into best.pt where the checkpoint a resume continues was the run's best (its "is_best") but
     best.pt does not hold it: a save that wrote ckpt.pt and then failed to write best.pt (a full disk). A line saying
-    so, or None when best.pt is as it should be."""
+    so, or None when best.pt is as it should be, or of a later step (an older ckpt.pt copied back by hand: kept)."""
     ckpt, best = out_dir / "ckpt.pt", out_dir / "best.pt"
     if payload.get("is_best") is not True or not ckpt.is_file():
         return None
-    if best.is_file() and filecmp.cmp(ckpt, best, shallow=False):
+    if best.is_file() and (filecmp.cmp(ckpt, best, shallow=False) or (saved_step(best) or -1) > payload["step"]):
         return None
     try:
         with open(ckpt, "rb") as source:
