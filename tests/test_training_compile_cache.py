@@ -176,9 +176,34 @@ def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_
     assert folder == tmp_path / "temp" / f"tinychar-{uid}" / "compiled" / wanted.name and folder.is_dir()
     assert wanted.name.startswith(f"{compile_cache.platform.machine()}-")  # the instruction set's own folder
     assert capsys.readouterr().err == (
-        f"compile cache: cannot write to '{shown(str(wanted))}' (Not a directory), so compiled code goes to "
+        f"compile cache: cannot use '{shown(str(wanted))}' (Not a directory), so compiled code goes to "
         f"'{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder\n")
     assert compile_cache.prepare_compile() == folder and capsys.readouterr().err == ""  # said once
+
+
+@pytest.mark.parametrize("odd", [" ", "'", '"', "\\", "\t"], ids=["space", "quote", "double-quote", "backslash", "tab"])
+def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_folder(monkeypatch, tmp_path, capsys,
+                                                                                      odd):
+    """Inductor splits the C++ compiler's command like a shell without quoting paths: a cache folder under a home
+    with a space in it failed every compile ("CppCompileError", or "No closing quotation"), and the run trained
+    eagerly."""
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"my{odd}cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
+    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
+    wanted = compile_cache.compile_cache_dir()
+    folder = compile_cache.prepare_compile()
+    assert folder == tmp_path / "temp" / f"tinychar-{os.getuid()}" / "compiled" / wanted.name and folder.is_dir()
+    name = {" ": "a space", "\t": "a space", "\\": "a backslash"}.get(odd, "a quote")
+    assert capsys.readouterr().err == (
+        f"compile cache: cannot use '{shown(str(wanted))}' (its path holds {name}, which splits inductor's compiler "
+        f"command), so compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the "
+        f"folder\n")
+    assert not wanted.exists()  # nothing made there
+    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "a temp"))
+    with pytest.raises(compile_cache.NoCacheFolder, match="its path holds a space"):
+        compile_cache.prepare_compile()
 
 
 def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_markers_follow_the_moved_cache(
@@ -206,7 +231,7 @@ def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_marke
     monkeypatch.setattr(compile_cache.shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler, whatever is here
     wanted = compile_cache.compile_cache_dir()
     assert compile_cache.cannot_compile(torch.device("cpu")) == (
-        f"no folder for compiled code: cannot write to '{shown(str(wanted))}' (Not a directory) nor to "
+        f"no folder for compiled code: cannot use '{shown(str(wanted))}' (Not a directory) nor to "
         f"'{shown(str(moved))}' (Not a directory); set TORCHINDUCTOR_CACHE_DIR to a folder that can be written")
     with pytest.raises(compile_cache.NoCacheFolder):
         compile_cache.prepare_compile()

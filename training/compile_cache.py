@@ -132,7 +132,7 @@ def cache_folder(say: bool = False) -> Path:
     can be written (a file, or a read-only folder, in the way of both)."""
     wanted = compile_cache_dir()
     try:
-        _writable(wanted)
+        _usable(wanted)
         return wanted
     except OSError as e:
         # The temp folder's cache keeps a folder per instruction set too: code of two sets in one folder crashed a
@@ -140,21 +140,34 @@ def cache_folder(say: bool = False) -> Path:
         uid = os.getuid() if hasattr(os, "getuid") else "user"
         folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled" / wanted.name
         try:
-            _writable(folder)
+            _usable(folder)
         except OSError as fallback:
-            raise NoCacheFolder(f"no folder for compiled code: cannot write to '{shown(str(wanted))}' "
+            raise NoCacheFolder(f"no folder for compiled code: cannot use '{shown(str(wanted))}' "
                                 f"({e.strerror or type(e).__name__}) nor to '{shown(str(folder))}' "
                                 f"({fallback.strerror or type(fallback).__name__})") from None
         if say and wanted not in _SAID_MOVED:  # once a process
             _SAID_MOVED.add(wanted)
-            print(f"compile cache: cannot write to '{shown(str(wanted))}' ({e.strerror or type(e).__name__}), so "
+            print(f"compile cache: cannot use '{shown(str(wanted))}' ({e.strerror or type(e).__name__}), so "
                   f"compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder",
                   file=sys.stderr, flush=True)
         return folder
 
 
-def _writable(folder: Path) -> None:
-    """Make folder if it is missing; OSError unless it is a folder this process can write in."""
+def _split_by_compilers(folder: Path) -> str:
+    """What in folder's path would split it in two in the C++ compiler's command that inductor builds (torch 2.13:
+    it splits the command like a shell, quoting no path: a home folder with a space made every compile fail), in
+    words; '' where nothing would."""
+    text = str(folder)
+    if any(c.isspace() for c in text):
+        return "a space"
+    return next((f"a {name}" for c, name in (("'", "quote"), ('"', "quote"), ("\\", "backslash")) if c in text), "")
+
+
+def _usable(folder: Path) -> None:
+    """Make folder if it is missing; OSError unless it is a folder this process can write in, of a path that the
+    compiler's command takes whole."""
+    if odd := _split_by_compilers(folder):
+        raise OSError(errno.EINVAL, f"its path holds {odd}, which splits inductor's compiler command")
     folder.mkdir(parents=True, exist_ok=True)
     if not os.access(folder, os.W_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
