@@ -80,9 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--resume and --overwrite contradict each other; choose one")
     if args.out_dir is not None:
         given = [o.partition("=")[2] for o in args.overrides if o.partition("=")[0].strip() == "out_dir"]
-        same = os.path.normpath(args.out_dir)  # runs/a and runs/a/ are one folder
-        if any(os.path.normpath(value) != same for value in given):
-            other = next(value for value in given if os.path.normpath(value) != same)
+        def folder(path: str) -> str:  # runs/a, runs/a/ and /here/runs/a are one folder
+            return os.path.abspath(os.path.expanduser(path))
+
+        if any(folder(value) != folder(args.out_dir) for value in given):
+            other = next(value for value in given if folder(value) != folder(args.out_dir))
             parser.error(f"--out-dir '{shown(args.out_dir)}' and out_dir='{shown(other)}' contradict each other; "
                          f"give one of them")
         args.overrides = [*args.overrides, f"out_dir={args.out_dir}"]

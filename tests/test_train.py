@@ -22,6 +22,7 @@ from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
 import train
 import training.checkpoints
 from configs import describe, to_dict, valid_keys
+from configs.userinput import path_word, shown
 from data.batches import split_ids
 from data.paths import quoted
 from model import load_checkpoint, model_from_checkpoint
@@ -515,9 +516,31 @@ def test_a_resume_on_a_data_path_in_an_unknown_users_home_is_one_line(tmp_path):
         prepare(cfg, resume=True, overwrite=False, progress=False, payload={"vocab": ["a", "b"]}, launch=Launch())
 
 
+def test_resuming_a_copied_run_by_its_config_yaml_is_refused_rather_than_continuing_the_original(tmp_path, capsys):
+    """`--resume --config copy/config.yaml` continued the run the copy was made from (the file's out_dir), writing its
+    checkpoints over that run's, without a word."""
+    run = train_small_run(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    before = snapshot(run)
+    assert train.main(["--config", str(copy / "config.yaml"), "--resume", "train.max_iters=22"], progress=False) == 2
+    assert capsys.readouterr().err == (
+        f"error: --config '{shown(str(copy / 'config.yaml'))}' is the config of the run in '{shown(str(copy))}', but "
+        f"its out_dir is '{shown(str(run))}', the folder it was copied or moved from: to continue the run in "
+        f"'{shown(str(copy))}', use --resume --out-dir {path_word(str(copy))}; to continue the other, add "
+        f"--out-dir {path_word(str(run))}\n")
+    assert snapshot(run) == before
+    for out in (copy, run):  # either, named
+        assert train.main(["--config", str(copy / "config.yaml"), "--resume", "--out-dir", str(out),
+                           "train.max_iters=22"], progress=False) == 0
+        assert load_checkpoint(out / "ckpt.pt")["step"] == 22
+    assert train.main(["--config", str(run / "config.yaml"), "--resume", "train.max_iters=24"], progress=False) == 0
+
+
 def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):
-    # runs/a and runs/a/ were refused as contradicting each other
-    args = train.parse_args(["--out-dir", "runs/a", "out_dir=runs/a/", "out_dir=./runs/a"])
+    # runs/a and runs/a/ were refused as contradicting each other, and so was runs/a given by its full path
+    args = train.parse_args(["--out-dir", "runs/a", "out_dir=runs/a/", "out_dir=./runs/a",
+                             f"out_dir={os.getcwd()}/runs/a"])
     assert args.overrides[-1] == "out_dir=runs/a"
     with pytest.raises(SystemExit):
         train.parse_args(["--out-dir", "runs/a", "out_dir=runs/b"])

@@ -21,7 +21,7 @@ from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
 from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons, saved_step
 
-from .config import RunConfig, load_config
+from .config import RunConfig, copied_run, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
 from .errors import UsageError
 from .launch import Launch
@@ -342,14 +342,15 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     'key: old -> new' lines to show."""
     if not resume:
         return load_config(config, overrides), None, []
+    located = [o for o in overrides if o.partition("=")[0].strip() == "out_dir"]
     if config is not None:
         cfg = load_config(config, overrides)
         out_dir = Path(cfg.out_dir)
+        if not located and (why := copied_run(Path(config), out_dir)):
+            raise UsageError(why)
     else:
-        # The run continues with its saved config, and the overrides are checked against that once it is read, not
-        # against the default config, which at most names out_dir (runs/tiny). Their keys and types come first.
+        # The run goes on with its saved config; the overrides' keys and types are checked first, the rest once read.
         apply_overrides({}, overrides, RunConfig)
-        located = [o for o in overrides if o.partition("=")[0].strip() == "out_dir"]
         out_dir = Path(load_config(None, located, base={}).out_dir if located else load_config(None, []).out_dir)
     ckpt = out_dir / "ckpt.pt"
     if holder := RunLock(out_dir).busy():  # a live run is still writing it
@@ -357,8 +358,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     aside = next((p for p in (out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS) if p.exists()), None)
     recovered = not ckpt.exists() and aside is not None
     if recovered:
-        # An --overwrite killed before its first checkpoint left the old run aside: that is the run to resume, and
-        # claim_out_dir puts it back in place, under the run's lock, before this run writes anything.
+        # an --overwrite killed before its first checkpoint left the old run aside: claim_out_dir puts it back first
         ckpt = aside
     if not ckpt.exists():
         best = out_dir / "best.pt"

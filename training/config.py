@@ -10,7 +10,7 @@ from pathlib import Path
 
 from configs import ConfigError, apply_overrides, build, check_keys, load_yaml, text_keys
 from configs.origins import as_typed
-from configs.userinput import shown
+from configs.userinput import path_word, shown
 from data import DataConfig
 from model import GPTConfig
 from model.config import short_int
@@ -203,3 +203,28 @@ def one_text(data: DataConfig, given: dict[str, str]) -> DataConfig:
     if "data.dataset" in given:
         return replace(data, path=None)
     return replace(data, dataset=None)
+
+
+# The first line of the config.yaml a run writes: a config.yaml without it, in a folder that holds no run, is a
+# person's own (their experiment's config kept in its folder), and no run replaces it.
+CONFIG_MARK = b"# tinychar: the resolved config of the run in this folder; train.py rewrites this file\n"
+
+
+def copied_run(config: Path, out_dir: Path) -> str | None:
+    """Why `--resume --config DIR/config.yaml` must not go on, or None: that file is the config a run wrote in DIR,
+    a folder that holds a checkpoint, but its out_dir names another (the folder DIR was copied or moved from): the
+    resume would continue that other run, writing into it, where the person most likely meant the run in DIR."""
+    here = config.parent
+    try:
+        with config.open("rb") as f:
+            ours = f.readline(len(CONFIG_MARK)) == CONFIG_MARK
+        if not ours or not any((here / n).is_file() for n in ("ckpt.pt", "best.pt")):
+            return None
+        if out_dir.exists() and here.samefile(out_dir):
+            return None
+    except OSError:  # unreadable, or no out_dir there: loading the run says what is wrong
+        return None
+    return (f"--config '{shown(str(config))}' is the config of the run in '{shown(str(here))}', but its out_dir is "
+            f"'{shown(str(out_dir))}', the folder it was copied or moved from: to continue the run in "
+            f"'{shown(str(here))}', use --resume --out-dir {path_word(str(here))}; to continue the other, add "
+            f"--out-dir {path_word(str(out_dir))}")

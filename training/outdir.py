@@ -16,13 +16,10 @@ from configs.userinput import shown
 from model.checkpoint import ASIDE, ASIDE_FOLDERS, MOVING_ASIDE, MOVING_BACK
 
 from .checkpoints import write_atomic
-from .config import RunConfig
+from .config import CONFIG_MARK, RunConfig
 from .errors import UsageError
 from .lock import LOCK, RunLock, file_identity, in_use
 
-# The first line of the config.yaml a run writes: a config.yaml without it, in a folder that holds no run, is a
-# person's own (their experiment's config kept in its folder), and no run replaces it.
-CONFIG_MARK = b"# tinychar: the resolved config of the run in this folder; train.py rewrites this file\n"
 # Temporary files that an atomic write killed midway leaves behind (see write_atomic).
 STALE_TEMPORARY = (".ckpt.pt.*.tmp", ".best.pt.*.tmp", ".config.yaml.*.tmp")
 
