@@ -574,6 +574,36 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_
     assert "is not the text this run was trained on" in one_error_line(capsys.readouterr().err)
 
 
+def test_a_resume_on_other_text_says_why_as_far_as_it_can_tell(tmp_path, capsys, monkeypatch):
+    """Each refusal said "it changed since ... was saved", though from another folder a relative data.path may name
+    another file, and another data.path is another file; and a mistyped relative path on a run started on a full one
+    got the hint for a run started on a relative path."""
+    started, elsewhere, out = tmp_path / "started", tmp_path / "elsewhere", tmp_path / "out"
+    for folder, text in ((started, SMALL_TEXT), (elsewhere, SMALL_TEXT[::-1])):  # the same characters, two texts
+        folder.mkdir()
+        (folder / "corpus.txt").write_text(text, encoding="utf-8")
+    monkeypatch.chdir(started)
+    assert train.main(["--config", TINY, *tiny_overrides(Path("corpus.txt"), out, **{"train.max_iters": 4})],
+                      progress=False) == 0
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
+    assert (f"(it changed since '{shown(out / 'ckpt.pt')}' was saved, or from this folder the relative path names "
+            f"another file than from the one the run started in); resume") in one_error_line(capsys.readouterr().err)
+    other = str(elsewhere / "corpus.txt")
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={other}"],
+                      progress=False) == 2
+    assert "(the run was trained on data.path 'corpus.txt'); resume" in one_error_line(capsys.readouterr().err)
+
+    (tmp_path / "full").mkdir()
+    run = train_small_run(tmp_path / "full")  # started on a full data.path
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=22", "data.path=corpus.txt.orig"],
+                      progress=False) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: data.path: no such file 'corpus.txt.orig'; to resume, put back the text this run trained on, or give "
+        "where it is now (data.path=...), which a resume takes")
+
+
 def test_a_resume_from_a_damaged_ckpt_pt_says_how_to_go_on(tmp_path, capsys):
     # it said what was wrong, and no more
     run = train_small_run(tmp_path, **{"train.max_iters": 4, "train.eval_interval": 2})

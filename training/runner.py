@@ -129,7 +129,8 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
             # raised RuntimeError for '~nouser'); os.path.exists never raises (Path.exists: ValueError for NUL)
             if payload is None or path is None or os.path.exists(os.path.expanduser(path)):
                 raise
-            if path.startswith("~") or os.path.isabs(path):  # the text the run trained on is gone from there
+            trained = ((payload.get("config") or {}).get("data") or {}).get("path")
+            if path.startswith("~") or os.path.isabs(path) or path != trained:  # gone from there, or a new path
                 raise DataError(f"data.path: no such file {quoted(path)}; to resume, put back the text this run "
                                 "trained on, or give where it is now (data.path=...), which a resume takes") from None
             # A run started on a relative data.path, resumed from another folder: say how to name the file from here
@@ -193,10 +194,15 @@ def check_same_text(payload: dict, corpus: Corpus, cfg: RunConfig) -> None:
     of the train/validation split) must be this corpus's. Checkpoints from before fingerprints pass unchecked."""
     saved = payload.get("data_fingerprint")
     if saved is not None and saved != corpus.fingerprint:
-        where = f"data.path '{shown(cfg.data.path)}'" if cfg.data.path else f"data.dataset={cfg.data.dataset}"
-        raise UsageError(f"cannot resume: the text of {where} is not the text this run was trained on (it changed "
-                         f"since '{shown(Path(cfg.out_dir) / 'ckpt.pt')}' was saved); resume with that text, or start "
-                         f"a new run in another out_dir")
+        path, trained = cfg.data.path, ((payload.get("config") or {}).get("data") or {}).get("path")
+        where = f"data.path '{shown(path)}'" if path else f"data.dataset={cfg.data.dataset}"
+        why = f"it changed since '{shown(Path(cfg.out_dir) / 'ckpt.pt')}' was saved"
+        if isinstance(trained, str) and trained != path:  # another path given: not known to be the same file changed
+            why = f"the run was trained on data.path '{shown(trained)}'"
+        elif path and not os.path.isabs(os.path.expanduser(path)):
+            why += ", or from this folder the relative path names another file than from the one the run started in"
+        raise UsageError(f"cannot resume: the text of {where} is not the text this run was trained on ({why}); "
+                         f"resume with that text, or start a new run in another out_dir")
 
 
 def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool) -> None:
