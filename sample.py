@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return stopped(e, "stopped sampling")
     except OSError as e:  # stdout is a full disk (or a device that refuses): not the input's fault, exit status 1
+        gone = reader_gone(e, sys.stdout)  # asked before stdout is /dev/null, a character device as a terminal is
         discard_stdout()  # what is still buffered would fail again at exit
-        if reader_gone(e, sys.stdout):  # its terminal has closed: the hang-up signal, seen or on its way
+        if gone:  # its terminal has closed: the hang-up signal, seen or on its way
             return 128 + signal.SIGHUP
         print(f"error: cannot write the samples to stdout ({e.strerror or e})", file=sys.stderr)
         return 1

@@ -297,8 +297,9 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
                 out.add("run", here)
                 dirs[:] = []
                 continue
-            names = [n for n in names if n != _RUN_CONFIG]
-            out.runs.append(here / _RUN_CONFIG)
+            if _RUN_CONFIG in names:  # the named folder is the run's own before the run has written its config
+                names = [n for n in names if n != _RUN_CONFIG]
+                out.runs.append(here / _RUN_CONFIG)
         if _is_cache(here, names, out.cache_ids):
             if whole:
                 out.add("cache", here)

@@ -340,6 +340,7 @@ def test_the_runs_own_out_dir_is_left_out_before_the_run_has_marked_it(tmp_path:
         assert [s.path for s in inputs.sources] == [novels / "a.txt"] and inputs.runs == [novels / "run"], spec
     named = resolve_inputs(novels / "run", runs=[novels / "run"])  # data.path=out_dir: the person's chosen corpus
     assert [s.path for s in named.sources] == [novels / "run" / "notes.txt"]
+    assert named.runs == []  # no config.yaml there yet to leave out (the note named one)
     assert [s.path for s in resolve_inputs(novels, runs=[tmp_path / "elsewhere"]).sources][-1].name == "notes.txt"
 
 

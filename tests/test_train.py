@@ -328,10 +328,14 @@ def test_a_resume_within_the_warmup_that_stretches_the_decay_says_so_too():
     saved = load_config(TINY, ["train.warmup_iters=300", "train.max_iters=400"]).train
     longer = replace(saved, max_iters=800)
     assert lr_at(169, saved) == lr_at(169, longer) and lr_at(400, saved) == saved.min_lr
+    assert lr_at(400, longer) > 9e-3  # where the saved run had decayed to min_lr (1e-3)
     assert schedule_note(asdict(saved), longer, 169) == (
-        f"the learning rate's schedule changes: at step 400 it will be {lr_at(400, longer):.3g}, not "
-        f"{saved.min_lr:.3g}: train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
+        f"the learning rate's schedule changes from step 301, where it will be {lr_at(301, longer):.3g}, not "
+        f"{lr_at(301, saved):.3g}: train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
         f"train.lr_decay_iters=400")
+    for shorter in (replace(saved, max_iters=350), replace(saved, lr_decay_iters=320), replace(saved, min_lr=5e-3)):
+        assert schedule_note(asdict(saved), shorter, 169).startswith("the learning rate's schedule changes from step "
+                                                                     "301, ")
     assert schedule_note(asdict(saved), replace(longer, lr_decay_iters=400), 169) is None
     assert schedule_note(asdict(saved), saved, 169) is None
 
@@ -535,6 +539,23 @@ def test_resuming_a_copied_run_by_its_config_yaml_is_refused_rather_than_continu
                            "train.max_iters=22"], progress=False) == 0
         assert load_checkpoint(out / "ckpt.pt")["step"] == 22
     assert train.main(["--config", str(run / "config.yaml"), "--resume", "train.max_iters=24"], progress=False) == 0
+
+
+def test_resuming_by_a_config_yaml_whose_relative_out_dir_names_nothing_from_here_says_so(tmp_path, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text(SMALL_TEXT, encoding="utf-8")
+    assert train.main(["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", Path("runs/a"))],
+                      progress=False) == 0  # started here, on a relative out_dir
+    monkeypatch.chdir(tmp_path / "runs" / "a")
+    capsys.readouterr()
+    assert train.main(["--config", "config.yaml", "--resume", "train.max_iters=22"], progress=False) == 2
+    assert capsys.readouterr().err == (
+        "error: --config 'config.yaml' is the config of the run in '.', but its out_dir 'runs/a' names no folder "
+        "from here (the run's folder was moved, or that path is relative to the folder the run started in): to "
+        "continue the run in '.', use --resume --out-dir .\n")
+    assert train.main(["--config", "config.yaml", "--resume", "--out-dir", ".", "train.max_iters=22"],
+                      progress=False) == 0
 
 
 def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):

@@ -233,8 +233,8 @@ def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_marke
     monkeypatch.setattr(compile_cache.shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler, whatever is here
     wanted = compile_cache.compile_cache_dir()
     assert compile_cache.cannot_compile(torch.device("cpu")) == (
-        f"no folder for compiled code: cannot use '{shown(str(wanted))}' (Not a directory) nor to "
-        f"'{shown(str(moved))}' (Not a directory); set TORCHINDUCTOR_CACHE_DIR to a folder that can be written")
+        f"no folder for compiled code: cannot use '{shown(str(wanted))}' (Not a directory) nor '{shown(str(moved))}' "
+        f"(Not a directory); set TORCHINDUCTOR_CACHE_DIR to a writable folder whose path has no space or quote")
     with pytest.raises(compile_cache.NoCacheFolder):
         compile_cache.prepare_compile()
     assert compile_cache.cached_compile_seconds("step-k") is None  # cold, without an error

@@ -143,7 +143,7 @@ def cache_folder(say: bool = False) -> Path:
             _usable(folder)
         except OSError as fallback:
             raise NoCacheFolder(f"no folder for compiled code: cannot use '{shown(str(wanted))}' "
-                                f"({e.strerror or type(e).__name__}) nor to '{shown(str(folder))}' "
+                                f"({e.strerror or type(e).__name__}) nor '{shown(str(folder))}' "
                                 f"({fallback.strerror or type(fallback).__name__})") from None
         if say and wanted not in _SAID_MOVED:  # once a process
             _SAID_MOVED.add(wanted)
@@ -240,7 +240,7 @@ def cannot_compile(device: torch.device) -> str | None:
     try:
         cache_folder()
     except NoCacheFolder as e:
-        return f"{e}; set TORCHINDUCTOR_CACHE_DIR to a folder that can be written"
+        return f"{e}; set TORCHINDUCTOR_CACHE_DIR to a writable folder whose path has no space or quote"
     return None
 
 

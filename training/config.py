@@ -224,7 +224,11 @@ def copied_run(config: Path, out_dir: Path) -> str | None:
             return None
     except OSError:  # unreadable, or no out_dir there: loading the run says what is wrong
         return None
+    ours = f"to continue the run in '{shown(str(here))}', use --resume --out-dir {path_word(str(here))}"
+    if not out_dir.exists():  # moved, or named relative to the folder the run started in
+        return (f"--config '{shown(str(config))}' is the config of the run in '{shown(str(here))}', but its out_dir "
+                f"'{shown(str(out_dir))}' names no folder from here (the run's folder was moved, or that path is "
+                f"relative to the folder the run started in): {ours}")
     return (f"--config '{shown(str(config))}' is the config of the run in '{shown(str(here))}', but its out_dir is "
-            f"'{shown(str(out_dir))}', the folder it was copied or moved from: to continue the run in "
-            f"'{shown(str(here))}', use --resume --out-dir {path_word(str(here))}; to continue the other, add "
+            f"'{shown(str(out_dir))}', the folder it was copied or moved from: {ours}; to continue the other, add "
             f"--out-dir {path_word(str(out_dir))}")

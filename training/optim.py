@@ -47,16 +47,15 @@ def schedule_note(saved: dict, train: TrainConfig, step: int) -> str | None:
         before = replace(train, **kept)
     except (TypeError, ValueError):  # values no run saves: the resume's own checks speak of the config
         return None
-    # Where the two schedules part: now, or (within the warmup, which they share) where the saved decay began or ended
-    saved_end = before.lr_decay_iters if before.lr_decay_iters is not None else before.max_iters
-    for at in (step, max(step, train.warmup_iters), max(step, saved_end)):
+    # Where the two schedules part: now, or (within the warmup, which they share) at the decay's first step
+    for at in (step, max(step, train.warmup_iters + 1)):
         old, new = lr_at(at, before), lr_at(at, train)
         if not math.isclose(old, new, rel_tol=1e-6):
             break
     else:
         return None
     line = (f"the learning rate at step {step:,} goes from {old:.3g} to {new:.3g}" if at == step else
-            f"the learning rate's schedule changes: at step {at:,} it will be {new:.3g}, not {old:.3g}")
+            f"the learning rate's schedule changes from step {at:,}, where it will be {new:.3g}, not {old:.3g}")
     if train.lr_decay_iters is None and before.lr_decay_iters is None and before.max_iters != train.max_iters:
         line += (f": train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
                  f"train.lr_decay_iters={before.max_iters}")

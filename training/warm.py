@@ -33,6 +33,9 @@ if TYPE_CHECKING:  # the helper imports torch only once the run has ended
     from training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+# The signals that end a compile from outside (kill, a shutdown, the OOM killer, a closed terminal), not by a fault of
+# its own: a crash (SIGSEGV, SIGABRT) is a failure, and would crash again.
+KILLED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGTERM)}
 SETTINGS = ("1", "0")
 
 
@@ -242,7 +245,7 @@ def main(job: Path, parent: int) -> int:
                            cwd=ROOT, stdin=subprocess.DEVNULL, check=True)
         return 0
     except Exception as e:  # whatever went wrong: said once, where later runs look
-        if isinstance(e, subprocess.CalledProcessError) and e.returncode < 0:
+        if isinstance(e, subprocess.CalledProcessError) and -e.returncode in KILLED_BY:
             raise  # the compile was killed (a shutdown, the OOM killer): no failure of its own; the next run tries
         failed_file(job.parent, job.name.removeprefix("tinychar-").removesuffix(".warming")).write_text(
             f"{type(e).__name__}: {e} (its output: {job}.log)\n", encoding="utf-8")
