@@ -41,8 +41,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for a person."""
 
 
-class NotThisVersion(CheckpointError):
-    """A whole checkpoint that a later tinychar wrote: no reason to replace it with another file."""
+class WholeCheckpoint(CheckpointError):
+    """A checkpoint that is whole but cannot be used here: no reason to replace it with another file."""
+
+
+class NotThisVersion(WholeCheckpoint):
+    """A whole checkpoint that a later tinychar wrote."""
+
+
+class NoMemoryToLoad(WholeCheckpoint):
+    """A checkpoint this process has not the memory to load."""
 
 
 # Characters of a path that a message quotes, as configs.userinput.shown quotes one for the rest of tinychar (this
@@ -134,6 +142,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"strings, lists, dicts); only load checkpoints tinychar wrote") from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the unpickler raise KeyError, IndexError, struct.error...
         text = str(e).strip()
+        if isinstance(e, MemoryError) or "can't allocate memory" in text:  # a whole file, too large for what is left
+            size = os.stat(path).st_size
+            raise NoMemoryToLoad(f"cannot load checkpoint {quoted(path)} ({size / 1e6:,.0f} MB): this process ran "
+                                 f"out of memory reading it; free some memory, or raise the process's limit (ulimit "
+                                 f"-v) in the shell that starts it") from None
         if "legacy .tar format" in text:  # torch's advice about weights_only and its old format, for any non-zip bytes
             detail = "it is not a zip archive, as torch.save writes one"
         else:

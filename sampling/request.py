@@ -21,7 +21,7 @@ from model import (
     load_checkpoint,
     model_from_checkpoint,
 )
-from model.checkpoint import NotThisVersion
+from model.checkpoint import WholeCheckpoint
 from model.config import GPTConfig
 from training import compile_cache
 from training.devices import DeviceError, resolve_device
@@ -150,7 +150,7 @@ def load_run_checkpoint(path: Path, chosen_for_the_run: bool) -> dict:
         return load_checkpoint(path)
     except CheckpointError as e:
         latest = path.with_name("ckpt.pt")
-        if not chosen_for_the_run or path.name != "best.pt" or not latest.is_file() or isinstance(e, NotThisVersion):
+        if not chosen_for_the_run or path.name != "best.pt" or not latest.is_file() or isinstance(e, WholeCheckpoint):
             raise
         raise CheckpointError(f"{e}; the run's latest checkpoint may be whole: --checkpoint "
                               f"{path_word(str(latest))}") from None

@@ -407,3 +407,36 @@ def test_torchs_long_reasons_are_cut_at_their_first_sentence(saved, monkeypatch)
                                  "data.")
     # at most 160 characters, cut at a word
     assert checkpoint_module.first_sentence("word " * 50) == ("word " * 32).strip() + " ..."
+
+
+# What PyTorch's CPU allocator raises when the memory left (a process limit, ulimit -v) cannot hold what it reads
+NO_MEMORY = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you "
+                         "tried to allocate 681574400 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("error", [NO_MEMORY, MemoryError()], ids=["allocator", "MemoryError"])
+def test_a_whole_checkpoint_too_large_for_the_memory_left_is_said_so_not_called_damaged(tmp_path, monkeypatch,
+                                                                                        capsys, error):
+    """Under `ulimit -v 1200000`, a whole 682 MB checkpoint was "truncated or not a checkpoint", and the resume advised
+    --overwrite (sample.py, the run's other checkpoint): advice that would replace a good run."""
+    from conftest import train_small_run
+
+    import train
+
+    run = train_small_run(tmp_path)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+
+    def no_memory(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(checkpoint_module.torch, "load", no_memory)
+    size = (run / "ckpt.pt").stat().st_size
+    with pytest.raises(checkpoint_module.NoMemoryToLoad) as refused:
+        load_checkpoint(run / "ckpt.pt")
+    assert str(refused.value) == (
+        f"cannot load checkpoint {quoted(run / 'ckpt.pt')} ({size / 1e6:,.0f} MB): this process ran out of memory "
+        f"reading it; free some memory, or raise the process's limit (ulimit -v) in the shell that starts it")
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=22"], progress=False) == 2
+    assert capsys.readouterr().err == f"error: {refused.value}\n"  # no advice to replace it
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

@@ -19,7 +19,7 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import path_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, NotThisVersion, error_reasons, saved_step
+from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons, saved_step
 
 from .config import RunConfig, copied_run, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
@@ -370,7 +370,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     try:
         payload = load_checkpoint(ckpt)
         check_training_state(payload, ckpt)
-    except NotThisVersion:  # whole, for the tinychar that wrote it: nothing is to replace it
+    except WholeCheckpoint:  # for a later tinychar, or a machine of more memory: nothing is to replace it
         raise
     except CheckpointError as e:  # say what will do: the run's best step, if best.pt is whole, or a new run
         best = out_dir / "best.pt"
