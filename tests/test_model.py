@@ -62,6 +62,7 @@ def test_the_bias_mask_gives_the_boolean_masks_attention_exactly(T, rows):
     torch.manual_seed(T)
     visible = torch.tril(torch.ones(T, T, dtype=torch.bool))
     bias = causal_bias(T)
+    assert torch.equal(bias, torch.zeros(T, T).masked_fill(~visible, float("-inf")))  # 0 where seen, -inf elsewhere
     if rows == "one":
         visible, bias = visible[T // 2 : T // 2 + 1], bias[T // 2 : T // 2 + 1]
     scores = torch.randn(3, 2, visible.size(0), T) * 4
