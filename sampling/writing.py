@@ -122,7 +122,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
     graph = engine.sampling_graphs(device)
-    chunk = GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1
+    chunk = noise_chunk(GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1, len(batch),
+                        cfg.vocab_size, args.temperature)
     if compiled:  # before torch.compile is first called: it makes the cache folder torch is told of, or fails there
         compile_cache.prepare_compile()
     # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
@@ -154,6 +155,20 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     if device.type == "cpu" and not args.stream and args.max_new_tokens >= TIMED_MIN_STEPS:
         return timed_steps(steps, key, "compiled_ms" if compiled else "eager_ms", args.max_new_tokens)
     return steps
+
+
+# The most memory that a chunk's noise, (chunk, samples, vocabulary) floats drawn ahead of the compiled loop, may take:
+# with 200 samples of a 60,000-character vocabulary, 32 characters' noise is 1.5 GB, which the compiled loop held twice
+# (sample.py --compile true peaked at 3.5 GB where 0.5 GB was counted). Fewer characters a call cost only the calls'
+# overhead, which a vocabulary that wide outweighs.
+NOISE_BYTES = 64 * 2**20
+
+
+def noise_chunk(chunk: int, samples: int, vocab_size: int, temperature: float) -> int:
+    """The characters a call of the sampling step draws: chunk, fewer where their noise would pass NOISE_BYTES."""
+    if temperature == 0:  # greedy: no noise
+        return chunk
+    return max(1, min(chunk, NOISE_BYTES // (samples * vocab_size * 4)))
 
 
 # The fewest characters whose drawing is timed: 256 take 0.5-1.3 s eagerly on a 2-core Zen 1 EPYC (block 8 and 64).

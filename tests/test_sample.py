@@ -728,3 +728,17 @@ def test_a_closed_stderr_keeps_the_messages_out_of_the_samples(run_dir):
                           preexec_fn=lambda: os.close(2), timeout=120, check=False)
     assert done.returncode == 0
     assert done.stdout.startswith("the") and len(done.stdout) == len("the") + 30 + 1  # the text and its newline
+
+
+def test_the_noise_drawn_ahead_of_the_compiled_loop_is_kept_to_a_bound():
+    """200 samples of a 60,000-character vocabulary: 32 characters' noise was 1.5 GB, held twice by the compiled loop
+    (a peak of 3.5 GB where 0.5 GB was counted; 400 samples, a traceback). Measured with the bound: 0.62 GB."""
+    NOISE_BYTES, noise_chunk = writing.NOISE_BYTES, writing.noise_chunk  # noqa: N806 - the module's names
+
+    assert noise_chunk(32, 1, 65, 0.8) == 32  # tiny Shakespeare: as before
+    assert noise_chunk(32, 200, 60_000, 0.8) == 1 and noise_chunk(32, 400, 60_000, 0.8) == 1
+    assert noise_chunk(32, 16, 60_000, 0.8) == 17  # 17 x 16 x 60,000 floats: 62 MiB, within the 64
+    for samples, vocab in ((1, 65), (16, 1_000), (4, 60_000), (200, 60_000)):
+        chunk = noise_chunk(32, samples, vocab, 0.8)
+        assert 1 <= chunk <= 32 and (chunk == 1 or chunk * samples * vocab * 4 <= NOISE_BYTES)
+    assert noise_chunk(32, 400, 60_000, 0.0) == 32  # greedy draws no noise
