@@ -159,7 +159,9 @@ def memory_need(cfg: SortConfig) -> int:
     not counted."""
     B, T, D, E, C = cfg.batch_size, cfg.length, cfg.digits, cfg.eval_size, cfg.n_embd
     floats = 4 * (3 * D * C + 30 * C * C)  # weights, gradients and Adam's two moments
-    floats += 2 * B * T * D + E * D + 20 * (B + E) * T * C  # logits and their gradients; states and embeddings
+    # logits and their gradients; greedy decoding's, a step's alive while the next are made (--digits 200000, 3.9 GB
+    # peak where one was counted: 2.3 GB); states and embeddings
+    floats += 2 * B * T * D + 2 * E * D + 20 * (B + E) * T * C
     if cfg.model == "transformer":
         heads = cfg.seq2seq().n_head
         # the encoder's and decoder's activations kept for the backward pass: about 45 x n_embd floats a training
