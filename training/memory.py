@@ -76,6 +76,8 @@ def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:
     """Bytes of activations for a forward pass over `sequences` windows of block_size: with backward, what every
     layer keeps for it (and one layer's gradients besides); without (evaluation), what one layer holds at once."""
     C, L, V, T, nh = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size, cfg.n_head
+    if cfg.type == "bigram":  # its table gives the logits: no layers, attention or embeddings (it was counted as a
+        return sequences * T * (5 * V * FLOAT + 6 * ID)  # GPT: refused at 211.8 GB what ran in 0.4)
     scores = 3 * nh * T if cfg.attention == "manual" else nh  # scores, masked scores, softmax; the fused kernel none
     if cfg.score == "additive":
         scores += 2 * T * C  # the (T, T, head_size) tanh hidden of every head, and its input
