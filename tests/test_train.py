@@ -568,10 +568,9 @@ def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):
     assert "contradict each other" in capsys.readouterr().err
 
 
-def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_full_path(tmp_path, capsys,
-                                                                                          monkeypatch):
-    # The advice was a dead end: from another folder the relative path names no file, and its full path was refused
-    # as "a changed data.path". The text's fingerprint is what a resume must keep, and it is checked.
+def run_started_on_a_relative_path(tmp_path: Path, monkeypatch, capsys) -> tuple[Path, Path, Path]:
+    """(started, elsewhere, out): a 4-step run trained in started on data.path=corpus.txt into out, and the current
+    folder now elsewhere, another folder."""
     started, elsewhere, out = tmp_path / "started", tmp_path / "elsewhere", tmp_path / "out"
     started.mkdir()
     elsewhere.mkdir()
@@ -581,6 +580,14 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_
                       progress=False) == 0
     monkeypatch.chdir(elsewhere)
     capsys.readouterr()
+    return started, elsewhere, out
+
+
+def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_full_path(tmp_path, capsys,
+                                                                                          monkeypatch):
+    # The advice was a dead end: from another folder the relative path names no file, and its full path was refused
+    # as "a changed data.path". The text's fingerprint is what a resume must keep, and it is checked.
+    started, elsewhere, out = run_started_on_a_relative_path(tmp_path, monkeypatch, capsys)
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
     assert one_error_line(capsys.readouterr().err).endswith(
         "this run was started on that path relative to the folder it ran in: resume from that folder, or give its "
@@ -599,15 +606,8 @@ def test_a_resume_on_other_text_says_why_as_far_as_it_can_tell(tmp_path, capsys,
     """Each refusal said "it changed since ... was saved", though from another folder a relative data.path may name
     another file, and another data.path is another file; and a mistyped relative path on a run started on a full one
     got the hint for a run started on a relative path."""
-    started, elsewhere, out = tmp_path / "started", tmp_path / "elsewhere", tmp_path / "out"
-    for folder, text in ((started, SMALL_TEXT), (elsewhere, SMALL_TEXT[::-1])):  # the same characters, two texts
-        folder.mkdir()
-        (folder / "corpus.txt").write_text(text, encoding="utf-8")
-    monkeypatch.chdir(started)
-    assert train.main(["--config", TINY, *tiny_overrides(Path("corpus.txt"), out, **{"train.max_iters": 4})],
-                      progress=False) == 0
-    monkeypatch.chdir(elsewhere)
-    capsys.readouterr()
+    started, elsewhere, out = run_started_on_a_relative_path(tmp_path, monkeypatch, capsys)
+    (elsewhere / "corpus.txt").write_text(SMALL_TEXT[::-1], encoding="utf-8")  # the same characters, another text
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
     assert (f"(it changed since '{shown(out / 'ckpt.pt')}' was saved, or from this folder the relative path names "
             f"another file than from the one the run started in); resume") in one_error_line(capsys.readouterr().err)

@@ -161,10 +161,9 @@ def test_prepare_compile_points_torch_at_the_cache_and_skips_the_instruction_set
         inductor_config.cpp.vec_isa_ok = kept
 
 
-def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_its_instruction_set(monkeypatch,
-                                                                                                     tmp_path, capsys):
-    """The temp folder's cache had no folder per instruction set: a run kept to AVX2 and then a native one shared one
-    folder, and the second crashed (heap corruption, exit 134). The move was not said either."""
+def cache_folder_blocked(monkeypatch, tmp_path: Path) -> None:
+    """tinychar's cache folder made impossible (a file where its folder goes, under XDG_CACHE_HOME), the temp folder
+    in tmp_path/temp, and nothing said yet of a move."""
     monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
     monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -172,6 +171,13 @@ def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_
     monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
     (tmp_path / "xdg").mkdir()
     (tmp_path / "xdg" / "tinychar").write_text("a file where the cache folder goes", encoding="utf-8")
+
+
+def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_its_instruction_set(monkeypatch,
+                                                                                                     tmp_path, capsys):
+    """The temp folder's cache had no folder per instruction set: a run kept to AVX2 and then a native one shared one
+    folder, and the second crashed (heap corruption, exit 134). The move was not said either."""
+    cache_folder_blocked(monkeypatch, tmp_path)
     wanted = compile_cache.compile_cache_dir()
     folder = compile_cache.prepare_compile()
     uid = os.getuid()
@@ -214,13 +220,7 @@ def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_marke
     "cannot use '<the temp folder's stand-in>'; give another path" (exit 2) of a path nobody gave, and sample.py
     "cannot write the samples to stdout" (exit 1). And the markers stayed in the folder that could not be written,
     so a cache moved to the temp folder never counted as warm."""
-    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
-    monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
-    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
-    (tmp_path / "xdg").mkdir()
-    (tmp_path / "xdg" / "tinychar").write_text("a file where the cache folder goes", encoding="utf-8")
+    cache_folder_blocked(monkeypatch, tmp_path)
     compile_cache.remember_compile("step-k", 12.5, cold=True)  # into the temp folder's stand-in, where code goes
     assert compile_cache.cached_compile_seconds("step-k") == 12.5
     moved = compile_cache.cache_folder()

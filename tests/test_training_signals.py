@@ -405,21 +405,26 @@ def test_a_signal_during_a_long_evaluation_stops_it_at_once_without_logging_it(t
     assert load_checkpoint(out / "ckpt.pt")["step"] == 3 and "stopped at step 3" in err
 
 
-def test_a_signal_while_the_logged_sample_is_drawn_stops_it_at_the_next_character(tmp_path, capsys, monkeypatch):
-    """The sample logged at each evaluation was drawn to its end whatever came: train.sample_chars=30000 at block 512
-    kept a SIGTERM waiting 442 s, past a scheduler's grace period. It now stops after the character in flight, the
-    state is saved, and the cut-short sample is not logged."""
-    out, drawn = tmp_path / "out", []
-    real = GPT.generate_iter
+def sigterm_at_character(monkeypatch, n: int) -> list:
+    """The characters GPT.generate_iter draws (the logged sample's), in a list, with SIGTERM sent as the nth comes."""
+    drawn, real = [], GPT.generate_iter
 
     def generate_iter(self, *args, **kwargs):
         for next_id in real(self, *args, **kwargs):
             drawn.append(next_id)
-            if len(drawn) == 50:
+            if len(drawn) == n:
                 send(signal.SIGTERM)
             yield next_id
 
     monkeypatch.setattr(GPT, "generate_iter", generate_iter)
+    return drawn
+
+
+def test_a_signal_while_the_logged_sample_is_drawn_stops_it_at_the_next_character(tmp_path, capsys, monkeypatch):
+    """The sample logged at each evaluation was drawn to its end whatever came: train.sample_chars=30000 at block 512
+    kept a SIGTERM waiting 442 s, past a scheduler's grace period. It now stops after the character in flight, the
+    state is saved, and the cut-short sample is not logged."""
+    out, drawn = tmp_path / "out", sigterm_at_character(monkeypatch, 50)
     keys = {"train.max_iters": 10, "train.eval_interval": 5, "train.sample_chars": 100_000}
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **keys)], capsys)
     assert code == 143 and one_line(err) == stop_line(out, 5)
@@ -430,17 +435,7 @@ def test_a_signal_while_the_logged_sample_is_drawn_stops_it_at_the_next_characte
 def test_a_signal_after_the_last_step_was_evaluated_and_saved_ends_the_run_as_done(tmp_path, capsys, monkeypatch):
     """A signal while the last evaluation's sample was drawn (the losses logged, the checkpoint saved) said "stopped at
     step 10: ... continue with: ... --resume", exit 143, and that resume was refused: the run was done."""
-    out, drawn = tmp_path / "out", []
-    real = GPT.generate_iter
-
-    def generate_iter(self, *args, **kwargs):
-        for next_id in real(self, *args, **kwargs):
-            drawn.append(next_id)
-            if len(drawn) == 50:
-                send(signal.SIGTERM)
-            yield next_id
-
-    monkeypatch.setattr(GPT, "generate_iter", generate_iter)
+    out, drawn = tmp_path / "out", sigterm_at_character(monkeypatch, 50)
     keys = {"train.max_iters": 10, "train.eval_interval": 10, "train.sample_chars": 100_000}
     code, out_text, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **keys)],
                                capsys)
