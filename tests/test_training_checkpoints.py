@@ -139,6 +139,73 @@ def test_a_resume_steps_with_the_runs_own_optimizer_settings_not_the_checkpoints
         {k: v for k, v in g.items() if k != "lr"} for g in own]
 
 
+INEXACT = "resume: the run goes on, no longer bit-identical to one that never stopped"
+
+
+@pytest.fixture
+def torch_threads():
+    """The worker's torch threads, given back after a test whose in-process run set them."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_a_resume_naming_what_auto_came_to_goes_on_exactly_and_says_no_more(straight, tmp_path, capsys,
+                                                                              torch_threads):
+    # `train.dtype=float32` after a run of train.dtype=auto that came to float32 (and so threads, or train.device=cpu
+    # after auto on a CPU) changes no sum: the resume said it went on "no longer bit-identical", and it went on bit
+    # for bit.
+    out = tmp_path / "out"
+    first = tiny_overrides(write_corpus(tmp_path), out, **RESUME_KEYS, **{"train.max_iters": 10})
+    assert call(train_main, ["--config", TINY, *first], capsys)[0] == 0
+    assert load_checkpoint(out / "ckpt.pt")["settled"]["threads"] == str(torch_threads)
+    same = ["train.dtype=float32", f"train.threads={torch_threads}"]
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=20", *same], capsys)
+    assert code == 0, err
+    assert {"resume: train.dtype: 'auto' -> 'float32'", f"resume: train.threads: 0 -> {torch_threads}"} <= set(
+        stdout.splitlines())
+    assert INEXACT not in stdout
+    assert_continues_the_straight_run(out, straight)
+
+
+def test_a_resume_whose_settled_setup_differs_says_what_differs(straight, tmp_path, capsys, torch_threads):
+    out = Path(shutil.copytree(straight[0], tmp_path / "out"))
+    payload = load_checkpoint(out / "ckpt.pt")
+    settled = payload["settled"]
+    assert settled["torch"] == torch.__version__ and settled["engine"] == "eager" and settled["dtype"] == "float32"
+    assert settled["device"] == f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+    # as if saved by another torch, on a CPU of other vector instructions: the config alike, the sums not
+    payload["settled"] = {**settled, "torch": "2.0.0", "device": "cpu (NO AVX)"}
+    save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")}, out / "ckpt.pt")
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=21"], capsys)
+    assert code == 0, err
+    assert (f"{INEXACT}: its setup differs from the saved run's (torch 2.0.0 -> {torch.__version__}; device cpu "
+            f"(NO AVX) -> {settled['device']})") in stdout.splitlines()
+    # a run on other threads says so too; the config's own change is its line, as before
+    other = 1 if torch_threads != 1 else 2
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=22",
+                                          f"train.threads={other}"], capsys)
+    assert code == 0, err
+    assert f"resume: train.threads: 0 -> {other}" in stdout.splitlines()
+    assert f"{INEXACT}: its setup differs from the saved run's (threads {torch_threads} -> {other})" in stdout
+
+
+def test_a_checkpoint_from_before_the_settled_record_is_judged_by_its_config(straight, tmp_path, capsys,
+                                                                             torch_threads):
+    out = Path(shutil.copytree(straight[0], tmp_path / "out"))
+    payload = load_checkpoint(out / "ckpt.pt")
+    del payload["settled"]
+    save_checkpoint({k: v for k, v in payload.items() if k not in ("format", "version")}, out / "ckpt.pt")
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=21",
+                                          f"train.threads={torch_threads}"], capsys)
+    assert code == 0, err
+    # not known to be what the saved run's 0 (all the cores) came to: said as it always was
+    assert f"{INEXACT}: its setup differs from the saved run's (train.threads 0 -> {torch_threads})" in stdout
+    code, stdout, err = call(train_main, ["--resume", "--out-dir", str(out), "train.max_iters=22"], capsys)
+    assert code == 0, err
+    assert INEXACT not in stdout  # the saved run's setup, recorded now: nothing differs
+
+
 # ------------------------------------------------------------------------------------------ kill -9
 
 

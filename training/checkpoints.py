@@ -323,9 +323,7 @@ def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False
         shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
         raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "
                          f"the saved run; start a new run in another out_dir instead")
-    inexact = {"train.threads", "train.dtype", "train.compile", "train.device"}  # another order of the sums
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" + (" (the run goes on, no longer bit-identical to one that "
-            "never stopped)" if k in inexact else "") for k in changed if k != "out_dir"]
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
 
 
 def resumable(path: Path) -> bool:

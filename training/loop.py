@@ -80,8 +80,8 @@ class Trainer:
         # Set by the runner when the whole step runs compiled (training.compiled_step.CompiledStep); engine names the
         # path taken, which a checkpoint records so that a resumed `auto` run takes the same one.
         self.compiled_step: Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
-        self.compiled_step = None
-        self.engine = "eager"
+        self.compiled_step, self.engine = None, "eager"
+        self.settled: dict[str, str] = {}  # (runner.settled_setup), for a resume to tell whether it goes on exactly
         self.step, self.best_val = step, best_val
         self.saved_step = saved_step  # the step out_dir/ckpt.pt holds, None before this run has one
         self.evaluated_step: int | None = None  # the last step whose evaluation ran to its end
@@ -384,9 +384,9 @@ class Trainer:
                 state["training_weights"], state["model"] = state["model"], self.average.state_dict()
             # is_best: for a resume to put it into a best.pt that failed to follow it; EVAL_PENDING: a stop cut this
             # step's due evaluation short, which a resume runs first (it was lost; at the last step, unfinishable)
-            due = self.step % self.tc.eval_interval == 0 or self.step == self.tc.max_iters
+            due = self.step > 0 and (self.step % self.tc.eval_interval == 0 or self.step == self.tc.max_iters)
             state.update({"data_fingerprint": self.data_fingerprint, "engine": self.engine, "is_best": improved,
-                          EVAL_PENDING: self.step > 0 and due and self.evaluated_step != self.step})
+                          "settled": self.settled, EVAL_PENDING: due and self.evaluated_step != self.step})
             # The curves up to this step reach the disk before the checkpoint, so a run killed after saving and
             # resumed shows no gap in TensorBoard; the attention picture drawn in the background may come later.
             self.log.flush(pictures=False)

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 
+from configs import flatten, to_dict
 from configs.userinput import path_word, script_word, shell_word, shown
 from data import Corpus, DataError, prepare_corpus, split_ids
 from data.paths import quoted
 from model import build_model
+from model.linear import onednn_min_macs
 
 from . import distributed
 from .checkpoints import LOADED_FROM, restore_best
@@ -106,6 +108,9 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
         log.info(repaired)
     announce(trainer, start, payload, resume)
     start_engine(trainer, engine, log.info)
+    trainer.settled = settled_setup(trainer, engine.kind)
+    if launch.main and payload is not None and (inexact := inexact_resume(payload, trainer)):
+        log.info(inexact)
     if launch.torchrun:  # after the blocks' compile, whose trial backward must not reduce
         trainer.fwd = distributed.data_parallel(trainer.fwd, start.device)
     return trainer.fit()
@@ -239,3 +244,44 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
                  f"run")
     if trainer.step == 0:
         log.hparams(trainer.cfg, params)
+
+
+# The keys whose change orders a step's sums otherwise: what a checkpoint saved before it recorded its settled setup
+# (settled_setup) is judged by.
+INEXACT_KEYS = ("train.device", "train.dtype", "train.threads", "train.compile")
+
+
+def settled_setup(trainer: Trainer, kind: str) -> dict[str, str]:
+    """What decides the run's arithmetic beyond its config, as it came out on this machine: torch's version, the
+    device (a CPU's vector instructions, a GPU's model), the dtype, a CPU's threads and the library that multiplies
+    its float32 products, and the engine (kind: the one chosen, "step" or "blocks" compiled, unless compiling failed).
+    A checkpoint records it for resumes to compare (inexact_resume): `train.device=auto` that came to the CPU is
+    `train.device=cpu`, but the same config on another machine may order its sums otherwise."""
+    device, dtype = trainer.device, trainer.dtype_name
+    engine = f"compiled {kind}" if trainer.engine == "compiled" else "eager"
+    # str(): torch.__version__ is a str subclass, which torch.load(weights_only=True) refuses as a Python object
+    setup = {"torch": str(torch.__version__), "device": device.type, "dtype": dtype, "engine": engine}
+    if device.type == "cpu":
+        setup["device"] = f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+        setup["threads"] = str(torch.get_num_threads())
+        if dtype == "float32":
+            least = onednn_min_macs()
+            setup["products"] = "BLAS" if least is None else f"oneDNN from {least:,} multiply-adds"
+    elif device.type == "cuda":
+        setup["device"] = f"cuda ({torch.cuda.get_device_name(device)})"
+    return setup
+
+
+def inexact_resume(payload: dict, trainer: Trainer) -> str | None:
+    """The line for a resume whose arithmetic differs from the saved run's, or None: it goes on, but its weights
+    drift from those of the run that never stopped, by rounding."""
+    before = payload.get("settled")
+    if isinstance(before, dict):
+        differ = [f"{k} {shown(before.get(k), 60)} -> {v}" for k, v in trainer.settled.items() if before.get(k) != v]
+    else:  # saved before checkpoints recorded their setup: what the configs say
+        old, new = flatten(payload.get("config") or {}), flatten(to_dict(trainer.cfg))
+        differ = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in INEXACT_KEYS if old.get(k) != new.get(k)]
+    if not differ:
+        return None
+    return (f"resume: the run goes on, no longer bit-identical to one that never stopped: its setup differs from the "
+            f"saved run's ({'; '.join(differ)})")
