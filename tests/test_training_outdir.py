@@ -273,6 +273,35 @@ def test_resume_puts_back_and_continues_the_run_that_a_killed_overwrite_left_asi
     assert events < {p.name for p in run.glob("events.out.tfevents.*")}  # the old run's curves back, and continued
 
 
+def test_a_killed_overwrite_of_a_run_with_best_pt_alone_leaves_a_run_that_resume_says_how_to_continue(tmp_path,
+                                                                                                      capsys) -> None:
+    # A run folder holding best.pt alone (ckpt.pt deleted for room), replaced by an --overwrite killed before its
+    # first checkpoint: a plain run put it back and then said that "another run saved while this one was starting",
+    # and --resume said "nothing to resume ...; start the run without --resume".
+    run = train_small_run(tmp_path)
+    (run / "ckpt.pt").unlink()
+    events = {p.name for p in run.glob("events.out.tfevents.*")}
+    aside = run / ASIDE
+    aside.mkdir()
+    for path in [run / "best.pt", run / "config.yaml", *run.glob("events.out.tfevents.*")]:
+        os.replace(path, aside / path.name)
+    (run / "config.yaml").write_text("the killed run's\n", encoding="utf-8")
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run)], capsys)
+    assert code == 2 and "already holds a run (.replaced/best.pt); continue it with --resume" in err, err
+    assert (aside / "best.pt").is_file()
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run)], capsys)
+    assert code == 2
+    way = f"cd {run} && mv .replaced/* . && rmdir .replaced && cp best.pt ckpt.pt"
+    assert err.rstrip("\n").endswith(f"nothing to resume: no '{shown(run / 'ckpt.pt')}', only best.pt, the run's best "
+                                      f"step; to continue from that step, put back the run that an interrupted "
+                                      f"--overwrite left in .replaced/, and copy it: {way}"), err
+    subprocess.run(way, shell=True, check=True)
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(run / "ckpt.pt")["step"] == 30
+    assert events < {p.name for p in run.glob("events.out.tfevents.*")}  # the old run's curves kept, and continued
+
+
 def test_a_run_that_reaches_the_claim_second_is_refused_with_the_lock_s_own_line(tmp_path) -> None:
     """Two runs may pass the early check together; the one that claims the folder second is refused by the lock
     itself, in the same words, and leaves the first run's lock alone."""

@@ -354,15 +354,17 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     if holder := RunLock(out_dir).busy():  # a live run is still writing it
         raise in_use(out_dir, holder)
     aside = next((p for p in (out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS) if p.exists()), None)
-    recovered = not ckpt.exists() and aside is not None
-    if recovered:
-        # an --overwrite killed before its first checkpoint left the old run aside: claim_out_dir puts it back first
+    # an --overwrite killed before its first checkpoint left the old run aside: claim_out_dir puts it back first
+    if recovered := not ckpt.exists() and aside is not None:
         ckpt = aside
-    if not ckpt.exists():
-        best = out_dir / "best.pt"
-        if best.is_file():  # a train.py without --resume would refuse the folder for holding a run: say what will do
+    if not ckpt.exists():  # a train.py without --resume would refuse the folder for holding a run: say what will do
+        if (kept := next((f for f in ("", *ASIDE_FOLDERS) if (out_dir / f / "best.pt").is_file()), None)) is not None:
+            way = f"copy it: cp {path_word(str(out_dir / 'best.pt'))} {path_word(str(ckpt))}"
+            if kept:  # put back first: finding a ckpt.pt, the claim would delete the folder, curves and all
+                way = (f"put back the run that an interrupted --overwrite left in {kept}/, and copy it: cd "
+                       f"{path_word(str(out_dir))} && mv {kept}/* . && rmdir {kept} && cp best.pt ckpt.pt")
             raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
-                             f"continue from that step, copy it: cp {path_word(str(best))} {path_word(str(ckpt))}")
+                             f"continue from that step, {way}")
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
     loaded = file_identity(ckpt)  # before it is read: claim_out_dir checks that no other run replaced it since
     try:

@@ -49,10 +49,11 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
                          f"run would replace it with its own; move it out of the folder, or choose another out_dir")
     if resume:
         return
-    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", *(out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS))
-                if p.exists()]
+    # .replaced/ckpt.pt (or best.pt alone): left by an --overwrite killed midway, which claiming out_dir puts back
+    existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", *(out_dir / f / name for name in ("ckpt.pt",
+                "best.pt") for f in ASIDE_FOLDERS)) if p.exists()]
     if existing and not overwrite:
-        held = existing[0].relative_to(out_dir).as_posix()  # .replaced/ckpt.pt: left by an --overwrite killed midway
+        held = existing[0].relative_to(out_dir).as_posix()
         raise UsageError(f"'{shown(str(out_dir))}' already holds a run ({held}); continue it with --resume, choose "
                          f"another out_dir=..., or start afresh with --overwrite")
 
