@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import ROOT, tiny_overrides
 from test_train import bitwise_equal, snapshot
 from training_runs import TINY, call, one_line, train_main, write_corpus
 
@@ -161,6 +161,28 @@ def test_a_large_vocabulary_takes_shorter_evaluation_passes_and_the_memory_check
     # measured: a peak of 5.8 GiB before, 0.94 GiB now; counted from above, five vocabulary-wide floats a trained
     # position (training/memory.py: a vocabulary of 1,112,032 characters peaked at 3.9), 1.22 GiB
     assert before.total > 5 * 2**30 and now.total < 1.25 * 2**30
+
+
+def test_a_run_that_would_evaluate_longer_than_it_trains_says_so(tmp_path, capsys):
+    """train.eval_iters in the millions was taken without a word, and the run looked hung at its first evaluation."""
+    from training.config import load_config
+    from training.evaluation import evaluation_note
+
+    for config in sorted((ROOT / "configs").glob("*.yaml")):  # the shipped configs spend far less on evaluating
+        tc = load_config(str(config), []).train
+        assert evaluation_note(tc.max_iters, 0, tc.eval_interval, tc.eval_iters, tc.grad_accum_steps) is None, config
+    # 2 x 1,000 batches at each of 10 evaluations, a third of a trained batch each, against 1,000 batches trained
+    assert evaluation_note(1000, 0, 100, 1000, 1).startswith("note: this run will spend about 6.7 times as long "
+                                                             "evaluating as training: train.eval_iters=1,000 ")
+    assert evaluation_note(1000, 0, 100, 1000, 8) is None  # 8 micro-batches a step: 8,000 batches trained
+    assert "at its one evaluation" in evaluation_note(25, 20, 10, 100, 1)  # resumed at 20: step 25's alone
+    assert evaluation_note(20, 20, 10, 10**9, 1) is None  # nothing left to train
+    overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.max_iters": 4,
+                                                                              "train.eval_iters": 50})
+    code, out, err = call(train_main, ["--config", TINY, *overrides], capsys)
+    assert code == 0, err
+    assert ("note: this run will spend about 8.3 times as long evaluating as training: train.eval_iters=50 batches "
+            "of each split at its one evaluation (train.eval_interval=10), against 4 batches trained") in out
 
 
 def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):

@@ -78,3 +78,25 @@ def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int, devic
     if vocab_size > 0:
         tokens = min(tokens, EVAL_PASS_LOGITS // vocab_size)
     return max(batch_size, min(eval_iters * batch_size, tokens // block_size))
+
+
+def evaluation_note(max_iters: int, step: int, eval_interval: int, eval_iters: int, grad_accum_steps: int
+                    ) -> str | None:
+    """A note for a run from step to max_iters that would spend longer evaluating than training, or None: it
+    evaluates eval_iters batches of each split at every eval_interval-th step and the last, a window costing about a
+    third of a trained one (a forward pass, no backward), and trains grad_accum_steps batches a step (in each
+    process, as each process evaluates). A run with eval_iters in the millions looked hung at its first evaluation,
+    saying nothing of why."""
+    steps = max_iters - step
+    if steps <= 0:
+        return None
+    evaluations = max_iters // eval_interval - step // eval_interval + (max_iters % eval_interval != 0)
+    ratio = (2 * eval_iters * evaluations) / (3 * grad_accum_steps * steps)
+    if ratio <= 1:
+        return None
+    times = f"{ratio:,.0f}" if ratio >= 10 else f"{ratio:.1f}"
+    at = "at its one evaluation" if evaluations == 1 else f"at each of its {evaluations:,} evaluations"
+    return (f"note: this run will spend about {times} times as long evaluating as training: train.eval_iters="
+            f"{eval_iters:,} batches of each split {at} (train.eval_interval={eval_interval:,}), against "
+            f"{steps * grad_accum_steps:,} batches trained; a smaller train.eval_iters or a larger train.eval_interval "
+            f"trains sooner")
