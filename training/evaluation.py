@@ -83,10 +83,11 @@ def eval_pass_sequences(block_size: int, batch_size: int, eval_iters: int, devic
 def evaluation_note(max_iters: int, step: int, eval_interval: int, eval_iters: int, grad_accum_steps: int
                     ) -> str | None:
     """A note for a run from step to max_iters that would spend longer evaluating than training, or None: it
-    evaluates eval_iters batches of each split at every eval_interval-th step and the last, a window costing about a
-    third of a trained one (a forward pass, no backward), and trains grad_accum_steps batches a step (in each
-    process, as each process evaluates). A run with eval_iters in the millions looked hung at its first evaluation,
-    saying nothing of why."""
+    evaluates eval_iters batches of each split at every eval_interval-th step and the last, a batch costing about a
+    third of a trained one (a forward pass, no backward: measured 0.26 for tiny.yaml and 0.36 for the CPU config,
+    eager float32 AdamW steps, 2-core Zen 2 EPYC), and trains grad_accum_steps batches a step (in each process, as
+    each process evaluates). A run with eval_iters in the millions looked hung at its first evaluation, saying
+    nothing of why."""
     steps = max_iters - step
     if steps <= 0:
         return None
