@@ -19,6 +19,7 @@ _HOMES = {
     "build_model": "baselines",
     "checkpoint_config": "checkpoint",
     "find_checkpoint": "checkpoint",
+    "holds_later_step": "checkpoint",
     "load_checkpoint": "checkpoint",
     "masked_attention": "attention",
     "model_from_checkpoint": "checkpoint",

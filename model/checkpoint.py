@@ -175,13 +175,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return payload
 
 
-def saved_step(path: Path) -> int | None:
-    """The step the checkpoint at path was saved at; None where it is no checkpoint load_checkpoint reads."""
+def holds_later_step(path: Path, step: int) -> bool:
+    """Whether the checkpoint at path was saved after step, or is whole but cannot be read here (a later format, too
+    little memory left to load it): either way not one to write an older step over. False where it is no checkpoint
+    load_checkpoint reads (a save that failed midway)."""
     try:
-        step = load_checkpoint(path).get("step")
+        saved = load_checkpoint(path).get("step")
+    except WholeCheckpoint:  # it read as "no checkpoint", and a resume copied its older ckpt.pt over it
+        return True
     except CheckpointError:
-        return None
-    return step if isinstance(step, int) else None
+        return False
+    return isinstance(saved, int) and saved > step
 
 
 def first_sentence(text: str, limit: int = 160) -> str:

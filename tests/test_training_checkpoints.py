@@ -429,6 +429,33 @@ def test_a_best_pt_of_a_later_step_than_a_checkpoint_copied_back_is_kept(tmp_pat
     assert (run / "best.pt").read_bytes() == (run / "ckpt.pt").read_bytes()
 
 
+def test_a_best_pt_that_is_whole_but_unreadable_here_is_kept(tmp_path, monkeypatch):
+    """A best.pt that this process cannot load though it is whole (a later tinychar's format; too little memory left
+    to load it beside the resumed checkpoint) read as "no checkpoint", and the resume copied its older ckpt.pt over
+    it."""
+    from conftest import train_small_run
+
+    import model.checkpoint
+    from model.checkpoint import NoMemoryToLoad
+
+    run = train_small_run(tmp_path)
+    payload = load_checkpoint(run / "ckpt.pt")
+    later = {k: v for k, v in payload.items() if k != "format"}
+    torch.save({"format": "tinychar-checkpoint", **later, "version": 99}, run / "best.pt")
+    kept = (run / "best.pt").read_bytes()
+    assert training.checkpoints.restore_best(run, {**payload, "is_best": True}) is None
+    assert (run / "best.pt").read_bytes() == kept
+    torch.save({**payload, "step": payload["step"] - 10}, run / "best.pt")  # an earlier best, whole and readable
+    kept = (run / "best.pt").read_bytes()
+    real = model.checkpoint.load_checkpoint
+    monkeypatch.setattr(model.checkpoint, "load_checkpoint", lambda path, *a, **k: (_ for _ in ()).throw(
+        NoMemoryToLoad("out of memory")) if Path(path).name == "best.pt" else real(path, *a, **k))
+    assert training.checkpoints.restore_best(run, {**payload, "is_best": True}) is None  # not known to be older
+    assert (run / "best.pt").read_bytes() == kept
+    monkeypatch.undo()
+    assert "copied from ckpt.pt" in training.checkpoints.restore_best(run, {**payload, "is_best": True})
+
+
 def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path, capsys):
     from conftest import train_small_run
 

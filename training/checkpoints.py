@@ -18,8 +18,8 @@ import torch
 from configs import apply_overrides, flatten, to_dict
 from configs.userinput import path_word, shown
 from data import CharTokenizer
-from model import GPT, CheckpointError, checkpoint_config, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons, saved_step
+from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
+from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons
 
 from .config import RunConfig, copied_run, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
@@ -115,7 +115,7 @@ def restore_best(out_dir: Path, payload: dict) -> str | None:
     ckpt, best = out_dir / "ckpt.pt", out_dir / "best.pt"
     if payload.get("is_best") is not True or not ckpt.is_file():
         return None
-    if best.is_file() and (filecmp.cmp(ckpt, best, shallow=False) or (saved_step(best) or -1) > payload["step"]):
+    if best.is_file() and (filecmp.cmp(ckpt, best, shallow=False) or holds_later_step(best, payload["step"])):
         return None
     try:
         with open(ckpt, "rb") as source:
