@@ -99,6 +99,7 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "adamw": [tc.weight_decay, tc.beta1, tc.beta2], "kernels": "deterministic"}
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
+        parts["newton_schulz"] = "gram"  # Muon's float32 iteration on the Gram matrices (optim.gram_newton_schulz)
     return cache_key("step", parts)
 
 
