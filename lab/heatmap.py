@@ -19,6 +19,10 @@ from pathlib import Path
 
 if not __package__:  # run as a file (python lab/heatmap.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once, before the seconds of importing torch
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/heatmap.py"))
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -343,8 +347,3 @@ def save_attention_map(
     image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
     return write_picture(image, path)
 
-
-if __name__ == "__main__":
-    from lab import not_a_command
-
-    raise SystemExit(not_a_command("lab/heatmap.py"))

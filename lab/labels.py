@@ -11,6 +11,10 @@ import unicodedata
 
 if not __package__:  # run as a file (python lab/labels.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once, before the seconds of importing torch
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/labels.py"))
 
 from PIL import ImageDraw, ImageFont
 
@@ -139,8 +143,3 @@ def draw_label(draw: ImageDraw.ImageDraw, label: str, cx: float, cy: float, font
         _, top, _, bottom = font.getbbox("Hg")
         draw.text((cx - (left + right) / 2, cy - (top + bottom) / 2), label, font=font, fill=INK)
 
-
-if __name__ == "__main__":
-    from lab import not_a_command
-
-    raise SystemExit(not_a_command("lab/labels.py"))

@@ -18,6 +18,10 @@ from typing import NamedTuple
 
 if not __package__:  # run as a file (python lab/notes.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once, before the seconds of importing torch
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/notes.py"))
 
 import torch
 from torch import nn
@@ -373,8 +377,3 @@ def _check_length(T: int, context_length: int) -> None:
     if T > context_length:
         raise ValueError(f"sequence of {T} positions is longer than context_length {context_length}")
 
-
-if __name__ == "__main__":
-    from lab import not_a_command
-
-    raise SystemExit(not_a_command("lab/notes.py"))

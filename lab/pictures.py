@@ -16,6 +16,10 @@ from pathlib import Path
 
 if not __package__:  # run as a file (python lab/pictures.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once, before the seconds of importing torch
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/pictures.py"))
 
 from PIL import Image
 
@@ -146,8 +150,3 @@ def log_image(writer: object, tag: str, image: Image.Image, step: int) -> None:
     picture = Summary.Image(height=rgb.height, width=rgb.width, colorspace=3, encoded_image_string=buffer.getvalue())
     writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
-
-if __name__ == "__main__":
-    from lab import not_a_command
-
-    raise SystemExit(not_a_command("lab/pictures.py"))

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 if not __package__:  # run as a file (python lab/seq2seq.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once, before the seconds of importing torch
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/seq2seq.py"))
 
 import torch
 from torch import nn
@@ -287,8 +291,3 @@ def build(config: Seq2SeqConfig, kind: str) -> GRUSeq2Seq | TransformerSeq2Seq:
         return TransformerSeq2Seq(config)
     raise ValueError(f"model must be gru or transformer, got {kind!r}")
 
-
-if __name__ == "__main__":
-    from lab import not_a_command
-
-    raise SystemExit(not_a_command("lab/seq2seq.py"))

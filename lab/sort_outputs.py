@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING
 
 if not __package__:  # run as a file (python lab/sort_outputs.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once, before the seconds of importing torch
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/sort_outputs.py"))
 
 from configs.userinput import shown
 from lab.heatmap import render_attention_map
@@ -85,8 +89,3 @@ def default_heatmap(cfg: SortConfig) -> str:
         return "sort_transformer_cross_attention.png"
     return f"sort_gru_{cfg.score}_attention.png"
 
-
-if __name__ == "__main__":
-    from lab import not_a_command
-
-    raise SystemExit(not_a_command("lab/sort_outputs.py"))
