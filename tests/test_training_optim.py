@@ -119,8 +119,13 @@ def test_orthogonalize_each_answers_as_one_by_one_through_the_gram_matrices_in_f
     gen = torch.Generator().manual_seed(0)
     shapes = [(48, 16), (16, 16), (64, 16), (16, 64)] * 2  # a 2-layer model's q/k/v, projection, MLP in and out
     matrices = [torch.randn(s, generator=gen) for s in shapes]
-    # The Gram form is orthogonalize's iteration rearranged: in float64 the two agree to rounding
+    # The Gram form is orthogonalize's iteration rearranged: in float64 the two agree to rounding, each matrix
+    # alone (the tall ones transposed) and all of them together
     exact = [orthogonalize(m.double()) for m in matrices]
+    for m, e in zip(matrices, exact, strict=True):
+        x = (m.mT if m.size(0) > m.size(1) else m).double().unsqueeze(0)
+        (alone,) = optim.gram_newton_schulz([x / x.norm()])
+        assert relative_error(alone[0].mT if m.size(0) > m.size(1) else alone[0], e) < 1e-12
     assert all(relative_error(t, e) < 1e-12
                for t, e in zip(orthogonalize_each([m.double() for m in matrices]), exact, strict=True))
     # In float32 its rounding compounds through the Gram's steps: up to 2.4e-5 of these updates (the square ones),
