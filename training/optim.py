@@ -109,13 +109,13 @@ def orthogonalize_each(matrices: list[torch.Tensor], dtype: torch.dtype | None =
                 gram_newton_schulz([_normalised(x, dtype) for x in wide]))
         for same, stack in zip(by_shape.values(), done, strict=True):
             for i, o in zip(same, stack.unbind(), strict=True):
-                out[i] = _wide(o, tall=matrices[i].size(0) > matrices[i].size(1)).to(matrices[i].dtype)
+                out[i] = (o.mT if matrices[i].size(0) > matrices[i].size(1) else o).to(matrices[i].dtype)
     return out
 
 
-def _wide(m: torch.Tensor, tall: bool | None = None) -> torch.Tensor:
-    """m with more columns than rows (transposed if tall; tall: whether to transpose, default: m is taller)."""
-    return m.mT if (m.size(-2) > m.size(-1) if tall is None else tall) else m
+def _wide(m: torch.Tensor) -> torch.Tensor:
+    """m with at least as many columns as rows: transposed if it is tall."""
+    return m.mT if m.size(-2) > m.size(-1) else m
 
 
 def _normalised(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
