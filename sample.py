@@ -25,7 +25,8 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
 
     from configs.errors import UsageError
     from configs.userinput import OneLineParser
-    from sampling.options import check_options, integer, real
+    from model.runs import CheckpointError
+    from sampling.options import check_options, integer, real, run_checkpoint
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
     from training.signals import STOP_SIGNALS, import_holding_signals
@@ -92,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_options(args)
-    except UsageError as e:
+        if args.checkpoint is None:  # here a missing run folder is said in a fraction of a second, not after torch
+            run_checkpoint(args.out_dir)
+    except (UsageError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError:  # a path the system will not take (a name too long): said by prepare, as every path is
+        pass
     if (signum := import_holding_signals(SAMPLER_MODULES)) is not None:
         print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
         return 128 + signum

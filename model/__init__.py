@@ -10,7 +10,7 @@ import importlib
 _HOMES = {
     "Bigram": "baselines",
     "CausalSelfAttention": "attention",
-    "CheckpointError": "checkpoint",
+    "CheckpointError": "runs",
     "GPT": "gpt",
     "GPTConfig": "config",
     "GRUModel": "baselines",
@@ -18,7 +18,7 @@ _HOMES = {
     "NonFiniteLogits": "gpt",
     "build_model": "baselines",
     "checkpoint_config": "checkpoint",
-    "find_checkpoint": "checkpoint",
+    "find_checkpoint": "runs",
     "holds_later_step": "checkpoint",
     "load_checkpoint": "checkpoint",
     "masked_attention": "attention",

@@ -4,13 +4,18 @@ bad one is refused at once."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from configs.errors import UsageError
 from configs.userinput import shown
+from model.runs import find_checkpoint
 
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
 # text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
 MAX_NEW_TOKENS = 10_000_000
+# Where sample.py looks without --out-dir or --checkpoint: the folder configs/tiny.yaml trains into.
+DEFAULT_OUT_DIR = "runs/tiny"
 
 
 def integer(text: str) -> int:
@@ -74,3 +79,15 @@ def check_utf8(prompt: str) -> None:
         what = f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"a lone surrogate {c!r}"
         raise UsageError(f"--prompt is not UTF-8 text ({what} at character {e.start}); give it as UTF-8, or in a "
                          f"--prompt-file saved as UTF-8") from None
+
+
+def run_checkpoint(out_dir: str | None) -> Path:
+    """The checkpoint of a run folder (out_dir, or DEFAULT_OUT_DIR without one): model.runs.find_checkpoint's
+    CheckpointError when there is none, UsageError when the folder is a file. Without torch: sample.py asks before
+    importing it, so that a folder that is not there (a typo, or no run trained yet) is said at once, not seconds
+    later."""
+    out_dir = out_dir or DEFAULT_OUT_DIR
+    if os.path.isfile(out_dir):
+        raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
+                         f"--checkpoint")
+    return find_checkpoint(out_dir)

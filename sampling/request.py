@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from model import (
     GPT,
     CheckpointError,
     checkpoint_config,
-    find_checkpoint,
     load_checkpoint,
     model_from_checkpoint,
 )
@@ -28,7 +26,7 @@ from training.devices import DeviceError, resolve_device
 from training.errors import UsageError, path_error, path_message
 from training.memory import MemoryNeed, check_fits, model_need, text_bytes
 
-from .options import check_options, number
+from .options import check_options, number, run_checkpoint
 
 MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text (--max-new-tokens: options.py)
 
@@ -60,14 +58,6 @@ def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
             raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
         return args.prompt
     return "\n" if "\n" in vocab else vocab[0]
-
-
-def run_checkpoint(out_dir: str) -> Path:
-    """The checkpoint of a run folder (model.find_checkpoint), or UsageError when the folder is a file."""
-    if os.path.isfile(out_dir):
-        raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
-                         f"--checkpoint")
-    return find_checkpoint(out_dir)
 
 
 def map_title(path: Path, prompt: str) -> str:
@@ -163,7 +153,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
         check_args(args)
         if args.attention_map is not None:
             check_map_path(args.attention_map)
-        path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir or "runs/tiny")
+        path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir)
         device = resolve_device(args.device)
         # On the CPU: a ckpt.pt also holds the optimizer's moments (and the weights the average was taken of), which
         # would take a small GPU's memory before the check below; model.to(device) moves only the model.

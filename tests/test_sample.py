@@ -477,6 +477,32 @@ def test_a_bad_request_is_one_line_and_exit_2(run, run_dir, tmp_path, make, frag
     assert fragment in one_error_line(run(*make(run_dir, tmp_path)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--out-dir", "no_such_run"], "no run folder 'no_such_run'; train one with `python train.py`"),
+    ([], "no run folder 'runs/tiny'"),  # sample.py before any training, as the README's order may be missed
+    (["--out-dir", "empty"], "'empty' holds no best.pt or ckpt.pt; train first"),
+    (["--out-dir", "a_file"], "--out-dir 'a_file' is a file, not a run folder"),
+    (["--out-dir", "replacing"], "'replacing' holds no best.pt or ckpt.pt of its own: the run that an --overwrite "
+     "replaced waits in 'replacing/.replaced'"),
+], ids=["missing", "default", "empty", "file", "replaced-midway"])
+def test_a_run_folder_without_a_checkpoint_is_said_before_torch_is_imported(tmp_path, args, fragment):
+    """The commonest mistake with sample.py, a run folder mistyped or not trained yet, was said once torch had loaded,
+    three seconds after the command (2-core EPYC); it is said in a fraction of one, by a process that never imports
+    torch."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("not a run\n", encoding="utf-8")
+    (tmp_path / "replacing" / ".replaced").mkdir(parents=True)
+    (tmp_path / "replacing" / ".replaced" / "best.pt").write_bytes(b"the run an --overwrite replaced")
+    done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "sample.py"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and done.stdout == "" and len(said) == 1, said
+    assert said[0].startswith("error: ") and fragment in said[0], said
+    assert "sampling.options" in imported and not any(name.split(".")[0] in ("torch", "numpy") for name in imported)
+
+
 def _overflowing_later(run_dir: Path, tmp_path: Path, prompt: str) -> tuple[Path, str]:
     """A checkpoint whose output is finite for prompt (which sample.py's probe checks) but not one character later: a
     character's embedding, tied to its row of the head, set along the prompt's last final state so that its logit is

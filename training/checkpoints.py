@@ -19,7 +19,8 @@ from configs import apply_overrides, flatten, to_dict
 from configs.userinput import path_word, shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
-from model.checkpoint import ASIDE_FOLDERS, FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons
+from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons
+from model.runs import ASIDE_FOLDERS
 
 from .config import RunConfig, copied_run, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed

@@ -13,7 +13,7 @@ from configs import to_dict
 from configs.userinput import shown
 
 # ASIDE: where --overwrite keeps the old run; the other two, where its files gather on their way there and back
-from model.checkpoint import ASIDE, ASIDE_FOLDERS, MOVING_ASIDE, MOVING_BACK
+from model.runs import ASIDE, ASIDE_FOLDERS, MOVING_ASIDE, MOVING_BACK
 
 from .checkpoints import write_atomic
 from .config import CONFIG_MARK, RunConfig
