@@ -33,10 +33,12 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     import os
     from functools import partial
 
-    from configs import ConfigError, apply_overrides, describe, option_as_setting, valid_keys
+    from configs import ConfigError, describe, option_as_setting, valid_keys
+    from configs.errors import UsageError
     from configs.userinput import OneLineParser, shown
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
     from training.launch import Launch, LaunchError, launch_from_env
+    from training.resuming import resume_target
     from training.signals import InterruptSignals, import_holding_signals
     from training.streams import say, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
@@ -123,11 +125,9 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         try:
             if not args.resume:
                 cfg = load_config(args.config, args.overrides)
-            elif args.config is not None:  # read again by load_run, beside the checkpoint
-                load_config(args.config, args.overrides)
-            else:  # the overrides' keys and types, as load_run checks them first
-                apply_overrides({}, args.overrides, RunConfig)
-        except ConfigError as e:
+            else:  # and the checkpoint it continues, found again by load_run, which reads it beside the config
+                resume_target(args.config, args.overrides)
+        except (ConfigError, UsageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except Exception:  # noqa: S110 - not the config's words: read again below, and reported as a run reports it

@@ -15,20 +15,20 @@ from typing import Any, BinaryIO
 
 import torch
 
-from configs import apply_overrides, flatten, to_dict
-from configs.userinput import path_word, shown
+from configs import flatten, to_dict
+from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
 from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons
-from model.runs import ASIDE_FOLDERS
 
-from .config import RunConfig, copied_run, load_config
+from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
 from .errors import UsageError
 from .launch import Launch
-from .lock import RunLock, file_identity, in_use
+from .lock import file_identity
 from .memory import check_fits, model_need
 from .optim import schedule_note
+from .resuming import resume_target
 
 # The key under which load_run keeps the file_identity of the ckpt.pt it read, in the payload it returns; and the
 # one under which a checkpoint says that a stop cut its step's evaluation short.
@@ -341,32 +341,7 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
     'key: old -> new' lines to show."""
     if not resume:
         return load_config(config, overrides), None, []
-    located = [o for o in overrides if o.partition("=")[0].strip() == "out_dir"]
-    if config is not None:
-        cfg = load_config(config, overrides)
-        out_dir = Path(cfg.out_dir)
-        if not located and (why := copied_run(Path(config), out_dir)):
-            raise UsageError(why)
-    else:
-        # The run goes on with its saved config; the overrides' keys and types are checked first, the rest once read.
-        apply_overrides({}, overrides, RunConfig)
-        out_dir = Path(load_config(None, located, base={}).out_dir if located else load_config(None, []).out_dir)
-    ckpt = out_dir / "ckpt.pt"
-    if holder := RunLock(out_dir).busy():  # a live run is still writing it
-        raise in_use(out_dir, holder)
-    aside = next((p for p in (out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS) if p.exists()), None)
-    # an --overwrite killed before its first checkpoint left the old run aside: claim_out_dir puts it back first
-    if recovered := not ckpt.exists() and aside is not None:
-        ckpt = aside
-    if not ckpt.exists():  # a train.py without --resume would refuse the folder for holding a run: say what will do
-        if (kept := next((f for f in ("", *ASIDE_FOLDERS) if (out_dir / f / "best.pt").is_file()), None)) is not None:
-            way = f"copy it: cp {path_word(str(out_dir / 'best.pt'))} {path_word(str(ckpt))}"
-            if kept:  # put back first: finding a ckpt.pt, the claim would delete the folder, curves and all
-                way = (f"put back the run that an interrupted --overwrite left in {kept}/, and copy it: cd "
-                       f"{path_word(str(out_dir))} && mv {kept}/* . && rmdir {kept} && cp best.pt ckpt.pt")
-            raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
-                             f"continue from that step, {way}")
-        raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
+    cfg, out_dir, ckpt, recovered = resume_target(config, overrides)
     loaded = file_identity(ckpt)  # before it is read: claim_out_dir checks that no other run replaced it since
     try:
         payload = load_checkpoint(ckpt)

@@ -11,9 +11,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from configs.errors import UsageError
 from configs.userinput import shown
-
-from .errors import UsageError
 
 LOCK = ".lock"  # held (flock) by the process training in out_dir; holds its pid and host, for the message
 # .lock is opened without following a link, which would have the run write its pid into the file the link names,

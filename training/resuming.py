@@ -1,0 +1,49 @@
+"""Which checkpoint a --resume continues, found before torch is imported: train.py says at once that a run folder has
+nothing to resume (a typo, a run that never saved), and load_run (training/checkpoints.py) finds it again and reads
+it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from configs import apply_overrides
+from configs.errors import UsageError
+from configs.userinput import path_word, shown
+from model.runs import ASIDE_FOLDERS
+
+from .config import RunConfig, copied_run, load_config
+from .lock import RunLock, in_use
+
+
+def resume_target(config: str | None, overrides: list[str]) -> tuple[RunConfig | None, Path, Path, bool]:
+    """(the run's config when one is named, else None: the run goes on with its saved one; its out_dir; the ckpt.pt
+    to continue; whether that is the one an interrupted --overwrite left aside). UsageError, saying what will do,
+    when there is none, or when a live run holds the folder."""
+    cfg = None
+    located = [o for o in overrides if o.partition("=")[0].strip() == "out_dir"]
+    if config is not None:
+        cfg = load_config(config, overrides)
+        out_dir = Path(cfg.out_dir)
+        if not located and (why := copied_run(Path(config), out_dir)):
+            raise UsageError(why)
+    else:
+        # The run goes on with its saved config; the overrides' keys and types are checked first, the rest once read.
+        apply_overrides({}, overrides, RunConfig)
+        out_dir = Path(load_config(None, located, base={}).out_dir if located else load_config(None, []).out_dir)
+    ckpt = out_dir / "ckpt.pt"
+    if holder := RunLock(out_dir).busy():  # a live run is still writing it
+        raise in_use(out_dir, holder)
+    aside = next((p for p in (out_dir / f / "ckpt.pt" for f in ASIDE_FOLDERS) if p.exists()), None)
+    # an --overwrite killed before its first checkpoint left the old run aside: claim_out_dir puts it back first
+    if recovered := not ckpt.exists() and aside is not None:
+        ckpt = aside
+    if not ckpt.exists():  # a train.py without --resume would refuse the folder for holding a run: say what will do
+        if (kept := next((f for f in ("", *ASIDE_FOLDERS) if (out_dir / f / "best.pt").is_file()), None)) is not None:
+            way = f"copy it: cp {path_word(str(out_dir / 'best.pt'))} {path_word(str(ckpt))}"
+            if kept:  # put back first: finding a ckpt.pt, the claim would delete the folder, curves and all
+                way = (f"put back the run that an interrupted --overwrite left in {kept}/, and copy it: cd "
+                       f"{path_word(str(out_dir))} && mv {kept}/* . && rmdir {kept} && cp best.pt ckpt.pt")
+            raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
+                             f"continue from that step, {way}")
+        raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
+    return cfg, out_dir, ckpt, recovered
