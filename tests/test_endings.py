@@ -89,12 +89,23 @@ def test_sample_py_piped_into_head_ends_quietly(tmp_path):
 def test_ctrl_c_while_torch_loads_is_one_line_and_status_130(tmp_path, script):
     hook = tmp_path / "ctrl_c.py"
     hook.write_text(CTRL_C_WHILE_TORCH_LOADS, encoding="utf-8")
-    result = subprocess.run([sys.executable, str(hook), script, "--out-dir", str(tmp_path / "out")], check=False,
-                            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(hook), script, "--out-dir", str(run_folder(tmp_path, script))],
+                            check=False, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 130
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("interrupted (SIGINT) while starting; nothing was")
-    assert not (tmp_path / "out").exists()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == sorted(
+        ["ctrl_c.py", *(["run", "run/best.pt"] if script == "sample.py" else [])])
+
+
+def run_folder(tmp_path: Path, script: str) -> Path:
+    """The --out-dir: for train.py a folder that is not there yet, for sample.py one holding a best.pt (which
+    sample.py looks for before it imports torch, and reads after; here never)."""
+    if script == "train.py":
+        return tmp_path / "out"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "best.pt").write_bytes(b"read only once torch has loaded")
+    return tmp_path / "run"
 
 
 # train.py or sample.py as __main__, a signal sent to itself as torch starts to load: since both read their command
@@ -122,7 +133,7 @@ def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torc
     hook = tmp_path / "send_signal.py"  # not signal.py, which would stand for the module
     hook.write_text(SIGNAL_WHILE_TORCH_LOADS, encoding="utf-8")
     args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if script == "train.py" else
-            ["--out-dir", str(tmp_path / "out")])
+            ["--out-dir", str(run_folder(tmp_path, script))])
     result = subprocess.run([sys.executable, str(hook), script, *args], check=False, cwd=ROOT,
                             env={**child_env(), "SIGNAL": name}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 128 + getattr(signal, name)

@@ -173,7 +173,7 @@ sampling.request.prepare = lambda args: (None, None, None, None)
 def write_samples(*args, **kwargs):
     raise OSError(errno.EIO, "Input/output error")
 sampling.writing.write_samples = write_samples
-sys.exit(sample.main(["--out-dir", "x"]))
+sys.exit(sample.main(["--checkpoint", "x"]))  # a run folder is looked for before prepare
 """
 
 
