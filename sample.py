@@ -26,7 +26,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs.errors import UsageError
     from configs.userinput import OneLineParser
     from model.runs import CheckpointError
-    from sampling.options import check_options, integer, real, run_checkpoint
+    from sampling.options import check_options, checkpoint_to_read, integer, real
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
     from training.signals import STOP_SIGNALS, import_holding_signals
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_options(args)
-        if args.checkpoint is None:  # here a missing run folder is said in a fraction of a second, not after torch
-            run_checkpoint(args.out_dir)
+        checkpoint_to_read(args)  # here a missing checkpoint or run folder is said at once, not after torch
     except (UsageError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

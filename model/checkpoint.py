@@ -22,7 +22,7 @@ from torch import nn
 
 from .baselines import build_model
 from .config import GPTConfig
-from .runs import CheckpointError, quoted
+from .runs import CheckpointError, check_checkpoint_path, quoted
 
 FORMAT = "tinychar-checkpoint"  # the "format" entry of every checkpoint, checked on loading
 VERSION = 1
@@ -62,14 +62,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """Read a tinychar checkpoint; anything else (missing, not a regular file, truncated, foreign, unsafe) is a
     CheckpointError."""
     path = Path(path)
-    if not path.exists():
-        if path.is_symlink():  # exists() follows the link: it leads nowhere, or round in a loop
-            raise CheckpointError(f"{quoted(path)} is a symbolic link that leads to no file (its target is missing, or "
-                                  f"the links go round in a loop); give the checkpoint's own path")
-        raise CheckpointError(f"no checkpoint at {quoted(path)}; train one first with `python train.py`")
-    if path.is_dir():
-        raise CheckpointError(f"{quoted(path)} is a folder, not a checkpoint file; name the checkpoint in it "
-                              "(ckpt.pt, or best.pt)")
+    check_checkpoint_path(path)
     kind = not_a_file(os.stat(path).st_mode)
     if kind is not None:  # opening a pipe waits for a writer, forever; a device may never end
         raise CheckpointError(f"{quoted(path)} is {kind}, not a checkpoint file; give the path of a file torch.save "

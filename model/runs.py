@@ -54,3 +54,16 @@ def find_checkpoint(out_dir: str | Path) -> Path:
                                       f"--overwrite replaced waits in {quoted(out_dir / folder)}; sample from it with "
                                       f"--checkpoint {quoted(out_dir / folder / name)}")
     raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt; train first with `python train.py`")
+
+
+def check_checkpoint_path(path: Path) -> None:
+    """CheckpointError when nothing is at path, a link leads nowhere, or path is a folder: what can be said of a
+    checkpoint before torch is imported (model.checkpoint.load_checkpoint says the rest)."""
+    if not path.exists():
+        if path.is_symlink():  # exists() follows the link: it leads nowhere, or round in a loop
+            raise CheckpointError(f"{quoted(path)} is a symbolic link that leads to no file (its target is missing, or "
+                                  f"the links go round in a loop); give the checkpoint's own path")
+        raise CheckpointError(f"no checkpoint at {quoted(path)}; train one first with `python train.py`")
+    if path.is_dir():
+        raise CheckpointError(f"{quoted(path)} is a folder, not a checkpoint file; name the checkpoint in it "
+                              "(ckpt.pt, or best.pt)")

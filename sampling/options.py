@@ -9,7 +9,7 @@ from pathlib import Path
 
 from configs.errors import UsageError
 from configs.userinput import shown
-from model.runs import find_checkpoint
+from model.runs import check_checkpoint_path, find_checkpoint
 
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
 # text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
@@ -81,11 +81,20 @@ def check_utf8(prompt: str) -> None:
                          f"--prompt-file saved as UTF-8") from None
 
 
+def checkpoint_to_read(args: argparse.Namespace) -> Path:
+    """The checkpoint sample.py reads: --checkpoint, else the one of the run folder (run_checkpoint). Asked before
+    torch is imported, so that a path with nothing to read (a typo, or no run trained yet) is said at once, not
+    seconds later: CheckpointError, or UsageError for an --out-dir that is a file."""
+    if args.checkpoint is None:
+        return run_checkpoint(args.out_dir)
+    path = Path(args.checkpoint)
+    check_checkpoint_path(path)
+    return path
+
+
 def run_checkpoint(out_dir: str | None) -> Path:
     """The checkpoint of a run folder (out_dir, or DEFAULT_OUT_DIR without one): model.runs.find_checkpoint's
-    CheckpointError when there is none, UsageError when the folder is a file. Without torch: sample.py asks before
-    importing it, so that a folder that is not there (a typo, or no run trained yet) is said at once, not seconds
-    later."""
+    CheckpointError when there is none, UsageError when the folder is a file."""
     out_dir = out_dir or DEFAULT_OUT_DIR
     if os.path.isfile(out_dir):
         raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "

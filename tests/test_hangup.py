@@ -170,10 +170,11 @@ import errno, sys
 sys.path.insert(0, ".")
 import sample, sampling.request, sampling.writing
 sampling.request.prepare = lambda args: (None, None, None, None)
+sample.checkpoint_to_read = lambda args: None  # the run folder, looked for before prepare
 def write_samples(*args, **kwargs):
     raise OSError(errno.EIO, "Input/output error")
 sampling.writing.write_samples = write_samples
-sys.exit(sample.main(["--checkpoint", "x"]))  # a run folder is looked for before prepare
+sys.exit(sample.main(["--out-dir", "x"]))
 """
 
 
