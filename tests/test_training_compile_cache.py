@@ -308,6 +308,7 @@ def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_o
     tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     assert train.main(["--config", tiny, f"out_dir={tmp_path / 'out'}"]) == 2
     assert capsys.readouterr().err == line and not (tmp_path / "out").exists()
+    (tmp_path / "any.pt").write_bytes(b"a file: a path with none is refused before the setting is read")
     assert sample.main(["--checkpoint", str(tmp_path / "any.pt")]) == 2
     assert capsys.readouterr().err == line
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "cache"))
