@@ -7,6 +7,7 @@ import ipaddress
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -191,3 +192,14 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
     from training_runs import straight_run
 
     return straight_run(tmp_path_factory.mktemp("straight"))
+
+
+def refused_with_imports(script: str, args: list[str], cwd: Path) -> tuple[str, list[str]]:
+    """Run the project's script (train.py, sample.py) with args in cwd under `python -X importtime`, which must refuse
+    them: exit status 2, nothing on stdout, one line on stderr. (That line, the modules the process imported.)"""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / script), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, check=False)
+    imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and done.stdout == "" and len(said) == 1 and said[0].startswith("error: "), said
+    return said[0], imported

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
+from conftest import ROOT, SMALL_TEXT, refused_with_imports, tiny_overrides, train_small_run
 from PIL import Image
 
 import sample
@@ -499,12 +499,8 @@ def test_a_run_folder_or_checkpoint_not_there_is_said_before_torch_is_imported(t
     (tmp_path / "a_file").write_text("not a run\n", encoding="utf-8")
     (tmp_path / "replacing" / ".replaced").mkdir(parents=True)
     (tmp_path / "replacing" / ".replaced" / "best.pt").write_bytes(b"the run an --overwrite replaced")
-    done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "sample.py"), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, check=False)
-    imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
-    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
-    assert done.returncode == 2 and done.stdout == "" and len(said) == 1, said
-    assert said[0].startswith("error: ") and fragment in said[0], said
+    said, imported = refused_with_imports("sample.py", args, tmp_path)
+    assert fragment in said, said
     assert "sampling.options" in imported and not any(name.split(".")[0] in ("torch", "numpy") for name in imported)
 
 

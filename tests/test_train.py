@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
+from conftest import ROOT, SMALL_TEXT, refused_with_imports, tiny_overrides, train_small_run
 
 import train
 import training.checkpoints
@@ -231,12 +231,8 @@ def test_a_resume_with_nothing_to_resume_is_said_before_torch_is_imported(tmp_pa
     torch."""
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "best.pt").write_bytes(b"a run's best step")
-    done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train.py"), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, check=False)
-    imported = [line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
-    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
-    assert done.returncode == 2 and done.stdout == "" and len(said) == 1, said
-    assert said[0].startswith("error: ") and fragment in said[0], said
+    said, imported = refused_with_imports("train.py", args, tmp_path)
+    assert fragment in said, said
     assert "training.resuming" in imported and not any(name.split(".")[0] == "torch" for name in imported)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
 
