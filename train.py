@@ -36,6 +36,8 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs import ConfigError, describe, option_as_setting, valid_keys
     from configs.errors import UsageError
     from configs.userinput import OneLineParser, shown
+    from data.paths import DataError
+    from data.sources import named
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
     from training.launch import Launch, LaunchError, launch_from_env
     from training.resuming import resume_target
@@ -125,9 +127,11 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         try:
             if not args.resume:
                 cfg = load_config(args.config, args.overrides)
+                if cfg.data.path is not None:  # a stat: a data.path with nothing there is said at once, not after torch
+                    named(str(cfg.data.path))
             else:  # and the checkpoint it continues, found again by load_run, which reads it beside the config
                 resume_target(args.config, args.overrides)
-        except (ConfigError, UsageError) as e:
+        except (ConfigError, DataError, UsageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except Exception:  # noqa: S110 - not the config's words: read again below, and reported as a run reports it

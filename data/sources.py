@@ -88,11 +88,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
     refused by what it is, after a stat that never blocks.
     """
     text = str(spec)
-    if "\0" in text:
-        raise DataError(f"{label}: {quoted(text)} is not a usable path (it holds a NUL character)")
-    p = locate(text)
-    globbed = bool(_GLOB_MAGIC & set(text))
-    st = _stat_or_glob(p, label) if globbed else stat_path(p, label)
+    p, globbed, st = named(text, label)
     out = _LeftOut(label, _identities(caches), _identities(runs))
     if st is None and globbed:
         files = _glob(p, out)
@@ -100,8 +96,6 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
             raise DataError(
                 f"{label}: no text file matches {quoted(text)}{out.said()}; check the pattern (** reaches sub-folders)"
             )
-    elif st is None:
-        raise no_such_file(label, text, p)
     elif stat.S_ISDIR(st.st_mode):
         files = _walk(p, out, named=True)
         if not files:
@@ -122,6 +116,20 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
             what += " (the kernel's files under /proc and /sys say 0 bytes whatever they hold: copy one first)"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
     return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others, out.hidden)
+
+
+def named(text: str, label: str = "data.path") -> tuple[Path, bool, os.stat_result | None]:
+    """(where the path text names lies, whether it is a glob, its stat; None for a glob that names no one path).
+    DataError when it is unusable, or names nothing that is there: a stat, no more, which train.py asks before it
+    imports torch (seconds), so that a mistyped data.path is said at once, and resolve_inputs asks again."""
+    if "\0" in text:
+        raise DataError(f"{label}: {quoted(text)} is not a usable path (it holds a NUL character)")
+    p = locate(text)
+    globbed = bool(_GLOB_MAGIC & set(text))
+    st = _stat_or_glob(p, label) if globbed else stat_path(p, label)
+    if st is None and not globbed:
+        raise no_such_file(label, text, p)
+    return p, globbed, st
 
 
 def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
