@@ -243,7 +243,7 @@ def test_a_resume_with_nothing_to_resume_is_said_before_torch_is_imported(tmp_pa
     ("dangling.txt", "data.path: 'dangling.txt' is a symbolic link to "),
 ], ids=["missing", "dangling-link"])
 def test_a_data_path_with_nothing_there_is_said_before_torch_is_imported(tmp_path, path, fragment):
-    """A mistyped data.path was said once torch had loaded, 1.93-2.19 s after the command (2-core Zen 2 EPYC); now
+    """A mistyped data.path was said once torch had loaded, 2.08-2.12 s after the command (2-core Zen 2 EPYC); now
     in 0.19-0.20 s, by a process that never imports torch, and before out_dir is made."""
     (tmp_path / "dangling.txt").symlink_to(tmp_path / "gone.txt")
     said, imported = refused_with_imports("train.py", [f"data.path={path}", "out_dir=run"], tmp_path)
