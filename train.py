@@ -32,6 +32,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     import io
     import os
     from functools import partial
+    from pathlib import Path
 
     from configs import ConfigError, describe, option_as_setting, valid_keys
     from configs.errors import UsageError
@@ -40,6 +41,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from data.sources import named
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
     from training.launch import Launch, LaunchError, launch_from_env
+    from training.outdir import prepare_out_dir
     from training.resuming import resume_target
     from training.signals import InterruptSignals, import_holding_signals
     from training.streams import say, stderr_kept_open, stdout_encodes_any_text
@@ -127,7 +129,10 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         try:
             if not args.resume:
                 cfg = load_config(args.config, args.overrides)
-                if cfg.data.path is not None:  # a stat: a data.path with nothing there is said at once, not after torch
+                # As the run checks them first, said at once rather than after torch: a folder that holds a run (a
+                # second `python train.py`), and a data.path with nothing there (a stat)
+                prepare_out_dir(Path(cfg.out_dir), resume=False, overwrite=args.overwrite)
+                if cfg.data.path is not None:
                     named(str(cfg.data.path))
             else:  # and the checkpoint it continues, found again by load_run, which reads it beside the config
                 resume_target(args.config, args.overrides)

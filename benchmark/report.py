@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from configs.userinput import resolved
+from training.atomic import write_atomic
 
 from .runs import CPU_FLAGS, ISA_LIMITS
 
@@ -176,6 +177,4 @@ def write_json(name: str, text: str) -> None:
         return
     if (why := json_problem(name)) is not None:  # the file was changed while the rows ran
         raise OSError(why)
-    from training.checkpoints import write_atomic  # imports torch, which the rows have loaded by now
-
     write_atomic(path.resolve(), lambda f: f.write(text.encode("utf-8")))

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 import bench
-import training.checkpoints
+import training.atomic
 from benchmark.products import VOCAB, products_ms, step_products
 from benchmark.quality import (
     NANOGPT_BLOCK8_RUN,
@@ -242,7 +242,7 @@ def test_a_json_file_that_cannot_be_written_is_one_line_beside_the_table(tmp_pat
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as full:
-        full.setattr(training.checkpoints.os, "fsync", full_disk)
+        full.setattr(training.atomic.os, "fsync", full_disk)
         assert bench.main(["--nanogpt", checkout, "--json", str(earlier)]) == 1
     out, err = capsys.readouterr()
     assert out == "| the table |\n" and err.count("\n") == 1

@@ -6,12 +6,9 @@ from __future__ import annotations
 import filecmp
 import io
 import math
-import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -21,6 +18,7 @@ from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
 from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons
 
+from .atomic import write_atomic
 from .config import RunConfig, load_config
 from .distributed import BATCHES, DROPOUT, derived_seed
 from .errors import UsageError
@@ -41,12 +39,6 @@ RESUMABLE_CHANGES = frozenset({
     "train.eval_iters", "train.log_interval", "train.device", "train.dtype", "train.compile",
     "train.threads", "train.sample_chars", "train.tensorboard", "train.backend", "data.cache_dir",
 })
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class IncompleteSave(OSError):
@@ -76,37 +68,6 @@ def save_checkpoint(payload: dict[str, Any], path: str | Path, *copies: str | Pa
             if i == 0:
                 raise
             raise IncompleteSave(e, targets[:i]) from e
-
-
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """Call write on a new file that then replaces path at once: a crash at any moment leaves the old file or the
-    new one, never a part of either.
-
-    The bytes go to a temporary file in the same folder, are flushed to disk, and the file is renamed over the
-    old one (``os.replace`` is atomic within a file system). The temporary name, ``.<name>.<random>.tmp``, starts
-    with a dot and ends in ``.tmp`` so it is never mistaken for the file itself; a process killed before the rename
-    leaves it behind, for the next writer of the folder to remove.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it owner-only; this is a normal file
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
 
 
 def restore_best(out_dir: Path, payload: dict) -> str | None:

@@ -10,14 +10,14 @@ from pathlib import Path
 import yaml
 
 from configs import to_dict
+from configs.errors import UsageError
 from configs.userinput import shown
 
 # ASIDE: where --overwrite keeps the old run; the other two, where its files gather on their way there and back
 from model.runs import ASIDE, ASIDE_FOLDERS, MOVING_ASIDE, MOVING_BACK
 
-from .checkpoints import write_atomic
+from .atomic import write_atomic
 from .config import CONFIG_MARK, RunConfig
-from .errors import UsageError
 from .lock import LOCK, RunLock, file_identity, in_use
 
 # Temporary files that an atomic write killed midway leaves behind (see write_atomic).
