@@ -115,8 +115,8 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
         # Popen returns (an empty line in 35 of 300 starts on an idle 2-core EPYC, 283 of 300 beside four busy
         # loops), and another run's start() reading the pid then took the job for abandoned and started a second
         # helper on it.
-        shown = time.monotonic() + 10
-        while not warming(helper.pid, job) and helper.poll() is None and time.monotonic() < shown:
+        deadline = time.monotonic() + 10
+        while not warming(helper.pid, job) and helper.poll() is None and time.monotonic() < deadline:
             time.sleep(0.001)
         # Read by the helper only once this process has ended, and by another run's start() meanwhile.
         job.write_text(json.dumps({**spec, "key": key, "helper": helper.pid}), encoding="utf-8")
