@@ -26,7 +26,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs.errors import UsageError
     from configs.userinput import OneLineParser
     from model.runs import CheckpointError
-    from sampling.options import check_options, checkpoint_to_read, integer, real
+    from sampling.options import check_options, checkpoint_to_read, integer, prompt_text, real
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
     from training.signals import STOP_SIGNALS, import_holding_signals
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: stdout is closed, and the samples are written there; redirect it to a file (> out.txt) or to "
               "/dev/null instead of closing it", file=sys.stderr)
         return 2
+    prompt = None
     try:
         check_options(args)
         checkpoint_to_read(args)  # here a missing checkpoint or run folder is said at once, not after torch
@@ -99,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError:  # a path the system will not take (a name too long): said by prepare, as every path is
         pass
+    try:
+        prompt = prompt_text(args)  # read once, here: a --prompt-file missing, empty or not UTF-8 is said at once too
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if (signum := import_holding_signals(SAMPLER_MODULES)) is not None:
         print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
         return 128 + signum
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from sampling.writing import write_samples
 
     try:
-        ready = prepare(args)
+        ready = prepare(args, prompt)
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) while the checkpoint loads or the attention map is drawn
         return stopped(e, "nothing was sampled")
     if isinstance(ready, int):

@@ -4,16 +4,18 @@ bad one is refused at once."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 from pathlib import Path
 
 from configs.errors import UsageError
-from configs.userinput import shown
+from configs.userinput import read_user_file, shown
 from model.runs import check_checkpoint_path, find_checkpoint
 
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
 # text than a character model is sampled for. A larger request is refused here rather than failing in that allocation.
 MAX_NEW_TOKENS = 10_000_000
+MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text
 # Where sample.py looks without --out-dir or --checkpoint: the folder configs/tiny.yaml trains into.
 DEFAULT_OUT_DIR = "runs/tiny"
 
@@ -79,6 +81,31 @@ def check_utf8(prompt: str) -> None:
         what = f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"a lone surrogate {c!r}"
         raise UsageError(f"--prompt is not UTF-8 text ({what} at character {e.start}); give it as UTF-8, or in a "
                          f"--prompt-file saved as UTF-8") from None
+
+
+def prompt_text(args: argparse.Namespace) -> str | None:
+    """The prompt given: --prompt-file's text (without a leading byte-order mark) or --prompt; None for the default,
+    which the vocabulary decides (sampling.request.read_prompt). Read before torch is imported, so that a file that
+    is missing, empty or not UTF-8 is said at once: UsageError. The file is read once (read_user_file refuses pipes
+    and devices, so nothing is consumed that a second read would miss)."""
+    if args.prompt_file is not None:
+        raw = read_user_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES, error=UsageError)
+        bom = raw.startswith(codecs.BOM_UTF8)  # Notepad's "UTF-8 with BOM": a mark of the encoding, not text
+        try:
+            prompt = raw[len(codecs.BOM_UTF8) if bom else 0 :].decode("utf-8")  # as they are: "\r\n" stays two
+        except UnicodeDecodeError as e:
+            at = e.start + (len(codecs.BOM_UTF8) if bom else 0)
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is not UTF-8 (byte 0x{raw[at]:02x} at "
+                             f"offset {at}); convert it to UTF-8") from None
+        if prompt == "":
+            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is empty; give a file of at least one "
+                             f"character (or leave out --prompt-file)")
+        return prompt
+    if args.prompt is not None:
+        if args.prompt == "":
+            raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
+        return args.prompt
+    return None
 
 
 def checkpoint_to_read(args: argparse.Namespace) -> Path:

@@ -4,13 +4,12 @@ attention map's file and whether the model and the text fit; then the model, rea
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 from pathlib import Path
 
 import torch
 
-from configs.userinput import path_word, read_user_file, shown, shows_nothing_alone
+from configs.userinput import path_word, shown, shows_nothing_alone
 from data.paths import LOG_PATH
 from model import (
     GPT,
@@ -26,9 +25,7 @@ from training.devices import DeviceError, resolve_device
 from training.errors import UsageError, path_error, path_message
 from training.memory import MemoryNeed, check_fits, model_need, text_bytes
 
-from .options import check_options, number, run_checkpoint
-
-MAX_PROMPT_BYTES = 10_000_000  # --prompt-file: the same bound, in bytes of text (--max-new-tokens: options.py)
+from .options import check_options, number, prompt_text, run_checkpoint
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -37,26 +34,11 @@ def check_args(args: argparse.Namespace) -> None:
     check_options(args)
 
 
-def read_prompt(args: argparse.Namespace, vocab: list[str]) -> str:
-    """The prompt: --prompt-file's text (without a leading byte-order mark), --prompt, or a newline by default;
-    UsageError when it is empty."""
-    if args.prompt_file is not None:
-        raw = read_user_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES, error=UsageError)
-        bom = raw.startswith(codecs.BOM_UTF8)  # Notepad's "UTF-8 with BOM": a mark of the encoding, not text
-        try:
-            prompt = raw[len(codecs.BOM_UTF8) if bom else 0 :].decode("utf-8")  # as they are: "\r\n" stays two
-        except UnicodeDecodeError as e:
-            at = e.start + (len(codecs.BOM_UTF8) if bom else 0)
-            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is not UTF-8 (byte 0x{raw[at]:02x} at "
-                             f"offset {at}); convert it to UTF-8") from None
-        if prompt == "":
-            raise UsageError(f"--prompt-file: '{shown(args.prompt_file)}' is empty; give a file of at least one "
-                             f"character (or leave out --prompt-file)")
-        return prompt
-    if args.prompt is not None:
-        if args.prompt == "":
-            raise UsageError("the prompt is empty; give at least one character (or leave out --prompt)")
-        return args.prompt
+def read_prompt(given: str | None, vocab: list[str]) -> str:
+    """The prompt: the text given (options.prompt_text), or a newline by default (the vocabulary's first character
+    where it has none)."""
+    if given is not None:
+        return given
     return "\n" if "\n" in vocab else vocab[0]
 
 
@@ -146,11 +128,14 @@ def load_run_checkpoint(path: Path, chosen_for_the_run: bool) -> dict:
                               f"{path_word(str(latest))}") from None
 
 
-def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]] | int:
+def prepare(args: argparse.Namespace, given: str | None = None) -> tuple[GPT, torch.Tensor, str, list[str]] | int:
     """The model in eval mode on its device, the prompt's ids, the prompt and the vocabulary; or the exit status of a
-    request refused in one line. The checkpoint's line and any attention map are written here."""
+    request refused in one line. given: the prompt's text as options.prompt_text read it (sample.py reads it before
+    torch imports), else it is read here. The checkpoint's line and any attention map are written here."""
     try:
         check_args(args)
+        if given is None:
+            given = prompt_text(args)
         if args.attention_map is not None:
             check_map_path(args.attention_map)
         path = Path(args.checkpoint) if args.checkpoint is not None else run_checkpoint(args.out_dir)
@@ -161,7 +146,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, str, list[str]
         config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
         if args.attention_map is not None and config.type != "gpt":
             raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
-        prompt = read_prompt(args, vocab)
+        prompt = read_prompt(given, vocab)
         index = {c: i for i, c in enumerate(vocab)}
         check_known(prompt, index)
         pictured = attention_map_characters(args, config, path, prompt)

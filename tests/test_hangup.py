@@ -169,7 +169,7 @@ EIO_WHILE_WRITING = """
 import errno, sys
 sys.path.insert(0, ".")
 import sample, sampling.request, sampling.writing
-sampling.request.prepare = lambda args: (None, None, None, None)
+sampling.request.prepare = lambda args, prompt=None: (None, None, None, None)
 sample.checkpoint_to_read = lambda args: None  # the run folder, looked for before prepare
 def write_samples(*args, **kwargs):
     raise OSError(errno.EIO, "Input/output error")

@@ -504,6 +504,28 @@ def test_a_run_folder_or_checkpoint_not_there_is_said_before_torch_is_imported(t
     assert "sampling.options" in imported and not any(name.split(".")[0] in ("torch", "numpy") for name in imported)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "content", "fragment"), [
+    ("nope.txt", None, "--prompt-file: no such file 'nope.txt'"),
+    ("empty.txt", b"", "--prompt-file: 'empty.txt' is empty; give a file of at least one character"),
+    ("only_bom.txt", b"\xef\xbb\xbf", "--prompt-file: 'only_bom.txt' is empty"),
+    ("latin1.txt", "Caf\u00e9".encode("latin-1"), "--prompt-file: 'latin1.txt' is not UTF-8 (byte 0xe9 at offset 3)"),
+    ("folder", "folder", "--prompt-file: 'folder' is a folder, not a file"),
+], ids=["missing", "empty", "only-a-byte-order-mark", "latin-1", "a-folder"])
+def test_a_prompt_file_that_cannot_be_the_prompt_is_said_before_torch_is_imported(tmp_path, name, content, fragment):
+    """A --prompt-file mistyped, empty or in another encoding was refused once torch and the checkpoint had loaded;
+    now the file is read (once) before torch, and the process that refuses it never imports torch. The checkpoint
+    named is only a placeholder: the prompt is read before any checkpoint is opened."""
+    if content == "folder":
+        (tmp_path / name).mkdir()
+    elif content is not None:
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "any.pt").write_bytes(b"read only once the prompt has passed")
+    said, imported = refused_with_imports("sample.py", ["--checkpoint", "any.pt", "--prompt-file", name], tmp_path)
+    assert fragment in said, said
+    assert "sampling.options" in imported and not any(module.split(".")[0] in ("torch", "numpy") for module in imported)
+
+
 def _overflowing_later(run_dir: Path, tmp_path: Path, prompt: str) -> tuple[Path, str]:
     """A checkpoint whose output is finite for prompt (which sample.py's probe checks) but not one character later: a
     character's embedding, tied to its row of the head, set along the prompt's last final state so that its logit is
