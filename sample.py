@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: stdout is closed, and the samples are written there; redirect it to a file (> out.txt) or to "
               "/dev/null instead of closing it", file=sys.stderr)
         return 2
-    prompt = None
     try:
         check_options(args)
         checkpoint_to_read(args)  # here a missing checkpoint or run folder is said at once, not after torch
