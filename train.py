@@ -38,7 +38,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs.errors import UsageError
     from configs.userinput import OneLineParser, shown
     from data.paths import DataError
-    from data.sources import named
+    from data.sources import refuse_if_nothing_there
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
     from training.launch import Launch, LaunchError, launch_from_env
     from training.outdir import prepare_out_dir
@@ -130,10 +130,11 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
             if not args.resume:
                 cfg = load_config(args.config, args.overrides)
                 # As the run checks them first, said at once rather than after torch: a folder that holds a run (a
-                # second `python train.py`), and a data.path with nothing there (a stat)
+                # second `python train.py`), and a data.path with nothing there (a stat; a glob with no match, a
+                # folder with no file)
                 prepare_out_dir(Path(cfg.out_dir), resume=False, overwrite=args.overwrite)
                 if cfg.data.path is not None:
-                    named(str(cfg.data.path))
+                    refuse_if_nothing_there(str(cfg.data.path))
             else:  # and the checkpoint it continues, found again by load_run, which reads it beside the config
                 resume_target(args.config, args.overrides)
         except (ConfigError, DataError, UsageError) as e:

@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .paths import os_failure, stat_path, walk
+from .paths import os_failure, stat_path, unreadable, walk
 
 _GONE = (errno.ENOENT, errno.ENOTDIR)  # removed while listed, or a file where the pattern wants a folder
 
@@ -29,14 +29,23 @@ def expand(pattern: Path, label: str) -> list[Path]:
     Where '**' ends the pattern it matches the folder it stands in, whose files the caller walks; elsewhere it
     stands for that folder and every real (not linked) folder under it, hidden ones left out, as in glob.
     """
+    return sorted(set(_matches(pattern, label)), key=str)
+
+
+def matches_any(pattern: Path, label: str) -> bool:
+    """Whether pattern matches anything expand would give, looking no further than the first match."""
+    return next(_matches(pattern, label), None) is not None
+
+
+def _matches(pattern: Path, label: str) -> Iterator[Path]:
+    """expand's paths as they are found: unsorted, and one of them may come more than once."""
     parts = pattern.parts
     base = fixed_part(pattern)
     first = len(base.parts) if base != Path() else 0
     st = stat_path(base, label)  # the fixed part of the pattern: any failure but absence is the person's to fix
     if st is None or not stat.S_ISDIR(st.st_mode):
-        return []
-    found = set(_match(base, parts[first:], set(), label))
-    return sorted(found, key=str)
+        return
+    yield from _match(base, parts[first:], set(), label)
 
 
 def fixed_part(pattern: Path) -> Path:
@@ -89,12 +98,7 @@ def _match(folder: Path, parts: tuple[str, ...], seen: set[tuple[int, int, int]]
 
 def _real_folders(top: Path, label: str) -> Iterator[Path]:
     """top and every folder under it reached without passing through a link; hidden ones left out."""
-
-    def refuse(e: OSError) -> None:
-        if e.errno not in _GONE:
-            raise os_failure(label, e.filename, e, "cannot read the folder") from None
-
-    for root, dirs, _ in walk(top, refuse):  # a link to a folder is not entered
+    for root, dirs, _ in walk(top, unreadable(label)):  # a link to a folder is not entered
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         yield Path(root)
 

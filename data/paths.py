@@ -156,6 +156,16 @@ def walk(top: Path, onerror: Callable[[OSError], None]) -> Iterator[tuple[str, l
         stack.extend(path for path in below if not os.path.islink(path))
 
 
+def unreadable(label: str) -> Callable[[OSError], None]:
+    """walk's onerror: a folder that cannot be read is refused; one removed while it was being listed is passed over."""
+
+    def refuse(e: OSError) -> None:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise os_failure(label, e.filename, e, "cannot read the folder") from None
+
+    return refuse
+
+
 @contextmanager
 def open_regular(path: Path, label: str) -> Iterator[BinaryIO]:
     """path opened for binary reading, if it is a regular file; else DataError, without ever blocking.

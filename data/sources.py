@@ -17,8 +17,8 @@ from pathlib import Path
 from configs.userinput import file_kind
 
 from .corpus import data_dir, locate, no_such_file
-from .globs import expand, fixed_part
-from .paths import DataError, not_a_file, not_utf8, open_regular, os_failure, quoted, stat_path, walk
+from .globs import expand, fixed_part, matches_any
+from .paths import DataError, not_a_file, not_utf8, open_regular, os_failure, quoted, stat_path, unreadable, walk
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
 # CRC-32 of the ids, checked whenever the entry is opened. 3: a byte-order mark that starts a file is left out (the
@@ -130,6 +130,31 @@ def named(text: str, label: str = "data.path") -> tuple[Path, bool, os.stat_resu
     if st is None and not globbed:
         raise no_such_file(label, text, p)
     return p, globbed, st
+
+
+def refuse_if_nothing_there(text: str, label: str = "data.path") -> None:
+    """named()'s checks and, for a glob that matches nothing or a folder with no file under it (hidden ones aside),
+    resolve_inputs's refusal, found without listing more than it takes to see one match or one file: what train.py
+    asks before it imports torch (seconds). A glob or folder of binary or empty files alone is refused by the run."""
+    p, globbed, st = named(text, label)
+    if st is None:  # a pattern; a relative one that matches nothing here is looked for in TINYCHAR_DATA_DIR too
+        folder = data_dir()
+        there = matches_any(p, label) or (folder is not None and not p.is_absolute() and matches_any(folder / p, label))
+    elif stat.S_ISDIR(st.st_mode):
+        there = _any_file(p, label)
+    else:
+        return
+    if not there:
+        resolve_inputs(text, label)  # says what is wrong as the run would
+
+
+def _any_file(folder: Path, label: str) -> bool:
+    """Whether anything but a folder lies under folder, hidden files and folders left out (a cheap _walk)."""
+    for _, dirs, names in walk(folder, unreadable(label)):
+        if any(not n.startswith(".") for n in names):
+            return True
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+    return False
 
 
 def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
@@ -291,13 +316,8 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
     that cannot be read is refused rather than skipped, which would train on part of the corpus without saying so.
     """
     label = out.label
-
-    def refuse(e: OSError) -> None:
-        if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # not removed while being listed
-            raise os_failure(label, e.filename, e, "cannot read the folder") from None
-
     found = []
-    for root, dirs, names in walk(folder, refuse):
+    for root, dirs, names in walk(folder, unreadable(label)):
         here = Path(root)
         whole = not named or here != folder
         if _is_run(names, here, out.run_ids):

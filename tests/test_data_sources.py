@@ -112,6 +112,45 @@ def test_a_link_to_a_file_is_read_once_and_a_link_to_a_folder_only_where_named(t
     assert sources_of(tmp_path / "b" / "*" / "*.txt") == [str(tmp_path / "b" / "linked" / "far.txt")]
 
 
+def test_the_check_before_torch_refuses_where_nothing_is_there_and_reads_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """refuse_if_nothing_there, which train.py asks before it imports torch: a glob with no match and a folder with no
+    file get the run's own refusal; where anything is there, the run decides, and the check has read no file and
+    listed no more folders than it took to find one."""
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "texts" / "a.txt", "alpha\n")
+    write(tmp_path / "texts" / "bin" / "b.dat", b"\0\1\2")
+    for i in range(30):
+        write(tmp_path / "texts" / "more" / f"{i:02}" / "c.txt", "gamma\n")
+    write(tmp_path / "empty" / ".keep", "")
+    (tmp_path / "empty" / "sub" / "subsub").mkdir(parents=True)
+    for spec in ("texts/*.md", "nowhere/**/*.txt", "empty", "texts/more/*/*.md"):
+        message = refusal(data.sources.refuse_if_nothing_there, spec)
+        assert message == refusal(resolve_inputs, spec)
+        assert message.startswith(("data.path: no text file matches", "data.path: 'empty' is a folder with no text"))
+
+    def not_read(*args: object) -> bool:
+        raise AssertionError(f"a file was read: {args[0]}")
+
+    listed: list[str] = []
+    scandir, is_text = os.scandir, data.sources._is_text
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(os.fsdecode(path)) or scandir(path))
+    monkeypatch.setattr(data.sources, "_is_text", not_read)
+    for spec in ("texts", "texts/*.txt", "texts/bin/*.dat", "texts/more/*/c.txt"):
+        assert within(data.sources.refuse_if_nothing_there, spec) is None  # a .dat alone is the run's to refuse
+    assert listed == ["texts"]  # the folder's first file was enough; the globs list by os.listdir
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(data.sources, "_is_text", is_text)
+    assert refusal(resolve_inputs, "texts/bin/*.dat").startswith("data.path: no text file matches 'texts/bin/*.dat'")
+    # a relative pattern with no match here is looked for in TINYCHAR_DATA_DIR, as the run looks
+    monkeypatch.chdir(tmp_path / "empty")
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(tmp_path / "texts"))
+    assert within(data.sources.refuse_if_nothing_there, "*.txt") is None
+    assert sources_of("*.txt") == [str(tmp_path / "texts" / "a.txt")]
+    assert refusal(data.sources.refuse_if_nothing_there, "*.md").startswith("data.path: no text file matches '*.md'")
+
+
 # --- what data.path names -----------------------------------------------------------------------------------------
 
 
