@@ -7,8 +7,7 @@ stdout carries only the samples (the prompt, then the generated characters); eve
 
 from __future__ import annotations
 
-import os  # os, signal and sys are built into the interpreter: there is no moment to interrupt in importing them
-import signal
+import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
 
 # Ctrl-C (or SIGTERM) while the modules load (torch takes a second or more) waits until they have loaded, then ends
@@ -30,7 +29,13 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
     from training.signals import STOP_SIGNALS, import_holding_signals
-    from training.streams import discard_stdout, reader_gone, stderr_kept_open, stdout_encodes_any_text
+    from training.streams import (
+        discard_stdout,
+        leave_now,
+        reader_gone,
+        stderr_kept_open,
+        stdout_encodes_any_text,
+    )
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -146,10 +151,5 @@ if __name__ == "__main__":
     if status - 128 in STOP_SIGNALS:
         # Interrupted: leave now. Ending the interpreter normally would first wait on what torch.compile may have
         # started (its pool of compiler processes), which once kept a Ctrl-C'd run alive for minutes.
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except OSError:
-                pass
-        os._exit(status)
+        leave_now(status)
     sys.exit(status)

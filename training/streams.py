@@ -140,3 +140,14 @@ def discard_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+def leave_now(status: int) -> None:
+    """End the process with status at once, its output flushed, without the interpreter's shutdown (Python's exit
+    handlers, then the C++ libraries' teardown): for a process whose work is done and saved."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone, or a stream closed
+            pass
+    os._exit(status)
