@@ -19,7 +19,8 @@ from configs.userinput import shown
 from model import GPTConfig
 from training import compile_cache
 from training.compile_cache import cannot_compile, compile_options
-from training.engine import sampling_key
+from training.config import TrainConfig
+from training.engine import compile_key, sampling_key
 
 CPU = torch.device("cpu")
 
@@ -64,16 +65,35 @@ def test_the_marker_keeps_the_step_times_measured_beside_the_compile_time(monkey
 
 def test_inductor_options_keep_the_cpp_wrapper_to_cpus(monkeypatch):
     """The C++ wrapper saves a CPU step's overhead; on CUDA it tripled the cold compile (H100: 102.7 s vs 29.3 s).
-    On CUDA, mix-order reduction is turned off where torch has it (it read a workspace it had not written)."""
-    from training import compile_cache
-
-    assert compile_options(CPU) == {"cpp_wrapper": True}
+    On a CPU it is built at -O1 apart from the kernels, where this torch can. On CUDA, mix-order reduction is turned
+    off where torch has it (it read a workspace it had not written)."""
+    separate = "cpp_wrapper_build_separate" in compile_cache.inductor_settings()
+    assert separate or tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)  # 2.13 has it
+    assert compile_options(CPU) == {"cpp_wrapper": True, **({"cpp_wrapper_build_separate": True} if separate else {})}
     has_it = "triton.mix_order_reduction" in compile_cache.inductor_settings()
     assert compile_options(torch.device("cuda")) == ({"triton.mix_order_reduction": False} if has_it else {})
-    monkeypatch.setattr(compile_cache, "inductor_settings", lambda: set())  # a torch from before the option
-    assert compile_options(torch.device("cuda")) == {}
     compile_options(CPU)["cpp_wrapper"] = False  # a copy: the callers' options cannot change the defaults
+    assert compile_options(CPU)["cpp_wrapper"] is True
+    monkeypatch.setattr(compile_cache, "inductor_settings", lambda: {"cpp_wrapper"})  # a torch from before the rest
+    assert compile_options(torch.device("cuda")) == {}
     assert compile_options(CPU) == {"cpp_wrapper": True}
+
+
+def test_code_compiled_under_other_inductor_options_is_not_taken_for_cached(monkeypatch):
+    """The options are part of inductor's own cache key: the compile keys, whose markers say how long a compile from
+    the cache takes (and so whether `auto` compiles), change with them."""
+
+    def keys(device: torch.device) -> tuple[str, str]:
+        tc = TrainConfig()
+        return (compile_key(GPTConfig(vocab_size=5), tc, device, torch.float32),
+                sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, device))
+
+    cuda = torch.device("cuda")
+    cpu_keys, cuda_keys = keys(CPU), keys(cuda)
+    monkeypatch.setattr(compile_cache, "COMPILE_OPTIONS", {"cpp_wrapper": True})  # the wrapper built with its kernels
+    assert all(a != b for a, b in zip(keys(CPU), cpu_keys, strict=True)) and keys(cuda) == cuda_keys
+    monkeypatch.setattr(compile_cache, "CUDA_OPTIONS", {})
+    assert all(a != b for a, b in zip(keys(cuda), cuda_keys, strict=True))
 
 
 def test_cannot_compile_names_what_is_missing(monkeypatch):

@@ -266,11 +266,13 @@ def test_adamw_steps_saves_and_loads_as_torchs_adamw_with_the_compiler_loaded_or
 
 def test_an_eager_run_and_its_resume_never_import_the_compiler(tmp_path):
     """Importing torch's compiler (torch._dynamo) took 1.65 s of every train.py's launch here, compiling or not; now
-    only a run that compiles imports it. In a process of its own, where nothing else has."""
+    only a run that compiles imports it. In a process of its own, where nothing else has. Under train.compile=auto,
+    which reads the compile cache's marker for the run's key (and 4 steps never compile)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SMALL_TEXT, encoding="utf-8")
     runs = [[*tiny_overrides(corpus, tmp_path / f"out-{name}", **{"train.optimizer": name, "train.max_iters": 4,
-                                                                  "train.eval_interval": 2})] for name in OPTIMIZERS]
+                                                                  "train.eval_interval": 2, "train.compile": "auto"})]
+            for name in OPTIMIZERS]
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import json, train; runs = json.loads(sys.argv[2]); "
              "codes = [train.main(a, progress=False) for r in runs "
              "for a in (r, [*r, 'train.max_iters=6', '--resume'])]; "

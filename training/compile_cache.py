@@ -34,7 +34,14 @@ _SAID_MOVED: set[Path] = set()  # the cache folders this process has said it cou
 # sampling 4,000 -> 5,000 characters/s), for a few more seconds of compiling the first time. Not on CUDA, where it
 # builds a C++ file against CUDA's headers: measured on an H100 (torch 2.11, configs/shakespeare_char.yaml), cold
 # compile 102.7 s with it, 29.3 s without, and the step no faster with it (2.0M vs 2.2-2.4M tokens/s).
-COMPILE_OPTIONS = {"cpp_wrapper": True}
+# Built apart from the kernels (cpp_wrapper_build_separate), the wrapper is compiled at -O1 and only the kernels at
+# -O3, where one -O3 build of both took most of the C++ of the sampler's first compile. Measured on a 2-core Zen 4
+# EPYC (torch 2.13, 2026-12-03): g++ for the block-8 sampling loop 8.3 s -> 5.2 s (wrapper 2.2, kernels 2.6, linking
+# 0.4); `sample.py --compile true` from an empty cache, four interleaved rounds, "compiled in" 18.2-24.0 s ->
+# 16.1-16.9 s for tiny.yaml's model and 18.7-21.2 s -> 15.7-18.0 s for the CPU config's block-64 one, the same
+# characters; tiny.yaml's training step 10.2 s of g++ -> 8.3 s (docs/engine-record.md). A character and a step take
+# the same time either way (both builds side by side in one process). A torch without the option builds as before.
+COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 # Inductor's mix-order reduction (torch 2.10 and later) sums a layer norm's weight and bias gradients over a
@@ -48,11 +55,16 @@ CUDA_OPTIONS = {"triton.mix_order_reduction": False}
 
 
 def compile_options(device: torch.device) -> dict:
-    """Inductor's options for the compiled step and sampler on this device (see COMPILE_OPTIONS)."""
-    if device.type == "cpu":
-        return dict(COMPILE_OPTIONS)
+    """Inductor's options for the compiled step and sampler on this device (see COMPILE_OPTIONS), less those this
+    torch does not have (torch.compile refuses them)."""
     known = inductor_settings()
-    return {k: v for k, v in CUDA_OPTIONS.items() if k in known}
+    return {k: v for k, v in wanted_options(device).items() if k in known}
+
+
+def wanted_options(device: torch.device) -> dict:
+    """The options compile_options starts from, read without importing the compiler: the compile keys hold them
+    (training.engine), so that code compiled under other options is not taken for cached."""
+    return COMPILE_OPTIONS if device.type == "cpu" else CUDA_OPTIONS
 
 
 def inductor_settings() -> set[str]:

@@ -36,6 +36,7 @@ from .compile_cache import (
     measured_saving,
     prepare_compile,
     remember_compile,
+    wanted_options,
 )
 from .compile_errors import compile_failed, compiler_log_quiet
 from .compiled_step import CompiledStep
@@ -96,7 +97,8 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "dtype": str(dtype), "threads": torch.get_num_threads(), "onednn": onednn_min_macs(),
              "model": asdict(model_cfg),
              "batch": [tc.grad_accum_steps, tc.batch_size], "clip": tc.grad_clip > 0,
-             "adamw": [tc.weight_decay, tc.beta1, tc.beta2], "kernels": "deterministic"}
+             "adamw": [tc.weight_decay, tc.beta1, tc.beta2], "kernels": "deterministic",
+             "options": wanted_options(device)}
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
         parts["newton_schulz"] = "gram"  # Muon's float32 iteration on the Gram matrices (optim.gram_newton_schulz)
@@ -110,7 +112,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
     parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
              "threads": torch.get_num_threads(), "onednn": onednn_min_macs(), "model": asdict(model_cfg),
              "batch": batch,
-             "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK, "checks": "finite"}
+             "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK, "checks": "finite",
+             "options": wanted_options(device)}
     return cache_key("sample", parts)
 
 
