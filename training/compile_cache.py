@@ -41,7 +41,18 @@ _SAID_MOVED: set[Path] = set()  # the cache folders this process has said it cou
 # 16.1-16.9 s for tiny.yaml's model and 18.7-21.2 s -> 15.7-18.0 s for the CPU config's block-64 one, the same
 # characters; tiny.yaml's training step 10.2 s of g++ -> 8.3 s (docs/engine-record.md). A character and a step take
 # the same time either way (both builds side by side in one process). A torch without the option builds as before.
-COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+#
+# Inductor's precompiled headers (cpp_cache_precompile_headers) are off: inductor writes them to the temp folder
+# ($TMPDIR/torchinductor_<user>/precompiled_headers, outside the compile cache and never pruned), 285 MB for the
+# sampler of one model, and looks for them on every compile, from a warm cache too. Measured there, `sample.py
+# --compile true` on tiny.yaml's model, two rounds: a first compile with no headers made 22.8 and 25.5 s with them,
+# 16.8 and 13.2 s without; from a warm cache once the temp folder was emptied (a reboot), 15.9 and 12.6 s with them
+# (made again, unused) against 2.6 and 2.4 s; from a warm cache with the headers there 3.1 s against 2.5-2.8 s. They
+# pay only for a new model's first compile while another's headers are there: 12.1 and 11.8 s against 14.6 and 14.2.
+# tiny.yaml's training step: a first compile 36.8 s with them, 33.2 s without; from a warm cache after the temp
+# folder was emptied 16.3 s against 4.0 s.
+# TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS, when set, decides instead (compile_options).
+COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
 
 
 # Inductor's mix-order reduction (torch 2.10 and later) sums a layer norm's weight and bias gradients over a
@@ -64,7 +75,10 @@ def compile_options(device: torch.device) -> dict:
 def wanted_options(device: torch.device) -> dict:
     """The options compile_options starts from, read without importing the compiler: the compile keys hold them
     (training.engine), so that code compiled under other options is not taken for cached."""
-    return COMPILE_OPTIONS if device.type == "cpu" else CUDA_OPTIONS
+    if device.type != "cpu":
+        return CUDA_OPTIONS
+    user = "cpp_cache_precompile_headers" if "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS" in os.environ else None
+    return {k: v for k, v in COMPILE_OPTIONS.items() if k != user}
 
 
 def inductor_settings() -> set[str]:
