@@ -51,7 +51,7 @@ _SAID_MOVED: set[Path] = set()  # the cache folders this process has said it cou
 # pay only for a new model's first compile while another's headers are there: 12.1 and 11.8 s against 14.6 and 14.2.
 # tiny.yaml's training step: a first compile 36.8 s with them, 33.2 s without; from a warm cache after the temp
 # folder was emptied 16.3 s against 4.0 s.
-# TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS, when set, decides instead (compile_options).
+# TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS, when set, decides instead (wanted_options).
 COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
 
 
