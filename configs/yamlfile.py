@@ -38,7 +38,7 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dic
         raise ConfigError(f"cannot read config file '{name}': it is not UTF-8 text (byte {e.start:,} is "
                           f"{raw[e.start]:#04x}); save it as UTF-8") from None
     root = _parsed(lambda: yaml.compose(text, Loader=yaml.SafeLoader), name)
-    duplicate = first_duplicate(root)
+    duplicate = _parsed(lambda: first_duplicate(root), name)  # a long chain of '<<' merges recurses
     if duplicate is not None:
         first, second = duplicate.first_line, duplicate.second_line
         lines = f"lines {first} and {second}" if first != second else f"both on line {first}"

@@ -257,6 +257,13 @@ def test_deep_nesting_is_refused_in_one_line(tmp_path):
     assert "nested too deeply" in refused(write_yaml(tmp_path, "seed: " + "[" * 5000 + "]" * 5000 + "\n"))
 
 
+def test_a_long_chain_of_merges_is_refused_in_one_line(tmp_path):
+    # each mapping merges the one before: 24 KB, under the size limit, and the check for keys merged twice recursed
+    # down the chain to a RecursionError traceback
+    chain = ["a0: &a0 {k: 1}"] + [f"a{i}: &a{i} {{<<: *a{i - 1}}}" for i in range(1, 1000)]
+    assert "nested too deeply" in refused(write_yaml(tmp_path, "\n".join(chain) + "\n"))
+
+
 def test_a_tilde_on_the_command_line_is_the_home_folder_and_null_still_unsets():
     # out_dir=~ was YAML's null, so the run went to the default runs/tiny, though "~ is your home" (README)
     assert load_config(TINY, ["out_dir=~"]).out_dir == os.path.expanduser("~")
