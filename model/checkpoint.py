@@ -43,6 +43,11 @@ class NoMemoryToLoad(WholeCheckpoint):
     """A checkpoint this process has not the memory to load."""
 
 
+class Unreadable(WholeCheckpoint):
+    """A checkpoint the system will not let this process open (no permission): nothing says it is damaged, so no
+    advice to replace it with another file."""
+
+
 def not_a_file(mode: int) -> str | None:
     """In words, what a path of this st_mode is when it is not a regular file; None for a regular file."""
     if stat.S_ISREG(mode):
@@ -70,6 +75,12 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if safetensors(path):  # torch said "safetensors is not installed" of one named .safetensors, as if that would help
         raise CheckpointError(f"{quoted(path)} is a safetensors file; tinychar reads the .pt checkpoints its own "
                               f"train.py writes")
+    try:  # a file this user may not read was "truncated or not a checkpoint", with advice to replace it
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise Unreadable(f"cannot read checkpoint {quoted(path)} ({e.strerror or type(e).__name__}); check that this "
+                         f"user may read it") from None
     check_archive(path)
     try:
         with warnings.catch_warnings():

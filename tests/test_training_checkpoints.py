@@ -39,6 +39,7 @@ from training_runs import (
 
 import training.checkpoints
 import training.loop
+from configs.errors import UsageError
 from configs.userinput import shown
 from model import GPT, find_checkpoint, load_checkpoint
 from training.checkpoints import save_checkpoint
@@ -454,6 +455,71 @@ def test_a_best_pt_that_is_whole_but_unreadable_here_is_kept(tmp_path, monkeypat
     assert (run / "best.pt").read_bytes() == kept
     monkeypatch.undo()
     assert "copied from ckpt.pt" in training.checkpoints.restore_best(run, {**payload, "is_best": True})
+
+
+def unreadable(monkeypatch: pytest.MonkeyPatch, *paths: Path) -> None:
+    """Opening these files fails as `chmod 000` makes it fail for a user without root's override (the tests may run
+    as root, whom permissions do not stop)."""
+    import builtins
+
+    real, refused = builtins.open, {p.resolve() for p in paths}
+
+    def guarded(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).resolve() in refused:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_checkpoints_this_user_may_not_read_are_not_called_damaged(tmp_path, monkeypatch, capsys):
+    """ckpt.pt made unreadable was "truncated or not a checkpoint", with the advice to copy best.pt over it, which
+    throws away every step since the best; an unreadable best.pt stopped a resume with "give another path" (a
+    traceback's OSError, said in one line) once the resume had rewritten config.yaml."""
+    from conftest import train_small_run
+
+    from model.checkpoint import Unreadable
+    from model.runs import quoted
+
+    run = train_small_run(tmp_path)
+    saved = {p.name: p.read_bytes() for p in run.iterdir() if p.suffix == ".pt"}
+    unreadable(monkeypatch, run / "ckpt.pt")
+    with pytest.raises(Unreadable) as e:
+        load_checkpoint(run / "ckpt.pt")
+    assert str(e.value) == (f"cannot read checkpoint {quoted(run / 'ckpt.pt')} (Permission denied); check that this "
+                            f"user may read it")
+    status, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
+    assert status == 2 and err == f"error: {e.value}\n"  # no advice to replace it
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.suffix == ".pt"} == saved
+
+    monkeypatch.undo()
+    payload = load_checkpoint(run / "ckpt.pt")
+    unreadable(monkeypatch, run / "best.pt")
+    assert training.checkpoints.restore_best(run, {**payload, "is_best": True}) == (
+        f"best.pt: cannot read it (Permission denied) to check that it holds step {payload['step']}, the best; left "
+        f"as it is")
+    monkeypatch.undo()
+    assert (run / "best.pt").read_bytes() == saved["best.pt"]
+
+
+def test_a_lock_this_user_may_not_open_is_said_to_be_the_lock(tmp_path, monkeypatch):
+    from training.lock import RunLock
+
+    (tmp_path / ".lock").write_text("")
+    real = os.open
+
+    def refused(path, *args, **kwargs):
+        if Path(path).name == ".lock":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    for attempt in (RunLock(tmp_path).busy, RunLock(tmp_path).acquire):
+        with pytest.raises(UsageError) as e:
+            attempt()
+        assert str(e.value) == (f"cannot open '{shown(str(tmp_path / '.lock'))}' (Permission denied), the lock that "
+                                f"keeps two runs out of one folder; let this user read and write it, or choose another "
+                                f"out_dir")
 
 
 def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path, capsys):

@@ -77,8 +77,12 @@ def restore_best(out_dir: Path, payload: dict) -> str | None:
     ckpt, best = out_dir / "ckpt.pt", out_dir / "best.pt"
     if payload.get("is_best") is not True or not ckpt.is_file():
         return None
-    if best.is_file() and (filecmp.cmp(ckpt, best, shallow=False) or holds_later_step(best, payload["step"])):
-        return None
+    try:
+        if best.is_file() and (filecmp.cmp(ckpt, best, shallow=False) or holds_later_step(best, payload["step"])):
+            return None
+    except OSError as e:  # best.pt unreadable (its permissions): a traceback-free line, and it is kept as it is
+        return (f"best.pt: cannot read it ({e.strerror or e}) to check that it holds step {payload['step']}, the "
+                f"best; left as it is")
     try:
         with open(ckpt, "rb") as source:
             write_atomic(best, lambda f: shutil.copyfileobj(source, f))

@@ -113,6 +113,9 @@ class RunLock:
         self._refuse_unless_a_file()
         try:
             fd = os.open(self.path, flags | _OPEN_FLAGS, 0o644)
+        except PermissionError as e:  # another user's .lock, or one made unreadable: "give another path" said
+            raise UsageError(f"cannot open '{shown(str(self.path))}' ({e.strerror}), the lock that keeps two runs out "
+                             f"of one folder; let this user read and write it, or choose another out_dir") from None
         except OSError:
             self._refuse_unless_a_file()  # a link (ELOOP), a socket (ENXIO) or a folder (EISDIR) put there meanwhile
             raise
