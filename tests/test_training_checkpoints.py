@@ -502,6 +502,23 @@ def test_checkpoints_this_user_may_not_read_are_not_called_damaged(tmp_path, mon
     assert (run / "best.pt").read_bytes() == saved["best.pt"]
 
 
+def test_a_run_folder_moved_or_copied_resumes_where_it_is_now(tmp_path, monkeypatch, capsys):
+    """A plain --resume of a run copied into runs/tiny took its out_dir from the saved config: it made the old
+    folder again, locked it and said the run had been "replaced by another run while this one was starting"."""
+    from conftest import train_small_run
+
+    run = train_small_run(tmp_path)
+    work = tmp_path / "work"
+    shutil.copytree(run, work / "runs" / "tiny")
+    run.rename(tmp_path / "moved")
+    monkeypatch.chdir(work)
+    status, _, err = call(train_main, ["--resume", "train.max_iters=30"], capsys)
+    assert status == 0, err
+    assert not run.exists()  # nothing made where the run was
+    assert load_checkpoint(work / "runs" / "tiny" / "ckpt.pt")["step"] == 30
+    assert "out_dir: runs/tiny\n" in (work / "runs" / "tiny" / "config.yaml").read_text(encoding="utf-8")
+
+
 def test_a_lock_this_user_may_not_open_is_said_to_be_the_lock(tmp_path, monkeypatch):
     from training.lock import RunLock
 

@@ -7,6 +7,7 @@ import filecmp
 import io
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -320,8 +321,8 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
                "start afresh with --overwrite, or choose another out_dir")
         raise CheckpointError(f"{e}; {way}") from None
     saved = f"the config saved in '{shown(str(ckpt))}'"
-    if config is None:  # no config named: continue with the saved one
-        cfg = load_config(None, overrides, base=payload["config"], origin=saved)
+    if config is None:  # no config named: continue with the saved one, in the folder resumed (the run may have moved)
+        cfg = replace(load_config(None, overrides, base=payload["config"], origin=saved), out_dir=str(out_dir))
     else:  # checked all the same before it is compared: comparing a crafted one went on without end
         load_config(None, [], base=payload["config"], origin=saved)
     changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
