@@ -161,6 +161,16 @@ class OneLineParser(argparse.ArgumentParser):
         self._argv = list(sys.argv[1:] if args is None else args)  # for error(): what the option was followed by
         return super().parse_known_args(args, namespace)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]):  # noqa: ANN202 - argparse's own
+        # --prompt=-- (what _dash_hint advises for a prompt of '--'): Python 3.11's argparse drops the '--' as the end
+        # of options and gives the option [], past its type and choices: a traceback, or (--out-dir=--) the default
+        # run sampled without a word. A value after '=' is the option's value, whatever it is.
+        if action.nargs is None and action.option_strings and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
     # For an unrecognized argument: argv -> '; how to write it' or '' (train.py: a setting written as an option)
     unknown_hint: Callable[[list[str]], str] | None = None
 

@@ -749,6 +749,12 @@ def test_a_value_that_starts_with_a_dash_is_shown_how_to_give_it(capsys):
     assert "as in '--prompt=-ROMEO!' " in refusal("--prompt", "-ROMEO!")  # a word the shell takes back whole
     assert refusal("--prompt") == "error: argument --prompt: expected one argument (see sample.py --help)\n"
     assert sample.parse_args(["--prompt=-ROMEO"]).prompt == "-ROMEO"
+    # '--' after '=' (as the hint above would advise for a prompt of '--'): Python 3.11's argparse gave the option []
+    # past its type and choices, a traceback or, for --out-dir, the default run sampled without a word
+    args = sample.parse_args(["--prompt=--", "--out-dir=--"])
+    assert args.prompt == "--" and args.out_dir == "--"
+    assert "invalid int value: '--'" in refusal("--seed=--")
+    assert "invalid choice: '--'" in refusal("--compile=--")
 
 
 def test_a_damaged_best_pt_names_the_runs_other_checkpoint(run, run_dir, tmp_path):
