@@ -249,6 +249,15 @@ def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_pat
                             timeout=120, preexec_fn=lambda: os.close(1))  # `>&-`
     assert closed.returncode == 2
     assert closed.stderr.startswith("error: stdout is closed") and len(closed.stderr.splitlines()) == 1
+    # stderr a full disk (`2> log` on a full file system): its first line, the checkpoint's, raised, and every sample
+    # was lost in a traceback nobody could read, with exit status 1
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([*args, "--max-new-tokens", "50", "--seed", "3"], check=False, cwd=ROOT,
+                                env=child_env(), stdout=subprocess.PIPE, stderr=full, text=True, timeout=120)
+    assert result.returncode == 0
+    plain = subprocess.run([*args, "--max-new-tokens", "50", "--seed", "3"], check=True, cwd=ROOT, env=child_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert result.stdout == plain.stdout and len(plain.stdout) == 1 + 50 + 1  # the prompt, the text, a newline
 
 
 @pytest.mark.slow

@@ -79,8 +79,10 @@ def reader_gone(e: OSError, stream: TextIO) -> bool:
 
 
 class _ReaderMayLeave:
-    """sys.stderr, less the failure of a reader that has gone (a BrokenPipeError, or EIO from a terminal that has
-    closed): from then on, descriptor 2 and what is written go to /dev/null. Everything else is the stream's own."""
+    """sys.stderr, less its failures: a reader that has gone (a BrokenPipeError, or EIO from a terminal that has
+    closed), or a stream that cannot be written (`2> file` on a full disk, `2>/dev/full`), where there is nowhere to
+    say so: from then on, descriptor 2 and what is written go to /dev/null. A message that failed had raised, and
+    sample.py lost every sample, its first line to stderr coming before them. Everything else is the stream's own."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -88,18 +90,14 @@ class _ReaderMayLeave:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except OSError as e:
-            if not reader_gone(e, self._stream):
-                raise
+        except OSError:
             self._gone()
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except OSError as e:
-            if not reader_gone(e, self._stream):
-                raise
+        except OSError:
             self._gone()
 
     def _gone(self) -> None:
