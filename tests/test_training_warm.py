@@ -137,6 +137,69 @@ def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
     assert len(spawned) == 6
 
 
+def at_once(call, *args):
+    """call(*args), which must return within seconds (a named pipe opened for reading waits for a writer forever)."""
+    import threading
+
+    result = []
+    worker = threading.Thread(target=lambda: result.append(call(*args)), daemon=True)
+    worker.start()
+    worker.join(20)
+    assert result, f"{call.__name__} still waiting"
+    return result[0]
+
+
+def test_odd_things_in_place_of_the_helpers_files_neither_hang_nor_stop_the_run_nor_are_written_through(
+        tmp_path, monkeypatch):
+    """A named pipe as the job file hung the run at its end; a folder there stopped it before its first step
+    ("cannot use ... (Is a directory); give another path"); a link as the helper's log had it write into the file the
+    link names."""
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: SimpleNamespace(pid=-1))  # nothing is started
+    old = time.time() - 3600
+    job = warm.job_file(tmp_path, "k")
+    os.mkfifo(job)
+    os.utime(job, (old, old))
+    assert at_once(warm.start, tmp_path, "k", {"threads": 1}) is None  # taken for a dead helper's, replaced
+    assert json.loads(job.read_text())["key"] == "k"
+    job.unlink()
+    job.mkdir()
+    os.utime(job, (old, old))
+    assert warm.start(tmp_path, "k", {"threads": 1}) == f"cannot write to {tmp_path} (Is a directory)"
+    job.rmdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not the helper's")
+    Path(f"{job}.log").unlink()  # the first start's
+    Path(f"{job}.log").symlink_to(precious)
+    assert warm.start(tmp_path, "k", {"threads": 1}) is None
+    assert precious.read_text() == "not the helper's" and not Path(f"{job}.log").is_symlink()
+
+
+def test_a_damaged_marker_is_no_measurement_and_is_never_written_through(tmp_path, monkeypatch):
+    """A named pipe as the marker hung train.py and a plain sample.py; a link as the marker had the compile's time
+    written into the file it names; nan ms, -5 s or "cold": "false" were taken at their word, and auto compiled."""
+    monkeypatch.setattr(compile_cache, "cache_folder", lambda say=False: tmp_path)
+    marker = compile_cache._marker("k")
+    os.mkfifo(marker)
+    assert at_once(compile_cache.cached_compile_seconds, "k") is None
+    assert at_once(compile_cache.measured_saving, "k") is None
+    marker.unlink()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not a marker")
+    marker.symlink_to(precious)
+    compile_cache.remember_compile("k", 8.5, cold=True)
+    assert precious.read_text() == "not a marker" and not marker.is_symlink()
+    assert compile_cache.cached_compile_seconds("k") == 8.5
+    good = {"seconds": 4.0, "cold": False, "eager_ms": 10.0, "compiled_ms": 5.0}
+    marker.write_text(json.dumps(good))
+    assert compile_cache.measured_saving("k") == (10.0, 5.0, 4.0)
+    for damage in ({"seconds": -5}, {"seconds": float("nan")}, {"seconds": True}, {"seconds": "4"},
+                   {"eager_ms": float("nan")}, {"compiled_ms": -1.0}, {"eager_ms": float("inf")}):
+        marker.write_text(json.dumps({**good, **damage}))
+        assert compile_cache.measured_saving("k") is None, damage
+    marker.write_text(json.dumps({**good, "cold": "false"}))  # not true: the time of a warm compile, as it says
+    assert compile_cache.measured_saving("k") == (10.0, 5.0, 4.0)
+
+
 def test_a_run_started_just_after_another_finds_its_helper_warming(tmp_path, monkeypatch):
     """start(), twice in a row, as when two runs of one model end together. The kernel shows a process's command
     line a moment after Popen returns (empty in 12% of reads made at once on an idle 2-core EPYC, most of them on a

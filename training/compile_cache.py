@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -21,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-from configs.userinput import shown
+from configs.userinput import read_user_file, shown
 from model.linear import cpu_flags
+
+from .atomic import write_atomic
 
 # A folder the user chose for torch's compile cache, read before torch itself may fill the variable with its default.
 _USER_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -280,22 +283,33 @@ def _marker(key: str) -> Path:
     return cache_folder() / f"tinychar-{key}.json"
 
 
+# A marker holds a few numbers; anything larger, or not a regular file (a named pipe waited for a writer forever), is
+# not one.
+MARKER_BYTES = 4096
+
+
 def _read_marker(key: str) -> dict:
     try:
-        last = json.loads(_marker(key).read_text(encoding="utf-8"))
+        last = json.loads(read_user_file(_marker(key), "compile marker", MARKER_BYTES))
     except (OSError, ValueError):
         return {}
     return last if isinstance(last, dict) else {}
+
+
+def _duration(value: object) -> float | None:
+    """A marker's number of seconds or milliseconds: finite and not negative, else None (a damaged marker said a
+    compile took -5 s, or a step nan ms, and auto compiled on it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        return None
+    return float(value)
 
 
 def _last_compile(key: str) -> tuple[float, bool] | None:
     """How long the last compile of this step took, and whether it began with a cold cache (None: never compiled
     here, so the cache is cold)."""
     last = _read_marker(key)
-    try:
-        return float(last["seconds"]), bool(last.get("cold", False))
-    except (KeyError, TypeError, ValueError):
-        return None
+    seconds = _duration(last.get("seconds"))
+    return None if seconds is None else (seconds, last.get("cold", False) is True)
 
 
 def cached_compile_seconds(key: str) -> float | None:
@@ -308,7 +322,8 @@ def _update_marker(key: str, fields: dict) -> None:
     try:
         marker = _marker(key)
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({**_read_marker(key), **fields}), encoding="utf-8")
+        text = json.dumps({**_read_marker(key), **fields}).encode()
+        write_atomic(marker, lambda f: f.write(text))  # a new file: never written through a link put in its place
     except OSError:
         pass  # a read-only cache only costs the next run its estimate
 
@@ -337,11 +352,8 @@ def measured_saving(key: str, warm_share: float = WARM_SHARE) -> tuple[float, fl
     the warm cache costs, taken as warm_share of a cold one where only that was timed); None where the cache is cold
     or the step was not timed both ways."""
     last, compiled = _read_marker(key), _last_compile(key)
-    try:
-        eager_ms, compiled_ms = float(last["eager_ms"]), float(last["compiled_ms"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if compiled is None:
+    eager_ms, compiled_ms = _duration(last.get("eager_ms")), _duration(last.get("compiled_ms"))
+    if eager_ms is None or compiled_ms is None or compiled is None:
         return None
     seconds, cold = compiled
     return eager_ms, compiled_ms, seconds * warm_share if cold else seconds

@@ -16,6 +16,7 @@ tinychar-<key>.warming.log (its output) and tinychar-<key>.failed (why it could 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # its own: a crash (SIGSEGV, SIGABRT) is a failure, and would crash again.
 KILLED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGTERM)}
 SETTINGS = ("1", "0")
+JOB_BYTES = 65536  # a job file holds the run's settings, a few hundred bytes
 
 
 def enabled() -> bool:
@@ -86,6 +88,8 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
     """Start a helper that compiles the step spec describes (see compile_step) into folder once process parent (this one
     by default) has ended. Returns why it did not start (another helper is on it, an earlier one failed, the folder
     is read-only), or None."""
+    from configs.userinput import read_user_file  # here: run as a script, this file finds the repository later
+
     job, failed = job_file(folder, key), failed_file(folder, key)
     if failed.exists():
         return f"an earlier attempt failed (see {failed})"
@@ -94,8 +98,8 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
         try:
             fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            try:
-                record = json.loads(job.read_text(encoding="utf-8"))
+            try:  # a regular file of a few hundred bytes: a named pipe put there waited for a writer forever
+                record = json.loads(read_user_file(job, "job file", JOB_BYTES))
             except (OSError, ValueError):
                 record = None
             helper = record.get("helper") if isinstance(record, dict) else None
@@ -106,7 +110,9 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
             fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({**spec, "key": key, "helper": None}, f)
-        with open(f"{job}.log", "w", encoding="utf-8") as log:
+        log_path = Path(f"{job}.log")
+        log_path.unlink(missing_ok=True)  # a new file, never written through a link put in its place
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as log:
             command = [sys.executable, str(Path(__file__).resolve()), str(job), str(parent or os.getpid())]
             helper = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True,
@@ -121,7 +127,8 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
         # Read by the helper only once this process has ended, and by another run's start() meanwhile.
         job.write_text(json.dumps({**spec, "key": key, "helper": helper.pid}), encoding="utf-8")
     except OSError as e:
-        job.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder put where the job file goes cannot be unlinked
+            job.unlink(missing_ok=True)
         return f"cannot write to {folder} ({e.strerror or e})"
     return None
 
