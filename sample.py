@@ -10,14 +10,16 @@ from __future__ import annotations
 import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
 
-# Ctrl-C (or SIGTERM) while the modules load (torch takes a second or more) waits until they have loaded, then ends
-# the run in one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
+# Ctrl-C (or SIGTERM, SIGHUP) while the modules load (torch takes a second or more) waits until they have loaded, then
+# ends the run in one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
 # AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
 HELD_SIGINT: list[int] = []
 STARTING_INTERRUPTED = "interrupted ({}) while starting; nothing was sampled"
 if __name__ == "__main__":
-    for _stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(_stop, lambda signum, _frame: HELD_SIGINT.append(signum))
+    _hangup = getattr(signal, "SIGHUP", None)  # a closed terminal too, unless started by nohup (which ignores it)
+    for _stop in (signal.SIGINT, signal.SIGTERM, _hangup):
+        if _stop is not None and (_stop != _hangup or signal.getsignal(_stop) is not signal.SIG_IGN):
+            signal.signal(_stop, lambda signum, _frame: HELD_SIGINT.append(signum))
 
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse

@@ -18,6 +18,7 @@ from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
 from training import compile_cache, engine
 from training.compile_errors import compile_failed, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, interrupting
+from training.streams import discard_stdout
 
 from .stops import Stops, interruption
 
@@ -56,10 +57,19 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 break
             column = step_ids[:, 0].tolist()
             if args.stream:
-                if not kept[0]:
-                    out.write(prompt)
-                out.write(vocab[column[0]])
-                out.flush()
+                # A stop while a write waits on a reader that is not reading (a pager, `| sleep`) ends it there: noted
+                # for later, it waited as long as the reader did (`timeout` sends one signal).
+                try:
+                    stops.at_once = True
+                    if not kept[0]:
+                        out.write(prompt)
+                    out.write(vocab[column[0]])
+                    out.flush()
+                except KeyboardInterrupt:
+                    discard_stdout()  # what the pipe has not taken would wait on it again at exit
+                    raise
+                finally:
+                    stops.at_once = False
             for row, i in zip(kept, column, strict=True):
                 row.append(i)
             if signum := stops():  # stopped between characters: the text so far is written, as it stands

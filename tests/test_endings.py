@@ -234,6 +234,28 @@ def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(tmp_path):
     assert out == "" and re.fullmatch(r"interrupted \(SIGTERM\)( while starting)?; nothing was sampled\n", err), err
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_sample_py_imports_its_first_modules_is_one_line(tmp_path, signum):
+    """The signal lands while sample.py imports its own modules, before torch: a hang-up there ended it without a
+    word (exit 129), where SIGTERM got its line. An import hook sends it, at the first of those modules."""
+    script = (
+        "import os, runpy, signal, sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'configs':\n"
+        "            sys.meta_path.remove(self)\n"
+        f"            os.kill(os.getpid(), {int(signum)})\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        f"sys.argv = ['sample.py', '--out-dir', {str(tmp_path / 'none')!r}]\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"runpy.run_path({str(ROOT / 'sample.py')!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=60, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # not nohup's
+    name = signal.Signals(signum).name
+    assert (done.returncode, done.stdout, done.stderr) == (
+        128 + signum, "", f"interrupted ({name}) while starting; nothing was sampled\n")
+
+
 @pytest.mark.slow
 def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_path):
     run = train_small_run(tmp_path)
@@ -258,6 +280,29 @@ def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_pat
     plain = subprocess.run([*args, "--max-new-tokens", "50", "--seed", "3"], check=True, cwd=ROOT, env=child_env(),
                            capture_output=True, text=True, timeout=120)
     assert result.stdout == plain.stdout and len(plain.stdout) == 1 + 50 + 1  # the prompt, the text, a newline
+
+
+@pytest.mark.slow
+def test_one_sigterm_ends_sample_py_streaming_into_a_reader_that_does_not_read(tmp_path):
+    """`timeout 60 python sample.py --stream ... | less`: one SIGTERM, while a streamed write waited on a full pipe,
+    was noted for after the write, which waited as long as the reader did."""
+    run = train_small_run(tmp_path)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a" * 200_000, encoding="utf-8")  # more than a pipe holds: the first write waits
+    proc = start("sample.py", "--out-dir", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "1000000",
+                 "--stream", "--compile", "false")
+    wchan = Path(f"/proc/{proc.pid}/wchan")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "pipe" not in (wchan.read_text() if wchan.exists() else ""):
+        time.sleep(0.1)  # until it waits on the pipe (Linux says so; elsewhere, a minute)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        status = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+        _, err = proc.communicate()
+    assert status == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted (SIGTERM); stopped sampling"
 
 
 @pytest.mark.slow
