@@ -174,6 +174,32 @@ def test_odd_things_in_place_of_the_helpers_files_neither_hang_nor_stop_the_run_
     assert precious.read_text() == "not the helper's" and not Path(f"{job}.log").is_symlink()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_helpers_compile_ends_when_the_helper_is_killed(tmp_path):
+    """A helper killed with SIGKILL (the OOM killer, kill -9) left its compile running, an orphan, beside the next
+    run's helper compiling the same step. A stand-in helper here starts its "compile" (a long sleep) as the real one
+    does, then is killed."""
+    pid_file = tmp_path / "child.pid"
+    helper = subprocess.Popen([sys.executable, "-c", (
+        f"import os, subprocess, sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from training import warm\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+        "preexec_fn=warm.ends_with(os.getpid()))\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "child.wait()\n")])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert warm.alive(child)
+    helper.kill()
+    helper.wait()
+    deadline = time.monotonic() + 20
+    while warm.alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not warm.alive(child)
+
+
 def test_a_damaged_marker_is_no_measurement_and_is_never_written_through(tmp_path, monkeypatch):
     """A named pipe as the marker hung train.py and a plain sample.py; a link as the marker had the compile's time
     written into the file it names; nan ms, -5 s or "cold": "false" were taken at their word, and auto compiled."""

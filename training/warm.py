@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -241,6 +242,23 @@ def lowest_priority() -> None:
             return
 
 
+def ends_with(parent: int) -> Callable[[], None]:
+    """A preexec_fn that has the child end (SIGTERM) when process parent does, however it ends: a helper killed with
+    SIGKILL (the OOM killer, `kill -9`) left its compile running, an orphan, beside the next run's helper compiling
+    the same step. Linux's PR_SET_PDEATHSIG; elsewhere nothing."""
+    def arrange() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # not Linux
+            return
+        if os.getppid() != parent:  # it ended before the setting took
+            os._exit(128 + signal.SIGTERM)
+
+    return arrange
+
+
 def main(job: Path, parent: int) -> int:
     """The helper: wait for the run (process parent) to end, lower its priority, compile the step in a process of
     its own (filling the cache), then again in another, as the next run will (timing that compile from the warm
@@ -256,7 +274,7 @@ def main(job: Path, parent: int) -> int:
         lowest_priority()
         for remember in (False, True):
             subprocess.run([sys.executable, __file__, "--compile", str(job), *(["--remember"] if remember else [])],
-                           cwd=ROOT, stdin=subprocess.DEVNULL, check=True)
+                           cwd=ROOT, stdin=subprocess.DEVNULL, check=True, preexec_fn=ends_with(os.getpid()))
         return 0
     except Exception as e:  # whatever went wrong: said once, where later runs look
         if isinstance(e, subprocess.CalledProcessError) and -e.returncode in KILLED_BY:
