@@ -260,11 +260,14 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
                                   f"string; it is damaged or from another program")
         # load_state_dict would keep the real part of a complex tensor, with a warning on stderr, and take integers or
         # booleans as the numbers they are (True as 1.0), without a word: no model tinychar builds holds either
-        name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor)
-                     and (v.is_complex() or not v.is_floating_point())), None)
+        # A sparse or meta tensor was refused by load_state_dict, its reason cut off behind the shapes' line
+        name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor) and (
+            v.is_complex() or not v.is_floating_point() or v.layout != torch.strided or v.is_meta)), None)
         if name is not None:
-            kind = ("complex numbers" if weights[name].is_complex() else "booleans" if weights[name].dtype == torch.bool
-                    else "integers")
+            v = weights[name]
+            kind = ("complex numbers" if v.is_complex() else "booleans" if v.dtype == torch.bool
+                    else "integers" if not v.is_floating_point() else "a sparse tensor" if v.layout != torch.strided
+                    else "a tensor with no values (on the meta device)")
             raise CheckpointError(f"checkpoint {quoted(path)} holds {kind} as weights ({quoted(str(name))}); it is "
                                   f"damaged or from another program")
     try:

@@ -276,6 +276,20 @@ def test_integer_or_boolean_weights_are_refused_not_taken_as_numbers(saved, tmp_
                                   f"program")
 
 
+@pytest.mark.parametrize(("make", "kind"), [(lambda t: t.to_sparse(), "a sparse tensor"),
+                                           (lambda t: t.to("meta"), "a tensor with no values (on the meta device)")])
+def test_sparse_or_meta_weights_are_refused_saying_so(saved, tmp_path, make, kind):
+    # load_state_dict's refusal was cut off behind a line of two equal shapes, before its reason
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = dict(payload["model"])
+    payload["model"]["transformer.ln_f.bias"] = make(payload["model"]["transformer.ln_f.bias"])
+    path = tmp_path / "odd-layout.pt"
+    save_checkpoint(payload, path)
+    assert refusal(path).endswith(f"holds {kind} as weights ('transformer.ln_f.bias'); it is damaged or from another "
+                                  f"program")
+
+
 @pytest.mark.parametrize(("version", "fragment"), [
     (2, "is in format version 2, newer than this tinychar reads (1); load it with the tinychar that wrote it"),
     (10**400, "is in format version a far later one, newer than this tinychar reads (1)"),
