@@ -271,6 +271,16 @@ def test_a_tilde_on_the_command_line_is_the_home_folder_and_null_still_unsets():
     assert load_config(TINY, ["data.path=x.txt", "data.path=none"]).data.path is None
 
 
+def test_an_out_dir_in_the_home_folder_of_an_unknown_user_is_refused_as_data_path_is():
+    # out_dir=~nouser/x made a folder named '~nouser' in the current one, where data.path refused the same value
+    from data.paths import DataError
+
+    with pytest.raises(DataError) as e:
+        load_config(TINY, ["out_dir=~no-such-user-here/x"])
+    assert str(e.value) == ("out_dir: '~no-such-user-here/x' starts with the home folder of 'no-such-user-here', a "
+                            "user this machine does not know; give the folder's full path")
+
+
 @pytest.mark.parametrize("key", ["data.path", "data.cache_dir", "out_dir"])
 @pytest.mark.parametrize("word", ["none", "NULL"])
 def test_none_for_a_path_is_refused_where_a_file_of_that_name_is_here(tmp_path, monkeypatch, key, word):

@@ -12,6 +12,7 @@ from configs import ConfigError, apply_overrides, build, check_keys, load_yaml, 
 from configs.origins import as_typed
 from configs.userinput import path_word, shown
 from data import DataConfig
+from data.paths import expand_home
 from model import GPTConfig
 from model.config import short_int
 
@@ -186,8 +187,8 @@ def load_config(config_path: str | None, overrides: list[str], base: dict | None
     cfg = build(RunConfig, merged, where)
     if cfg.out_dir is None:
         cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
-    elif cfg.out_dir.startswith("~"):  # as data.path and data.cache_dir are: not a folder named '~'
-        cfg = replace(cfg, out_dir=os.path.expanduser(cfg.out_dir))
+    elif cfg.out_dir.startswith("~"):  # as data.path and data.cache_dir are: not a folder named '~' (or '~nouser')
+        cfg = replace(cfg, out_dir=str(expand_home(cfg.out_dir, "out_dir")))
     return replace(cfg, data=one_text(cfg.data, merged.given))
 
 
