@@ -8,6 +8,7 @@ that uses them; this module only knows how to fill them from plain data and to d
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import types
@@ -84,7 +85,10 @@ def _type_name(tp: Any) -> str:
 def _wrong_type(key: str, tp: Any, value: Any) -> ConfigError:
     # shown(): the value may be a few hundred bytes of YAML aliases that expand to billions of items
     got = f"'{shown(value)}'" if isinstance(value, str) else shown(value)
-    return ConfigError(f"{key} must be {_type_name(tp)}, got {got}")
+    # YAML reads an unquoted 2024-01-01 as a date: a text setting written so is told to quote it
+    hint = ("; YAML reads an unquoted date as one: put it in quotes" if isinstance(value, datetime.date)
+            and str in typing.get_args(tp) + (tp,) else "")
+    return ConfigError(f"{key} must be {_type_name(tp)}, got {got}{hint}")
 
 
 class _NotOfType(Exception):

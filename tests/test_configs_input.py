@@ -257,6 +257,13 @@ def test_deep_nesting_is_refused_in_one_line(tmp_path):
     assert "nested too deeply" in refused(write_yaml(tmp_path, "seed: " + "[" * 5000 + "]" * 5000 + "\n"))
 
 
+def test_a_date_where_a_text_goes_is_told_to_be_quoted(tmp_path):
+    # "out_dir must be a string or null, got datetime.date(2024, 1, 1)": no word of why, or of the way out
+    message = refused(write_yaml(tmp_path, "out_dir: 2024-01-01\n"))
+    assert "YAML reads an unquoted date as one: put it in quotes" in message
+    assert "quotes" not in refused(write_yaml(tmp_path, "seed: 2024-01-01\n"))  # a number goes there: no quotes
+
+
 def test_a_long_chain_of_merges_is_refused_in_one_line(tmp_path):
     # each mapping merges the one before: 24 KB, under the size limit, and the check for keys merged twice recursed
     # down the chain to a RecursionError traceback
