@@ -138,8 +138,14 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         compile_cache.prepare_compile()
     # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
     options = compile_cache.compile_options(device) if compiled else None
-    sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
-                            chunk=chunk, graph=graph)
+    try:
+        sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
+                                chunk=chunk, graph=graph)
+    except Exception as e:  # torch.compile imports the compiler here: a signal that lands inside an import can come
+        # out wrapped (Python 3.11 wraps one raised in a class's __set_name__ in a RuntimeError), a traceback then
+        if (stop := interrupting(e)) is not None:
+            raise interruption(getattr(stop, "signum", signal.SIGINT)) from None
+        raise
     if compiled or graph:
         cold = compiled and compile_cache.cached_compile_seconds(key) is None
         start = time.perf_counter()
