@@ -282,6 +282,27 @@ def test_unreadable_entries_of_the_compile_cache_are_one_line_not_a_traceback_ea
     assert not log.filters  # as it was, after the compile
 
 
+def test_an_artifact_inductor_cannot_load_is_not_logged_before_the_one_line(capfd, monkeypatch):
+    """A compile cache whose 'locks' is a file: three lines of "E1203 ... Failed to load artifact: ..." from torch's
+    log came before the one line that says the compile failed (inductor logs the error, then raises it)."""
+    import logging
+
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    log = logging.getLogger("torch._inductor.output_code")
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    log.addHandler(handler)
+    try:
+        with compile_errors.compiler_log_quiet():
+            log.error("Failed to load artifact: %s", "/cache/iu/ciuwpn.py")
+            log.error("another error of inductor's")
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in logged] == ["another error of inductor's"]
+    assert not log.filters
+
+
 @needs_cpu_compile
 def test_the_logs_sample_and_attention_run_the_block_compiled_model_eagerly(tmp_path, capsys, monkeypatch):
     # Nine micro-batches a step: more than the compiled step unrolls, so the blocks are compiled one by one, as

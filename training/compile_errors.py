@@ -42,11 +42,15 @@ def compiler_log_quiet() -> Iterator[None]:
     damaged = _UnreadableEntries()
     cache_log = logging.getLogger("torch._inductor.codecache")
     cache_log.addFilter(damaged)
+    # inductor logs an artifact it cannot load (a cache whose 'locks' is a file), then raises: said once, by the caller
+    artifacts, unloadable = logging.getLogger("torch._inductor.output_code"), _Dropped("Failed to load artifact")
+    artifacts.addFilter(unloadable)
     try:
         yield
     finally:
         log.disabled = False
         cache_log.removeFilter(damaged)
+        artifacts.removeFilter(unloadable)
         if damaged.count:
             print(f"compile cache: {damaged.count} compiled graph(s) in it could not be read (damaged files?), and "
                   f"were compiled again", file=sys.stderr, flush=True)
@@ -65,6 +69,17 @@ class _UnreadableEntries(logging.Filter):
             self.count += 1
             return False
         return True
+
+
+class _Dropped(logging.Filter):
+    """Keeps out of the log the messages that begin with prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def one_line(e: Exception) -> str:
