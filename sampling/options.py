@@ -123,7 +123,7 @@ def run_checkpoint(out_dir: str | None) -> Path:
     """The checkpoint of a run folder (out_dir, or DEFAULT_OUT_DIR without one): model.runs.find_checkpoint's
     CheckpointError when there is none, UsageError when the folder is a file."""
     out_dir = out_dir or DEFAULT_OUT_DIR
-    if os.path.isfile(out_dir):
+    if os.path.isfile(out_dir) or os.path.isfile(out_dir.rstrip("/") or "/"):  # 'run/ckpt.pt/', a tab's completion
         raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
                          f"--checkpoint")
     return find_checkpoint(out_dir)

@@ -504,13 +504,14 @@ def test_a_bad_request_is_one_line_and_exit_2(run, run_dir, tmp_path, make, frag
     ([], "no run folder 'runs/tiny'"),  # sample.py before any training, as the README's order may be missed
     (["--out-dir", "empty"], "'empty' holds no best.pt or ckpt.pt; train first"),
     (["--out-dir", "a_file"], "--out-dir 'a_file' is a file, not a run folder"),
+    (["--out-dir", "a_file/"], "--out-dir 'a_file/' is a file, not a run folder"),  # was "no run folder 'a_file'"
     (["--out-dir", "replacing"], "'replacing' holds no best.pt or ckpt.pt of its own: the run that an --overwrite "
      "replaced waits in 'replacing/.replaced'"),
     (["--checkpoint", "nope.pt"], "no checkpoint at 'nope.pt'; train one first with `python train.py`"),
     (["--checkpoint", "dangling.pt"], "'dangling.pt' is a symbolic link that leads to no file"),
     (["--checkpoint", "empty"], "'empty' is a folder, not a checkpoint file; name the checkpoint in it"),
-], ids=["missing", "default", "empty", "file", "replaced-midway", "missing-checkpoint", "dangling-link",
-        "checkpoint-a-folder"])
+], ids=["missing", "default", "empty", "file", "file-with-a-slash", "replaced-midway", "missing-checkpoint",
+        "dangling-link", "checkpoint-a-folder"])
 def test_a_run_folder_or_checkpoint_not_there_is_said_before_torch_is_imported(tmp_path, args, fragment):
     """The commonest mistake with sample.py, a run folder (or checkpoint) mistyped or not trained yet, was said once
     torch had loaded, 1.75-1.89 s after the command (2-core Zen 2 EPYC); now in 0.15 s, by a process that never
