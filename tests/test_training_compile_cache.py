@@ -213,7 +213,8 @@ def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_
     assert compile_cache.prepare_compile() == folder and capsys.readouterr().err == ""  # said once
 
 
-@pytest.mark.parametrize("odd", [" ", "'", '"', "\\", "\t"], ids=["space", "quote", "double-quote", "backslash", "tab"])
+@pytest.mark.parametrize("odd", [" ", "'", '"', "\\", "\t", "\n"],
+                         ids=["space", "quote", "double-quote", "backslash", "tab", "newline"])
 def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_folder(monkeypatch, tmp_path, capsys,
                                                                                       odd):
     """Inductor splits the C++ compiler's command like a shell without quoting paths: a cache folder under a home
@@ -227,7 +228,7 @@ def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_f
     wanted = compile_cache.compile_cache_dir()
     folder = compile_cache.prepare_compile()
     assert folder == tmp_path / "temp" / f"tinychar-{os.getuid()}" / "compiled" / wanted.name and folder.is_dir()
-    name = {" ": "a space", "\t": "a space", "\\": "a backslash"}.get(odd, "a quote")
+    name = {" ": "a space", "\t": "a tab", "\n": "a line break", "\\": "a backslash"}.get(odd, "a quote")
     assert capsys.readouterr().err == (
         f"compile cache: cannot use '{shown(str(wanted))}' (its path holds {name}, which splits inductor's compiler "
         f"command), so compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the "
@@ -236,6 +237,18 @@ def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_f
     monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "a temp"))
     with pytest.raises(compile_cache.NoCacheFolder, match="its path holds a space"):
         compile_cache.prepare_compile()
+
+
+def test_a_cache_folder_on_a_read_only_file_system_is_said_to_be_so(monkeypatch, tmp_path):
+    # a read-only mount was "Permission denied", which sends one to chmod a folder nobody can write
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(compile_cache.os, "access", lambda path, mode: False)
+    for flags, said in ((os.ST_RDONLY, "Read-only file system"), (0, "Permission denied")):
+        monkeypatch.setattr(compile_cache.os, "statvfs", lambda path, flags=flags: SimpleNamespace(f_flag=flags))
+        with pytest.raises(OSError) as e:
+            compile_cache._usable(tmp_path)
+        assert e.value.strerror == said
 
 
 def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_markers_follow_the_moved_cache(

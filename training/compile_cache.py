@@ -189,7 +189,8 @@ def _split_by_compilers(folder: Path) -> str:
     words; '' where nothing would."""
     text = str(folder)
     if any(c.isspace() for c in text):
-        return "a space"
+        return ("a space" if " " in text else "a line break" if any(c in text for c in "\n\r") else "a tab"
+                if "\t" in text else "a blank character")
     return next((f"a {name}" for c, name in (("'", "quote"), ('"', "quote"), ("\\", "backslash")) if c in text), "")
 
 
@@ -199,8 +200,10 @@ def _usable(folder: Path) -> None:
     if odd := _split_by_compilers(folder):
         raise OSError(errno.EINVAL, f"its path holds {odd}, which splits inductor's compiler command")
     folder.mkdir(parents=True, exist_ok=True)
-    if not os.access(folder, os.W_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    if not os.access(folder, os.W_OK):  # a read-only file system is said as such, not as a permission
+        read_only = hasattr(os, "statvfs") and os.statvfs(folder).f_flag & getattr(os, "ST_RDONLY", 1)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS)) if read_only else PermissionError(
+            errno.EACCES, os.strerror(errno.EACCES))
 
 
 def prepare_compile() -> Path:
