@@ -211,6 +211,13 @@ def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_
         f"compile cache: cannot use '{shown(str(wanted))}' (Not a directory), so compiled code goes to "
         f"'{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder\n")
     assert compile_cache.prepare_compile() == folder and capsys.readouterr().err == ""  # said once
+    # where TORCHINDUCTOR_CACHE_DIR named it, that is what to change ("set it to choose the folder" told the person
+    # to do what they had done)
+    monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "xdg" / "tinychar"))
+    compile_cache.prepare_compile()
+    assert capsys.readouterr().err.endswith(
+        "; set TORCHINDUCTOR_CACHE_DIR, which names it, to a folder this user can write\n")
 
 
 @pytest.mark.parametrize("odd", [" ", "'", '"', "\\", "\t", "\n"],

@@ -177,9 +177,10 @@ def cache_folder(say: bool = False) -> Path:
                                 f"({fallback.strerror or type(fallback).__name__})") from None
         if say and wanted not in _SAID_MOVED:  # once a process
             _SAID_MOVED.add(wanted)
+            how = ("set TORCHINDUCTOR_CACHE_DIR, which names it, to a folder this user can write" if _USER_CACHE
+                   else "set TORCHINDUCTOR_CACHE_DIR to choose the folder")
             print(f"compile cache: cannot use '{shown(str(wanted))}' ({e.strerror or type(e).__name__}), so "
-                  f"compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the folder",
-                  file=sys.stderr, flush=True)
+                  f"compiled code goes to '{shown(str(folder))}'; {how}", file=sys.stderr, flush=True)
         return folder
 
 
