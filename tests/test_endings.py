@@ -277,9 +277,7 @@ def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_pat
         result = subprocess.run([*args, "--max-new-tokens", "50", "--seed", "3"], check=False, cwd=ROOT,
                                 env=child_env(), stdout=subprocess.PIPE, stderr=full, text=True, timeout=120)
     assert result.returncode == 0
-    plain = subprocess.run([*args, "--max-new-tokens", "50", "--seed", "3"], check=True, cwd=ROOT, env=child_env(),
-                           capture_output=True, text=True, timeout=120)
-    assert result.stdout == plain.stdout and len(plain.stdout) == 1 + 50 + 1  # the prompt, the text, a newline
+    assert len(result.stdout) == 1 + 50 + 1 and result.stdout.startswith("\n")  # the prompt (a newline), the text...
 
 
 @pytest.mark.slow
