@@ -6,8 +6,11 @@ tests the step itself."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -252,28 +255,31 @@ def test_a_failed_compile_is_one_line_naming_the_error_underneath_and_torch_s_lo
     assert not logging.getLogger("torch._subclasses.fake_tensor").disabled  # as it was, after the compile
 
 
-def test_unreadable_entries_of_the_compile_cache_are_one_line_not_a_traceback_each(capfd, monkeypatch):
-    """A damaged compile cache (its files overwritten) trained as it should, after 21 lines of torch's warnings and
-    tracebacks, one for each graph it could not read and compiled again. Staged with inductor's own warning."""
-    import logging
-
-    monkeypatch.delenv("TORCH_LOGS", raising=False)
-    log = logging.getLogger("torch._inductor.codecache")
-    logged: list[logging.LogRecord] = []
+@contextlib.contextmanager
+def logged_by(name: str) -> Iterator[tuple[logging.Logger, list[logging.LogRecord]]]:
+    """The logger of that name, and the records that pass its filters to its handlers while inside."""
+    log, logged = logging.getLogger(name), []
     handler = logging.Handler()
     handler.emit = logged.append
     log.addHandler(handler)
-    capfd.readouterr()
     try:
-        with compile_errors.compiler_log_quiet():
-            for _ in range(3):
-                try:
-                    raise ValueError("invalid load key, 'x'.")
-                except ValueError:
-                    log.warning("fx graph cache unable to load compiled graph", exc_info=True)
-            log.warning("another warning of inductor's cache")
+        yield log, logged
     finally:
         log.removeHandler(handler)
+
+
+def test_unreadable_entries_of_the_compile_cache_are_one_line_not_a_traceback_each(capfd, monkeypatch):
+    """A damaged compile cache (its files overwritten) trained as it should, after 21 lines of torch's warnings and
+    tracebacks, one for each graph it could not read and compiled again. Staged with inductor's own warning."""
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    capfd.readouterr()
+    with logged_by("torch._inductor.codecache") as (log, logged), compile_errors.compiler_log_quiet():
+        for _ in range(3):
+            try:
+                raise ValueError("invalid load key, 'x'.")
+            except ValueError:
+                log.warning("fx graph cache unable to load compiled graph", exc_info=True)
+        log.warning("another warning of inductor's cache")
     err = capfd.readouterr().err
     assert "Traceback" not in err and "unable to load" not in err
     assert [r.getMessage() for r in logged] == ["another warning of inductor's cache"]  # the others pass
@@ -285,20 +291,10 @@ def test_unreadable_entries_of_the_compile_cache_are_one_line_not_a_traceback_ea
 def test_an_artifact_inductor_cannot_load_is_not_logged_before_the_one_line(capfd, monkeypatch):
     """A compile cache whose 'locks' is a file: three lines of "E1203 ... Failed to load artifact: ..." from torch's
     log came before the one line that says the compile failed (inductor logs the error, then raises it)."""
-    import logging
-
     monkeypatch.delenv("TORCH_LOGS", raising=False)
-    log = logging.getLogger("torch._inductor.output_code")
-    logged: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = logged.append
-    log.addHandler(handler)
-    try:
-        with compile_errors.compiler_log_quiet():
-            log.error("Failed to load artifact: %s", "/cache/iu/ciuwpn.py")
-            log.error("another error of inductor's")
-    finally:
-        log.removeHandler(handler)
+    with logged_by("torch._inductor.output_code") as (log, logged), compile_errors.compiler_log_quiet():
+        log.error("Failed to load artifact: %s", "/cache/iu/ciuwpn.py")
+        log.error("another error of inductor's")
     assert [r.getMessage() for r in logged] == ["another error of inductor's"]
     assert not log.filters
 
