@@ -39,6 +39,9 @@ os.environ["XDG_CACHE_HOME"] = _SESSION_CACHE
 os.environ.pop("TINYCHAR_DATA_DIR", None)
 
 
+_ZYGOTE = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: runs a real train.py or sample.py subprocess (seconds); part of the default run"
@@ -48,9 +51,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning:torch.jit._script"
     )
+    config.addinivalue_line(
+        "markers", "no_zygote: the test's train.py and sample.py are exec'd, not forked from a zygote"
+                   " (tests/zygote.py): it times something against torch's import"
+    )
+    global _ZYGOTE
+    if _ZYGOTE is None and not _INHERITED_CACHE:  # the real processes of train.py and sample.py: tests/zygote.py
+        import zygote
+
+        _ZYGOTE = zygote.install(dict(os.environ))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
     if not _INHERITED_CACHE:  # the session that made it removes it
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
@@ -65,6 +79,18 @@ def _is_local(address: object) -> bool:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         return False  # a host name: resolving it would already be network
+
+
+@pytest.fixture(autouse=True)
+def _zygote_unless_marked(request: pytest.FixtureRequest):
+    if _ZYGOTE is None or request.node.get_closest_marker("no_zygote") is None:
+        yield
+        return
+    _ZYGOTE.off = True
+    try:
+        yield
+    finally:
+        _ZYGOTE.off = False
 
 
 @pytest.fixture(autouse=True)

@@ -142,6 +142,7 @@ def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torc
 
 
 @pytest.mark.slow
+@pytest.mark.no_zygote  # among the places it lands: torch's import
 def test_a_real_ctrl_c_soon_after_launch_is_one_line_and_status_130(small_corpus, tmp_path):
     """Wherever the signal lands (the imports, the arguments, reading the data), one line and 130. On a loaded
     machine it can land before the interpreter has set up its own Ctrl-C handling: then the process ends as any
@@ -223,6 +224,7 @@ def test_a_stop_while_sample_py_compiles_ends_it_without_waiting_for_the_compile
 
 
 @pytest.mark.slow
+@pytest.mark.no_zygote  # its signal must land while torch loads, a second after the start
 def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(tmp_path):
     """kill or timeout while torch loads (a second or more) ended sample.py without a word."""
     run = train_small_run(tmp_path)

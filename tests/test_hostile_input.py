@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import zygote
 from conftest import ROOT
 from test_bad_input import LINE_LIMIT, Case, _changed_checkpoint
 from test_train import child_env, snapshot
@@ -25,8 +26,7 @@ from training_runs import TINY, write_corpus
 MEMORY_LIMIT = 8 << 30  # bytes of heap a child may take: a run that slipped past the memory check dies here
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_LIMIT, MEMORY_LIMIT))
+_limit_memory = zygote.limits({resource.RLIMIT_DATA: (MEMORY_LIMIT, MEMORY_LIMIT)})
 
 
 def _fifo(c: Case) -> Path:
