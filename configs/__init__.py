@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import decimal
 import math
 import os
 import types
@@ -112,15 +113,26 @@ def _to_int(value: Any, from_text: bool) -> int:
         raise _NotOfType
     if isinstance(value, int):
         return value
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
+    if isinstance(value, float):  # YAML's 1.0e+18: the number as written is the float's shortest spelling
+        return _integral(repr(value))
     if not isinstance(value, str):
         raise _NotOfType
+    if any(c in value for c in ".eE"):  # 1e3 and 1.0e+18 are counts, as the same words in a YAML file are
+        return _integral(value)
     try:  # Python refuses integer text of over 4300 digits with a ValueError, which lands here too
-        number = float(value.replace("_", "")) if any(c in value for c in ".eE") else int(value, 10)
+        return int(value, 10)
     except ValueError:
         raise _NotOfType from None
-    if isinstance(number, float) and not number.is_integer():  # 1e3 is a count, 1.5 and 1e400 (inf) are not
+
+
+def _integral(text: str) -> int:
+    """The integer that decimal text such as '1e18' or '2.0' spells, exactly (float('1e23') is 99999999999999991611392);
+    _NotOfType for 1.5, and for what is past float's range (1e400), as a YAML file's number would be."""
+    try:
+        number = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        raise _NotOfType from None
+    if not number.is_finite() or number != number.to_integral_value() or math.isinf(float(number)):
         raise _NotOfType
     return int(number)
 

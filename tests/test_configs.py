@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from configs import ConfigError, apply_overrides, build, flatten, load_yaml, to_dict, valid_keys
+from configs import ConfigError, apply_overrides, build, coerce, flatten, load_yaml, to_dict, valid_keys
 from configs.userinput import shown
 from model import GPT
 from training.config import RunConfig, load_config
@@ -236,6 +236,27 @@ def test_exponent_numbers_pyyaml_reads_as_strings_are_accepted(tmp_path):
     assert cfg.train.learning_rate == 3e-4 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.min_lr == 1e-5
     assert cfg.train.max_iters == 1000 and isinstance(cfg.train.max_iters, int)
+
+
+@pytest.mark.parametrize(("spelling", "count"), [("1e18", 10**18), ("1.0e+18", 10**18), ("9.2e+18", 92 * 10**17),
+                                                 ("2.0", 2), ("1_000.0", 1000), ("10e-1", 1)])
+def test_a_count_in_exponent_notation_is_the_same_integer_in_the_file_and_on_the_command_line(tmp_path, spelling,
+                                                                                               count):
+    # YAML reads 1.0e+18 as a float and 1e18 as a string: both are the count written, exactly (float(1e23) is not
+    # 10**23), in the file as on the command line; once the file's 1.0e+18 was refused ("must be an integer") and
+    # the command line's taken
+    from_file = load_config(str(write_yaml(tmp_path, f"train:\n  max_iters: {spelling}\n")), [])
+    from_line = load_config(str(TINY), [f"train.max_iters={spelling}"])
+    assert from_file.train.max_iters == from_line.train.max_iters == count
+    assert coerce("1e23", int, "seed", from_text=True) == coerce(1e23, int, "seed") == 10**23
+
+
+@pytest.mark.parametrize("spelling", ["1.5", "1e-3", "1e400", "1e-400", ".inf", "nan"])
+def test_a_count_that_is_not_an_integer_is_refused_in_the_file_and_on_the_command_line(tmp_path, spelling):
+    assert "train.max_iters must be an integer" in refused(write_yaml(tmp_path, f"train:\n  max_iters: {spelling}\n"))
+    assert "train.max_iters must be an integer" in refused(TINY, [f"train.max_iters={spelling}"])
+    # the command line keeps every digit, which a YAML file's float cannot (it reads this one as 1.0)
+    assert "train.max_iters must be an integer" in refused(TINY, ["train.max_iters=1.0000000000000000001"])
 
 
 def test_an_integer_is_a_fine_float(tmp_path):
