@@ -58,22 +58,21 @@ def tensorboard_writer(logdir: str | None) -> object | None:
     a bad --logdir is refused before training rather than after."""
     if logdir is None:
         return None
-    from torch.utils.tensorboard import SummaryWriter  # imported only when asked for: it is slow to load
+    from training.events import EventWriter
 
     refuse = f"--logdir: cannot write TensorBoard logs into '{shown(logdir)}'"
     advice = "give a folder that can be created and written"
-    # A folder that is there but cannot be written: SummaryWriter takes it, and its writer thread fails on its own,
-    # a traceback on stderr beside this line.
+    # A folder that is there but cannot be written, said as such (the writer would name its file in the folder)
     if os.path.isdir(logdir) and not os.access(logdir, os.W_OK | os.X_OK):
         raise ValueError(f"{refuse} (the folder cannot be written); {advice}")
     if os.path.exists(logdir) and not os.path.isdir(logdir):  # makedirs said only "File exists"
         raise ValueError(f"{refuse} (it is a file, not a folder); {advice}")
     try:
-        return SummaryWriter(logdir)
+        return EventWriter(logdir)
     except OSError as e:
         reason = e.strerror or type(e).__name__
         if e.filename is not None and os.fsdecode(e.filename) != str(logdir):  # a folder above it, say
-            reason = f"'{shown(os.fsdecode(e.filename))}': {reason}"  # TensorBoard names its files in bytes
+            reason = f"'{shown(os.fsdecode(e.filename))}': {reason}"
         raise ValueError(f"{refuse} ({reason}); {advice}") from None
 
 

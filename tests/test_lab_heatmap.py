@@ -234,10 +234,11 @@ def test_save_writes_a_png_of_the_last_window(tmp_path: Path):
 def test_logged_image_is_the_picture_itself(tmp_path):
     """log_image writes the picture to TensorBoard as a PNG that decodes to the same pixels, at the given step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.utils.tensorboard import SummaryWriter
+
+    from training.events import EventWriter
 
     image = render_attention_grid(causal_weights(2, 3, 8), list("abcdefgh"), title="step 7")
-    writer = SummaryWriter(str(tmp_path))
+    writer = EventWriter(tmp_path)
     log_image(writer, "attention/grid", image, 7)
     writer.close()
     events = EventAccumulator(str(tmp_path))

@@ -103,13 +103,12 @@ def test_a_closed_output_asks_the_run_to_stop_and_silences_the_logger(tmp_path: 
 
 
 def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
-    """TensorBoard writes from a thread of its own; when the disk fills, the run stops with one line (no traceback
-    from that thread or this one) and the checkpoint saved before is whole."""
-    from tensorboard.summary.writer.record_writer import RecordWriter
-
+    """When the disk fills under the TensorBoard logs, the run stops with one line (no traceback) and the checkpoint
+    saved before is whole."""
     from model import load_checkpoint
+    from training.events import EventWriter
 
-    real_write = RecordWriter.write
+    real_write = EventWriter._write
     writes = {"n": 0, "saved": False}
 
     def write(self, data):
@@ -123,7 +122,7 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint
         real_save(state, path, *copies)
         writes["saved"] = True
 
-    monkeypatch.setattr(RecordWriter, "write", write)
+    monkeypatch.setattr(EventWriter, "_write", write)
     monkeypatch.setattr(training.loop, "save_checkpoint", save)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("to be or not to be, that is the question\n" * 40, encoding="utf-8")

@@ -22,6 +22,7 @@ from model import GPT, NonFiniteLogits
 
 from .config import RunConfig
 from .errors import LogError
+from .events import EventWriter
 from .streams import discard_stdout, stdout_lost
 
 
@@ -65,18 +66,6 @@ def utf8(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _quiet_tensorboard_thread(hook: Callable) -> Callable:
-    """threading.excepthook that says nothing of an OSError in TensorBoard's writer thread (the Logger reports it)
-    and hands everything else to hook."""
-
-    def quiet(args: threading.ExceptHookArgs) -> None:
-        if issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard"):
-            return
-        hook(args)
-
-    return quiet
-
-
 class Logger:
     """Progress to the terminal (a tqdm bar, or plain lines when output is not a terminal) and TensorBoard. A quiet
     Logger (every process of a torchrun launch but rank 0) shows and writes nothing."""
@@ -85,7 +74,6 @@ class Logger:
                  quiet: bool = False, on_closed: Callable[[], None] | None = None) -> None:
         self.quiet = quiet
         self.on_closed = on_closed
-        self._excepthook: Callable | None = None  # threading's, while this logger quiets TensorBoard's thread
         self._picture: threading.Thread | None = None  # the attention picture being drawn in the background
         self._picture_error: BaseException | None = None
         self._no_picture_said = False  # the note that the model's picture is too large, said once a run
@@ -98,8 +86,6 @@ class Logger:
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         self.writer = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # TensorBoard hides every earlier event at or after purge_step: those a killed or stopped run logged
             # past its last checkpoint, which this run logs again. Events at `start` itself were written before
             # that checkpoint (see flush) and stay (a resume logs at `start` only the evaluation a stop cut short,
@@ -108,11 +94,7 @@ class Logger:
             first = 0 if start == 0 else start + 1
             self.out_dir = out_dir
             with self.writing():
-                self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=first)
-            # The writer's own thread reports a failed write (a full disk) with a traceback of its own before the
-            # next call here raises it again; that call says it in one line (writing), so the thread keeps quiet.
-            self._excepthook = threading.excepthook
-            threading.excepthook = _quiet_tensorboard_thread(self._excepthook)
+                self.writer = EventWriter(out_dir, purge_step=first)
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -121,7 +103,9 @@ class Logger:
         try:
             yield
         except OSError as e:
-            self.writer = None  # closing it would only try the same write again
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                writer.close()  # nothing is pending there: each event was written when it was added
             raise LogError(f"cannot write TensorBoard logs into '{shown(str(self.out_dir))}' ({e.strerror or e}); "
                            f"the last checkpoint there is intact. Free some space, or set train.tensorboard=false "
                            f"and --resume") from None
@@ -212,14 +196,11 @@ class Logger:
     def hparams(self, cfg: RunConfig, params: int) -> None:
         if self.writer is None:
             return
-        from torch.utils.tensorboard.summary import hparams
-
         flat = {k: (utf8(v) if isinstance(v, str) else v if isinstance(v, (int, float, bool)) else utf8(str(v)))
                 for k, v in flatten(to_dict(cfg)).items()}
         flat["params"] = params
         with self.writing():
-            for summary in hparams(flat, {"hparam/best_val_loss": float("nan")}):
-                self.writer.file_writer.add_summary(summary)
+            self.writer.add_hparams(flat, ["hparam/best_val_loss"])
             self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
 
     def flush(self, pictures: bool = True) -> None:
@@ -238,13 +219,11 @@ class Logger:
             self.bar = None
         try:
             self.finish_picture()
-        finally:  # the files are closed and threading's hook put back even when the picture failed
+        finally:  # the file is closed even when the picture failed
             if self.writer is not None:
                 with self.writing():
                     self.writer.close()
                 self.writer = None
-            if self._excepthook is not None:
-                threading.excepthook, self._excepthook = self._excepthook, None
 
 
 def sample_text(model: GPT, tokenizer: CharTokenizer, n_chars: int, seed: int, device: torch.device,
