@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        # SIGTERM as well as Ctrl-C, and from the checks on (TensorBoard takes seconds to load): SIGTERM ended the
+        # SIGTERM as well as Ctrl-C, and from the checks on (torch takes seconds to load): SIGTERM ended the
         # run without a word, and Ctrl-C during the checks was a traceback
         with InterruptSignals():
             return checked_run(p, args)
@@ -338,6 +338,10 @@ def checked_run(p: OneLineParser, args: object) -> int:
         sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
         return code
     except OSError as e:
+        if writer is not None and e.filename == str(writer.path):  # the TensorBoard file, not stdout
+            print(f"error: cannot write TensorBoard logs into '{shown(args.logdir)}' ({e.strerror or e}); give "
+                  f"--logdir a folder with room, or leave it out", file=sys.stderr)
+            return 1
         return output_failed(e)
 
 

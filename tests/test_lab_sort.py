@@ -478,3 +478,27 @@ def test_tensorboard_gets_the_held_out_accuracy_and_the_heatmap(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("accuracy/held_out")] == [(3, 0.75)]
     (logged,) = events.Images("attention/decoder_over_encoder")
     assert (logged.step, logged.width, logged.height) == (3, image.width, image.height)
+
+
+def test_a_full_disk_under_the_tensorboard_logs_is_one_line_about_them(tmp_path, capsys, monkeypatch):
+    # the writer's failure was taken for stdout's: "cannot write to stdout", and stdout given up
+    import errno
+
+    from training.events import EventWriter
+
+    real_write = EventWriter._write
+    writes = []
+
+    def write(self, data):  # the first event (the file's version) fits; then the disk is full
+        writes.append(len(data))
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(EventWriter, "_write", write)
+    logs = tmp_path / "logs"
+    code = main(["--steps", "20", "--batch-size", "8", "--logdir", str(logs), "--heatmap", str(tmp_path / "map.png")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == (f"error: cannot write TensorBoard logs into '{shown(logs)}' (No space left on device); give "
+                   f"--logdir a folder with room, or leave it out\n")

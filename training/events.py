@@ -131,8 +131,12 @@ class EventWriter:
         """One Event: its wall time, its step, and what it holds (the encoded field of Event's oneof)."""
         data = _double(1, self.clock()) + (_int(2, int(step)) if step is not None else b"") + what
         with self._lock:
-            if self._fd is not None:  # closed: nothing more is written (a picture drawn while a write failed)
+            if self._fd is None:  # closed: nothing more is written (a picture drawn while a write failed)
+                return
+            try:
                 self._write(record(data))
+            except OSError as e:  # said with the file's name, so that it is not taken for stdout's failure
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
