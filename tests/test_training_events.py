@@ -76,6 +76,7 @@ def test_the_events_are_those_torchs_summary_writer_writes(tmp_path, purge_step)
         writer.add_scalar("loss/val", 1.8734, 200)
         writer.add_scalar("lr", 0.0, 0)  # zero: a oneof's default is written all the same
         writer.add_scalar("tokens_per_sec", 123456.789, 2**40)
+        writer.add_scalar("grad_norm", -1e39, 7)  # past float32's range: -inf (struct would refuse to pack it)
         writer.add_text("sample", "```\nROMEO: é 👋\n```", 200)
         writer.add_text("empty", "", 3)
     mine.add_png("attention/layers_x_heads", png, 640, 480, 200)
@@ -88,7 +89,7 @@ def test_the_events_are_those_torchs_summary_writer_writes(tmp_path, purge_step)
     mine.close()
     theirs.close()
     mine_events, their_events = events(tmp_path / "mine"), events(tmp_path / "theirs")
-    assert len(mine_events) == 1 + 2 * (purge_step is not None) + 5 + 1 + 3
+    assert len(mine_events) == 1 + 2 * (purge_step is not None) + 6 + 1 + 3
     # the first event names the program that wrote the file
     assert mine_events[0][0].source_metadata.writer == "tinychar training/events.py"
     assert their_events[0][0].source_metadata.writer == "tensorboard.summary.writer.event_file_writer"

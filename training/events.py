@@ -17,6 +17,7 @@ write (a full disk) raises OSError at the call that logged it, not later in a th
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import struct
@@ -78,7 +79,11 @@ def _double(field: int, x: float) -> bytes:
 
 
 def _float(field: int, x: float) -> bytes:
-    return _varint(field << 3 | 5) + struct.pack("<f", x)
+    try:
+        packed = struct.pack("<f", x)
+    except OverflowError:  # past float32's range: infinite, as protobuf stores it (a diverging run's gradient norm)
+        packed = struct.pack("<f", math.copysign(math.inf, x))
+    return _varint(field << 3 | 5) + packed
 
 
 def _message(field: int, data: bytes) -> bytes:
