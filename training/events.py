@@ -188,7 +188,8 @@ class EventWriter:
             self._summary([_text(1, tag) + _message(9, _plugin("hparams", content))], None)
 
     def flush(self) -> None:
-        """Nothing waits here: each event was written when it was added (kept for SummaryWriter's callers)."""
+        """Nothing waits here: each event was written when it was added (the method of torch's SummaryWriter, for
+        code written against it)."""
 
     def close(self) -> None:
         with self._lock:

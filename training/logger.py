@@ -204,8 +204,8 @@ class Logger:
             self.writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", 0)
 
     def flush(self, pictures: bool = True) -> None:
-        """Put every event logged so far into the file (not only the writer's queue); pictures=False: those the
-        picture drawn in the background has not logged yet may come later."""
+        """Every event logged so far in the file (each is written as it is logged; this waits for the picture drawn
+        in the background); pictures=False: what that picture has not logged yet may come later."""
         if pictures:
             self.finish_picture()
         if self.writer is not None:
