@@ -45,8 +45,10 @@ def test_a_forked_sample_py_is_the_tests_child_and_ends_as_the_execd_one(tmp_pat
     endings = []
     limit = (3 << 30, 3 << 30)
     for forked in (True, False):
+        # eager: auto would compile the sampler for ten million characters (seconds of each run, not the point here)
         proc = start(forked, "sample.py", "--out-dir", str(run), "--max-new-tokens", "10000000", "--stream",
-                     "--prompt", "F", "--seed", "1", preexec_fn=zygote.limits({resource.RLIMIT_DATA: limit}))
+                     "--prompt", "F", "--seed", "1", "--compile", "false",
+                     preexec_fn=zygote.limits({resource.RLIMIT_DATA: limit}))
         assert "parameters" in proc.stderr.readline()  # loaded: streaming from here
         assert proc.stdout.read(50).startswith("F")
         stat = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
