@@ -154,3 +154,35 @@ def test_a_run_imports_no_tensorboard(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert list((tmp_path / "out").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize(("first", "then"), [(9, 10), (99, 100)])
+def test_a_resume_in_the_same_second_is_read_after_the_run_it_continues(tmp_path, monkeypatch, first, then):
+    # TensorBoard reads a folder's files in the order of their names: a resume's file named .10 after a run's .9, in
+    # the same second, was read first, and the run's old curve (and its purge) came out of order (a CI run's failure)
+    import itertools
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import training.events
+
+    clock = lambda: 1796319133.25  # noqa: E731 - one second for both files
+    monkeypatch.setattr(training.events, "_files", itertools.count(first))
+    run = EventWriter(tmp_path, purge_step=0, clock=clock)
+    for step in (10, 20, 30):
+        run.add_scalar("loss/train", step / 10, step)
+    run.close()
+    monkeypatch.setattr(training.events, "_files", itertools.count(then))
+    resumed = EventWriter(tmp_path, purge_step=21, clock=clock)
+    resumed.add_scalar("loss/train", 3.5, 30)
+    resumed.close()
+    assert sorted(tmp_path.iterdir()) == [run.path, resumed.path]
+    reader = EventAccumulator(str(tmp_path))
+    reader.Reload()
+    assert [(e.step, e.value) for e in reader.Scalars("loss/train")] == [(10, 1.0), (20, 2.0), (30, 3.5)]
+    # another process's file of this second, whatever its pid, is followed too
+    other = tmp_path / f"events.out.tfevents.{int(clock()) + 1}.{'z' * 20}.99999.0"
+    other.write_bytes(b"")
+    third = EventWriter(tmp_path, clock=clock)
+    third.close()
+    assert sorted(tmp_path.iterdir())[-1] == third.path

@@ -111,9 +111,26 @@ WRITER = "tinychar training/events.py"  # the first event's source_metadata.writ
 _files = itertools.count()  # the last part of a file's name, as TensorBoard numbers the files of one process
 
 
+PREFIX = "events.out.tfevents."
+
+
+def file_name(log_dir: str | Path, now: float) -> str:
+    """A new event file's name, TensorBoard's events.out.tfevents.<seconds>.<host>.<pid>.<n>, that sorts after every
+    event file already in log_dir: TensorBoard reads a folder's files in the order of their names, so a resumed run's
+    file must come after the run's before it. Where one of those was made in this second (a run stopped and resumed
+    at once), <seconds> is the next second after it, as the pid or the count alone may sort backwards (10 before 9:
+    a resume read first, its purge before the events it purges, the old curve shown after the new)."""
+    seconds = int(now)
+    for name in os.listdir(log_dir):
+        field = name[len(PREFIX) :].split(".", 1)[0] if name.startswith(PREFIX) else ""
+        if field.isdigit():
+            seconds = max(seconds, int(field) + 1)
+    return f"{PREFIX}{seconds:010d}.{socket.gethostname()}.{os.getpid()}.{next(_files)}"
+
+
 class EventWriter:
     """Writes a run's TensorBoard events into a new file in log_dir (made if missing), named as TensorBoard names
-    its own: events.out.tfevents.<seconds>.<host>.<pid>.<n>.
+    its own and sorting after the files there (file_name).
 
     purge_step: TensorBoard hides every event of this folder's earlier files at or after that step (a restarted
     run's "start" session log, written as torch.utils.tensorboard.SummaryWriter writes it). The methods may be
@@ -123,8 +140,7 @@ class EventWriter:
                  clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         os.makedirs(log_dir, exist_ok=True)
-        name = f"events.out.tfevents.{int(clock()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_files)}"
-        self.path = Path(log_dir) / name
+        self.path = Path(log_dir) / file_name(log_dir, clock())
         self._lock = threading.Lock()
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self._event(_text(3, "brain.Event:2") + _message(10, _text(1, WRITER)))  # Event.source_metadata
