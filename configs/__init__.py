@@ -113,8 +113,8 @@ def _to_int(value: Any, from_text: bool) -> int:
         raise _NotOfType
     if isinstance(value, int):
         return value
-    if isinstance(value, float):  # YAML's 1.0e+18: the number as written is the float's shortest spelling
-        return _integral(repr(value))
+    if isinstance(value, float):  # YAML's 1.0e+18: the digits written (load_yaml's exact), else the shortest spelling
+        return _integral(getattr(value, "written", None) or repr(value))
     if not isinstance(value, str):
         raise _NotOfType
     if any(c in value for c in ".eE"):  # 1e3 and 1.0e+18 are counts, as the same words in a YAML file are
@@ -267,6 +267,15 @@ def text_keys(cls: type) -> frozenset[str]:
             return set(typing.get_args(tp)) == {str, type(None)}
         return tp is str
     return frozenset(key for key, tp in _flat_hints(cls).items() if is_text(tp))
+
+
+def int_keys(cls: type) -> frozenset[str]:
+    """The dotted keys of cls whose values are counts (int, or int or None)."""
+    def is_count(tp: Any) -> bool:
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            return set(typing.get_args(tp)) == {int, type(None)}
+        return tp is int
+    return frozenset(key for key, tp in _flat_hints(cls).items() if is_count(tp))
 
 
 def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:

@@ -20,13 +20,34 @@ from .yamlkeys import first_duplicate
 MAX_CONFIG_BYTES = 64 * 1024
 
 
-def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dict:
+class WrittenFloat(float):
+    """A float YAML read, with its text as written: a count given as 1.0000000000000000001 is not 1, though the
+    float is (see load_yaml's exact)."""
+
+    written: str
+
+    def __new__(cls, value: float, written: str) -> WrittenFloat:
+        number = super().__new__(cls, value)
+        number.written = written
+        return number
+
+    def __repr__(self) -> str:  # messages quote the number as the file has it
+        return self.written
+
+    __str__ = __repr__
+
+
+def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset(),
+              exact: frozenset[str] = frozenset()) -> dict:
     """A YAML config file as a mapping (empty file -> {}). Only plain data: safe_load, no Python tags. A regular
     file of at most MAX_CONFIG_BYTES, and a key given twice in one mapping is refused, not silently dropped.
 
     as_written: dotted keys whose values are text (text_keys), which keep an unquoted number as it is written: YAML
     reads `out_dir: 001` as the number 1 and `0123` as 83 (octal), and their text as a folder name was another
-    folder's."""
+    folder's.
+
+    exact: dotted keys whose values are counts (int_keys): an unquoted float there is a WrittenFloat, so that the
+    count is read from its digits, as the same words on the command line are (a float keeps about 17)."""
     name = shown(str(path))
     kind = path_kind(path)
     if kind is not None:
@@ -60,12 +81,19 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset()) -> dic
         raise ConfigError(f"config file '{name}' must hold a mapping of sections (data:, model:, train:), "
                           f"got {type(data).__name__}")
     for keys, written in _numbers_as_written(root, as_written):
-        section = data
-        for key in keys[:-1]:
-            section = section.get(key) if isinstance(section, dict) else None
-        if isinstance(section, dict) and keys[-1] in section:
-            section[keys[-1]] = written
+        _replace(data, keys, lambda _, text: text, written)
+    for keys, written in _numbers_as_written(root, exact - as_written):
+        _replace(data, keys, lambda value, text: WrittenFloat(value, text) if type(value) is float else value, written)
     return data
+
+
+def _replace(data: dict, keys: list[str], make: Callable[[Any, str], Any], written: str) -> None:
+    """data's value at the key path keys, where it leads to one, replaced by make(value, written)."""
+    section: Any = data
+    for key in keys[:-1]:
+        section = section.get(key) if isinstance(section, dict) else None
+    if isinstance(section, dict) and keys[-1] in section:
+        section[keys[-1]] = make(section[keys[-1]], written)
 
 
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")

@@ -239,7 +239,8 @@ def test_exponent_numbers_pyyaml_reads_as_strings_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize(("spelling", "count"), [("1e18", 10**18), ("1.0e+18", 10**18), ("9.2e+18", 92 * 10**17),
-                                                 ("2.0", 2), ("1_000.0", 1000), ("10e-1", 1)])
+                                                 ("2.0", 2), ("1_000.0", 1000), ("10e-1", 1),
+                                                 ("9007199254740993.0", 2**53 + 1), ("+1.5E+18", 15 * 10**17)])
 def test_a_count_in_exponent_notation_is_the_same_integer_in_the_file_and_on_the_command_line(tmp_path, spelling,
                                                                                                count):
     # YAML reads 1.0e+18 as a float and 1e18 as a string: both are the count written, exactly (float(1e23) is not
@@ -255,8 +256,20 @@ def test_a_count_in_exponent_notation_is_the_same_integer_in_the_file_and_on_the
 def test_a_count_that_is_not_an_integer_is_refused_in_the_file_and_on_the_command_line(tmp_path, spelling):
     assert "train.max_iters must be an integer" in refused(write_yaml(tmp_path, f"train:\n  max_iters: {spelling}\n"))
     assert "train.max_iters must be an integer" in refused(TINY, [f"train.max_iters={spelling}"])
-    # the command line keeps every digit, which a YAML file's float cannot (it reads this one as 1.0)
-    assert "train.max_iters must be an integer" in refused(TINY, ["train.max_iters=1.0000000000000000001"])
+
+
+def test_a_count_is_read_from_the_digits_written_not_from_the_float_yaml_makes_of_them(tmp_path):
+    # YAML reads 1.0000000000000000001 as the float 1.0, and 9007199254740993.0 as 9007199254740992.0; the command
+    # line's text keeps every digit, and once the file's number was taken as the float's count, 1 and 2**53
+    spelling = "1.0000000000000000001"
+    message = refused(write_yaml(tmp_path, f"train:\n  max_iters: {spelling}\n"))
+    assert message.startswith(f"train.max_iters must be an integer, got {spelling} (in ")  # as written, unquoted
+    assert "train.max_iters must be an integer" in refused(TINY, [f"train.max_iters={spelling}"])
+    # only counts: a float setting is the float, a text setting the text, as before
+    cfg = load_config(str(write_yaml(tmp_path, f"train:\n  learning_rate: {spelling}\n  eval_interval: 4.0\n"
+                                               f"out_dir: 2.50\n")), [])
+    assert (cfg.train.learning_rate, cfg.train.eval_interval, cfg.out_dir) == (1.0, 4, "2.50")
+    assert type(cfg.train.learning_rate) is float and type(cfg.train.eval_interval) is int
 
 
 def test_an_integer_is_a_fine_float(tmp_path):
