@@ -262,20 +262,21 @@ def _build(cls: type, mapping: Any, prefix: str, origin: _Origin, construct: boo
 
 def text_keys(cls: type) -> frozenset[str]:
     """The dotted keys of cls whose values are text (str, or str or None): paths and names."""
-    def is_text(tp: Any) -> bool:
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            return set(typing.get_args(tp)) == {str, type(None)}
-        return tp is str
-    return frozenset(key for key, tp in _flat_hints(cls).items() if is_text(tp))
+    return _keys_of(cls, str)
 
 
 def int_keys(cls: type) -> frozenset[str]:
     """The dotted keys of cls whose values are counts (int, or int or None)."""
-    def is_count(tp: Any) -> bool:
+    return _keys_of(cls, int)
+
+
+def _keys_of(cls: type, kind: type) -> frozenset[str]:
+    """The dotted keys of cls whose type is kind, or kind or None."""
+    def is_kind(tp: Any) -> bool:
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            return set(typing.get_args(tp)) == {int, type(None)}
-        return tp is int
-    return frozenset(key for key, tp in _flat_hints(cls).items() if is_count(tp))
+            return set(typing.get_args(tp)) == {kind, type(None)}
+        return tp is kind
+    return frozenset(key for key, tp in _flat_hints(cls).items() if is_kind(tp))
 
 
 def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
