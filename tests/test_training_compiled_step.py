@@ -17,7 +17,7 @@ from training_runs import write_corpus
 
 from data import CharTokenizer
 from model import GPT, GPTConfig
-from training import TrainConfig, compiled_step, load_config
+from training import TrainConfig, compiled_step, load_config, step_file
 from training.compile_cache import compile_options
 from training.compiled_step import CompiledStep
 from training.optim import make_optimizer
@@ -53,16 +53,29 @@ def test_deterministic_kernels_make_compiled_gradients_reproducible():
 def test_the_compiled_step_is_traced_and_run_under_deterministic_kernels(tmp_path, monkeypatch):
     seen = []
 
+    def settings(when: str) -> tuple[str, bool, bool]:
+        return when, torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+
     def compiled(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.append((torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory))
+        seen.append(settings("run"))
         return torch.zeros(()), torch.zeros(())
 
-    monkeypatch.setattr(compiled_step, "_COMPILED_STEP", compiled)
-    _, _, step, xs = step_of_the_runs(tmp_path)
-    step.warm_up(xs, xs.clone())
-    step(xs, xs.clone(), 1e-3)
-    assert seen == [(True, False), (True, False)]
-    assert not torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+    def step_function(fn: object, args: tuple, device: torch.device) -> tuple[object, str]:
+        seen.append(settings("traced"))
+        return compiled, "compiled"
+
+    monkeypatch.setattr(step_file, "step_function", step_function)  # the step compiled ahead of time
+    monkeypatch.setattr(compiled_step, "_COMPILED_STEP", compiled)  # torch.compile's own, where that cannot be
+    for ahead in (True, False):
+        monkeypatch.setattr(step_file, "AHEAD", ahead)
+        seen.clear()
+        (tmp_path / str(ahead)).mkdir()
+        _, _, step, xs = step_of_the_runs(tmp_path / str(ahead))
+        step.warm_up(xs, xs.clone())
+        step(xs, xs.clone(), 1e-3)
+        traced = [("traced", True, False)] if ahead else []
+        assert seen == [*traced, ("run", True, False), ("run", True, False)]
+        assert not torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
 
 
 def test_the_compiled_step_keeps_dynamos_guards_on_its_arguments_and_torchs_state_not_on_the_model():

@@ -280,7 +280,7 @@ def test_only_a_compile_that_failed_and_not_one_that_was_killed_stops_later_runs
 
 @needs_cpu_compile
 @pytest.mark.slow
-def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_path):
+def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_path, capsys):
     """The real helper, from a cold cache. Its worker's cache holds the engine tests' step only where chance ran their
     file in the same worker first (this test took 35 s then, 76-81 s otherwise), so it compiles the cheapest step
     instead, one micro-batch with AdamW: 23 s cold against 43 s for their two micro-batches with Muon (2-core Xeon,
@@ -305,12 +305,21 @@ def test_the_helper_compiles_the_step_into_the_cache_once_the_run_has_ended(tmp_
         time.sleep(0.5)
     log = Path(f"{warm.job_file(folder, key)}.log").read_text(encoding="utf-8")
     assert log.count("compiled in") == 2, log  # into the cold cache, then from it
+    # the step saved whole (training/step_file.py) by the first, loaded by the second as by the next run
+    assert re.findall(r"compiled in [0-9.]+ s \((\w+)\)", log) == ["compiled", "loaded"], log
     assert not warm.job_file(folder, key).exists() and not warm.failed_file(folder, key).exists()
     eager_ms, compiled_ms, seconds = compile_cache.measured_saving(key)  # and timed the step both ways, from it
     assert eager_ms > 0 and compiled_ms > 0 and seconds == compile_cache.cached_compile_seconds(key)
     said = re.search(r"a step: ([0-9.]+) ms eager, ([0-9.]+) ms compiled", log)
     assert said is not None, log
     assert [float(said[1]), float(said[2])] == pytest.approx([eager_ms, compiled_ms], abs=0.01)
+    # and the next run of the model, train.py's, loads the step the helper saved
+    overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "next", **{
+        **ENGINE_KEYS, "train.grad_accum_steps": 1, "train.optimizer": "adamw", "train.compile": "true",
+        "train.max_iters": 2})
+    code, out, err = call(train_main, overrides, capsys)
+    assert code == 0, err
+    assert re.search(r"engine: compiled in [0-9.]+ s \(the step saved whole, loaded from compile cache: ", out), out
 
 
 def test_the_helper_times_real_eager_steps_beside_the_compiled_one_and_keeps_slow_steps_few(monkeypatch):

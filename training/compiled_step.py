@@ -23,10 +23,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from . import step_file
 from .compile_cache import compile_options
 from .config import TrainConfig
 from .devices import autocast_context
 from .optim import muon_lr_scale, orthogonal_dtype, orthogonalize_each
+from .signals import interrupting
 
 
 class Setup(NamedTuple):
@@ -290,6 +292,8 @@ class CompiledStep:
         self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps,
                            optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay,
                            module_settings(model))
+        self._last: tuple[tuple, Callable] | None = None  # the last call's shapes and mode, and its function
+        self.source = ""  # where the compiled function came from (step_file.step_function): said in the log
 
     @staticmethod
     def _flat_state(states: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
@@ -300,8 +304,9 @@ class CompiledStep:
 
     @property
     def compiled(self) -> Callable:
-        # One compiled function for every CompiledStep of the process: a model of the same shapes (a resumed run, a
-        # second run in one process) reuses its compiled code instead of compiling again.
+        """torch.compile's own step, with its guards: where step_file cannot compile the step ahead of time (a torch
+        before 2.10, or a failure of that API). One compiled function for every CompiledStep of the process: a model
+        of the same shapes (a resumed run, a second run in one process) reuses its compiled code."""
         global _COMPILED_STEP
         if _COMPILED_STEP is None:
             _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False,
@@ -315,21 +320,43 @@ class CompiledStep:
         """The setup, with the model's mode now (the trainer's is always training)."""
         return self.setup if self.model.training else self.setup._replace(training=False)
 
-    def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, buffers: tuple[torch.Tensor, ...], xs: torch.Tensor, ys: torch.Tensor,
+             lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         lr_t = torch.tensor(lr, dtype=torch.float64, device=self.device)
         # the gradients are taken inside; the updates are in place
         with torch.no_grad(), deterministic_kernels(self.device):
-            return self.compiled(self.model, *self.buffers(), self.decay, self.owner, xs, ys, lr_t, self.layout,
-                                 self.constants())
+            args = (self.model, *buffers, self.decay, self.owner, xs, ys, lr_t, self.layout, self.constants())
+            return self._function(args)(*args)
+
+    def _function(self, args: tuple) -> Callable:
+        """The compiled function for args: the last call's where the batch's shape and the model's mode are the same
+        (the step saved whole has no guards to tell them apart: see training/step_file.py), else step_file's, else
+        torch.compile's own (self.compiled)."""
+        xs, ys = args[8], args[9]
+        call = (xs.shape, xs.stride(), xs.dtype, ys.shape, ys.stride(), ys.dtype, self.model.training)
+        if self._last is not None and self._last[0] == call:
+            return self._last[1]
+        function = None
+        if step_file.AHEAD:
+            try:
+                function, self.source = step_file.step_function(_whole_step, args, self.device)
+            except Exception as e:  # noqa: BLE001 - torch.compile's own compile follows, and says what fails
+                if (stop := interrupting(e)) is not None:
+                    raise stop from None
+        if function is None:
+            function, self.source = self.compiled, "compiled with guards"
+        self._last = (call, function)
+        return function
+
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(self.buffers(), xs, ys, lr)
 
     def warm_up(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
-        """Compile now, on copies of the weights and state, so that a failure leaves the run untouched and the first
-        real step is not the slow one; the seconds it took."""
+        """Compile now (or load the step compiled before: self.source says which), on copies of the weights and
+        state, so that a failure leaves the run untouched and the first real step is not the slow one; the seconds
+        it took."""
         start = time.perf_counter()
         rng = torch.get_rng_state()
-        copies = [t.clone() for t in self.buffers()]
-        lr_t = torch.tensor(0.0, dtype=torch.float64, device=self.device)
-        with torch.no_grad(), deterministic_kernels(self.device):
-            self.compiled(self.model, *copies, self.decay, self.owner, xs, ys, lr_t, self.layout, self.constants())
+        self._run(tuple(t.clone() for t in self.buffers()), xs, ys, 0.0)
         torch.set_rng_state(rng)  # dropout inside the warm-up must not shift the run's random stream
         return time.perf_counter() - start

@@ -391,4 +391,5 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
         raise stop
     remember_compile(key, seconds, cold=before is None)
     trainer.compiled_step, trainer.engine = step, "compiled"
-    say(f"engine: compiled in {seconds:.1f} s (compile cache: {folder})")
+    whole = "the step saved whole, loaded from " if step.source == "loaded" else ""
+    say(f"engine: compiled in {seconds:.1f} s ({whole}compile cache: {folder})")

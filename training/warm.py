@@ -134,10 +134,11 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
     return None
 
 
-def compile_step(job: Path, remember: bool) -> float:
+def compile_step(job: Path, remember: bool) -> tuple[float, str]:
     """Compile the step the job file describes (into the cache that TORCHINDUCTOR_CACHE_DIR names); with remember,
     time it eagerly and compiled, and write the marker that tells the next run its cache is warm, with the seconds
-    this compile took and the two times."""
+    this compile took and the two times. Returns those seconds, and where the step came from (CompiledStep.source:
+    the second process loads the step that the first saved whole, as the next run will)."""
     import torch
 
     from model import GPT, GPTConfig
@@ -166,7 +167,7 @@ def compile_step(job: Path, remember: bool) -> float:
         eager_ms, compiled_ms = time_steps(step, GPT(model_cfg), tc, dtype, xs, ys)
         compile_cache.remember_step_times(key, eager_ms, compiled_ms)
         print(f"a step: {eager_ms:.2f} ms eager, {compiled_ms:.2f} ms compiled", flush=True)
-    return seconds
+    return seconds, step.source
 
 
 # time_steps: rounds of up to TIMING_STEPS steps of each engine in turn (no more than fit in TIMING_ROUND_SECONDS,
@@ -289,6 +290,7 @@ def main(job: Path, parent: int) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "--compile":
         sys.path.insert(0, str(ROOT))
-        print(f"compiled in {compile_step(Path(sys.argv[2]), '--remember' in sys.argv):.1f} s", flush=True)
+        seconds, source = compile_step(Path(sys.argv[2]), "--remember" in sys.argv)
+        print(f"compiled in {seconds:.1f} s ({source})", flush=True)
     else:
         sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))

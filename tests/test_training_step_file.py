@@ -1,0 +1,195 @@
+"""The compiled step saved whole in the compile cache (training.step_file): loaded, it computes what the compiled
+step does to the bit; a damaged or odd file in its place is compiled again, never trusted nor waited on; and, having
+no guards, it is found only by a name that tells apart everything its code was specialised on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import needs_cpu_compile
+from test_training_compiled_step import DropoutBigram
+
+from training import TrainConfig, step_file
+from training.compiled_step import CompiledStep, deterministic_kernels
+from training.optim import make_optimizer
+
+CPU = torch.device("cpu")
+TC = replace(TrainConfig(), grad_accum_steps=2, grad_clip=1.0)
+
+
+def batches(n: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 5, (TC.grad_accum_steps, batch, 6), generator=g) for _ in range(n)]
+    return [(x, x.roll(1, -1)) for x in xs]
+
+
+def step_for(p: float = 0.25, tc: TrainConfig = TC, training: bool = True) -> CompiledStep:
+    model = DropoutBigram(p).train(training)
+    return CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)
+
+
+def name_of(step: CompiledStep, xs: torch.Tensor, ys: torch.Tensor) -> str:
+    """The name of the step saved for this call, as CompiledStep's call works it out (without gradients, under
+    deterministic kernels)."""
+    with torch.no_grad(), deterministic_kernels(CPU):
+        return step_file.signature(args_of(step, xs, ys), CPU)
+
+
+def args_of(step: CompiledStep, xs: torch.Tensor, ys: torch.Tensor) -> tuple:
+    """The arguments a CompiledStep calls its compiled function with (CompiledStep._run)."""
+    lr = torch.tensor(1e-3, dtype=torch.float64)
+    return (step.model, *step.buffers(), step.decay, step.owner, xs, ys, lr, step.layout, step.constants())
+
+
+def trained(step: CompiledStep) -> list[torch.Tensor]:
+    """Three steps on the same batches and random stream (the model drops out): every loss, gradient norm, weight
+    and state value they leave."""
+    torch.manual_seed(7)
+    out = [t for xs, ys in batches() for t in step(xs, ys, 1e-2)]
+    return [*out, *(t.clone() for t in step.buffers())]
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_the_compiled_one_did(tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(step_file, "step_path", lambda name: tmp_path / f"{name}.pt2")
+    monkeypatch.setattr(step_file, "_STEPS", {})
+    first = step_for()
+    xs, ys = batches()[0]
+    saved = tmp_path / f"{name_of(first, xs, ys)}.pt2"
+    saved.write_bytes(b"\x80\x04not a compiled step")  # damaged: compiled again, and replaced
+    first.warm_up(xs, ys)
+    assert first.source == "compiled" and saved.stat().st_size > 100_000
+    compiled = trained(first)
+
+    monkeypatch.setattr(step_file, "_STEPS", {})  # as a new process finds it
+    second = step_for()
+    second.warm_up(xs, ys)
+    assert second.source == "loaded"
+    loaded = trained(second)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, loaded, strict=True))
+    assert not torch.equal(compiled[-5], step_for().flat)  # they trained: the weights moved
+
+    third = step_for()  # and within one process, the function once loaded
+    third.warm_up(xs, ys)
+    assert third.source == "this process"
+    assert [p.name for p in tmp_path.iterdir()] == [saved.name]
+
+
+def test_what_is_not_a_saved_step_loads_as_none_without_waiting(tmp_path, monkeypatch):
+    assert step_file.load(tmp_path / "missing.pt2") is None
+    damaged = tmp_path / "damaged.pt2"
+    damaged.write_bytes(b"PK\x03\x04" + os.urandom(1000))
+    assert step_file.load(damaged) is None
+    assert step_file.load(tmp_path) is None  # a folder
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.pt2")
+        assert step_file.load(tmp_path / "pipe.pt2") is None  # a named pipe with no writer: not waited on
+    monkeypatch.setattr(step_file, "MAX_BYTES", 999)
+    big = tmp_path / "big.pt2"
+    big.write_bytes(b"\0" * 1000)
+    read = []
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: read.append(f))
+    assert step_file.load(big) is None and not read  # too large to be one: not read
+
+
+def test_the_saved_steps_name_tells_apart_all_that_its_code_was_specialised_on(monkeypatch):
+    xs, ys = batches()[0]
+    name = step_file.signature(args_of(step_for(), xs, ys), CPU)
+    assert step_file.signature(args_of(step_for(), xs.clone(), ys.clone()), CPU) == name  # a new process's step
+
+    others = {
+        "another batch": args_of(step_for(), *batches(batch=8)[0]),
+        "other targets' dtype": args_of(step_for(), xs, ys.int()),
+        "other strides": args_of(step_for(), xs.transpose(1, 2).contiguous().transpose(1, 2),
+                                 ys.transpose(1, 2).contiguous().transpose(1, 2)),
+        "another dropout": args_of(step_for(0.5), xs, ys),
+        "eval mode": args_of(step_for(training=False), xs, ys),
+        "another clip": args_of(step_for(tc=replace(TC, grad_clip=0.5)), xs, ys),
+        "no clip": args_of(step_for(tc=replace(TC, grad_clip=0.0)), xs, ys),
+        "other betas": args_of(step_for(tc=replace(TC, beta2=0.95)), xs, ys),
+    }
+    names = {what: step_file.signature(args, CPU) for what, args in others.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        names["other threads"] = step_file.signature(args_of(step_for(), xs, ys), CPU)
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        names["grad mode"] = step_file.signature(args_of(step_for(), xs, ys), CPU)
+    assert len({name, *names.values()}) == len(names) + 1, names
+
+
+def test_edited_model_code_names_another_saved_step(tmp_path):
+    """An edited or updated model must not run the code traced from the old one: the name holds a digest of the
+    Python the step is traced from."""
+    root = Path(step_file.__file__).resolve().parents[1]
+    for folder in step_file.CODE_FOLDERS:
+        shutil.copytree(root / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    before = step_file.code_digest(tmp_path)
+    assert before == step_file.code_digest(root)
+    attention = tmp_path / "model" / "attention.py"
+    attention.write_text(attention.read_text(encoding="utf-8") + "\n# edited\n", encoding="utf-8")
+    step_file.code_digest.cache_clear()
+    try:
+        assert step_file.code_digest(tmp_path) != before
+    finally:
+        step_file.code_digest.cache_clear()
+
+
+def test_a_call_of_another_shape_or_mode_gets_the_function_made_for_it(monkeypatch):
+    """The step saved whole checks nothing when called: CompiledStep looks its function up again for a batch of
+    another shape or a model in another mode, and calls the one made for those arguments."""
+    made: list[str] = []
+
+    def step_function(fn: object, args: tuple, device: torch.device) -> tuple[object, str]:
+        name = step_file.signature(args, device)
+        made.append(name)
+
+        def function(*called: object) -> tuple[torch.Tensor, torch.Tensor]:
+            assert step_file.signature(called, device) == name
+            return torch.zeros(()), torch.zeros(())
+
+        return function, "compiled"
+
+    monkeypatch.setattr(step_file, "AHEAD", True)
+    monkeypatch.setattr(step_file, "step_function", step_function)
+    step = step_for()
+    (small, small_y), (large, large_y) = batches(batch=4)[0], batches(batch=8)[0]
+    for xs, ys in [(small, small_y), (small, small_y), (large, large_y), (large, large_y), (small, small_y)]:
+        step(xs, ys, 1e-3)
+    step.model.eval()
+    step(small, small_y, 1e-3)
+    assert len(made) == 4 and len(set(made)) == 3  # looked up when the shape or the mode changed, not each call
+
+
+def test_a_failure_to_compile_ahead_of_time_falls_back_to_torch_compiles_own_step(monkeypatch):
+    def failing(fn: object, args: tuple, device: torch.device) -> tuple[object, str]:
+        raise RuntimeError("aot_compile is not supported here")
+
+    calls = []
+
+    def guarded(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(args))
+        return torch.zeros(()), torch.zeros(())
+
+    monkeypatch.setattr(step_file, "AHEAD", True)
+    monkeypatch.setattr(step_file, "step_function", failing)
+    monkeypatch.setattr("training.compiled_step._COMPILED_STEP", guarded)
+    step = step_for()
+    step.warm_up(*batches()[0])
+    assert step.source == "compiled with guards" and calls == [13]
+
+
+def test_the_saved_step_is_kept_beside_inductors_code_for_this_instruction_set():
+    from training.compile_cache import cache_folder
+
+    path = step_file.step_path("abc")
+    assert path.name == "tinychar-step-abc.pt2" and path.parent == cache_folder()

@@ -1,0 +1,146 @@
+"""The compiled training step kept whole in the compile cache: compiled ahead of time, saved as one file, and loaded
+by the next run of the same step in about a second instead of rebuilt from the cache's pieces.
+
+Why: a compile from the warm cache still traces the step with dynamo, runs AOTAutograd and looks each graph up in
+inductor's cache, 3-6 s on a 2-core CPU, which every repeated run pays and which `train.compile: auto` weighs
+against the steps left. Loading the step saved whole skips all of that. Measured on a 2-core Zen 4 EPYC (torch 2.13,
+separate processes, interleaved): tiny.yaml's step (3 layers of 64, Muon, batch 128) loaded in 1.6-1.7 s against
+4.5-5.8 s from the warm cache; nanoGPT's CPU config (4 layers of 128, block 64) 1.3-1.6 s against 4.1-4.9 s; a
+2-layer model of 32, 1.3-1.6 s against 2.9-3.3 s. The loaded step computes what the compiled one does to the bit:
+the loss, the gradient norm, the weights and the optimizer's state (tests/test_training_step_file.py).
+
+A step saved this way keeps none of dynamo's guards (they walk the model's modules, which torch cannot rebuild when it
+loads the file), so nothing checks its arguments when it is called. The file's name is therefore a digest of all
+that its code was specialised on (signature): every tensor's shape, strides and dtype, the model's settings and
+mode (compiled_step.module_settings), the step's constants and layout, torch and Python's versions, the threads,
+inductor's options, the global state the step runs under, and tinychar's own code in model/ and training/, so
+that an edited or updated model never runs code traced from the old one. CompiledStep looks its function up again
+whenever the shape of a call's batch or the model's mode differs from the last call's.
+
+Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is trusted as that cache
+is, being in the same folder (compile_cache.cache_folder). A file that cannot be read or loaded is compiled again
+and overwritten. torch without torch.compiler.load_compiled_function (before 2.10) compiles as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from configs.userinput import read_user_file
+
+from .compile_cache import cache_folder, compile_options
+
+AHEAD = hasattr(torch.compiler, "load_compiled_function")
+# The files' layout; a new one names new files.
+FORMAT = 1
+# A saved step holds its graphs and generated code: 1.2-1.6 MB for the models above. Anything far larger, or not a
+# regular file (a named pipe would wait for a writer forever), is not one.
+MAX_BYTES = 256 << 20
+# The folders whose Python the step traces (the model's forward, the step, the optimizers' arithmetic).
+CODE_FOLDERS = ("model", "training")
+ROOT = Path(__file__).resolve().parents[1]
+
+# The steps of this process, by signature: a second CompiledStep of the same shapes (a resumed run, another run in
+# the same process) takes the function the first one loaded or compiled.
+_STEPS: dict[str, Callable] = {}
+
+
+@functools.cache
+def code_digest(root: Path = ROOT) -> str:
+    """A digest of tinychar's Python in CODE_FOLDERS, which the step's graphs are traced from."""
+    digest = hashlib.sha256()
+    for folder in CODE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _described(value: object) -> object:
+    """What compiled code specialises on in one argument of the step."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), str(value.dtype), str(value.device),
+                value.requires_grad, type(value).__name__)
+    if isinstance(value, nn.Module):  # its parameters are replaced by the flat buffer's views; its buffers are read
+        from .compiled_step import module_settings
+
+        return ("module", module_settings(value), value.training,
+                [(name, _described(t)) for name, t in value.named_buffers()],
+                [(name, _described(t)) for name, t in value.named_parameters()])
+    return ("value", repr(value))
+
+
+def signature(args: tuple, device: torch.device) -> str:
+    """The name of the step compiled for these arguments (CompiledStep's call of compiled_step._whole_step) here and
+    now: equal only where the same compiled code is right for both."""
+    parts = [FORMAT, torch.__version__, platform.python_version(), str(device), torch.get_num_threads(),
+             str(torch.get_default_dtype()), torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), repr(sorted(compile_options(device).items())),
+             code_digest(), [_described(a) for a in args]]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def step_path(name: str) -> Path:
+    return cache_folder() / f"tinychar-step-{name}.pt2"
+
+
+def _no_guards(entries: list) -> list[bool]:
+    return [False] * len(entries)
+
+
+def load(path: Path) -> Callable | None:
+    """The step saved at path, or None where there is none that loads (missing, not a regular file, too large,
+    damaged, or of another torch)."""
+    try:
+        data = read_user_file(path, "compiled step", MAX_BYTES)
+    except ValueError:
+        return None
+    try:
+        return torch.compiler.load_compiled_function(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - a file that does not load is compiled again and replaced
+        return None
+
+
+def compile_ahead(fn: Callable, args: tuple, device: torch.device) -> Callable:
+    """fn compiled for args now, whole, without guards (fullgraph, static shapes, compile_options)."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False,
+                             options={**compile_options(device), "guard_filter_fn": _no_guards})
+    restart = getattr(torch._dynamo.exc, "TensorifyScalarRestartAnalysis", None)
+    for attempt in range(3):
+        try:
+            return compiled.aot_compile((args, {}))
+        except Exception as e:  # noqa: BLE001 - checked just below
+            # Dynamo traces a Python float (the setup's clip), then asks to trace again with it kept a constant;
+            # torch.compile does so by itself, aot_compile leaves it to its caller.
+            if restart is None or not isinstance(e, restart) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def step_function(fn: Callable, args: tuple, device: torch.device) -> tuple[Callable, str]:
+    """The compiled step for args: this process's, the one saved in the compile cache, or compiled now and saved
+    there; with where it came from ('this process', 'loaded', 'compiled'). Raises what compiling raised."""
+    name = signature(args, device)
+    if name in _STEPS:
+        return _STEPS[name], "this process"
+    path = step_path(name)
+    step = load(path)
+    source = "loaded"
+    if step is None:
+        step, source = compile_ahead(fn, args, device), "compiled"
+        try:  # to a new file that then takes the name: never written through a link put in its place
+            step.save_compiled_function(str(path))
+        except Exception:  # noqa: BLE001 - a step that cannot be saved is still this run's; the next compiles it again
+            pass
+        else:
+            step = load(path) or step
+    _STEPS[name] = step
+    return step, source
