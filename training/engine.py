@@ -2,12 +2,13 @@
 eager), the rule that decides when compiling pays for itself, and the keys by which a run knows its compiled code is
 cached already.
 
-The whole step compiled (training/compiled_step.py) is the fast path. Where the step is bound by MKL's matrix multiplies
-(block 64, n_embd 128) compiling buys little; where they run through oneDNN (model/linear.py) it does (29 -> 20.8
-ms). It costs 15-60 s the first time (3-9 s once its compile cache is warm), so ``train.compile: auto`` compiles
-only where the run is long enough to win it back. Under torchrun (DDP) and with float16's gradient scaler the model
-is compiled instead, one block at a time: dynamo compiles the block's code once and reuses it for every layer. Where
-the compiled code is kept, and how a run knows its cache is warm: training/compile_cache.py.
+The whole step compiled (training/compiled_step.py) is the fast path. Where the step is bound by MKL's matrix
+multiplies (block 64, n_embd 128) compiling buys little; where they run through oneDNN (model/linear.py) it does (29
+-> 20.8 ms). It costs 15-60 s the first time (then 1.5-2 s to load the step saved whole, training/step_file.py, or
+3-9 s from the warm compile cache), so ``train.compile: auto`` compiles only where the run is long enough to win it
+back. Under torchrun (DDP) and with float16's gradient scaler the model is compiled instead, one block at a time:
+dynamo compiles the block's code once and reuses it for every layer. Where the compiled code is kept, and how a run
+knows its cache is warm: training/compile_cache.py.
 """
 
 from __future__ import annotations

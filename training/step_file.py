@@ -19,7 +19,7 @@ whenever the shape of a call's batch or the model's mode differs from the last c
 
 Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is trusted as that cache
 is, being in the same folder (compile_cache.cache_folder). A file that cannot be read or loaded is compiled again
-and overwritten. torch without torch.compiler.load_compiled_function (before 2.10) compiles as before.
+and overwritten. A torch without torch.compiler.load_compiled_function compiles as before.
 """
 
 from __future__ import annotations

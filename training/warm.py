@@ -1,7 +1,7 @@
 """Warming the compile cache in the background, so that a repeated run of a model compiles in seconds.
 
 ``train.compile: auto`` trains a run of a few thousand steps eagerly while the compile cache is cold: compiling would
-cost more (15-60 s on a 2-core CPU) than the run wins back. From a warm cache it costs 3-9 s, and auto may compile
+cost more (15-60 s on a 2-core CPU) than the run wins back. From a warm cache it costs 1.5-9 s, and auto may compile
 then (engine.MEASURED_MARGIN). Left alone, though, the cache never warms: every later run of the same model is eager
 too. So such a run starts a helper process, which sleeps until the run has ended, then compiles the run's step into the
 cache at the lowest priority (nice 19, for its scheduling group too: see lowest_priority), times the step eagerly and
