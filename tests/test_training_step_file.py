@@ -4,8 +4,10 @@ no guards, it is found only by a name that tells apart everything its code was s
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -193,3 +195,37 @@ def test_the_saved_step_is_kept_beside_inductors_code_for_this_instruction_set()
 
     path = step_file.step_path("abc")
     assert path.name == "tinychar-step-abc.pt2" and path.parent == cache_folder()
+
+
+def test_a_model_defined_outside_tinychar_names_its_file_and_one_with_hooks_is_not_saved(tmp_path, monkeypatch):
+    """A model class of the person's own is traced from a file the code digest does not cover: its name holds that
+    file's digest. A hook's code can be anywhere: a model with one compiles with dynamo's guards, unsaved."""
+    source = tmp_path / "my_model.py"
+    source.write_text("import torch\n\nclass Mine(torch.nn.Module):\n    def __init__(self):\n"
+                      "        super().__init__()\n        self.wte = torch.nn.Embedding(5, 8)\n\n"
+                      "    def forward(self, x, y):\n        logits = self.wte(x) @ self.wte.weight.T\n"
+                      "        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())\n",
+                      encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("persons_model", source)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "persons_model", module)  # imported, as a person's model would be
+    spec.loader.exec_module(module)
+    model = module.Mine()
+    step = CompiledStep(model, make_optimizer(model, TC, CPU), TC, CPU, torch.float32)
+    xs, ys = batches()[0]
+    before = name_of(step, xs, ys)
+    source.write_text(source.read_text(encoding="utf-8").replace("@ self.wte.weight.T", "@ self.wte.weight.T * 2"),
+                      encoding="utf-8")
+    assert name_of(step, xs, ys) != before
+
+    calls = []
+    monkeypatch.setattr("training.compiled_step._COMPILED_STEP", lambda *args: calls.append(args) or (
+        torch.zeros(()), torch.zeros(())))
+    monkeypatch.setattr(step_file, "compile_ahead", lambda *args: pytest.fail("a model with hooks was compiled "
+                                                                             "to be saved"))
+    hooked = step_for()
+    hooked.model.drop.register_forward_hook(lambda module, inputs, output: output * 2)
+    with pytest.raises(step_file.NotSaveable, match="module drop has hooks"):
+        name_of(hooked, xs, ys)
+    hooked.warm_up(xs, ys)
+    assert hooked.source == "compiled with guards" and len(calls) == 1

@@ -13,9 +13,11 @@ A step saved this way keeps none of dynamo's guards (they walk the model's modul
 loads the file), so nothing checks its arguments when it is called. The file's name is therefore a digest of all
 that its code was specialised on (signature): every tensor's shape, strides and dtype, the model's settings and
 mode (compiled_step.module_settings), the step's constants and layout, torch and Python's versions, the threads,
-inductor's options, the global state the step runs under, and tinychar's own code in model/ and training/, so
-that an edited or updated model never runs code traced from the old one. CompiledStep looks its function up again
-whenever the shape of a call's batch or the model's mode differs from the last call's.
+inductor's options, the global state the step runs under, and tinychar's own code in model/ and training/ (with
+the file of any module class defined elsewhere), so that an edited or updated model never runs code traced from the
+old one. A model with hooks, whose code could be anywhere, is not saved (NotSaveable): it compiles with the guards.
+CompiledStep looks its function up again whenever the shape of a call's batch or the model's mode differs from the
+last call's.
 
 Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is trusted as that cache
 is, being in the same folder (compile_cache.cache_folder). A file that cannot be read or loaded is compiled again
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import io
 import platform
 from collections.abc import Callable
@@ -64,6 +67,40 @@ def code_digest(root: Path = ROOT) -> str:
     return digest.hexdigest()
 
 
+def file_digest(path: str) -> str:
+    """A digest of the file at path ('' where it cannot be read)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+class NotSaveable(ValueError):
+    """A step whose code depends on more than its signature can name: it is compiled with dynamo's guards instead."""
+
+
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _module_code(model: nn.Module) -> list[tuple[str, str]]:
+    """The source files of the model's module classes that lie outside tinychar's CODE_FOLDERS (a model defined
+    elsewhere, by the person), with their digests; torch's own are named by its version. NotSaveable where a module
+    has hooks: their code, which the step traces, can be anywhere."""
+    files = set()
+    for name, m in model.named_modules():
+        if any(getattr(m, h, None) for h in HOOKS):
+            raise NotSaveable(f"module {name or 'model'} has hooks")
+        if type(m).__module__.startswith("torch."):
+            continue
+        try:
+            source = Path(inspect.getsourcefile(type(m)) or "").resolve()
+        except TypeError:  # a class of no file
+            raise NotSaveable(f"module {name or 'model'}'s class {type(m).__qualname__} has no source file") from None
+        if not any(source.is_relative_to(ROOT / folder) for folder in CODE_FOLDERS):
+            files.add(str(source))
+    return [(f, file_digest(f)) for f in sorted(files)]
+
+
 def _described(value: object) -> object:
     """What compiled code specialises on in one argument of the step."""
     if isinstance(value, torch.Tensor):
@@ -72,7 +109,7 @@ def _described(value: object) -> object:
     if isinstance(value, nn.Module):  # its parameters are replaced by the flat buffer's views; its buffers are read
         from .compiled_step import module_settings
 
-        return ("module", module_settings(value), value.training,
+        return ("module", module_settings(value), value.training, _module_code(value),
                 [(name, _described(t)) for name, t in value.named_buffers()],
                 [(name, _described(t)) for name, t in value.named_parameters()])
     return ("value", repr(value))
@@ -138,9 +175,9 @@ def step_function(fn: Callable, args: tuple, device: torch.device) -> tuple[Call
         step, source = compile_ahead(fn, args, device), "compiled"
         try:  # to a new file that then takes the name: never written through a link put in its place
             step.save_compiled_function(str(path))
-        except Exception:  # noqa: BLE001 - a step that cannot be saved is still this run's; the next compiles it again
+        except Exception:  # noqa: BLE001 - a step that cannot be saved is still this run's; the next compiles again
             pass
-        else:
+        else:  # loaded at once: that builds the file's C++ wrapper, which the next run would otherwise build (5 s)
             step = load(path) or step
     _STEPS[name] = step
     return step, source
