@@ -229,3 +229,11 @@ def test_a_model_defined_outside_tinychar_names_its_file_and_one_with_hooks_is_n
         name_of(hooked, xs, ys)
     hooked.warm_up(xs, ys)
     assert hooked.source == "compiled with guards" and len(calls) == 1
+
+
+def test_the_step_is_saved_whole_on_a_cpu_with_this_torch_and_not_yet_on_cuda():
+    """torch 2.13, which CI installs, has the API; on CUDA, not checked on a GPU yet, the step keeps its guards."""
+    if torch.__version__ >= "2.13":
+        assert step_file.AHEAD
+    assert step_file.used_on(CPU) == step_file.AHEAD
+    assert not step_file.used_on(torch.device("cuda"))

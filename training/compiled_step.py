@@ -337,7 +337,7 @@ class CompiledStep:
         if self._last is not None and self._last[0] == call:
             return self._last[1]
         function = None
-        if step_file.AHEAD:
+        if step_file.used_on(self.device):
             try:
                 function, self.source = step_file.step_function(_whole_step, args, self.device)
             except Exception as e:  # noqa: BLE001 - torch.compile's own compile follows, and says what fails
