@@ -116,12 +116,15 @@ def _kind_of(path: str | Path) -> str | None:
         return None
 
 
-def read_user_file(path: str | Path, what: str, max_bytes: int, error: type[Exception] = ValueError) -> bytes:
+def read_user_file(
+    path: str | Path, what: str, max_bytes: int, error: type[Exception] = ValueError, own: bool = False
+) -> bytes:
     """The bytes of the regular file a person named as `what` (such as '--prompt-file'), at most max_bytes of them.
 
     Anything else is refused with one line raised as `error`: a missing file, a folder, a pipe or device (which
     could be read forever, like /dev/zero), a file over the limit, or one the system will not open (permissions, a
     name too long). The size is checked on the open file, and the read stops past the limit whatever the size said.
+    With own, a file that another user owns is refused too (checked on the open file, so it cannot be swapped after).
     """
     name = shown(str(path))
     try:
@@ -141,6 +144,8 @@ def read_user_file(path: str | Path, what: str, max_bytes: int, error: type[Exce
             raise error(f"{what}: '{name}' is {kind}, not a file; give the path of a regular file")
         if st.st_size > max_bytes:
             raise error(f"{what}: '{name}' is {st.st_size:,} bytes; the limit is {max_bytes:,}")
+        if own and hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise error(f"{what}: '{name}' belongs to another user; remove it or give a file of your own")
         with os.fdopen(fd, "rb") as f:
             fd = -1  # the file object closes it now
             data = f.read(max_bytes + 1)

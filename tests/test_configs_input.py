@@ -17,7 +17,7 @@ import pytest
 from test_configs import TINY, refused, write_yaml
 
 from configs import MAX_CONFIG_BYTES, ConfigError, load_yaml, to_dict
-from configs.userinput import QUOTE_LIMIT, resolved, shown
+from configs.userinput import QUOTE_LIMIT, read_user_file, resolved, shown
 from training.config import load_config
 
 # A message quotes a value in at most ~80 characters; with its own words, one line stays well under this. The tests
@@ -173,6 +173,18 @@ def test_a_file_over_the_limit_is_refused_before_it_is_parsed(tmp_path):
     assert f"the limit is {MAX_CONFIG_BYTES:,}" in refused(path)
     write_yaml(tmp_path, "seed: 1\n" + "#" * (MAX_CONFIG_BYTES - 20) + "\n")  # just under: read as usual
     assert load_config(str(path), []).seed == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="needs POSIX user ids (os.getuid)")
+def test_a_file_that_must_be_ones_own_is_refused_when_another_user_owns_it(tmp_path, monkeypatch):
+    path = tmp_path / "step.pt2"
+    path.write_bytes(b"code")
+    assert read_user_file(path, "compiled step", 10, own=True) == b"code"
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    assert read_user_file(path, "compiled step", 10) == b"code"  # only asked of files whose code is run
+    with pytest.raises(ValueError, match="^compiled step: '.*step.pt2' belongs to another user; remove it"):
+        read_user_file(path, "compiled step", 10, own=True)
 
 
 def test_a_file_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):

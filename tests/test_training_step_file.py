@@ -93,12 +93,20 @@ def test_what_is_not_a_saved_step_loads_as_none_without_waiting(tmp_path, monkey
     if hasattr(os, "mkfifo"):
         os.mkfifo(tmp_path / "pipe.pt2")
         assert step_file.load(tmp_path / "pipe.pt2") is None  # a named pipe with no writer: not waited on
+    read = []
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: read.append(f) or "a step")
+    mine = tmp_path / "mine.pt2"
+    mine.write_bytes(b"\0" * 1000)
+    assert step_file.load(mine) == "a step" and len(read) == 1  # (the staged loader takes anything)
+    if hasattr(os, "getuid"):  # another user's file: anyone could have put it there, and loading it runs its code
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+        assert step_file.load(mine) is None and len(read) == 1
+        monkeypatch.setattr(os, "getuid", lambda: uid)
     monkeypatch.setattr(step_file, "MAX_BYTES", 999)
     big = tmp_path / "big.pt2"
     big.write_bytes(b"\0" * 1000)
-    read = []
-    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: read.append(f))
-    assert step_file.load(big) is None and not read  # too large to be one: not read
+    assert step_file.load(big) is None and len(read) == 1  # too large to be one: not read
 
 
 def test_the_saved_steps_name_tells_apart_all_that_its_code_was_specialised_on(monkeypatch):

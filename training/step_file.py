@@ -19,9 +19,9 @@ old one. A model with hooks, whose code could be anywhere, is not saved (NotSave
 CompiledStep looks its function up again whenever the shape of a call's batch or the model's mode differs from the
 last call's.
 
-Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is trusted as that cache
-is, being in the same folder (compile_cache.cache_folder). A file that cannot be read or loaded is compiled again
-and overwritten. A torch without torch.compiler.load_compiled_function compiles as before.
+Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is kept in the same
+folder (compile_cache.cache_folder), and one that another user owns is never loaded. A file that cannot be read or
+loaded is compiled again and overwritten. A torch without torch.compiler.load_compiled_function compiles as before.
 """
 
 from __future__ import annotations
@@ -142,9 +142,10 @@ def _no_guards(entries: list) -> list[bool]:
 
 def load(path: Path) -> Callable | None:
     """The step saved at path, or None where there is none that loads (missing, not a regular file, too large,
-    damaged, or of another torch)."""
+    damaged, or of another torch), or none to trust: a file another user owns (in a folder others can write, such as
+    the temp folder's stand-in for the cache, anyone could have put it there, and loading it runs its code)."""
     try:
-        data = read_user_file(path, "compiled step", MAX_BYTES)
+        data = read_user_file(path, "compiled step", MAX_BYTES, own=True)  # the owner checked on the open file
     except ValueError:
         return None
     try:
