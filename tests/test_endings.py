@@ -223,13 +223,32 @@ def test_a_stop_while_sample_py_compiles_ends_it_without_waiting_for_the_compile
     assert "compiled in" not in err and "Traceback" not in err and out == ""
 
 
+def loading_torch(proc: subprocess.Popen) -> None:
+    """Return once proc has begun to load torch's libraries (on Linux, where /proc shows what a process has mapped;
+    elsewhere a second after its start). A fixed second was too long where torch loads fast: sample.py had loaded it
+    and was sampling by then."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    if not maps.exists():
+        time.sleep(1.0)
+        return
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if "libtorch_cpu" in maps.read_text():
+                return
+        except OSError:  # between its fork and its exec
+            pass
+        time.sleep(0.005)
+    raise AssertionError(f"sample.py did not begin to load torch (exit status {proc.poll()})")
+
+
 @pytest.mark.slow
-@pytest.mark.no_zygote  # its signal must land while torch loads, a second after the start
+@pytest.mark.no_zygote  # its signal must land while torch loads
 def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(tmp_path):
     """kill or timeout while torch loads (a second or more) ended sample.py without a word."""
     run = train_small_run(tmp_path)
     proc = start("sample.py", "--out-dir", str(run))
-    time.sleep(1.0)  # past the interpreter's own start, before the model is loaded
+    loading_torch(proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
