@@ -67,6 +67,10 @@ def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_t
     xs, ys = batches()[0]
     saved = tmp_path / f"{name_of(first, xs, ys)}.pt2"
     saved.write_bytes(b"\x80\x04not a compiled step")  # damaged: compiled again, and replaced
+    stale = tmp_path / "tinychar-step-stale.pt2"  # another step's, long unused: pruned when this one is saved
+    stale.write_bytes(b"\0" * 1000)
+    os.utime(stale, (1e9, 1e9))
+    monkeypatch.setattr(step_file, "KEEP_BYTES", 1)
     if hasattr(torch._dynamo.config, "enable_aot_compile"):  # off, as torch 2.11 ships it: step_file turns it on
         monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
     first.warm_up(xs, ys)
@@ -110,6 +114,32 @@ def test_what_is_not_a_saved_step_loads_as_none_without_waiting(tmp_path, monkey
     big = tmp_path / "big.pt2"
     big.write_bytes(b"\0" * 1000)
     assert step_file.load(big) is None and len(read) == 1  # too large to be one: not read
+
+
+def test_saving_a_step_prunes_the_least_recently_used_ones_beyond_the_limit(tmp_path, monkeypatch):
+    saved = {}
+    for age, name in enumerate("abcde"):
+        saved[name] = tmp_path / f"tinychar-step-{name}.pt2"
+        saved[name].write_bytes(b"\0" * 1000)
+        os.utime(saved[name], (1e9 + age, 1e9 + age))  # a the oldest, e the newest
+    other = tmp_path / "inductor.so"
+    other.write_bytes(b"\0" * 5000)  # not a saved step: never touched
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: "a step")
+    assert step_file.load(saved["a"]) == "a step"  # used now: kept longest
+    new = tmp_path / "tinychar-step-new.pt2"
+    new.write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(step_file, "KEEP_BYTES", 3000)
+    if hasattr(os, "getuid"):  # another user's files are never removed
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+        assert step_file.prune(tmp_path, new) == []
+        monkeypatch.setattr(os, "getuid", lambda: uid)
+    assert step_file.prune(tmp_path, new) == [saved["b"], saved["c"], saved["d"]]  # 6,000 bytes down to 3,000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inductor.so", "tinychar-step-a.pt2",
+                                                          "tinychar-step-e.pt2", "tinychar-step-new.pt2"]
+    monkeypatch.setattr(step_file, "KEEP_BYTES", 10)
+    assert step_file.prune(tmp_path, new) == [saved["e"], saved["a"]]  # the one just saved stays, whatever its size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inductor.so", "tinychar-step-new.pt2"]
 
 
 def test_the_saved_steps_name_tells_apart_all_that_its_code_was_specialised_on(monkeypatch):

@@ -23,7 +23,7 @@ from training_runs import call, train_main, write_corpus
 
 from data import CharTokenizer
 from model import GPT, GPTConfig
-from training import compile_cache, engine, load_config, warm
+from training import compile_cache, engine, load_config, step_file, warm
 from training.engine import WARM_HELPER_MIN_STEPS, WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
 from training.errors import UsageError
 from training.launch import Launch
@@ -86,6 +86,14 @@ def test_an_eager_run_leaves_a_helper_only_where_a_warm_cache_could_compile(a_co
     compile_cache.remember_step_times(key, 10.0, 5.0)  # HELPER_STEPS x 5 ms: 10 s, over 1.5 x the 3 s
     choice = choose_engine(trainer, None, CPU)
     assert (choice.kind, choice.warm_key) == ("step", None) and "measured here" in choice.reason
+    # after a compile from an empty cache a repeated run loads the step saved whole, on a CPU in a tenth of its time:
+    # 2,000 steps x 5 ms win back 10 s, over 1.5 x 40 s x 0.1, under 1.5 x 40 s x WARM_SHARE (0.25)
+    compile_cache.remember_compile(key, 40.0, cold=True)
+    choice = choose_engine(trainer_for(tmp_path, 2_000), None, CPU)
+    assert choice.kind == ("step" if step_file.used_on(CPU) else "eager"), choice.reason
+    assert f"{40.0 * step_file.warm_share(CPU):.1f} s of a compile" in choice.reason
+    assert choose_engine(trainer_for(tmp_path, 3_000), None, CPU).kind == "step"
+    compile_cache.remember_compile(key, 3.0)
     compile_cache.remember_step_times(key, 10.0, 10.2)  # slower compiled: eager, however many steps
     choice = choose_engine(trainer_for(tmp_path, 10 * WARM_STEPS), None, CPU)
     assert (choice.kind, choice.warm_key) == ("eager", None) and "less than" in choice.reason

@@ -26,7 +26,7 @@ from data import get_batch
 from model import GPTConfig
 from model.linear import Linear, onednn_min_macs
 
-from . import warm
+from . import step_file, warm
 from .compile_cache import (
     NoCacheFolder,
     cache_folder,
@@ -303,8 +303,9 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
         warm_now = cached_compile_seconds(key) is not None
         micro = tc.grad_accum_steps if kind == "step" else 1
         remaining = tc.max_iters - trainer.step
+        saving = measured_saving(key, step_file.warm_share(device)) if kind == "step" else None
         wanted, reason = auto_compiles(flops_per_step, remaining, device, warm=warm_now, onednn=onednn,
-                                       micro_batches=micro, measured=measured_saving(key) if kind == "step" else None)
+                                       micro_batches=micro, measured=saving)
         reason = f"auto: {reason}{unrolled}"
         if (not wanted and not warm_now and why_not is None and device.type == "cpu" and kind == "step"
                 and trainer.launch.main and warm_later and remaining >= WARM_HELPER_MIN_STEPS * micro):

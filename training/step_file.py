@@ -21,7 +21,8 @@ last call's.
 
 Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is kept in the same
 folder (compile_cache.cache_folder), and one that another user owns is never loaded. A file that cannot be read or
-loaded is compiled again and overwritten. A torch without torch.compiler.load_compiled_function compiles as before;
+loaded is compiled again and overwritten. Saving a step prunes the folder's least recently used ones beyond
+KEEP_BYTES. A torch without torch.compiler.load_compiled_function compiles as before;
 one that has it but leaves it off by default (torch 2.11) has it turned on while the step compiles.
 """
 
@@ -33,7 +34,9 @@ import hashlib
 import importlib.metadata
 import inspect
 import io
+import os
 import platform
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from torch import nn
 
 from configs.userinput import read_user_file
 
-from .compile_cache import cache_folder, compile_options
+from .compile_cache import WARM_SHARE, cache_folder, compile_options
 
 AHEAD = hasattr(torch.compiler, "load_compiled_function")
 
@@ -55,12 +58,28 @@ def used_on(device: torch.device) -> bool:
     return AHEAD and device.type in ("cpu", "cuda")
 
 
+# A saved step loads in this share of the cold compile that saved it, or less: measured on a 2-core Zen 4 EPYC, about
+# 5% (tiny.yaml's step 31.0 -> 1.4-1.7 s, the CPU config's 39.2 -> 1.4-2.0 s); twice that for slower disks and hosts.
+# On an H200 loading took a quarter (38.4 -> 8.4-10.7 s), compile_cache.WARM_SHARE.
+LOADED_SHARE = 0.1
+
+
+def warm_share(device: torch.device) -> float:
+    """The share of a cold compile's time that a repeated run's compile takes on device: LOADED_SHARE where the step
+    is saved whole on a CPU, else compile_cache.WARM_SHARE (compile_cache.measured_saving)."""
+    return LOADED_SHARE if used_on(device) and device.type == "cpu" else WARM_SHARE
+
+
 # The files' layout; a new one names new files.
 FORMAT = 1
 # A saved step holds its graphs and generated code: 1.2-1.6 MB for the models above on a CPU, 17.7 MB for
 # configs/shakespeare_char.yaml's on an H200 (its kernels' machine code). Anything far larger, or not a regular file
 # (a named pipe would wait for a writer forever), is not one.
 MAX_BYTES = 256 << 20
+# The saved steps a cache folder keeps, the most recently used first, at most this many bytes in all (the one just
+# saved always stays). Each change of the code, the model's settings or the batch names a new file (1-2 MB on a CPU,
+# 17.7 MB for configs/shakespeare_char.yaml's step on an H200), and the old ones would otherwise pile up for good.
+KEEP_BYTES = 512 << 20
 # The folders whose Python the step traces (the model's forward, the step, the optimizers' arithmetic).
 CODE_FOLDERS = ("model", "training")
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,9 +189,36 @@ def load(path: Path) -> Callable | None:
     except ValueError:
         return None
     try:
-        return torch.compiler.load_compiled_function(io.BytesIO(data))
+        step = torch.compiler.load_compiled_function(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - a file that does not load is compiled again and replaced
         return None
+    with contextlib.suppress(OSError):  # used now: the last to be pruned (prune)
+        os.utime(path)
+    return step
+
+
+def prune(folder: Path, keep: Path) -> list[Path]:
+    """Remove the saved steps in folder that are least recently used (by their files' times: a load touches its
+    file) until those left come to KEEP_BYTES or fewer, keep always staying; the ones removed. Only this user's files
+    are touched; one another process removes first, or that cannot be removed, is passed over."""
+    saved = []
+    for path in folder.glob("tinychar-step-*.pt2"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path != keep and stat.S_ISREG(st.st_mode) and (not hasattr(os, "getuid") or st.st_uid == os.getuid()):
+            saved.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in saved) + (keep.stat().st_size if keep.exists() else 0)
+    removed = []
+    for _, size, path in sorted(saved, key=lambda entry: entry[0]):  # the oldest first
+        if total <= KEEP_BYTES:
+            break
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+        total -= size
+    return removed
 
 
 def compile_ahead(fn: Callable, args: tuple, device: torch.device) -> Callable:
@@ -213,5 +259,7 @@ def step_function(fn: Callable, args: tuple, device: torch.device) -> tuple[Call
             pass
         else:  # loaded at once: that builds the file's C++ wrapper, which the next run would otherwise build (5 s)
             step = load(path) or step
+            with contextlib.suppress(OSError):
+                prune(path.parent, path)
     _STEPS[name] = step
     return step, source
