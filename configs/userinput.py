@@ -1,10 +1,12 @@
 """What a person typed or named, made safe to quote and to read: short escaped quotes for one-line messages,
-files that must be regular files of a bounded size, and command lines whose errors are one line. Every entry
+files that must be regular files of a bounded size, a folder in the temp folder that is this user's alone, and
+command lines whose errors are one line. Every entry
 point and package opens a user's small file (a config, a prompt) and quotes a user's value through here."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import re
@@ -12,6 +14,7 @@ import reprlib
 import shlex
 import stat
 import sys
+import tempfile
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
@@ -157,6 +160,45 @@ def read_user_file(
     if len(data) > max_bytes:  # it grew while being read
         raise error(f"{what}: '{name}' is over the limit of {max_bytes:,} bytes")
     return data
+
+
+def temp_root() -> Path:
+    """tinychar's folder in the temp folder, one per user: where its caches go when the user's own cannot be used."""
+    return Path(tempfile.gettempdir()) / f"tinychar-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+
+
+def temp_root_problem(root: Path | None = None) -> str | None:
+    """Why temp_root() cannot be trusted with this user's caches, in words, or None: missing, or a folder this user
+    owns that no one else can write. Its name is known to all, so another user could have made it first, or a link
+    by that name, and put there compiled libraries or data that this user's runs would then load."""
+    root = temp_root() if root is None else root
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"'{shown(str(root))}' cannot be read ({e.strerror or type(e).__name__})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"'{shown(str(root))}' is a symbolic link, not this user's own folder"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"'{shown(str(root))}' is {file_kind(st.st_mode) or 'a file'}, not a folder"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"'{shown(str(root))}' belongs to another user"
+    if st.st_mode & 0o022:
+        return f"others can write in '{shown(str(root))}'"
+    return None
+
+
+def private_temp_root() -> Path:
+    """temp_root(), made for this user alone (mode 0700) where it is missing; PermissionError, saying why, where it
+    cannot be trusted (temp_root_problem)."""
+    root = temp_root()
+    root.parent.mkdir(parents=True, exist_ok=True)  # the temp folder itself, should $TMPDIR name a missing one
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    if (why := temp_root_problem(root)) is not None:  # checked after making it: no one can slip one in between
+        raise PermissionError(errno.EACCES, f"{why}; remove it")
+    return root
 
 
 class OneLineParser(argparse.ArgumentParser):

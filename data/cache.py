@@ -22,7 +22,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from configs.userinput import file_kind
+from configs.userinput import file_kind, private_temp_root, temp_root
 
 from .paths import LOG_PATH, DataError, open_regular, quoted
 from .sources import FORMAT_VERSION
@@ -246,6 +246,8 @@ def open_part(
             refused.append(f"{quoted(folder)} (read-only)")
             continue
         try:
+            if folder.is_relative_to(temp_root()):  # made for this user alone: the text's ids are readable in it
+                private_temp_root()
             folder.mkdir(parents=True, exist_ok=True)
             return folder, part.open("xb"), part
         except OSError as e:

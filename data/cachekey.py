@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from configs.userinput import temp_root, temp_root_problem
 
 from .paths import DataError, expand_home, open_regular, quoted
 from .sources import FORMAT_VERSION, Inputs, Source
@@ -70,9 +71,9 @@ def cache_dirs(configured: str | None) -> tuple[list[Path], str]:
 
     data.cache_dir, else $TINYCHAR_CACHE_DIR (an absolute path, or DataError), is the only folder. Otherwise the
     per-user cache ($XDG_CACHE_HOME/tinychar/encoded where it is an absolute path, else ~/.cache/tinychar/encoded),
-    then the temp folder should that one be read-only or missing; data.cache_dir is what a person sets to choose
-    another. Never a folder of the project or of the corpus. A '~user' that names no known user is DataError, naming
-    the setting that holds it.
+    then the temp folder's, where it is this user's alone (configs.userinput.temp_root_problem), should that one be
+    read-only or missing; data.cache_dir is what a person sets to choose another. Never a folder of the project or of
+    the corpus. A '~user' that names no known user is DataError, naming the setting that holds it.
     """
     if configured:
         return [expand_home(configured, "data.cache_dir")], "data.cache_dir"
@@ -82,14 +83,19 @@ def cache_dirs(configured: str | None) -> tuple[list[Path], str]:
             raise DataError(f"TINYCHAR_CACHE_DIR: {quoted(chosen)} is a relative path, which would put a cache in "
                             "each folder a run starts from (a repository, a corpus); give an absolute path")
         return [folder], "TINYCHAR_CACHE_DIR"
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    temp = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "encoded"
+    # The temp folder's, only where it is this user's alone: another user could have made it first (its name is known
+    # to all) and put there ids that a run would read as its text.
+    problem = temp_root_problem()
+    temp = [] if problem else [temp_root() / "encoded"]
     try:
         home = Path.home()
     except (RuntimeError, KeyError):  # no $HOME and no entry in the user database, as in some containers
-        return [temp], "data.cache_dir"
+        if problem:
+            raise DataError(f"no folder for the encoded corpus: no home folder, and {problem}; remove it, or set "
+                            "data.cache_dir or TINYCHAR_CACHE_DIR to a folder of your own") from None
+        return temp, "data.cache_dir"
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = expand_home(xdg, "XDG_CACHE_HOME") if xdg else None
     if base is None or not base.is_absolute():  # relative: another folder from each working folder, so the XDG
         base = home / ".cache"  # base directory specification has it ignored
-    return [base / "tinychar" / "encoded", temp], "data.cache_dir"
+    return [base / "tinychar" / "encoded", *temp], "data.cache_dir"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ import data.cache
 import data.cachekey
 import data.prepare
 import data.sources
+from configs.userinput import shown
 from data import DataError
 from data.paths import LOG_PATH, quoted
 
@@ -209,6 +211,31 @@ def test_the_cache_falls_back_when_the_default_folder_cannot_be_written(
     assert corpus.path.parent == tmp_path / "temp" / f"tinychar-{uid}" / "encoded"
     assert any("cannot write to the cache folder" in note for note in corpus.notes)
     assert prepare(tmp_path / "t.txt").cache_hit
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="needs POSIX user ids (os.getuid)")
+def test_the_temp_folders_cache_is_used_only_where_it_is_this_users_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its name is known to all: another user could make it first, or let everyone write in it, and put there ids
+    that a run would read as its text; and the ids in it are the text, which others should not read."""
+    monkeypatch.delenv("TINYCHAR_CACHE_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    user_cache = tmp_path / "user-cache"
+    write(user_cache / "tinychar", "a file where the cache folder would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
+    root = tmp_path / "temp" / f"tinychar-{os.getuid()}"
+    corpus = prepare(write(tmp_path / "t.txt", MIXED))
+    assert corpus.path.is_relative_to(root) and root.stat().st_mode & 0o777 == 0o700  # made for this user alone
+    root.chmod(0o777)
+    assert data.cachekey.cache_dirs(None)[0] == [user_cache / "tinychar" / "encoded"]  # neither read nor written
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    with pytest.raises(DataError, match=f"^no folder for the encoded corpus: no home folder, and others can write in "
+                                        f"'{re.escape(shown(str(root)))}'; remove it, or set data.cache_dir or "
+                                        "TINYCHAR_CACHE_DIR"):
+        data.cachekey.cache_dirs(None)
+    root.chmod(0o700)
+    assert data.cachekey.cache_dirs(None)[0] == [root / "encoded"]
 
 
 def test_a_relative_xdg_cache_home_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,9 +5,11 @@ compile to take."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -192,7 +194,7 @@ def cache_folder_blocked(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
-    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     (tmp_path / "xdg").mkdir()
     (tmp_path / "xdg" / "tinychar").write_text("a file where the cache folder goes", encoding="utf-8")
 
@@ -220,6 +222,26 @@ def test_a_cache_folder_that_cannot_be_written_moves_to_the_temp_folder_keeping_
         "; set TORCHINDUCTOR_CACHE_DIR, which names it, to a folder this user can write\n")
 
 
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="needs POSIX user ids (os.getuid)")
+def test_the_temp_folders_stand_in_is_used_only_where_it_is_this_users_alone(monkeypatch, tmp_path):
+    """Its name is known to all: another user could make it first, or let everyone write in it, and put there
+    libraries that this user's compiles would load and run."""
+    cache_folder_blocked(monkeypatch, tmp_path)
+    root = tmp_path / "temp" / f"tinychar-{os.getuid()}"
+    assert compile_cache.cache_folder().is_relative_to(root)
+    assert root.stat().st_mode & 0o777 == 0o700  # made for this user alone
+    root.chmod(0o777)
+    open_to_all = rf"\(others can write in '{re.escape(shown(str(root)))}'; remove it\)"
+    with pytest.raises(compile_cache.NoCacheFolder, match=open_to_all):
+        compile_cache.cache_folder()
+    root.chmod(0o755)  # others may read, not write: this user's own still
+    assert compile_cache.cache_folder().is_relative_to(root)
+    root.rename(tmp_path / "elsewhere")
+    root.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(compile_cache.NoCacheFolder, match="is a symbolic link, not this user's own folder"):
+        compile_cache.cache_folder()
+
+
 @pytest.mark.parametrize("odd", [" ", "'", '"', "\\", "\t", "\n"],
                          ids=["space", "quote", "double-quote", "backslash", "tab", "newline"])
 def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_folder(monkeypatch, tmp_path, capsys,
@@ -231,7 +253,7 @@ def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_f
     monkeypatch.setattr(compile_cache, "_SAID_MOVED", set())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"my{odd}cache"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # put back after the test
-    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "temp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
     wanted = compile_cache.compile_cache_dir()
     folder = compile_cache.prepare_compile()
     assert folder == tmp_path / "temp" / f"tinychar-{os.getuid()}" / "compiled" / wanted.name and folder.is_dir()
@@ -241,7 +263,7 @@ def test_a_cache_path_that_would_split_the_compilers_command_moves_to_the_temp_f
         f"command), so compiled code goes to '{shown(str(folder))}'; set TORCHINDUCTOR_CACHE_DIR to choose the "
         f"folder\n")
     assert not wanted.exists()  # nothing made there
-    monkeypatch.setattr(compile_cache.tempfile, "tempdir", str(tmp_path / "a temp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a temp"))
     with pytest.raises(compile_cache.NoCacheFolder, match="its path holds a space"):
         compile_cache.prepare_compile()
 
@@ -278,7 +300,8 @@ def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_marke
     wanted = compile_cache.compile_cache_dir()
     assert compile_cache.cannot_compile(torch.device("cpu")) == (
         f"no folder for compiled code: cannot use '{shown(str(wanted))}' (Not a directory) nor '{shown(str(moved))}' "
-        f"(Not a directory); set TORCHINDUCTOR_CACHE_DIR to a writable folder whose path has no space or quote")
+        f"('{shown(str(moved.parent.parent))}' is a file, not a folder; remove it); set TORCHINDUCTOR_CACHE_DIR to "
+        f"a writable folder whose path has no space or quote")
     with pytest.raises(compile_cache.NoCacheFolder):
         compile_cache.prepare_compile()
     assert compile_cache.cached_compile_seconds("step-k") is None  # cold, without an error

@@ -17,12 +17,11 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from configs.userinput import read_user_file, shown
+from configs.userinput import private_temp_root, read_user_file, shown, temp_root
 from model.linear import cpu_flags
 
 from .atomic import write_atomic
@@ -112,8 +111,8 @@ def compile_cache_dir() -> Path:
     try:
         xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
         base = xdg if xdg.is_absolute() else Path.home() / ".cache"  # a relative one is ignored, as in data.cachekey
-    except (RuntimeError, KeyError):  # no home at all
-        base = Path(tempfile.gettempdir())
+    except (RuntimeError, KeyError):  # no home at all: the temp folder's stand-in (cache_folder)
+        return temp_root() / "compiled" / tag
     return base / "tinychar" / "compiled" / tag
 
 
@@ -158,8 +157,9 @@ class NoCacheFolder(OSError):
 
 def cache_folder(say: bool = False) -> Path:
     """The folder compiled code goes to, made if need be: compile_cache_dir(), or where that cannot be written, one of
-    the same name in the temp folder (with say, this process says so once, on stderr). NoCacheFolder where neither
-    can be written (a file, or a read-only folder, in the way of both)."""
+    the same name in the temp folder's tinychar-<uid>, used only while it is this user's alone, since the code in it
+    runs (configs.userinput.temp_root_problem); with say, this process says so once, on stderr. NoCacheFolder where
+    neither can be used (a file, or a read-only folder, in the way of both)."""
     wanted = compile_cache_dir()
     try:
         _usable(wanted)
@@ -167,8 +167,7 @@ def cache_folder(say: bool = False) -> Path:
     except OSError as e:
         # The temp folder's cache keeps a folder per instruction set too: code of two sets in one folder crashed a
         # run kept to AVX2 followed by a native one ("corrupted size vs. prev_size", exit 134).
-        uid = os.getuid() if hasattr(os, "getuid") else "user"
-        folder = Path(tempfile.gettempdir()) / f"tinychar-{uid}" / "compiled" / wanted.name
+        folder = temp_root() / "compiled" / wanted.name
         try:
             _usable(folder)
         except OSError as fallback:
@@ -200,6 +199,8 @@ def _usable(folder: Path) -> None:
     compiler's command takes whole."""
     if odd := _split_by_compilers(folder):
         raise OSError(errno.EINVAL, f"its path holds {odd}, which splits inductor's compiler command")
+    if folder.is_relative_to(temp_root()):  # a name all users know: this user's alone, or unused (its code runs)
+        private_temp_root()
     folder.mkdir(parents=True, exist_ok=True)
     if not os.access(folder, os.W_OK):  # a read-only file system is said as such, not as a permission
         read_only = hasattr(os, "statvfs") and os.statvfs(folder).f_flag & getattr(os, "ST_RDONLY", 1)
@@ -349,7 +350,8 @@ def remember_step_times(key: str, eager_ms: float | None = None, compiled_ms: fl
 
 # A compile from the warm cache takes this share of a compile from an empty one, or less (measured, tiny.yaml's step:
 # 26.0 -> 3.5 s and 14-16 -> 2.2 s on a Zen 4 EPYC, 60.8 -> 8.3 s on a Zen 1): where the marker holds only a cold
-# compile's time, the warm one is taken to be this share of it.
+# compile's time, the warm one is taken to be this share of it; where the step is saved whole (training/step_file.py,
+# on a CPU), step_file.LOADED_SHARE.
 WARM_SHARE = 0.25
 
 
