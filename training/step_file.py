@@ -225,8 +225,8 @@ def compile_ahead(fn: Callable, args: tuple, device: torch.device) -> Callable:
     """fn compiled for args now, whole, without guards (fullgraph, static shapes, compile_options)."""
     # Before torch 2.13 (2.11 measured) the API is there but off by default: torch.compile attaches aot_compile to
     # what it returns only while this is set, and AOTAutograd's cache reads it while compiling.
-    ahead = (torch._dynamo.config.patch(enable_aot_compile=True)
-             if hasattr(torch._dynamo.config, "enable_aot_compile") else contextlib.nullcontext())
+    off = getattr(torch._dynamo.config, "enable_aot_compile", True) is False
+    ahead = torch._dynamo.config.patch(enable_aot_compile=True) if off else contextlib.nullcontext()
     with ahead:
         compiled = torch.compile(fn, fullgraph=True, dynamic=False,
                                  options={**compile_options(device), "guard_filter_fn": _no_guards})
