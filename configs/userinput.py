@@ -1,7 +1,7 @@
 """What a person typed or named, made safe to quote and to read: short escaped quotes for one-line messages,
 files that must be regular files of a bounded size, a folder in the temp folder that is this user's alone, and
-command lines whose errors are one line. Every entry
-point and package opens a user's small file (a config, a prompt) and quotes a user's value through here."""
+command lines whose errors are one line. Every entry point and package opens a user's small file (a config, a
+prompt) and quotes a user's value through here."""
 
 from __future__ import annotations
 

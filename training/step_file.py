@@ -22,8 +22,8 @@ last call's.
 Loading the file runs its code, as loading inductor's cache runs the libraries it holds: it is kept in the same
 folder (compile_cache.cache_folder), and one that another user owns is never loaded. A file that cannot be read or
 loaded is compiled again and overwritten. Saving a step prunes the folder's least recently used ones beyond
-KEEP_BYTES. A torch without torch.compiler.load_compiled_function compiles as before;
-one that has it but leaves it off by default (torch 2.11) has it turned on while the step compiles.
+KEEP_BYTES. A torch without torch.compiler.load_compiled_function compiles as before; one that has it but leaves it
+off by default (torch 2.11) has it turned on while the step compiles.
 """
 
 from __future__ import annotations
@@ -214,10 +214,10 @@ def prune(folder: Path, keep: Path) -> list[Path]:
     for _, size, path in sorted(saved, key=lambda entry: entry[0]):  # the oldest first
         if total <= KEEP_BYTES:
             break
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # one that cannot be removed still counts
             path.unlink()
             removed.append(path)
-        total -= size
+            total -= size
     return removed
 
 
