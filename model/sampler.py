@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 from torch._higher_order_ops import while_loop
 
 from .config import GPTConfig
@@ -57,12 +58,19 @@ class WindowSampler:
     reduction was turned off (training.compile_cache.CUDA_OPTIONS; the README's "On a GPU"); training's own samples
     still take GPT.generate (training.logger.sample_text).
 
+    ``ahead(fn, args)``, with ``compile`` (and neither ``graph`` nor a model in training mode), compiles the step ahead
+    of time instead: fn is ``run_steps``, args its arguments (``steps``, a WindowSteps, first), and what it returns is
+    called in the step's place for arguments of the same shapes, unchecked (training.step_file saves such a step and
+    loads it in later runs: seconds sooner than torch.compile's warm start). Where it returns None, torch.compile's
+    own step (with dynamo's guards) is used.
+
     A model in eval mode has its first block's projections looked up (``GPT.first_projections``, up to
     MAX_FIRST_PROJECTIONS values), as they are when the sampler is made: make another after changing the weights.
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
-                 compile: bool = False, options: dict | None = None, chunk: int = 1, graph: bool = False) -> None:
+                 compile: bool = False, options: dict | None = None, chunk: int = 1, graph: bool = False,
+                 ahead: Callable[[Callable, tuple], Callable | None] | None = None) -> None:
         check_sampling(temperature, top_k, top_p)
         if 0.0 < temperature < MIN_FAST_TEMPERATURE:
             raise ValueError(f"temperature {temperature} is below {MIN_FAST_TEMPERATURE}: use GPT.generate")
@@ -75,50 +83,47 @@ class WindowSampler:
         self.unrolled: Unrolled | None = None
         cfg = model.config
         # The first block's projections looked up rather than computed (in eval mode: no dropout on the embeddings)
-        self.first = None
+        first = None
         if not model.training and cfg.vocab_size * cfg.block_size * 3 * cfg.n_embd <= MAX_FIRST_PROJECTIONS:
-            self.first = model.first_projections()
-        self.step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._steps
-        self.draw: Callable[..., tuple[torch.Tensor, ...]] = self._draw
+            first = model.first_projections()
+        self.steps = WindowSteps(model, first, temperature, top_k, top_p, chunk)
+        self.step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self.steps
+        self.draw: Callable[..., tuple[torch.Tensor, ...]] = self.steps.draw
+        self.options = options
+        self.ahead = ahead if compile and not graph and not model.training else None
+        self._ahead_steps: dict[tuple, Callable] = {}  # the step compiled ahead, by the shapes it was compiled for
+        self._guarded: Callable | None = None
         if compile and graph:  # one character compiled; the graph unrolls the chunk of them
-            self.draw = torch.compile(self._draw, fullgraph=True, dynamic=False, options=options)
+            self.draw = torch.compile(self.steps.draw, fullgraph=True, dynamic=False, options=options)
+        elif self.ahead is not None:
+            self.step = self._step_ahead
         elif compile:
-            self.step = torch.compile(self._steps, fullgraph=True, dynamic=False, options=options)
+            self.step = self._guarded_step()
 
-    def _steps(self, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor, noise: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """window (B, block_size) ids holding n (a (1,) count, >= 1) characters; wanted (a (1,) count, 1..chunk)
-        characters to draw, with noise (chunk, B, vocab) Exp(1), or None (greedy) -> (the next ids (B, chunk), of
-        which the first `wanted` are drawn, the window after them, their count)."""
-        drawn = torch.zeros(window.size(0), self.chunk, dtype=window.dtype, device=window.device)
-        k = torch.zeros(1, dtype=torch.long, device=window.device)
-        if not torch.compiler.is_compiling():
-            for _ in range(int(wanted)):
-                k, window, n, drawn = self._draw(k, window, n, drawn, noise)
-            return drawn, window, n
-        # Compiled: a loop in the graph, so its body (the forward pass) is compiled once, whatever the chunk.
-        _, window, n, drawn = while_loop(lambda k, *_: k[0] < wanted[0],
-                                         lambda *state: self._draw(*state, noise), (k, window, n, drawn))
-        return drawn, window, n
+    @property
+    def first(self) -> torch.Tensor | None:
+        """The first block's projections as they were looked up when the sampler was made (None: computed)."""
+        return self.steps.first
 
-    def _draw(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
-              noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk), or -1
-        there where the row's logits are not all finite numbers (see checked_ids)."""
-        block_size = window.size(1)
-        x = self.model.hidden_at(window, n - 1, self.first)  # (B, C)
-        logits = self.model.lm_head(x).float()  # (B, vocab)
-        finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
-        if noise is None:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        else:
-            probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p)
-            next_id = (probs / noise.index_select(0, k).squeeze(0)).argmax(dim=-1, keepdim=True)  # (B, 1)
-        full = n == block_size
-        # not full: write the character after the last one; full: slide by one and put it at the end
-        placed = window.index_copy(1, n.clamp(max=block_size - 1), next_id)
-        window = torch.where(full, torch.cat([window[:, 1:], next_id], dim=1), placed)
-        return k + 1, window, n + (~full).long(), drawn.index_copy(1, k, torch.where(finite, next_id, -1))
+    def _guarded_step(self) -> Callable:
+        """torch.compile's own step, with dynamo's guards (made once)."""
+        if self._guarded is None:
+            self._guarded = torch.compile(self.steps.forward, fullgraph=True, dynamic=False, options=self.options)
+        return self._guarded
+
+    def _step_ahead(self, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor, noise: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step compiled ahead of time by ``ahead`` (for these shapes: it checks nothing when called), or, where
+        ``ahead`` gives none, torch.compile's own."""
+        shapes = (window.shape, window.device, None if noise is None else noise.shape)
+        function = self._ahead_steps.get(shapes)
+        if function is None:
+            function = self.ahead(run_steps, (self.steps, window, n, wanted, noise))
+            if function is None:
+                guarded = self._guarded_step()
+                function = lambda steps, *args: guarded(*args)  # noqa: E731
+            self._ahead_steps[shapes] = function
+        return function(self.steps, window, n, wanted, noise)
 
     @torch.inference_mode()
     def warm_up(self, batch: int, device: torch.device) -> None:
@@ -224,7 +229,7 @@ class WindowSampler:
 
 def checked_ids(ids: torch.Tensor, wanted: int) -> Iterator[torch.Tensor]:
     """The first `wanted` characters (B, 1) of a chunk's ids (B, chunk), one at a time, up to the first at which a
-    row's logits were not finite (-1, from WindowSampler._draw): there NonFiniteLogits, as GPT.generate raises it."""
+    row's logits were not finite (-1, from WindowSteps.draw): there NonFiniteLogits, as GPT.generate raises it."""
     marks = (ids[:, :wanted] < 0).any(dim=0).tolist()  # one read of the chunk from the device, not one a character
     good = marks.index(True) if True in marks else wanted
     for k in range(good):
@@ -233,8 +238,62 @@ def checked_ids(ids: torch.Tensor, wanted: int) -> Iterator[torch.Tensor]:
         raise NonFiniteLogits()
 
 
+class WindowSteps(nn.Module):
+    """WindowSampler's step as a module: the model, the first block's looked-up projections (or None) and the sampling
+    settings, so that compiled code can take all it reads as one argument (a step saved whole, training/step_file.py,
+    is named by the settings and shapes of its arguments). Called, it draws up to ``chunk`` characters."""
+
+    def __init__(self, model: GPT, first: torch.Tensor | None, temperature: float, top_k: int | None,
+                 top_p: float | None, chunk: int) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("first", first, persistent=False)
+        self.temperature, self.top_k, self.top_p, self.chunk = temperature, top_k, top_p, chunk
+
+    def forward(self, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor, noise: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """window (B, block_size) ids holding n (a (1,) count, >= 1) characters; wanted (a (1,) count, 1..chunk)
+        characters to draw, with noise (chunk, B, vocab) Exp(1), or None (greedy) -> (the next ids (B, chunk), of
+        which the first `wanted` are drawn, the window after them, their count)."""
+        drawn = torch.zeros(window.size(0), self.chunk, dtype=window.dtype, device=window.device)
+        k = torch.zeros(1, dtype=torch.long, device=window.device)
+        if not torch.compiler.is_compiling():
+            for _ in range(int(wanted)):
+                k, window, n, drawn = self.draw(k, window, n, drawn, noise)
+            return drawn, window, n
+        # Compiled: a loop in the graph, so its body (the forward pass) is compiled once, whatever the chunk.
+        _, window, n, drawn = while_loop(lambda k, *_: k[0] < wanted[0],
+                                         lambda *state: self.draw(*state, noise), (k, window, n, drawn))
+        return drawn, window, n
+
+    def draw(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
+             noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk), or -1
+        there where the row's logits are not all finite numbers (see checked_ids)."""
+        block_size = window.size(1)
+        x = self.model.hidden_at(window, n - 1, self.first)  # (B, C)
+        logits = self.model.lm_head(x).float()  # (B, vocab)
+        finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
+        if noise is None:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p)
+            next_id = (probs / noise.index_select(0, k).squeeze(0)).argmax(dim=-1, keepdim=True)  # (B, 1)
+        full = n == block_size
+        # not full: write the character after the last one; full: slide by one and put it at the end
+        placed = window.index_copy(1, n.clamp(max=block_size - 1), next_id)
+        window = torch.where(full, torch.cat([window[:, 1:], next_id], dim=1), placed)
+        return k + 1, window, n + (~full).long(), drawn.index_copy(1, k, torch.where(finite, next_id, -1))
+
+
+def run_steps(steps: WindowSteps, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor,
+              noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """steps called on the rest: the function that WindowSampler's ``ahead`` compiles, the module an argument."""
+    return steps(window, n, wanted, noise)
+
+
 class Unrolled:
-    """``chunk`` characters of ``batch`` rows per call, unrolled: ``draw`` (WindowSampler._draw, compiled or not)
+    """``chunk`` characters of ``batch`` rows per call, unrolled: ``draw`` (WindowSteps.draw, compiled or not)
     ``chunk`` times on a window and a count that stay in these buffers between calls, with the noise of each
     character put into ``noise`` by the caller beforehand. On CUDA, ``capture`` records the whole chunk once as a
     CUDA graph; each call then replays it, one launch instead of one per kernel, and returns a copy of its output

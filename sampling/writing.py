@@ -8,14 +8,14 @@ import signal
 import sys
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from model import GPT, NonFiniteLogits
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
-from training import compile_cache, engine
+from training import compile_cache, engine, step_file
 from training.compile_errors import compile_failed, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, interrupting
 from training.streams import discard_stdout
@@ -138,9 +138,11 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         compile_cache.prepare_compile()
     # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
     options = compile_cache.compile_options(device) if compiled else None
+    source: list[str] = []  # where the step saved whole came from, if it was (step_file.step_function)
+    ahead = saved_step(device, source) if compiled and not graph and step_file.used_on(device) else None
     try:
         sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
-                                chunk=chunk, graph=graph)
+                                chunk=chunk, graph=graph, ahead=ahead)
     except Exception as e:  # torch.compile imports the compiler here: a signal that lands inside an import can come
         # out wrapped (Python 3.11 wraps one raised in a class's __set_name__ in a RuntimeError), a traceback then
         if (stop := interrupting(e)) is not None:
@@ -161,9 +163,10 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         else:
             if (stop := interrupting()) is not None:  # a signal the compiler swallowed, compiling to the end
                 raise interruption(getattr(stop, "signum", signal.SIGINT))
-            made = "compiled" if compiled else "captured as a CUDA graph"
+            made = "captured as a CUDA graph" if not compiled else "loaded" if source == ["loaded"] else "compiled"
             if compiled:
-                compile_cache.remember_compile(key, time.perf_counter() - start, cold)
+                # a step loaded whole is no compile from an empty cache, whatever the markers say
+                compile_cache.remember_compile(key, time.perf_counter() - start, cold and source != ["loaded"])
             print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     steps = sampler.generate_iter(batch, args.max_new_tokens, gen)
     # Timed for --compile auto (training.engine.sampling_compiles): on a CPU, where it decides, and not while the
@@ -171,6 +174,24 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     if device.type == "cpu" and not args.stream and args.max_new_tokens >= TIMED_MIN_STEPS:
         return timed_steps(steps, key, "compiled_ms" if compiled else "eager_ms", args.max_new_tokens)
     return steps
+
+
+def saved_step(device: torch.device, source: list[str]) -> Callable[[Callable, tuple], Callable | None]:
+    """WindowSampler's ``ahead``: the sampling step saved whole in the compile cache (training.step_file), loaded
+    there, or compiled and saved for the next run; None (torch.compile's own step follows) where that fails. Where
+    it came from is appended to source."""
+
+    def ahead(fn: Callable, args: tuple) -> Callable | None:
+        try:
+            function, came_from = step_file.step_function(fn, args, device)
+        except Exception as e:  # noqa: BLE001 - torch.compile's own compile follows, and says what fails
+            if interrupting(e) is not None:
+                raise
+            return None
+        source.append(came_from)
+        return function
+
+    return ahead
 
 
 # The most memory that a chunk's noise, (chunk, samples, vocabulary) floats drawn ahead of the compiled loop, may take:

@@ -14,6 +14,8 @@ from conftest import needs_cpu_compile
 from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
+from sampling.writing import saved_step
+from training import step_file
 from training.compile_cache import COMPILE_OPTIONS
 from training.compile_errors import one_line
 from training.engine import SAMPLE_CHUNK
@@ -203,13 +205,20 @@ def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_ch
 
 @needs_cpu_compile
 @pytest.mark.slow
-def test_the_compiled_window_gives_the_plain_paths_characters(model):
+def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_saved_step(model, tmp_path,
+                                                                                          monkeypatch):
     # Compiled code fuses and reorders float32 sums, so its logits may differ from eager ones in the last bits; a
     # character could differ only where two candidates tie to ~1e-7. Measured on 2,000 characters of a block-8
     # model and 400 of a block-64 one: identical. Here: 300 characters (9 calls of the loop over 32 and one of 12),
-    # a batch of 2, prompt past the window.
+    # a batch of 2, prompt past the window. Compiled as sample.py compiles on a CPU: the step saved whole
+    # (training.step_file), then loaded as a later run loads it.
+    monkeypatch.setattr(step_file, "step_path", lambda name: tmp_path / f"tinychar-step-{name}.pt2")
+    monkeypatch.setattr(step_file, "_STEPS", {})
+    source: list[str] = []
+    ahead = saved_step(torch.device("cpu"), source) if step_file.AHEAD else None
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
-    sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK)
+    sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
+                            ahead=ahead)
     try:
         sampler.warm_up(2, torch.device("cpu"))  # as sample.py compiles
     except torch._inductor.exc.InductorError as e:
@@ -219,6 +228,14 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
         if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):  # a 2.13 nightly too
             raise
         pytest.skip(f"torch {torch.__version__}'s inductor cannot compile the sampling loop ({one_line(e)})")
+    if step_file.AHEAD:  # (every torch we test on: 2.13 has it)
+        assert source == ["compiled"] and len(list(tmp_path.glob("tinychar-step-*.pt2"))) == 1
+        monkeypatch.setattr(step_file, "_STEPS", {})  # as a later process finds it
+        loaded = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
+                               ahead=ahead)
+        loaded.warm_up(2, torch.device("cpu"))
+        assert source == ["compiled", "loaded"]
+        assert torch.equal(windowed(loaded, prompt, 300, seed=3)[0], plain(model, prompt, 300, 0.9, 6, None, 3)[0])
     got, state = windowed(sampler, prompt, 300, seed=3)
     expected, expected_state = plain(model, prompt, 300, 0.9, 6, None, seed=3)
     assert torch.equal(got, expected)
@@ -241,6 +258,35 @@ def test_the_compiled_window_gives_the_plain_paths_characters(model):
         with torch.no_grad():
             wte.copy_(kept[0])
             first.copy_(kept[1])
+
+
+def test_the_step_compiled_ahead_is_asked_for_once_per_shape_and_torch_compiles_where_there_is_none(model,
+                                                                                                    monkeypatch):
+    # WindowSampler's ahead (sample.py's: the step saved whole) gets run_steps and arguments of the shapes it will
+    # be called with, and what it gives checks nothing: a batch of another size asks for another. Where it gives
+    # None, torch.compile's own step takes over. Here nothing compiles: "compiled" means run eagerly.
+    asked: list[tuple[int, ...]] = []
+
+    def ahead(fn, args):
+        steps, window, n, wanted, noise = args
+        assert fn is sampler_module.run_steps and isinstance(steps, sampler_module.WindowSteps)
+        asked.append(tuple(window.shape))
+        return None if window.size(0) == 1 else fn
+
+    compiled: list[object] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn) or fn)
+    sampler = WindowSampler(model, 0.8, None, 0.9, compile=True, chunk=3, ahead=ahead)
+    prompt = torch.randint(0, 23, (3, 5), generator=torch.Generator().manual_seed(5))
+    for rows in (3, 3, 1, 1):
+        got, state = windowed(sampler, prompt[:rows], 20, seed=rows)
+        expected, expected_state = plain(model, prompt[:rows], 20, 0.8, None, 0.9, seed=rows)
+        assert torch.equal(got, expected) and torch.equal(state, expected_state)
+    assert asked == [(3, 8), (1, 8)] and compiled == [sampler.steps.forward]
+    # the graph path and a model that trains (dropout) compile with torch.compile alone
+    assert WindowSampler(model, 0.8, None, None, compile=True, graph=True, ahead=ahead).ahead is None
+    training = copy.deepcopy(model).train()
+    assert WindowSampler(training, 0.8, None, None, compile=True, ahead=ahead).ahead is None
+    assert asked == [(3, 8), (1, 8)]
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS[:5])

@@ -286,6 +286,35 @@ def test_an_eager_sample_notes_what_a_character_took_for_compile_auto(run, monke
     assert set(json.loads(key_marker.read_text(encoding="utf-8"))) == {"compiled_ms"}
 
 
+def test_a_cpu_sample_takes_the_step_saved_whole_and_says_when_it_was_loaded(run, monkeypatch, tmp_path):
+    """--compile on a CPU: the sampling step comes from training.step_file (compiled and saved, or loaded as saved);
+    a load is said as one, and noted as a compile from the warm cache. Where step_file fails, torch.compile's own step
+    samples. Here nothing compiles: the functions given run eagerly."""
+    args = ("--prompt", PROMPT, "--max-new-tokens", "30", "--num-samples", "2", "--seed", "3")
+    expected = ok(run(*args, "--compile", "false"))
+    monkeypatch.setattr(writing.compile_cache, "prepare_compile", lambda: tmp_path)
+    monkeypatch.setattr(writing.step_file, "AHEAD", True)
+    noted: list[tuple[float, bool]] = []
+    monkeypatch.setattr(writing.compile_cache, "remember_compile", lambda key, seconds, cold: noted.append(cold))
+    monkeypatch.setattr(writing.compile_cache, "cached_compile_seconds", lambda key: None)  # never compiled here
+    came = iter(["compiled", "loaded"])
+    monkeypatch.setattr(writing.step_file, "step_function", lambda fn, args, device: (fn, next(came)))
+    code, out, err = run(*args, "--compile", "true")
+    assert code == 0 and out == expected and "sampling step compiled in" in err, err
+    code, out, err = run(*args, "--compile", "true")
+    assert code == 0 and out == expected and "sampling step loaded in" in err, err
+    assert noted == [True, False]  # the first from an empty cache; a load is no cold compile
+
+    def fails(fn, args, device):
+        raise RuntimeError("aot_compile cannot trace this")
+
+    guarded: list[object] = []
+    monkeypatch.setattr(writing.step_file, "step_function", fails)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: guarded.append(fn) or fn)
+    code, out, err = run(*args, "--compile", "true")
+    assert code == 0 and out == expected and "sampling step compiled in" in err and len(guarded) == 1, err
+
+
 def test_nothing_is_compiled_for_no_new_characters(run, monkeypatch):
     def compile(*args, **kwargs):
         raise AssertionError("compiled (or captured) for no characters")

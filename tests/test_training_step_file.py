@@ -18,8 +18,9 @@ import torch
 from conftest import needs_cpu_compile
 from test_training_compiled_step import DropoutBigram
 
+from model.sampler import run_steps
 from training import TrainConfig, step_file
-from training.compiled_step import CompiledStep, deterministic_kernels
+from training.compiled_step import CompiledStep, _whole_step, deterministic_kernels
 from training.optim import make_optimizer
 
 CPU = torch.device("cpu")
@@ -41,7 +42,7 @@ def name_of(step: CompiledStep, xs: torch.Tensor, ys: torch.Tensor) -> str:
     """The name of the step saved for this call, as CompiledStep's call works it out (without gradients, under
     deterministic kernels)."""
     with torch.no_grad(), deterministic_kernels(CPU):
-        return step_file.signature(args_of(step, xs, ys), CPU)
+        return step_file.signature(_whole_step, args_of(step, xs, ys), CPU)
 
 
 def args_of(step: CompiledStep, xs: torch.Tensor, ys: torch.Tensor) -> tuple:
@@ -148,8 +149,9 @@ def test_saving_a_step_prunes_the_least_recently_used_ones_beyond_the_limit(tmp_
 
 def test_the_saved_steps_name_tells_apart_all_that_its_code_was_specialised_on(monkeypatch):
     xs, ys = batches()[0]
-    name = step_file.signature(args_of(step_for(), xs, ys), CPU)
-    assert step_file.signature(args_of(step_for(), xs.clone(), ys.clone()), CPU) == name  # a new process's step
+    name = step_file.signature(_whole_step, args_of(step_for(), xs, ys), CPU)
+    again = args_of(step_for(), xs.clone(), ys.clone())  # a new process's step
+    assert step_file.signature(_whole_step, again, CPU) == name
 
     others = {
         "another batch": args_of(step_for(), *batches(batch=8)[0]),
@@ -162,21 +164,24 @@ def test_the_saved_steps_name_tells_apart_all_that_its_code_was_specialised_on(m
         "no clip": args_of(step_for(tc=replace(TC, grad_clip=0.0)), xs, ys),
         "other betas": args_of(step_for(tc=replace(TC, beta2=0.95)), xs, ys),
     }
-    names = {what: step_file.signature(args, CPU) for what, args in others.items()}
+    names = {what: step_file.signature(_whole_step, args, CPU) for what, args in others.items()}
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        names["other threads"] = step_file.signature(args_of(step_for(), xs, ys), CPU)
+        names["other threads"] = step_file.signature(_whole_step, args_of(step_for(), xs, ys), CPU)
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():
-        names["grad mode"] = step_file.signature(args_of(step_for(), xs, ys), CPU)
+        names["grad mode"] = step_file.signature(_whole_step, args_of(step_for(), xs, ys), CPU)
+    with torch.inference_mode():
+        names["inference mode"] = step_file.signature(_whole_step, args_of(step_for(), xs, ys), CPU)
+    names["another function"] = step_file.signature(run_steps, args_of(step_for(), xs, ys), CPU)
     cuda = torch.device("cuda")  # named, not used: the GPU's model and architecture are part of the name
     for gpu, major in (("NVIDIA H100", 9), ("NVIDIA H200", 9), ("NVIDIA A100", 8)):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda d, gpu=gpu, major=major: SimpleNamespace(name=gpu, major=major, minor=0,
                                                                             multi_processor_count=132))
-        names[gpu] = step_file.signature(args_of(step_for(), xs, ys), cuda)
+        names[gpu] = step_file.signature(_whole_step, args_of(step_for(), xs, ys), cuda)
     assert len({name, *names.values()}) == len(names) + 1, names
 
 
@@ -203,11 +208,11 @@ def test_a_call_of_another_shape_or_mode_gets_the_function_made_for_it(monkeypat
     made: list[str] = []
 
     def step_function(fn: object, args: tuple, device: torch.device) -> tuple[object, str]:
-        name = step_file.signature(args, device)
+        name = step_file.signature(fn, args, device)
         made.append(name)
 
         def function(*called: object) -> tuple[torch.Tensor, torch.Tensor]:
-            assert step_file.signature(called, device) == name
+            assert step_file.signature(fn, called, device) == name
             return torch.zeros(()), torch.zeros(())
 
         return function, "compiled"

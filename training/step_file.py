@@ -7,7 +7,8 @@ against the steps left. Loading the step saved whole skips all of that. Measured
 separate processes, interleaved): tiny.yaml's step (3 layers of 64, Muon, batch 128) loaded in 1.6-1.7 s against
 4.5-5.8 s from the warm cache; nanoGPT's CPU config (4 layers of 128, block 64) 1.3-1.6 s against 4.1-4.9 s; a
 2-layer model of 32, 1.3-1.6 s against 2.9-3.3 s. The loaded step computes what the compiled one does to the bit:
-the loss, the gradient norm, the weights and the optimizer's state (tests/test_training_step_file.py).
+the loss, the gradient norm, the weights and the optimizer's state (tests/test_training_step_file.py). sample.py's
+compiled sampling step on a CPU (model.sampler.run_steps, through sampling.writing.saved_step) is kept the same way.
 
 A step saved this way keeps none of dynamo's guards (they walk the model's modules, which torch cannot rebuild when it
 loads the file), so nothing checks its arguments when it is called. The file's name is therefore a digest of all
@@ -162,13 +163,14 @@ def _device_described(device: torch.device) -> tuple:
     return (p.name, p.major, p.minor, p.multi_processor_count, torch.version.cuda, triton)
 
 
-def signature(args: tuple, device: torch.device) -> str:
-    """The name of the step compiled for these arguments (CompiledStep's call of compiled_step._whole_step) here and
-    now: equal only where the same compiled code is right for both."""
+def signature(fn: Callable, args: tuple, device: torch.device) -> str:
+    """The name of the step fn compiled for these arguments (CompiledStep's call of compiled_step._whole_step, or
+    sampling's model.sampler.run_steps) here and now: equal only where the same compiled code is right for both."""
     parts = [FORMAT, torch.__version__, platform.python_version(), str(device), _device_described(device),
              torch.get_num_threads(), str(torch.get_default_dtype()), torch.is_grad_enabled(),
              torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             repr(sorted(compile_options(device).items())), code_digest(), [_described(a) for a in args]]
+             torch.is_inference_mode_enabled(), repr(sorted(compile_options(device).items())), code_digest(),
+             f"{fn.__module__}.{fn.__qualname__}", [_described(a) for a in args]]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -245,7 +247,7 @@ def compile_ahead(fn: Callable, args: tuple, device: torch.device) -> Callable:
 def step_function(fn: Callable, args: tuple, device: torch.device) -> tuple[Callable, str]:
     """The compiled step for args: this process's, the one saved in the compile cache, or compiled now and saved
     there; with where it came from ('this process', 'loaded', 'compiled'). Raises what compiling raised."""
-    name = signature(args, device)
+    name = signature(fn, args, device)
     if name in _STEPS:
         return _STEPS[name], "this process"
     path = step_path(name)
