@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_cpu_compile
 from torch import nn
 
 from model import GPT, GPTConfig
@@ -194,3 +195,41 @@ def test_a_part_goes_to_onednn_at_the_whole_layers_multiply_adds(monkeypatch):
     assert calls == []
     layer.part(torch.randn(12, 8), 0, 4)
     assert calls == [12]
+
+
+@needs_onednn
+@needs_cpu_compile
+@pytest.mark.slow
+def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch):
+    """lower_onednn_linear: inductor's code calls oneDNN's linear for the custom operator, forward and backward, with
+    the eager results (it once called back into the operator's Python for every product)."""
+    from torch._inductor.utils import run_and_get_code
+
+    forced(monkeypatch)
+    torch.manual_seed(0)
+    layer = Linear(32, 48)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return layer(x).square().sum()
+
+    expected = loss(x)
+    expected.backward()
+    grads = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    linear_module.lower_onednn_linear()
+    # compiled now, with the lowering (inductor's cache would not know code compiled without it)
+    compiled = torch.compile(loss, fullgraph=True, options={"cpp_wrapper": False, "fx_graph_cache": False})
+
+    def step() -> torch.Tensor:
+        out = compiled(x)
+        out.backward()
+        return out.detach()
+
+    got, code = run_and_get_code(step)
+    assert torch.allclose(got, expected, rtol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip((x.grad, layer.weight.grad,
+                                                                           layer.bias.grad), grads, strict=True))
+    code = "\n".join(code)
+    calls = code.count("= torch.ops.mkldnn._linear_pointwise.default(")
+    assert calls == 3 and "= torch.ops.tinychar.onednn_linear.default(" not in code, code  # y, dx and dW

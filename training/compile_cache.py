@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from configs.userinput import private_temp_root, read_user_file, shown, temp_root
-from model.linear import cpu_flags
+from model.linear import cpu_flags, lower_onednn_linear
 
 from .atomic import write_atomic
 from .libraries import drop_damaged_libraries
@@ -229,6 +229,7 @@ def prepare_compile() -> Path:
 
     functorch_config.autograd_cache_allow_custom_autograd_functions = True
     cache_marked_functions()
+    lower_onednn_linear()
     if os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is None:
         import torch._inductor.config as inductor_config
 
