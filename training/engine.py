@@ -131,8 +131,11 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
 # Both with the loop declined by the cache; a compile from the warm cache now takes about WARM_SHARE of a cold one,
 # as the training step's does (a Xeon with AMX, the block-64 model: 32.0 s cold, 6.5-6.6 s warm, against 13.8-15.9 s
 # warm before), so the counts err further on the side of eager until this machine has timed both. On a CPU a later
-# run now loads the sampling step saved whole (training.step_file; step_file.warm_share): on a 2-core Zen 5 EPYC,
-# block 8 1.0-1.8 s against 1.7-2.2 s from the warm cache, block 64 1.1-1.3 s against 1.7-2.2 s (2026-12-04).
+# run now loads the sampling step saved whole (training.step_file): on a 2-core Zen 5 EPYC, block 8 1.0-1.8 s against
+# 1.7-2.2 s from the warm cache, block 64 1.1-1.3 s against 1.7-2.2 s (2026-12-04), and importing the compiler adds
+# about 1.2 s to either (sampling.writing times it as part of the compile). So after a cold compile the warm one is
+# still taken as WARM_SHARE of it, not step_file.LOADED_SHARE: with that, auto compiled a 5,000-character block-8
+# sample in the 30th bench run where eager sampling was as fast, the load and imports taking what the characters won.
 SAMPLE_COLD_MIN_STEPS = 30_000
 SAMPLE_WARM_MIN_STEPS = 10_000
 # The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
@@ -158,7 +161,7 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
         # Measured on an H100 (torch 2.11, the 6-layer block-256 model, 2,000 characters, one stream): sample.py
         # took 12.7 s eager and 33.7 s compiled, 14.8 s of it compiling; the characters were the same.
         return False, ""
-    measured = measured_saving(key, step_file.warm_share(device))  # CPU sampling saves its step whole too
+    measured = measured_saving(key)
     if measured is not None:
         eager_ms, compiled_ms, seconds = measured
         return steps * (eager_ms - compiled_ms) / 1000 >= MEASURED_MARGIN * seconds, ""
