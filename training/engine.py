@@ -130,12 +130,10 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
 # 14,000 cold at block 8 (2.0 -> 0.27 ms a character), from 5,800 and 9,500 at block 64 (4.5-5.2 -> 2.0-2.1 ms).
 # Both with the loop declined by the cache; a compile from the warm cache now takes about WARM_SHARE of a cold one,
 # as the training step's does (a Xeon with AMX, the block-64 model: 32.0 s cold, 6.5-6.6 s warm, against 13.8-15.9 s
-# warm before), so the counts err further on the side of eager until this machine has timed both. On a CPU a later
-# run now loads the sampling step saved whole (training.step_file): on a 2-core Zen 5 EPYC, block 8 1.0-1.8 s against
-# 1.7-2.2 s from the warm cache, block 64 1.1-1.3 s against 1.7-2.2 s (2026-12-04), and importing the compiler adds
-# about 1.2 s to either (sampling.writing times it as part of the compile). So after a cold compile the warm one is
-# still taken as WARM_SHARE of it, not step_file.LOADED_SHARE: with that, auto compiled a 5,000-character block-8
-# sample in the 30th bench run where eager sampling was as fast, the load and imports taking what the characters won.
+# warm before), so the counts err further on the side of eager until this machine has timed both. A CPU's later run
+# loads the step saved whole (training.step_file; 1.0-1.8 s against 1.7-2.2 s on a Zen 5), but importing the compiler
+# adds 1.2 s (timed as part of the compile), so a warm compile is still taken as WARM_SHARE of a cold one, not
+# LOADED_SHARE: with that, auto loaded a 5,000-character block-8 sample that eagerly was as fast (bench run 30).
 SAMPLE_COLD_MIN_STEPS = 30_000
 SAMPLE_WARM_MIN_STEPS = 10_000
 # The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
