@@ -130,10 +130,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
 # 14,000 cold at block 8 (2.0 -> 0.27 ms a character), from 5,800 and 9,500 at block 64 (4.5-5.2 -> 2.0-2.1 ms).
 # Both with the loop declined by the cache; a compile from the warm cache now takes about WARM_SHARE of a cold one,
 # as the training step's does (a Xeon with AMX, the block-64 model: 32.0 s cold, 6.5-6.6 s warm, against 13.8-15.9 s
-# warm before), so the counts err further on the side of eager until this machine has timed both. A CPU's later run
-# loads the step saved whole (training.step_file; 1.0-1.8 s against 1.7-2.2 s on a Zen 5), but importing the compiler
-# adds 1.2 s (timed as part of the compile), so a warm compile is still taken as WARM_SHARE of a cold one, not
-# LOADED_SHARE: with that, auto loaded a 5,000-character block-8 sample that eagerly was as fast (bench run 30).
+# warm before), so the counts err further on the side of eager until this machine has timed both. The compiler's
+# imports (1.2 s, Zen 5) make a warm compile WARM_SHARE of a cold one even with the step saved whole (step_file).
 SAMPLE_COLD_MIN_STEPS = 30_000
 SAMPLE_WARM_MIN_STEPS = 10_000
 # The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
@@ -377,6 +375,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
         if choice.warm_key is not None:
             say(warm_in_background(trainer, choice.warm_key))
         return
+    begun = time.perf_counter()  # what auto weighs includes the compiler's imports, which only a compile needs
     folder = prepare_compile()
     key = compile_key(trainer.model.config, trainer.tc, trainer.device, trainer.dtype)
     before = cached_compile_seconds(key)
@@ -386,7 +385,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     xs, ys = [torch.stack([b] * trainer.tc.grad_accum_steps) for b in trial_batch(trainer)]
     try:
         with compiler_log_quiet():
-            seconds = step.warm_up(xs, ys)
+            step.warm_up(xs, ys)
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
         if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
             raise stop from None
@@ -394,6 +393,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
         return
     if (stop := interrupting()) is not None:  # a signal the compiler swallowed: it compiled to the end regardless
         raise stop
+    seconds = time.perf_counter() - begun
     remember_compile(key, seconds, cold=before is None)
     trainer.compiled_step, trainer.engine = step, "compiled"
     whole = "the step saved whole, loaded from " if step.source == "loaded" else ""
