@@ -310,6 +310,25 @@ def test_the_unrolled_chunk_gives_the_plain_paths_characters(model, temperature,
     assert sampler.unrolled.window.size(0) == 1
 
 
+@pytest.mark.parametrize(("chunk", "graph"), [(1, False), (4, False), (4, True)])
+def test_between_characters_the_callers_code_runs_outside_inference_mode(model, chunk, graph):
+    # The sampler draws in inference mode, and hands each character out with the caller's own mode back: a tensor the
+    # caller makes between characters is an ordinary one, which autograd can record
+    sampler = WindowSampler(model, 0.8, None, None, chunk=chunk, graph=graph)
+    prompt = torch.tensor([[1, 2, 3]])
+    seen, got = [], []
+    for ids in sampler.generate_iter(prompt, 10, torch.Generator().manual_seed(3)):
+        seen.append(torch.is_inference_mode_enabled())
+        assert not torch.ones(1).is_inference()
+        assert ids.shape == (1, 1)
+        got.append(ids)
+    assert seen == [False] * 10
+    assert torch.equal(torch.cat([prompt, *got], dim=1), plain(model, prompt, 10, 0.8, None, None, seed=3)[0])
+    # and a caller that is in inference mode stays in it
+    with torch.inference_mode():
+        assert all(torch.is_inference_mode_enabled() for _ in sampler.generate_iter(prompt, 5, torch.Generator()))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_cuda_graph_gives_the_plain_paths_characters(model, compiled):
