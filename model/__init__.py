@@ -24,6 +24,7 @@ _HOMES = {
     "masked_attention": "attention",
     "model_from_checkpoint": "checkpoint",
     "sample_next": "gpt",
+    "span_for": "span",
 }
 __all__ = sorted(_HOMES)
 

@@ -15,6 +15,7 @@ one replay of a CUDA graph captured once (``graph=True``): one launch for all of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,6 +24,7 @@ from torch._higher_order_ops import while_loop
 
 from .config import GPTConfig
 from .gpt import GPT, NonFiniteLogits, check_request, check_sampling, filtered_probs
+from .span import draw_span
 
 # The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
 # CPU config's table is 1.6M values, made in 3-5 ms (2 threads, Zen 4 EPYC); shakespeare_char.yaml's would be 19M.
@@ -70,7 +72,7 @@ class WindowSampler:
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
                  compile: bool = False, options: dict | None = None, chunk: int = 1, graph: bool = False,
-                 ahead: Callable[[Callable, tuple], Callable | None] | None = None) -> None:
+                 ahead: Callable[[Callable, tuple], Callable | None] | None = None, span: int = 1) -> None:
         check_sampling(temperature, top_k, top_p)
         if 0.0 < temperature < MIN_FAST_TEMPERATURE:
             raise ValueError(f"temperature {temperature} is below {MIN_FAST_TEMPERATURE}: use GPT.generate")
@@ -86,7 +88,10 @@ class WindowSampler:
         first = None
         if not model.training and cfg.vocab_size * cfg.block_size * 3 * cfg.n_embd <= MAX_FIRST_PROJECTIONS:
             first = model.first_projections()
-        self.steps = WindowSteps(model, first, temperature, top_k, top_p, chunk)
+        # span characters a pass (model.span): a divisor of chunk, at most block_size; not for the CUDA graph's
+        # unrolled characters, nor in training mode (dropout: the rows would not be those of a window of their own)
+        span = 1 if graph or model.training else math.gcd(max(1, min(span, cfg.block_size)), chunk)
+        self.steps = WindowSteps(model, first, temperature, top_k, top_p, chunk, span)
         self.step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self.steps
         self.draw: Callable[..., tuple[torch.Tensor, ...]] = self.steps.draw
         self.options = options
@@ -252,11 +257,13 @@ class WindowSteps(nn.Module):
     is named by the settings and shapes of its arguments). Called, it draws up to ``chunk`` characters."""
 
     def __init__(self, model: GPT, first: torch.Tensor | None, temperature: float, top_k: int | None,
-                 top_p: float | None, chunk: int) -> None:
+                 top_p: float | None, chunk: int, span: int = 1) -> None:
         super().__init__()
+        if span < 1 or chunk % span:
+            raise ValueError(f"span must be a divisor of chunk ({chunk}), got {span}")
         self.model = model
         self.register_buffer("first", first, persistent=False)
-        self.temperature, self.top_k, self.top_p, self.chunk = temperature, top_k, top_p, chunk
+        self.temperature, self.top_k, self.top_p, self.chunk, self.span = temperature, top_k, top_p, chunk, span
 
     def forward(self, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor, noise: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,14 +272,22 @@ class WindowSteps(nn.Module):
         which the first `wanted` are drawn, the window after them, their count)."""
         drawn = torch.zeros(window.size(0), self.chunk, dtype=window.dtype, device=window.device)
         k = torch.zeros(1, dtype=torch.long, device=window.device)
+        draw = self.draw if self.span == 1 else self.draw_span
         if not torch.compiler.is_compiling():
-            for _ in range(int(wanted)):
-                k, window, n, drawn = self.draw(k, window, n, drawn, noise)
+            for _ in range(-(-int(wanted) // self.span)):
+                k, window, n, drawn = draw(k, window, n, drawn, noise)
             return drawn, window, n
-        # Compiled: a loop in the graph, so its body (the forward pass) is compiled once, whatever the chunk.
+        # Compiled: a loop in the graph, so its body (the forward pass) is compiled once, whatever the chunk. With a
+        # span, a last, short chunk may draw characters past those wanted, which nobody reads (their noise is stale).
         _, window, n, drawn = while_loop(lambda k, *_: k[0] < wanted[0],
-                                         lambda *state: self.draw(*state, noise), (k, window, n, drawn))
+                                         lambda *state: draw(*state, noise), (k, window, n, drawn))
         return drawn, window, n
+
+    def draw_span(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
+                  noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """draw for span characters, the known rows of their windows computed together (model.span)."""
+        return draw_span(self.model, self.first, self.temperature, self.top_k, self.top_p, self.span, k, window, n,
+                         drawn, noise)
 
     def draw(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
              noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 
 from model import GPT, NonFiniteLogits
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
+from model.span import span_for
 from training import compile_cache, engine, step_file
 from training.compile_errors import compile_failed, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, interrupting
@@ -146,7 +147,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     ahead = saved_step(device, source) if compiled and not graph and step_file.used_on(device) else None
     try:
         sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
-                                chunk=chunk, graph=graph, ahead=ahead)
+                                chunk=chunk, graph=graph, ahead=ahead,
+                                span=span_for(len(batch), cfg) if compiled and device.type == "cpu" else 1)
     except Exception as e:  # torch.compile imports the compiler here: a signal that lands inside an import can come
         # out wrapped (Python 3.11 wraps one raised in a class's __set_name__ in a RuntimeError), a traceback then
         if (stop := interrupting(e)) is not None:

@@ -48,17 +48,48 @@ SETTINGS = [(0.0, None, None), (0.8, None, None), (1.0, 5, None), (1.3, None, 0.
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
-@pytest.mark.parametrize(("prompt_length", "chunk"), [(1, 1), (5, 1), (13, 1), (1, 3), (13, 3)])
-def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, top_p, prompt_length, chunk):
-    # chunk 3: 40 characters are 13 calls of 3 and a last one of 1
+@pytest.mark.parametrize(("prompt_length", "chunk", "span"),
+                         [(1, 1, 1), (5, 1, 1), (13, 1, 1), (1, 3, 1), (13, 3, 1), (1, 4, 2), (13, 6, 3), (5, 8, 8)])
+def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, top_p, prompt_length, chunk, span):
+    # chunk 3: 40 characters are 13 calls of 3 and a last one of 1. With a span (model.span) the known rows of `span`
+    # windows are computed together: a short prompt fills the window within a pass, a span of 6 ends on a pass of 3
+    # for the 4 characters left (2 drawn past them, unread), and a span of block_size leaves the last window one
+    # known row.
     prompt = torch.randint(0, 23, (3, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
     expected, expected_state = plain(model, prompt, 40, temperature, top_k, top_p, seed=7)
-    got, state = windowed(WindowSampler(model, temperature, top_k, top_p, chunk=chunk), prompt, 40, seed=7)
+    sampler = WindowSampler(model, temperature, top_k, top_p, chunk=chunk, span=span)
+    assert sampler.steps.span == span
+    got, state = windowed(sampler, prompt, 40, seed=7)
     assert torch.equal(got, expected)
     # and it leaves the generator where the plain path does: what is drawn next is the same too
     assert torch.equal(state, expected_state)
     if temperature >= 0.5:  # the draws matter: another seed gives other text
         assert not torch.equal(windowed(WindowSampler(model, temperature, top_k, top_p), prompt, 40, seed=8)[0], got)
+
+
+@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_a_span_gives_the_plain_paths_characters_for_every_kind_of_model(kind, n_layer):
+    # one block (the last is the first: its projections looked up) and three; fused and additive attention
+    torch.manual_seed(3)
+    m = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=n_layer, n_head=2, n_embd=8, **kind)).eval()
+    prompt = torch.randint(0, 11, (2, 4), generator=torch.Generator().manual_seed(2))
+    for span, chunk in ((2, 4), (6, 6)):
+        got = windowed(WindowSampler(m, 1.0, None, None, chunk=chunk, span=span), prompt, 30, seed=5)[0]
+        assert torch.equal(got, plain(m, prompt, 30, 1.0, None, None, seed=5)[0])
+
+
+def test_a_span_is_a_divisor_of_the_chunk_within_the_window_and_never_in_training_mode_or_a_cuda_graph(model):
+    def span(**kwargs):
+        return WindowSampler(model, 0.8, None, None, **kwargs).steps.span
+
+    assert span(chunk=32, span=2) == 2
+    assert span(chunk=32, span=16) == 8  # at most block_size, 8
+    assert span(chunk=6, span=4) == 2  # a divisor of the chunk: 6 is drawn as 3 passes of 2
+    assert span(chunk=5, span=2) == 1
+    assert span(chunk=4, span=2, graph=True) == 1
+    training = copy.deepcopy(model).train()
+    assert WindowSampler(training, 0.8, None, None, chunk=4, span=2).steps.span == 1
 
 
 @pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
@@ -184,7 +215,7 @@ def drawn_until_overflow(characters) -> list[int]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize("path", ["cache", "no cache", "slide", "chunk of 3", "unrolled chunk of 4"])
+@pytest.mark.parametrize("path", ["cache", "no cache", "slide", "chunk of 3", "span of 2", "unrolled chunk of 4"])
 def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_characters(model, temperature, path):
     # The fixed-shape paths drew from NaN probabilities without a word (the argmax of NaNs: the vocabulary's first
     # character, or the overflowing one, over and over), as did GPT.generate greedily or without its cache.
@@ -194,8 +225,9 @@ def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_ch
     if path in ("cache", "no cache"):
         characters = late.generate_iter(prompt[:1], 10, temperature, None, None, gen, use_cache=path == "cache")
     else:
-        chunk = {"slide": 1, "chunk of 3": 3, "unrolled chunk of 4": 4}[path]
-        sampler = WindowSampler(late, temperature, None, None, chunk=chunk, graph=path.startswith("unrolled"))
+        chunk = {"slide": 1, "chunk of 3": 3, "span of 2": 4, "unrolled chunk of 4": 4}[path]
+        sampler = WindowSampler(late, temperature, None, None, chunk=chunk, graph=path.startswith("unrolled"),
+                                span=2 if path == "span of 2" else 1)
         characters = sampler.generate_iter(prompt[:1], 10, gen)
     assert len(drawn_until_overflow(characters)) == 1  # the overflowing character itself, then the error
     # in a batch, one row's overflow stops them all, at the same character
@@ -205,8 +237,9 @@ def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_ch
 
 @needs_cpu_compile
 @pytest.mark.slow
+@pytest.mark.parametrize("span", [1, 2])
 def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_saved_step(model, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, span):
     # Compiled code fuses and reorders float32 sums, so its logits may differ from eager ones in the last bits; a
     # character could differ only where two candidates tie to ~1e-7. Measured on 2,000 characters of a block-8
     # model and 400 of a block-64 one: identical. Here: 300 characters (9 calls of the loop over 32 and one of 12),
@@ -218,7 +251,7 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
     ahead = saved_step(torch.device("cpu"), source) if step_file.AHEAD else None
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
     sampler = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
-                            ahead=ahead)
+                            ahead=ahead, span=span)
     try:
         sampler.warm_up(2, torch.device("cpu"))  # as sample.py compiles
     except torch._inductor.exc.InductorError as e:
@@ -232,7 +265,7 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
         assert source == ["compiled"] and len(list(tmp_path.glob("tinychar-step-*.pt2"))) == 1
         monkeypatch.setattr(step_file, "_STEPS", {})  # as a later process finds it
         loaded = WindowSampler(model, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
-                               ahead=ahead)
+                               ahead=ahead, span=span)
         loaded.warm_up(2, torch.device("cpu"))
         assert source == ["compiled", "loaded"]
         assert torch.equal(windowed(loaded, prompt, 300, seed=3)[0], plain(model, prompt, 300, 0.9, 6, None, 3)[0])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from data import get_batch
-from model import GPTConfig
+from model import GPTConfig, span_for
 from model.linear import Linear, onednn_min_macs
 
 from . import step_file, warm
@@ -112,8 +112,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
     compiled code)."""
     parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
              "threads": torch.get_num_threads(), "onednn": onednn_min_macs(), "model": asdict(model_cfg),
-             "batch": batch,
-             "sampling": [temperature, top_k, top_p], "chunk": SAMPLE_CHUNK, "checks": "finite",
+             "batch": batch, "sampling": [temperature, top_k, top_p],
+             "chunk": [SAMPLE_CHUNK, span_for(batch, model_cfg)], "checks": "finite",
              "options": wanted_options(device)}
     return cache_key("sample", parts)
 
