@@ -68,6 +68,10 @@ class WindowSampler:
 
     A model in eval mode has its first block's projections looked up (``GPT.first_projections``, up to
     MAX_FIRST_PROJECTIONS values), as they are when the sampler is made: make another after changing the weights.
+
+    ``span`` > 1 draws that many characters a pass of the fixed-shape step (model.span: the coming windows' known rows
+    in one batch), the same characters; it is made a divisor of ``chunk`` of at most block_size, and is 1 with
+    ``graph`` or a model in training mode.
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
