@@ -204,7 +204,14 @@ class CausalSelfAttention(nn.Module):
         visible = self.mask[T - 1 : T, :T] if row is None else self.mask.index_select(0, row)[:, :T]
         if self.takes_fused_kernel():
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if row is None else visible.to(q.dtype))
-        else:
-            scores = self.additive(q, k) if self.additive is not None else dot_scores(q, k)  # (B, nh, 1, T)
-            y, _ = masked_attention(scores, v, visible)
-        return self.c_proj(y.transpose(1, 2).reshape(B, 1, C))
+            return self.c_proj(y.transpose(1, 2).reshape(B, 1, C))
+        return self.attend(q, k, v, visible)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The output (B, Tq, C) of the heads' queries q (B, nh, Tq, hs) over keys and values k, v (B, nh, Tk, hs),
+        each query seeing what visible (Tq, Tk; see hide_future) lets it: the notes' steps, no dropout, no weights
+        kept (inference: forward_at, and sampling's several characters a pass, model.span)."""
+        scores = self.additive(q, k) if self.additive is not None else dot_scores(q, k)  # (B, nh, Tq, Tk)
+        y, _ = masked_attention(scores, v, visible)
+        B, _, Tq, _ = q.shape
+        return self.c_proj(y.transpose(1, 2).reshape(B, Tq, self.n_embd))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import KVCache, dot_scores, masked_attention
+from .attention import KVCache
 from .config import GPTConfig
 from .gpt import GPT, filtered_probs
 
@@ -107,16 +107,14 @@ def _tail(model: GPT, first: torch.Tensor | None, tail: torch.Tensor, at: torch.
     last row's input to the last block (B, 1, C), its projections there where first gives them (the last block is
     the first), and the last block's keys and values with the tail's rows written in."""
     x = model.transformer.wte(tail) + model.transformer.wpe(at)  # eval mode: no dropout
-    B, j, C = x.shape
+    C = x.size(-1)
     *blocks, last = model.transformer.h
     for layer, block in enumerate(blocks):
         attn = block.attn
         qkv = first[tail, at] if layer == 0 and first is not None else attn.c_attn(block.ln_1(x))
         q, k, v = (attn.heads(t) for t in qkv.split(C, dim=2))
         key, value = keys[layer].index_copy(2, at, k), values[layer].index_copy(2, at, v)
-        scores = attn.additive(q, key) if attn.additive is not None else dot_scores(q, key)  # (B, nh, j, T)
-        y, _ = masked_attention(scores, value, attn.mask.index_select(0, at))
-        x = x + attn.c_proj(y.transpose(1, 2).reshape(B, j, C))
+        x = x + attn.attend(q, key, value, attn.mask.index_select(0, at))
         x = x + block.mlp(block.ln_2(x))
     qkv = first[tail, at] if not blocks and first is not None else None
     kv = last.attn.c_attn.part(last.ln_1(x), C, 3 * C) if qkv is None else qkv[..., C:]
@@ -132,10 +130,8 @@ def _last_row(model: GPT, x: torch.Tensor, qkv: torch.Tensor | None, key: torch.
     values of the window (B, nh, T, hs): what GPT.hidden_at computes for that row."""
     last = model.transformer.h[-1]
     attn = last.attn
-    B, _, C = x.shape
+    C = x.size(-1)
     q = attn.heads(attn.c_attn.part(last.ln_1(x), 0, C) if qkv is None else qkv[..., :C])  # (B, nh, 1, hs)
-    scores = attn.additive(q, key) if attn.additive is not None else dot_scores(q, key)  # (B, nh, 1, T)
-    y, _ = masked_attention(scores, value, attn.mask.index_select(0, here))
-    x = x + attn.c_proj(y.transpose(1, 2).reshape(B, 1, C))
+    x = x + attn.attend(q, key, value, attn.mask.index_select(0, here))
     x = x + last.mlp(last.ln_2(x))
     return model.transformer.ln_f(x).squeeze(1)
