@@ -158,6 +158,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
     from training.checkpoints import load_run
     from training.devices import denormals_as_zero
     from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
+    from training.heap import memory_kept
     from training.runner import run
 
     try:
@@ -168,6 +169,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
                     raise UsageError(refused)
                 # before torch first works in parallel (a resume's checks may): its threads copy the setting
                 numerics.enter_context(denormals_as_zero())
+                numerics.enter_context(memory_kept())  # before the first large tensor
                 if cfg is None:
                     cfg, payload, changes = load_run(args.config, args.overrides, args.resume)
                     if launch.main:

@@ -292,7 +292,10 @@ def main(job: Path, parent: int) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "--compile":
         sys.path.insert(0, str(ROOT))
-        seconds, source = compile_step(Path(sys.argv[2]), "--remember" in sys.argv)
+        from training.heap import memory_kept
+
+        with memory_kept():  # as the run does, to time its steps so
+            seconds, source = compile_step(Path(sys.argv[2]), "--remember" in sys.argv)
         print(f"compiled in {seconds:.1f} s ({source})", flush=True)
     else:
         sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
