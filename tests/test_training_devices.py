@@ -186,14 +186,21 @@ def test_in_this_process_a_run_leaves_python_its_denormals(tmp_path):
     assert devices.subnormals_kept()
 
 
-def test_a_bad_flush_denormals_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(("variable", "line"), [
+    ("TINYCHAR_FLUSH_DENORMALS", "error: TINYCHAR_FLUSH_DENORMALS must be 1 (treat denormal numbers as zero, the "
+                                 "default) or 0 (keep them), got 'yes'"),
+    ("TINYCHAR_KEEP_MEMORY", "error: TINYCHAR_KEEP_MEMORY must be 1 (keep the memory a training step frees for the "
+                             "next, the default) or 0 (give it back to the system as the C library decides), got "
+                             "'yes'"),  # training/heap.py
+])
+def test_a_bad_numerics_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys, variable,
+                                                                         line):
     from conftest import ROOT
     from test_train import one_error_line
     from training_runs import call, train_main
 
-    monkeypatch.setenv("TINYCHAR_FLUSH_DENORMALS", "yes")
+    monkeypatch.setenv(variable, "yes")
     out = tmp_path / "out"
     status, _, err = call(train_main, ["--config", str(ROOT / "configs" / "tiny.yaml"), f"out_dir={out}"], capsys)
     assert status == 2 and not out.exists()
-    assert one_error_line(err) == ("error: TINYCHAR_FLUSH_DENORMALS must be 1 (treat denormal numbers as zero, the "
-                                   "default) or 0 (keep them), got 'yes'")
+    assert one_error_line(err) == line

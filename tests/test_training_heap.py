@@ -1,4 +1,5 @@
-"""training.heap: while train.py runs, glibc keeps the memory a step frees instead of giving it back to the system."""
+"""training.heap: while train.py runs, glibc keeps the memory a step frees instead of giving it back to the system.
+A bad TINYCHAR_KEEP_MEMORY is tested with the other numerics settings, in test_training_devices.py."""
 
 from __future__ import annotations
 
@@ -96,16 +97,3 @@ def test_a_training_run_keeps_freed_memory_while_it_runs_and_sets_glibcs_limits_
                           ("mallopt", heap.M_TRIM_THRESHOLD, heap.DEFAULT_TRIM_THRESHOLD), ("malloc_trim", 0)]
     assert built and min(built) == 2
 
-
-def test_a_bad_keep_memory_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
-    from conftest import ROOT
-    from test_train import one_error_line
-    from training_runs import call, train_main
-
-    monkeypatch.setenv("TINYCHAR_KEEP_MEMORY", "yes")
-    out = tmp_path / "out"
-    status, _, err = call(train_main, ["--config", str(ROOT / "configs" / "tiny.yaml"), f"out_dir={out}"], capsys)
-    assert status == 2 and not out.exists()
-    assert one_error_line(err) == ("error: TINYCHAR_KEEP_MEMORY must be 1 (keep the memory a training step frees for "
-                                   "the next, the default) or 0 (give it back to the system as the C library "
-                                   "decides), got 'yes'")
