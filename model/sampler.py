@@ -1,6 +1,7 @@
 """Sampling with fixed shapes: every character is one call of the same function on a (batch, block_size) window,
 so it can be compiled once and never again, however long the text or however full the window. Eager, with one
-character a call, the sampler takes the plain slide instead (fewer operators a character, shapes that may vary).
+character a call, the sampler takes the plain slide instead (fewer operators a character; while the window fills,
+a few shapes: see SLIDE_ROWS).
 
 The window holds the last block_size characters at positions 0..n-1 (the learned positions they would have in a
 window of their own) and padding after them; under the triangular mask no position sees the padding, and the
@@ -34,6 +35,12 @@ MAX_FIRST_PROJECTIONS = 2**24
 # 8, 16 and 32 a replay all give 1,610-1,650 characters/s (capturing 0.05, 0.19 and 0.25 s); block 8: 16 and 64 the
 # same. The last, short chunk of a text computes up to GRAPH_CHUNK - 1 characters nobody reads.
 GRAPH_CHUNK = 16
+
+# The eager slide's window, while it fills, runs a multiple of this many rows (padding after the characters, which no
+# position sees), so that a window of block_size has at most block_size / SLIDE_ROWS shapes. oneDNN's linear keeps a
+# primitive for every shape it multiplies: sampling eagerly from a block-256 model (6 layers of 384) on a Zen 5 EPYC,
+# whose products go through oneDNN, held 417 MB more once the window had filled a row at a time.
+SLIDE_ROWS = 16
 
 # Below this temperature logits / temperature may overflow, which sample_next meets by decoding greedily without a
 # draw; such runs take GPT.generate so that the generator moves as it always did.
@@ -216,15 +223,19 @@ class WindowSampler:
     @torch.inference_mode()
     def _slide(self, idx: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None
                ) -> Iterator[torch.Tensor]:
-        """generate_iter's eager path: the window is the last block_size characters as they are, no padding, and the
-        character is torch.multinomial's draw (what the fixed-shape step reproduces), so the generator moves alike."""
+        """generate_iter's eager path: the window is the last block_size characters as they are, padded while it fills
+        to a multiple of SLIDE_ROWS rows, and the character is torch.multinomial's draw (what the fixed-shape step
+        reproduces), so the generator moves alike."""
         block_size = self.model.config.block_size
         B, T = idx.shape
-        context = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        context = torch.zeros(B, T + max_new_tokens + SLIDE_ROWS, dtype=idx.dtype, device=idx.device)
         context[:, :T] = idx
         for end in range(T, T + max_new_tokens):
-            window = context[:, max(0, end - block_size) : end]
-            logits = self.model.lm_head(self.model.hidden_at(window, first=self.first)).float()  # (B, vocab)
+            start = max(0, end - block_size)
+            rows = min(block_size, -(-(end - start) // SLIDE_ROWS) * SLIDE_ROWS)
+            last = torch.tensor([end - start - 1], device=idx.device)
+            logits = self.model.lm_head(self.model.hidden_at(context[:, start : start + rows], last, self.first))
+            logits = logits.float()  # (B, vocab)
             if not torch.isfinite(logits).all():
                 raise NonFiniteLogits()
             if self.temperature == 0:

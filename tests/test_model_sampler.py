@@ -68,6 +68,25 @@ def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, 
 
 
 @pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
+@pytest.mark.parametrize("prompt_length", [1, 20])
+def test_the_eager_slide_fills_its_window_in_a_few_shapes_with_the_plain_paths_characters(kind, prompt_length,
+                                                                                           monkeypatch):
+    # While the window of 40 fills, it runs 16, 32 or 40 rows (SLIDE_ROWS = 16), the characters first and padding
+    # after them; once full, 40. A prompt of 20 starts at 32.
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=23, block_size=40, n_layer=2, n_head=2, n_embd=16, **kind)).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(3)
+    prompt = torch.randint(0, 23, (2, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    expected, expected_state = plain(m, prompt, 60, 0.9, None, None, seed=3)
+    rows, hidden_at = [], m.hidden_at
+    monkeypatch.setattr(m, "hidden_at", lambda idx, *args: rows.append(idx.size(1)) or hidden_at(idx, *args))
+    got, state = windowed(WindowSampler(m, 0.9, None, None), prompt, 60, seed=3)
+    assert torch.equal(got, expected) and torch.equal(state, expected_state)
+    assert sorted(set(rows)) == ([16, 32, 40] if prompt_length == 1 else [32, 40]) and len(rows) == 60
+
+
+@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_a_span_gives_the_plain_paths_characters_for_every_kind_of_model(kind, n_layer):
     # one block (the last is the first: its projections looked up) and three; fused and additive attention
