@@ -230,10 +230,11 @@ class WindowSampler:
         B, T = idx.shape
         context = torch.zeros(B, T + max_new_tokens + SLIDE_ROWS, dtype=idx.dtype, device=idx.device)
         context[:, :T] = idx
+        positions = torch.arange(block_size, device=idx.device)  # the last character's row is a view of it
         for end in range(T, T + max_new_tokens):
             start = max(0, end - block_size)
             rows = min(block_size, -(-(end - start) // SLIDE_ROWS) * SLIDE_ROWS)
-            last = torch.tensor([end - start - 1], device=idx.device)
+            last = positions[end - start - 1 : end - start]
             logits = self.model.lm_head(self.model.hidden_at(context[:, start : start + rows], last, self.first))
             logits = logits.float()  # (B, vocab)
             if not torch.isfinite(logits).all():

@@ -96,4 +96,3 @@ def test_a_training_run_keeps_freed_memory_while_it_runs_and_sets_glibcs_limits_
                           ("mallopt", heap.M_MMAP_MAX, heap.DEFAULT_MMAP_MAX),
                           ("mallopt", heap.M_TRIM_THRESHOLD, heap.DEFAULT_TRIM_THRESHOLD), ("malloc_trim", 0)]
     assert built and min(built) == 2
-
