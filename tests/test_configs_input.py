@@ -300,10 +300,9 @@ def test_a_tilde_on_the_command_line_is_the_home_folder_and_null_still_unsets():
 
 
 def test_an_out_dir_in_the_home_folder_of_an_unknown_user_is_refused_as_data_path_is():
-    # out_dir=~nouser/x made a folder named '~nouser' in the current one, where data.path refused the same value
-    from data.paths import DataError
-
-    with pytest.raises(DataError) as e:
+    # out_dir=~nouser/x made a folder named '~nouser' in the current one, where data.path refused the same value;
+    # refused as every bad setting of the config is (a ConfigError), whoever reads the config
+    with pytest.raises(ConfigError) as e:
         load_config(TINY, ["out_dir=~no-such-user-here/x"])
     assert str(e.value) == ("out_dir: '~no-such-user-here/x' starts with the home folder of 'no-such-user-here', a "
                             "user this machine does not know; give the folder's full path")

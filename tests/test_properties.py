@@ -119,6 +119,7 @@ OVERRIDES = st.one_of(
 @example(["bad\nkey=1"])  # a newline in what is echoed back must not break the line
 @example(["seed=99999999999999999999999"])
 @example(["data.path=null"])  # once a traceback: unsetting the path also dropped the config's dataset
+@example(["out_dir=~tinychar-no-such-user/run"])  # was a DataError, not the ConfigError every bad setting gives
 def test_any_override_gives_a_config_or_one_clear_line(overrides):
     try:
         cfg = load_config(TINY, overrides)

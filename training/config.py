@@ -12,7 +12,7 @@ from configs import ConfigError, apply_overrides, build, check_keys, int_keys, l
 from configs.origins import as_typed
 from configs.userinput import path_word, shown
 from data import DataConfig
-from data.paths import expand_home
+from data.paths import DataError, expand_home
 from model import GPTConfig
 from model.config import short_int
 
@@ -189,7 +189,10 @@ def load_config(config_path: str | None, overrides: list[str], base: dict | None
     if cfg.out_dir is None:
         cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
     elif cfg.out_dir.startswith("~"):  # as data.path and data.cache_dir are: not a folder named '~' (or '~nouser')
-        cfg = replace(cfg, out_dir=str(expand_home(cfg.out_dir, "out_dir")))
+        try:
+            cfg = replace(cfg, out_dir=str(expand_home(cfg.out_dir, "out_dir")))
+        except DataError as e:  # a setting of the config: said as every other bad one is, whoever reads the config
+            raise ConfigError(str(e)) from None
     return replace(cfg, data=one_text(cfg.data, merged.given))
 
 
