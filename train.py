@@ -57,13 +57,28 @@ if __name__ == "__main__":
         sys.exit(128 + signal.SIGINT)
 
 
+# The environment variables train.py reads, for --help (the README's table under "Configs" says more).
+ENVIRONMENT = (
+    ("TINYCHAR_DATA_DIR", "a folder of corpora, where a relative data.path not found from here is looked for"),
+    ("TINYCHAR_CACHE_DIR", "where encoded corpora are kept, an absolute path (default ~/.cache/tinychar/encoded)"),
+    ("TORCHINDUCTOR_CACHE_DIR", "where compiled code is kept (default ~/.cache/tinychar/compiled)"),
+    ("TINYCHAR_WARM_CACHE", "1 (default) or 0: warm the compile cache after a run that trained eagerly"),
+    ("TINYCHAR_ONEDNN", "auto (default), 0 or 1: float32 CPU products through oneDNN where faster, never, always"),
+    ("TINYCHAR_FLUSH_DENORMALS", "1 (default) or 0: treat denormal numbers as zero while training"),
+    ("TINYCHAR_KEEP_MEMORY", "1 (default) or 0: keep the memory a training step frees for the next"),
+)
+
+
 def help_epilog() -> str:
     rows = describe(RunConfig)
     shown = ["null" if d is None else str(d).lower() if isinstance(d, bool) else str(d) for _, d, _ in rows]
     key_width, value_width = max(len(key) for key, _, _ in rows), max(len(v) for v in shown)
-    lines = ["config keys (set in the YAML file or as KEY=VALUE overrides):"]
+    lines = ["config keys (set in the YAML file or as KEY=VALUE overrides), each with the value it takes where "
+             "a config leaves it out:"]
     for (key, _, meaning), value in zip(rows, shown, strict=True):
         lines.append(f"  {key:<{key_width}}  {value:<{value_width}}  {meaning}")
+    name_width = max(len(name) for name, _ in ENVIRONMENT)
+    lines += ["", "environment:", *(f"  {name:<{name_width}}  {meaning}" for name, meaning in ENVIRONMENT)]
     return "\n".join(lines)
 
 

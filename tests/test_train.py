@@ -504,12 +504,33 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
         train.main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    listed = text.split("config keys", 1)[1].splitlines()[1:]
+    listed = text.split("config keys", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
     assert [row.split()[0] for row in listed if row.strip()] == valid_keys(RunConfig)
     for (key, default, meaning), row in zip(describe(RunConfig), listed, strict=True):
         shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
         assert row.split()[:2] == [key, shown.split()[0]]
         assert meaning and row.rstrip().endswith(meaning)
+
+
+def environment_read_by_the_code() -> set[str]:
+    """The TINYCHAR_ variables that tinychar's own modules read (those of the tests aside)."""
+    read = re.compile(r"environ(?:\.get)?[(\[]\s*\"(TINYCHAR_[A-Z_]+)\"")
+    found = set()
+    for source in [ROOT / "train.py", ROOT / "sample.py", *ROOT.glob("*/*.py")]:
+        if source.parent.name != "tests":
+            found.update(read.findall(source.read_text(encoding="utf-8")))
+    return found
+
+
+def test_help_and_readme_name_every_environment_variable_the_code_reads(capsys):
+    read = environment_read_by_the_code()
+    assert {"TINYCHAR_DATA_DIR", "TINYCHAR_ONEDNN", "TINYCHAR_KEEP_MEMORY"} <= read  # the scan finds them
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    listed = capsys.readouterr().out.split("\nenvironment:\n", 1)[1]
+    assert {line.split()[0] for line in listed.splitlines() if line.strip()} >= read
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert {row.split("`")[1] for row in readme.splitlines() if row.startswith("| `") and "_" in row} >= read
 
 
 # ------------------------------------------------------------------------------- the schedule a run used
