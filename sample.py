@@ -24,6 +24,7 @@ if __name__ == "__main__":
 try:  # and a KeyboardInterrupt that an import raises all the same is taken as such a Ctrl-C
     import argparse
 
+    from configs.environment import environment_help
     from configs.errors import UsageError
     from configs.userinput import OneLineParser
     from model.runs import CheckpointError
@@ -59,15 +60,10 @@ if __name__ == "__main__":
 SAMPLER_MODULES = ("torch", "model.gpt", "sampling.request", "sampling.writing")
 
 
-# The environment variables sample.py reads, for --help (the README's table under "Configs" says more).
-ENVIRONMENT = """environment:
-  TORCHINDUCTOR_CACHE_DIR  where compiled code is kept (default ~/.cache/tinychar/compiled)
-  TINYCHAR_ONEDNN          auto (default), 0 or 1: float32 CPU products through oneDNN where faster, never, always"""
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="sample.py", description="Sample text from a trained tinychar checkpoint.",
-                      epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                      epilog=environment_help(("TORCHINDUCTOR_CACHE_DIR", "TINYCHAR_ONEDNN")),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out-dir", default=None, help="a run folder: uses best.pt, else ckpt.pt (default runs/tiny)")
     where.add_argument("--checkpoint", default=None, help="a checkpoint file")

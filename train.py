@@ -35,6 +35,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from pathlib import Path
 
     from configs import ConfigError, describe, option_as_setting, valid_keys
+    from configs.environment import environment_help
     from configs.errors import UsageError
     from configs.userinput import OneLineParser, shown
     from data.paths import DataError
@@ -57,16 +58,9 @@ if __name__ == "__main__":
         sys.exit(128 + signal.SIGINT)
 
 
-# The environment variables train.py reads, for --help (the README's table under "Configs" says more).
-ENVIRONMENT = (
-    ("TINYCHAR_DATA_DIR", "a folder of corpora, where a relative data.path not found from here is looked for"),
-    ("TINYCHAR_CACHE_DIR", "where encoded corpora are kept, an absolute path (default ~/.cache/tinychar/encoded)"),
-    ("TORCHINDUCTOR_CACHE_DIR", "where compiled code is kept (default ~/.cache/tinychar/compiled)"),
-    ("TINYCHAR_WARM_CACHE", "1 (default) or 0: warm the compile cache after a run that trained eagerly"),
-    ("TINYCHAR_ONEDNN", "auto (default), 0 or 1: float32 CPU products through oneDNN where faster, never, always"),
-    ("TINYCHAR_FLUSH_DENORMALS", "1 (default) or 0: treat denormal numbers as zero while training"),
-    ("TINYCHAR_KEEP_MEMORY", "1 (default) or 0: keep the memory a training step frees for the next"),
-)
+# The environment variables train.py reads (the data, the caches, the engine, the numerics), for --help.
+ENVIRONMENT = ("TINYCHAR_DATA_DIR", "TINYCHAR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TINYCHAR_WARM_CACHE",
+               "TINYCHAR_ONEDNN", "TINYCHAR_FLUSH_DENORMALS", "TINYCHAR_KEEP_MEMORY")
 
 
 def help_epilog() -> str:
@@ -77,8 +71,7 @@ def help_epilog() -> str:
              "a config leaves it out:"]
     for (key, _, meaning), value in zip(rows, shown, strict=True):
         lines.append(f"  {key:<{key_width}}  {value:<{value_width}}  {meaning}")
-    name_width = max(len(name) for name, _ in ENVIRONMENT)
-    lines += ["", "environment:", *(f"  {name:<{name_width}}  {meaning}" for name, meaning in ENVIRONMENT)]
+    lines += ["", environment_help(ENVIRONMENT)]
     return "\n".join(lines)
 
 
