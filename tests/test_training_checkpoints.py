@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, tiny_overrides
-from test_model_checkpoint import payload_for, tiny_model
+from test_model_checkpoint import VOCAB, payload_for, tiny_model
 from test_train import bitwise_equal, child_env, logged_losses, snapshot
 from training_runs import (
     RESUME_KEYS,
@@ -41,9 +41,11 @@ import training.checkpoints
 import training.loop
 from configs.errors import UsageError
 from configs.userinput import shown
+from data import CharTokenizer
 from model import GPT, find_checkpoint, load_checkpoint
 from training.checkpoints import save_checkpoint
 from training.config import load_config
+from training.launch import Launch
 from training.optim import lr_at
 
 
@@ -579,3 +581,29 @@ def test_weights_that_do_not_fit_the_resumed_run_are_refused_with_the_reason():
     message = str(info.value)
     assert message.startswith("'runs/x/ckpt.pt' does not fit the run it describes (Missing key(s) in state_dict: ")
     assert '"transformer.ln_f.weight"' in message and "\n" not in message
+
+
+def test_a_one_process_resume_restores_the_gpus_this_machine_has_and_the_apple_gpus_state(monkeypatch, tmp_path):
+    """A checkpoint saved where there were two GPUs resumes where there is one: torch.cuda.set_rng_state_all would
+    ask for the second GPU and the resume would call the checkpoint damaged. The Apple GPU's state (dropout on mps)
+    is saved and restored as CUDA's is. No GPU is needed: torch's device calls are faked."""
+    cuda_set, mps_state = {}, {"now": torch.tensor([1], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([10]), torch.tensor([11])])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, index: cuda_set.update({index: int(state)}))
+    monkeypatch.setattr(training.checkpoints, "mps_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: mps_state["now"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: mps_state.update(now=state.clone()))
+    model, tokenizer = tiny_model(), CharTokenizer(VOCAB)
+    cfg = load_config(None, ["data.path=x.txt"])
+    optimizer = torch.optim.AdamW(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    payload = training.checkpoints.checkpoint_payload(model, optimizer, None, tokenizer, cfg, 5, 2.0, gen)
+    assert [int(s) for s in payload["rng"]["cuda"]] == [10, 11]
+    assert torch.equal(payload["rng"]["mps"], torch.tensor([1], dtype=torch.uint8))
+    mps_state["now"] = torch.tensor([9], dtype=torch.uint8)  # dropout on the Apple GPU moved it since
+    assert training.checkpoints.restore_rng(payload, gen, Launch(), torch.device("cuda", 0), cfg.seed,
+                                            tmp_path / "ckpt.pt")
+    assert cuda_set == {0: 10}
+    assert torch.equal(mps_state["now"], torch.tensor([1], dtype=torch.uint8))

@@ -193,3 +193,30 @@ def test_the_update_reads_the_step_count_once_when_every_parameter_shares_it(tmp
                                            shared.flat.split(shared.layout.sizes), strict=True)]
     assert all(parts[i].max() == 0 for i, c in enumerate(counts) if c == 0)
     assert all(parts[i].max() > 1e-4 for i, c in enumerate(counts) if c > 0)
+
+
+def test_the_warm_up_keeps_the_random_streams_of_the_steps_device(tmp_path, monkeypatch):
+    """The warm-up's dropout must not move them: on CUDA the compiled step's dropout draws its seeds from the GPU's
+    generator (devices.random_kept, whose own test fakes one), on a CPU from torch's."""
+    kept = []
+    real = compiled_step.random_kept
+
+    def recording(device: torch.device):
+        kept.append(device)
+        return real(device)
+
+    def compiled(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.rand(3)  # a draw, as dropout's
+        return torch.zeros(()), torch.zeros(())
+
+    monkeypatch.setattr(step_file, "AHEAD", False)
+    monkeypatch.setattr(compiled_step, "_COMPILED_STEP", compiled)
+    monkeypatch.setattr(compiled_step, "random_kept", recording)
+    _, _, step, xs = step_of_the_runs(tmp_path)
+    before = torch.get_rng_state()
+    step.warm_up(xs, xs.clone())
+    assert kept == [CPU]
+    assert torch.equal(torch.get_rng_state(), before)
+    step.device = torch.device("meta")  # the streams of the step's own device, whichever (the fake step runs on any)
+    step.warm_up(xs, xs.clone())
+    assert kept == [CPU, torch.device("meta")]

@@ -204,3 +204,41 @@ def test_a_bad_numerics_setting_is_one_line_before_anything_is_written(tmp_path,
     status, _, err = call(train_main, ["--config", str(ROOT / "configs" / "tiny.yaml"), f"out_dir={out}"], capsys)
     assert status == 2 and not out.exists()
     assert one_error_line(err) == line
+
+
+class FakeDeviceGenerator:
+    """A GPU's (or Apple GPU's) random state for a machine without one: get/set as torch.cuda and torch.mps have
+    them, and a draw that moves it, as a compiled step's dropout drawing its seeds on the device does."""
+
+    def __init__(self) -> None:
+        self.state = torch.tensor([7], dtype=torch.uint8)
+
+    def get(self, device: object = None) -> torch.Tensor:
+        return self.state.clone()
+
+    def set(self, state: torch.Tensor, device: object = None) -> None:
+        self.state = state.clone()
+
+    def draw(self) -> None:
+        self.state += 1
+
+
+@pytest.mark.parametrize("kind", ["cuda", "mps"])
+def test_random_kept_puts_back_torchs_stream_and_the_devices_own(monkeypatch, kind):
+    """On CUDA a compiled step's dropout takes its seeds from the GPU's generator: a warm-up that put back only the
+    CPU's state left a resumed run one draw ahead of a straight one."""
+    fake = FakeDeviceGenerator()
+    monkeypatch.setattr(getattr(torch, kind), "get_rng_state", fake.get)
+    monkeypatch.setattr(getattr(torch, kind), "set_rng_state", fake.set)
+    torch.manual_seed(3)
+    cpu_before, device_before = torch.get_rng_state(), fake.get()
+    with devices.random_kept(torch.device(kind)):
+        torch.nn.functional.dropout(torch.ones(100), 0.5)
+        fake.draw()
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+    assert torch.equal(fake.get(), device_before)
+    # the helpers a checkpoint takes its per-process state with hold the device's state too
+    state = devices.random_state(torch.device(kind))
+    fake.draw()
+    devices.set_random_state(state, torch.device(kind))
+    assert torch.equal(fake.get(), device_before)

@@ -21,6 +21,7 @@ from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, err
 
 from .atomic import write_atomic
 from .config import RunConfig, load_config
+from .devices import mps_available, random_state, set_random_state
 from .distributed import BATCHES, DROPOUT, derived_seed
 from .errors import UsageError
 from .launch import Launch
@@ -95,11 +96,15 @@ def restore_best(out_dir: Path, payload: dict) -> str | None:
 
 
 def rank_rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
-    """This process's random state: dropout's (torch's, and its GPU's on CUDA) and its batch generator's."""
-    state = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    """This process's random state: dropout's (random_state: torch's, and its device's on CUDA or MPS) and its batch
+    generator's."""
+    return {**random_state(device), "batches": gen.get_state()}
+
+
+def set_rank_rng_state(state: dict[str, torch.Tensor], gen: torch.Generator, device: torch.device) -> None:
+    """Put back what rank_rng_state returned."""
+    set_random_state(state, device)
+    gen.set_state(state["batches"])
 
 
 def checkpoint_payload(model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
@@ -110,6 +115,8 @@ def checkpoint_payload(model: GPT, optimizer: torch.optim.Optimizer, scaler: tor
     rng = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    if mps_available():
+        rng["mps"] = torch.mps.get_rng_state()
     world_size = len(ranks) if ranks else 1
     if world_size > 1:
         rng["per_rank"] = ranks
@@ -253,16 +260,15 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
         if saved_world == 1:
             torch.set_rng_state(rng["torch"])
             gen.set_state(rng["batches"])
-            if torch.cuda.is_available() and "cuda" in rng:
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            if torch.cuda.is_available() and "cuda" in rng:  # the GPUs this machine has (it may have fewer)
+                for index, state in enumerate(rng["cuda"][: torch.cuda.device_count()]):
+                    torch.cuda.set_rng_state(state, index)
+            if mps_available() and "mps" in rng:
+                torch.mps.set_rng_state(rng["mps"])
             return True
         if len(rng["per_rank"]) != saved_world:
             raise ValueError(f"{len(rng['per_rank'])} per-process RNG states for {saved_world} processes")
-        mine = rng["per_rank"][launch.rank]
-        torch.set_rng_state(mine["torch"])
-        gen.set_state(mine["batches"])
-        if device.type == "cuda" and "cuda" in mine:
-            torch.cuda.set_rng_state(mine["cuda"], device)
+        set_rank_rng_state(rng["per_rank"][launch.rank], gen, device)
         return True
     except DAMAGED as e:
         raise damaged(path, e) from None

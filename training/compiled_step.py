@@ -26,7 +26,7 @@ from torch import nn
 from . import step_file
 from .compile_cache import compile_options
 from .config import TrainConfig
-from .devices import autocast_context
+from .devices import autocast_context, random_kept
 from .optim import muon_lr_scale, orthogonal_dtype, orthogonalize_each
 from .signals import interrupting
 
@@ -356,7 +356,6 @@ class CompiledStep:
         state, so that a failure leaves the run untouched and the first real step is not the slow one; the seconds
         it took."""
         start = time.perf_counter()
-        rng = torch.get_rng_state()
-        self._run(tuple(t.clone() for t in self.buffers()), xs, ys, 0.0)
-        torch.set_rng_state(rng)  # dropout inside the warm-up must not shift the run's random stream
+        with random_kept(self.device):  # dropout inside the warm-up must not shift the run's random streams
+            self._run(tuple(t.clone() for t in self.buffers()), xs, ys, 0.0)
         return time.perf_counter() - start

@@ -66,8 +66,38 @@ def denormals_as_zero() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-def _mps_available() -> bool:
+def mps_available() -> bool:
     return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def random_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """What dropout draws from on this device: torch's CPU random state and, on CUDA or MPS, the device's own (a
+    compiled step's dropout takes its seeds there)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def set_random_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put back what random_state(device) returned (a device's state that it does not hold is left as it is)."""
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    elif device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])
+
+
+@contextmanager
+def random_kept(device: torch.device) -> Iterator[None]:
+    """Run the body without moving the random streams that dropout on this device draws from (random_state)."""
+    state = random_state(device)
+    try:
+        yield
+    finally:
+        set_random_state(state, device)
 
 
 def resolve_device(name: str, any_index: bool = False) -> torch.device:
@@ -81,7 +111,7 @@ def resolve_device(name: str, any_index: bool = False) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        return torch.device("mps") if _mps_available() else torch.device("cpu")
+        return torch.device("mps") if mps_available() else torch.device("cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -95,7 +125,7 @@ def resolve_device(name: str, any_index: bool = False) -> torch.device:
         if device.index >= count:
             raise DeviceError(f"device {name} asked for, but this machine has {count} CUDA GPU(s), cuda:0 to "
                               f"cuda:{count - 1}; use one of them, or cuda")
-    if device.type == "mps" and not _mps_available():
+    if device.type == "mps" and not mps_available():
         raise DeviceError("device mps asked for, but MPS is not available here; use cpu or auto")
     if device.type not in ("cpu", "cuda", "mps"):
         raise DeviceError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")

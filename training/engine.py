@@ -42,7 +42,7 @@ from .compile_cache import (
 from .compile_errors import compile_failed, compiler_log_quiet
 from .compiled_step import CompiledStep
 from .config import TrainConfig
-from .devices import autocast_context
+from .devices import autocast_context, random_kept
 from .errors import UsageError
 from .signals import interrupting
 
@@ -237,12 +237,12 @@ def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
     """Compile the blocks (compile_blocks) now, on one batch of the training shape, forward and backward, rather than
     in the first step, where a compiler failure ended the run in a traceback; if it fails, the blocks run eagerly
     again and the choice says why, as a failed whole step does. Called before DDP wraps the model (whose backward
-    would reduce), under fork_rng and with the gradients cleared after, so the run goes on as if this never ran."""
+    would reduce), with the random streams kept and the gradients cleared after: the run goes on as if it never ran."""
     model = trainer.model
     x, y = trial_batch(trainer)
     start = time.perf_counter()
     try:
-        with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
+        with random_kept(trainer.device):
             with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype):
                 _, loss = model(x, y)
             loss.backward()

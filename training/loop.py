@@ -31,6 +31,7 @@ from .checkpoints import (
     restore_rng,
     restore_training_state,
     save_checkpoint,
+    set_rank_rng_state,
 )
 from .config import RunConfig
 from .devices import autocast_context
@@ -154,10 +155,7 @@ class Trainer:
         for micro in range(tc.grad_accum_steps):
             if micro and self.stop_between_micro_batches(micro):
                 self.optimizer.zero_grad(set_to_none=True)
-                torch.set_rng_state(start["torch"])
-                self.gen.set_state(start["batches"])
-                if "cuda" in start:
-                    torch.cuda.set_rng_state(start["cuda"], self.device)
+                set_rank_rng_state(start, self.gen, self.device)
                 return None
             x, y = get_batch(self.splits["train"], block_size, tc.batch_size, self.gen, self.device)
             # Under DDP, backward all-reduces the gradients only on the last micro-batch of a step: the earlier
