@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, SMALL_TEXT, tiny_overrides, train_small_run
-from test_train import bitwise_equal, child_env, weights
+from test_train import bitwise_equal, child_env, one_error_line, weights
 
 import sample
 import train
@@ -588,6 +588,23 @@ def test_more_threads_than_cores_is_one_note_naming_the_setting_that_fits(tmp_pa
     assert capsys.readouterr().out.count(f"note: train.threads={more} on {cores} core") == 1
     train_small_run(tmp_path / "fits", **{"train.threads": 1, "train.max_iters": 2})
     assert "threads beyond the cores" not in capsys.readouterr().out
+
+
+def test_more_than_four_threads_a_core_is_refused_before_the_run_touches_anything(tmp_path, capsys):
+    """train.threads=4096 on 2 cores trained about 100 times slower, and under a memory limit the threads' stacks took
+    it all: the run ended in a MemoryError traceback while reading its corpus."""
+    cores = cores_here()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    before = torch.get_num_threads()
+    for threads in (4 * cores + 1, 4096):
+        args = tiny_overrides(corpus, tmp_path / "out", **{"train.threads": threads, "train.max_iters": 2})
+        assert train.main(["--config", TINY, *args], progress=False) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert line == (f"error: train.threads={threads} is more than 4 threads for each of the {cores} "
+                        f"core{'s' if cores > 1 else ''} this process may use; threads beyond the cores take turns "
+                        f"and slow every step: train.threads=0 takes one a core, or give at most {4 * cores}")
+        assert not (tmp_path / "out").exists() and torch.get_num_threads() == before
 
 
 def test_train_backend_is_checked_and_may_change_on_resume(tmp_path, capsys):

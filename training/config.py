@@ -72,7 +72,8 @@ class TrainConfig:
         "help": "torch.compile the training step: auto (where the run is long enough to win the compile time "
                 "back), true or false"})
     threads: int = field(default=0, metadata={
-        "help": "CPU threads for torch (0 = torch's default; under torchrun, the cores shared out among processes)"})
+        "help": "CPU threads for torch (0 = torch's default; under torchrun, the cores shared out among processes); at "
+                "most 4 for each core the process may use"})
     backend: str = field(default="auto", metadata={
         "help": "process group backend under torchrun: auto (nccl on CUDA, else gloo), gloo or nccl"})
 

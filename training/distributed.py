@@ -92,6 +92,23 @@ def threads_per_process(launch: Launch) -> int:
     return max(1, cores_here() // launch.local_world_size)
 
 
+# The most threads a run may ask for each core it may use: beyond the cores they only take turns (tiny.yaml on 2 cores:
+# 8 threads trained at less than half the rate of 2), and OpenMP starts every one asked for with a stack of its own:
+# train.threads=4096 on 2 cores ran about 100 times slower, and under an 8 GB limit of memory (RLIMIT_DATA) the
+# stacks left none for the run, which ended in a MemoryError traceback while reading its corpus.
+THREADS_PER_CORE = 4
+
+
+def too_many_threads(threads: int) -> str | None:
+    """The line that refuses train.threads above THREADS_PER_CORE for each core this process may use, or None."""
+    cores = cores_here()
+    if threads <= THREADS_PER_CORE * cores:
+        return None
+    return (f"train.threads={threads} is more than {THREADS_PER_CORE} threads for each of the {cores} "
+            f"core{'s' if cores > 1 else ''} this process may use; threads beyond the cores take turns and slow every "
+            f"step: train.threads=0 takes one a core, or give at most {THREADS_PER_CORE * cores}")
+
+
 def oversubscribed(threads: int, launch: Launch) -> str | None:
     """A note where train.threads, over this machine's processes, asks for more threads than it has cores: they
     take turns, and each operator waits for its slowest thread (tiny.yaml eagerly on 2 cores: 17,500-18,000

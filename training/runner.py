@@ -152,6 +152,8 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
         warm_enabled()  # a bad TINYCHAR_WARM_CACHE is one line before out_dir is touched
         if (why := user_cache_problem()) is not None:  # and so is a TORCHINDUCTOR_CACHE_DIR that names no folder
             raise UsageError(why)
+        if (why := distributed.too_many_threads(tc.threads)) is not None:
+            raise UsageError(why)
         if tc.threads:
             torch.set_num_threads(tc.threads)
         elif launch.torchrun:  # torchrun gives each process one thread unless OMP_NUM_THREADS says otherwise
