@@ -629,3 +629,23 @@ def test_an_out_dir_inside_a_data_folder_is_not_trained_on_and_the_run_resumes(t
     code, out, err = call(train_main, ["--config", TINY, "--resume", *overrides, "train.max_iters=12"], capsys)
     assert code == 0, err
     assert load_checkpoint(books / "run" / "ckpt.pt")["step"] == 12
+
+
+def test_a_folder_named_best_pt_is_refused_before_a_resume_trains(tmp_path, capsys) -> None:
+    """It was found only when the first better step came to be saved: the steps since trained, then exit 1 and a
+    line that said to free some space."""
+    run = train_small_run(tmp_path)
+    (run / "best.pt").unlink()
+    (run / "best.pt").mkdir()
+    (run / "best.pt" / "notes.txt").write_text(PRECIOUS, encoding="utf-8")
+
+    def files() -> dict:  # what is there but the lock, which any run takes and writes its process id into
+        return {p.name: p.is_dir() or (p.read_bytes(), p.stat().st_mtime_ns) for p in run.iterdir() if p.name != LOCK}
+
+    before = files()
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
+    assert code == 2
+    assert err == (f"error: '{shown(run / 'best.pt')}' is a folder, where this run keeps its best checkpoint; move it "
+                   f"out of out_dir, then --resume again\n")
+    assert files() == before
+    assert (run / "best.pt" / "notes.txt").read_text(encoding="utf-8") == PRECIOUS

@@ -48,6 +48,10 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
         raise UsageError(f"'{shown(str(out_dir / 'config.yaml'))}' is not a config.yaml that tinychar wrote, and this "
                          f"run would replace it with its own; move it out of the folder, or choose another out_dir")
     if resume:
+        best = out_dir / "best.pt"
+        if best.is_dir() and not best.is_symlink():  # found only when the first better step came to be saved
+            raise UsageError(f"'{shown(str(best))}' is a folder, where this run keeps its best checkpoint; move it out "
+                             f"of out_dir, then --resume again")
         return
     # .replaced/ckpt.pt (or best.pt alone): left by an --overwrite killed midway, which claiming out_dir puts back
     existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", *(out_dir / f / name for name in ("ckpt.pt",
