@@ -12,6 +12,7 @@ from conftest import ROOT, tiny_overrides
 from test_train import bitwise_equal, snapshot
 from training_runs import TINY, call, one_line, train_main, write_corpus
 
+from configs import to_dict
 from configs.userinput import shown
 from model import GPT, GPTConfig, load_checkpoint
 
@@ -161,6 +162,33 @@ def test_a_large_vocabulary_takes_shorter_evaluation_passes_and_the_memory_check
     # measured: a peak of 5.8 GiB before, 0.94 GiB now; counted from above, five vocabulary-wide floats a trained
     # position (training/memory.py: a vocabulary of 1,112,032 characters peaked at 3.9), 1.22 GiB
     assert before.total > 5 * 2**30 and now.total < 1.25 * 2**30
+
+
+def test_a_step_that_cannot_end_soon_says_how_long_it_takes_at_least(tmp_path, capsys, monkeypatch):
+    """train.grad_accum_steps=10**18 (or 10**6) sat in its first step with no word of why."""
+    import training.evaluation
+    from training.config import load_config
+    from training.evaluation import step_note
+
+    assert step_note(3.6e14, 1e11, 1000, 64) is None  # an hour at the ceiling: no note
+    assert step_note(1e18, 1e11, 10**6, 128) == (
+        "note: each step trains 1,000,000 micro-batches of 128 sequences: at least 116 days a step here (its products "
+        "alone at the machine's matrix-multiply ceiling); a smaller train.grad_accum_steps steps sooner, and Ctrl-C "
+        "stops a step between micro-batches, to resume exactly")
+    assert "at least 3.2e+07 years a step" in step_note(1e29, 1e14, 10**18, 1)
+    assert "a smaller train.batch_size" in step_note(1e18, 1e11, 1, 10**9)
+    assert step_note(1e18, float("inf"), 10**6, 1) is None  # no ceiling measured
+    for config in sorted((ROOT / "configs").glob("*.yaml")):  # the shipped configs' steps take well under an hour
+        cfg = load_config(str(config), [])
+        flops = GPT(GPTConfig(**{**to_dict(cfg.model), "vocab_size": 65})).flops_per_token() * \
+            cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum_steps
+        assert step_note(flops, 1e10, cfg.train.grad_accum_steps, cfg.train.batch_size) is None, config
+    monkeypatch.setattr(training.evaluation, "LONG_STEP_SECONDS", 0.0)  # every step is long: the run says so
+    overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.max_iters": 2,
+                                                                              "train.grad_accum_steps": 3})
+    code, out, err = call(train_main, ["--config", TINY, *overrides], capsys)
+    assert code == 0, err
+    assert out.count("note: each step trains 3 micro-batches of ") == 1
 
 
 def test_a_run_that_would_evaluate_longer_than_it_trains_says_so(tmp_path, capsys):

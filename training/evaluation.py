@@ -101,3 +101,28 @@ def evaluation_note(max_iters: int, step: int, eval_interval: int, eval_iters: i
             f"{eval_iters:,} batches of each split {at} (train.eval_interval={eval_interval:,}), against "
             f"{steps * grad_accum_steps:,} batches trained; a smaller train.eval_iters or a larger train.eval_interval "
             f"trains sooner")
+
+
+# A step that would take longer than this at the machine's matrix-multiply ceiling gets a note (step_note).
+LONG_STEP_SECONDS = 3600.0
+
+
+def spelled_duration(seconds: float) -> str:
+    """seconds as a person reads a long time: minutes, hours, days or years."""
+    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.3g} {unit}" if seconds / size < 1e6 else f"{seconds / size:.1e} {unit}"
+    return f"{seconds:.3g} seconds"
+
+
+def step_note(flops_per_step: float, ceiling: float, grad_accum_steps: int, batch_size: int) -> str | None:
+    """A note for a step that would take over LONG_STEP_SECONDS even if every FLOP ran at the measured matrix-multiply
+    ceiling (FLOP/s), or None: train.grad_accum_steps=10**6 sat in its first step with no word of why."""
+    if not 0 < ceiling < float("inf") or flops_per_step / ceiling <= LONG_STEP_SECONDS:
+        return None
+    micro = f"{grad_accum_steps:,} micro-batches of {batch_size:,} sequences" if grad_accum_steps > 1 else \
+        f"{batch_size:,} sequences"
+    fewer = "train.grad_accum_steps" if grad_accum_steps > 1 else "train.batch_size"
+    return (f"note: each step trains {micro}: at least {spelled_duration(flops_per_step / ceiling)} a step here (its "
+            f"products alone at the machine's matrix-multiply ceiling); a smaller {fewer} steps sooner, and Ctrl-C "
+            f"stops a step between micro-batches, to resume exactly")

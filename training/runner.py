@@ -27,7 +27,7 @@ from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
 from .distributed import BATCHES, DROPOUT, derived_seed
 from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
-from .evaluation import eval_pass_sequences, evaluation_note
+from .evaluation import eval_pass_sequences, evaluation_note, step_note
 from .launch import Launch
 from .logger import Logger
 from .loop import Trainer
@@ -234,6 +234,9 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "
              f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
              f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({trainer.tokens_per_step:,} tokens) per step")
+    per_process = trainer.flops_per_token * trainer.tokens_per_step / world
+    if note := step_note(per_process, trainer.ceiling, tc.grad_accum_steps, tc.batch_size):
+        log.info(note)
     if note := evaluation_note(tc.max_iters, trainer.step, tc.eval_interval, tc.eval_iters, tc.grad_accum_steps):
         log.info(note)
     if resume:
