@@ -61,12 +61,16 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-k must be >= 1, got {number(args.top_k)}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, value, what in (("--out-dir", args.out_dir, "a run folder (or leave it out: runs/tiny)"),
-                              ("--checkpoint", args.checkpoint, "a checkpoint file"),
-                              ("--prompt-file", args.prompt_file, "a UTF-8 text file"),
-                              ("--attention-map", args.attention_map, "the picture's file name, such as map.png")):
+    for flag, what in (("--out-dir", "a run folder (or leave it out: runs/tiny)"),
+                       ("--checkpoint", "a checkpoint file"),
+                       ("--prompt-file", "a UTF-8 text file"),
+                       ("--attention-map", "the picture's file name, such as map.png")):
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name)
         if value == "":  # Path("") is the current folder: never what was meant
             raise UsageError(f"{flag} is empty; give {what}")
+        if value is not None:  # '~' is the home folder, as in train.py's paths (the shell leaves --out-dir=~/r)
+            setattr(args, name, os.path.expanduser(value))
     if args.prompt is not None:
         check_utf8(args.prompt)
 

@@ -138,6 +138,21 @@ def test_the_checkpoint_line_quotes_only_an_integer_step(run, run_dir, tmp_path)
 # ------------------------------------------------------------------------------------- reproducibility
 
 
+def test_a_path_that_starts_with_a_tilde_is_in_the_home_folder_as_train_py_takes_it(run, run_dir, tmp_path,
+                                                                                      monkeypatch):
+    """train.py 'out_dir=~/r' trains into the home folder and says to sample with --out-dir there; sample.py took '~'
+    as a folder's name (and the shell leaves --out-dir=~/r as it is)."""
+    home = tmp_path / "home"
+    shutil.copytree(run_dir, home / "r")
+    (home / "prompt.txt").write_text("All:", encoding="utf-8")
+    monkeypatch.setenv("HOME", str(home))
+    expected = ok(run("--max-new-tokens", "5", "--prompt", "All:"))
+    assert ok(run("--out-dir=~/r", "--max-new-tokens", "5", "--prompt-file", "~/prompt.txt")) == expected
+    assert ok(run("--checkpoint", "~/r/best.pt", "--max-new-tokens", "5", "--prompt", "All:")) == expected
+    ok(run("--max-new-tokens", "0", "--prompt", "All:", "--attention-map", "~/map.png"))
+    assert (home / "map.png").stat().st_size > 0
+
+
 def test_the_same_seed_gives_the_same_text_and_another_seed_other_text(run):
     args = ("--prompt", PROMPT, "--max-new-tokens", "60", "--temperature", "1.0")
     first = ok(run(*args, "--seed", "11"))
