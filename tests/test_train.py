@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -513,8 +514,8 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
 
 
 def environment_read_by_the_code() -> set[str]:
-    """The TINYCHAR_ variables that tinychar's own modules read (those of the tests aside)."""
-    read = re.compile(r"environ(?:\.get)?[(\[]\s*\"(TINYCHAR_[A-Z_]+)\"")
+    """The TINYCHAR_ variables (and XDG_CACHE_HOME) that tinychar's own modules read (those of the tests aside)."""
+    read = re.compile(r"environ(?:\.get)?[(\[]\s*\"(TINYCHAR_[A-Z_]+|XDG_CACHE_HOME)\"")
     found = set()
     for source in [ROOT / "train.py", ROOT / "sample.py", *ROOT.glob("*/*.py")]:
         if source.parent.name != "tests":
@@ -524,7 +525,7 @@ def environment_read_by_the_code() -> set[str]:
 
 def test_help_and_readme_name_every_environment_variable_the_code_reads(capsys):
     read = environment_read_by_the_code()
-    assert {"TINYCHAR_DATA_DIR", "TINYCHAR_ONEDNN", "TINYCHAR_KEEP_MEMORY"} <= read  # the scan finds them
+    assert {"TINYCHAR_DATA_DIR", "TINYCHAR_ONEDNN", "TINYCHAR_KEEP_MEMORY", "XDG_CACHE_HOME"} <= read  # found
     with pytest.raises(SystemExit):
         train.main(["--help"])
     listed = capsys.readouterr().out.split("\nenvironment:\n", 1)[1]
@@ -654,6 +655,30 @@ def run_started_on_a_relative_path(tmp_path: Path, monkeypatch, capsys) -> tuple
     return started, elsewhere, out
 
 
+def test_a_stopped_run_whose_text_was_found_in_tinychar_data_dir_is_told_to_resume_with_it(tmp_path, monkeypatch):
+    """The line a stop ends with is pasted back as it is: without TINYCHAR_DATA_DIR, the resume found no text and
+    said the path was relative to the folder the run started in, where the user already was."""
+    from configs.userinput import script_word
+    from training.errors import failure_line
+    from training.launch import Launch
+    from training.signals import Stopped
+
+    corpora, here = tmp_path / "my corpora", tmp_path / "here"
+    corpora.mkdir()
+    here.mkdir()
+    (corpora / "c.txt").write_text(SMALL_TEXT, encoding="utf-8")
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("TINYCHAR_DATA_DIR", str(corpora))
+    cfg = load_config(TINY, ["data.path=c.txt", "out_dir=runs/dd"])
+    stop, resume = Stopped(signal.SIGINT, 5), f"python {script_word('train.py')} --out-dir runs/dd --resume"
+    assert failure_line(stop, cfg, Launch()) == (
+        f"stopped at step 5: saved 'runs/dd/ckpt.pt'; continue with: TINYCHAR_DATA_DIR='{corpora}' {resume}")
+    (here / "c.txt").write_text(SMALL_TEXT, encoding="utf-8")  # found here, as a resume from here would find it
+    assert failure_line(stop, cfg, Launch()).endswith(f"continue with: {resume}")
+    cfg = load_config(TINY, [f"data.path={corpora / 'c.txt'}", "out_dir=runs/dd"])  # a full path needs no folder
+    assert failure_line(stop, cfg, Launch()).endswith(f"continue with: {resume}")
+
+
 def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_full_path(tmp_path, capsys,
                                                                                           monkeypatch):
     # The advice was a dead end: from another folder the relative path names no file, and its full path was refused
@@ -661,8 +686,9 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_
     started, elsewhere, out = run_started_on_a_relative_path(tmp_path, monkeypatch, capsys)
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
     assert one_error_line(capsys.readouterr().err).endswith(
-        "this run was started on that path relative to the folder it ran in: resume from that folder, or give its "
-        "full path (data.path=/.../corpus.txt), which a resume takes")
+        "this run was started on that path relative to the folder it ran in: resume from that folder (or with "
+        "TINYCHAR_DATA_DIR as it was, if found there), or give its full path (data.path=/.../corpus.txt), which a "
+        "resume takes")
     full = str(started / "corpus.txt")
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={full}"],
                       progress=False) == 0

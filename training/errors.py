@@ -4,7 +4,9 @@ torchrun launch agree on one so that none is left waiting."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
+import os
 import re
 import signal
 from collections.abc import Iterator
@@ -146,14 +148,19 @@ def exit_status(e: Exception) -> int:
     return 1
 
 
-def resume_command(out_dir: str, launch: Launch) -> str:
-    """The command that continues this run, with as many processes (so that it continues exactly)."""
+def resume_command(out_dir: str, launch: Launch, data_path: str | None = None) -> str:
+    """The command that continues this run, with as many processes (so that it continues exactly), and with
+    TINYCHAR_DATA_DIR as it is now where the run's relative data.path was found only there."""
     tail = f"{script_word('train.py')} --out-dir {path_word(out_dir)} --resume"
+    folder = os.environ.get("TINYCHAR_DATA_DIR")
+    found_there = folder and data_path and not os.path.isabs(os.path.expanduser(data_path)) and not (
+        os.path.lexists(data_path) or glob.glob(data_path))
+    setting = f"TINYCHAR_DATA_DIR={path_word(folder)} " if found_there else ""
     if not launch.torchrun:
-        return f"python {tail}"
+        return f"{setting}python {tail}"
     if launch.local_world_size == launch.world_size:
-        return f"torchrun --standalone --nproc-per-node {launch.world_size} {tail}"
-    return f"torchrun, with the options this run had, on every machine: {tail}"
+        return f"{setting}torchrun --standalone --nproc-per-node {launch.world_size} {tail}"
+    return f"torchrun, with the options and the environment this run had, on every machine: {tail}"
 
 
 def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | None:
@@ -174,7 +181,7 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
             return (f"stopped at step {e.step}{why}, before this --overwrite run's first checkpoint: nothing of it "
                     f"was saved, and the run it was replacing is back in '{shown(cfg.out_dir)}'")
         return (f"stopped at step {e.step}{why}: saved '{shown(Path(cfg.out_dir) / 'ckpt.pt')}'; continue with: "
-                f"{resume_command(cfg.out_dir, launch)}")
+                f"{resume_command(cfg.out_dir, launch, cfg.data.path)}")
     if isinstance(e, Interrupted):
         return f"interrupted ({signal.Signals(e.signum).name}) before training started; no checkpoint was saved"
     if (asked := out_of_memory(e)) is not None:  # past the estimate that let the run start: a traceback, before
