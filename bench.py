@@ -117,7 +117,7 @@ def cuda_available() -> bool:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     p = OneLineParser(prog="bench.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nanogpt", metavar="DIR", help=f"a nanoGPT checkout to measure against ({CLONE_HINT})")
+    p.add_argument("--nanogpt", metavar="DIR", help=f"required: a nanoGPT checkout to measure against ({CLONE_HINT})")
     p.add_argument("--threads", type=int, default=threads, help=f"threads for both programs (default all: {threads})")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds per row (default 3; --quick 1)")
     p.add_argument("--skip-quality", action="store_true", help="skip the time-to-quality rows (minutes)")

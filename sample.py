@@ -62,7 +62,7 @@ SAMPLER_MODULES = ("torch", "model.gpt", "sampling.request", "sampling.writing")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="sample.py", description="Sample text from a trained tinychar checkpoint.",
-                      epilog=environment_help(("TORCHINDUCTOR_CACHE_DIR", "TINYCHAR_ONEDNN")),
+                      epilog=environment_help(("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "TINYCHAR_ONEDNN")),
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out-dir", default=None, help="a run folder: uses best.pt, else ckpt.pt (default runs/tiny)")
@@ -75,12 +75,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="characters to generate per sample (default 500)")
     p.add_argument("--temperature", type=real, default=0.8,
                    help="sampling temperature; 0 = greedy (always the likeliest character) (default 0.8)")
-    p.add_argument("--top-k", type=integer, default=None, help="sample only from the k likeliest characters")
-    p.add_argument("--top-p", type=real, default=None, help="sample from the smallest set with probability >= p")
+    p.add_argument("--top-k", type=integer, default=None,
+                   help="sample only from the k likeliest characters (default: all)")
+    p.add_argument("--top-p", type=real, default=None,
+                   help="sample from the smallest set with probability >= p (default: no limit)")
     p.add_argument("--seed", type=integer, default=1337,
                    help="random seed; the same seed gives the same text (torch keeps its low 32 bits: seeds 2**32 "
-                        "apart give the same text)")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+                        "apart give the same text) (default 1337)")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--no-cache", action="store_true",
                    help="the plain path: a forward pass over the whole context per character, no fixed-shape window")
     p.add_argument("--compile", choices=COMPILE, default="auto",
@@ -89,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream", action="store_true", help="print characters as they are generated")
     p.add_argument("--attention-map", default=None, metavar="FILE.png",
                    help="also draw the attention of every layer and head over the prompt (its last block_size "
-                        "characters) into this picture: PNG, or the format its extension names (.jpg, .webp, ...)")
+                        "characters) into this picture: PNG, or the format its extension names (.jpg, .webp, ...); "
+                        "missing folders on its path are made")
     return p.parse_args(argv)
 
 

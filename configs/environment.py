@@ -7,6 +7,7 @@ MEANINGS = {
     "TINYCHAR_DATA_DIR": "a folder of corpora, where a relative data.path not found from here is looked for",
     "TINYCHAR_CACHE_DIR": "where encoded corpora are kept, an absolute path (default ~/.cache/tinychar/encoded)",
     "TORCHINDUCTOR_CACHE_DIR": "where compiled code is kept (default ~/.cache/tinychar/compiled)",
+    "XDG_CACHE_HOME": "an absolute path: tinychar's cache folders go in its tinychar/ (default ~/.cache)",
     "TINYCHAR_WARM_CACHE": "1 (default) or 0: warm the compile cache after a run that trained eagerly",
     "TINYCHAR_ONEDNN": "auto (default), 0 or 1: float32 CPU products through oneDNN where faster, never, always",
     "TINYCHAR_FLUSH_DENORMALS": "1 (default) or 0: treat denormal numbers as zero while training",

@@ -41,7 +41,8 @@ class DataConfig:
     cache_dir: str | None = field(
         default=None,
         metadata={"path": True,
-                  "help": "folder for encoded corpora (null = $TINYCHAR_CACHE_DIR, else ~/.cache/tinychar/encoded)"},
+                  "help": "folder for encoded corpora (null = $TINYCHAR_CACHE_DIR, else "
+                          "$XDG_CACHE_HOME/tinychar/encoded, else ~/.cache/tinychar/encoded)"},
     )
 
     def __post_init__(self) -> None:

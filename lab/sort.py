@@ -236,12 +236,13 @@ def parser() -> OneLineParser:
     p.add_argument("--digits", type=int, default=10, help="alphabet size (default 10: digits 0-9)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default 400 GRU, 600 transformer; at most {MAX_STEPS:,})")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=128, help="sequences per training step (default 128)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for the weights and the random sequences; the same seed gives the same run (default 0)")
     p.add_argument("--heatmap", default=None,
                    help="the picture to write, in the format its extension names, PNG without one (default "
-                        "sort_<model>_<attention>.png)")
+                        "sort_<model>_<attention>.png); missing folders on its path are made")
     p.add_argument("--logdir", default=None, help="also log loss, accuracy and the heatmap to TensorBoard here")
     p.add_argument("--bottleneck", action="store_true",
                    help="print accuracy by length with and without attention (GRU) instead of one run")
