@@ -168,7 +168,7 @@ def prepare(args: argparse.Namespace, given: str | None = None) -> tuple[GPT, to
         return 2
     step = payload.get("step")  # an int in every checkpoint train.py writes; anything else is not quoted
     step = number(step) if isinstance(step, int) and not isinstance(step, bool) else "?"
-    print(f"{shown(str(path), LOG_PATH)}: {model.num_params() / 1e6:.2f}M parameters, step {step}, "
+    print(f"{shown(str(path), LOG_PATH)}: {model.num_params(non_embedding=False) / 1e6:.2f}M parameters, step {step}, "
           f"vocabulary {len(vocab)}", file=sys.stderr)
     if args.attention_map is not None:
         from lab.heatmap import save_attention_map

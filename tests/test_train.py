@@ -26,7 +26,7 @@ from configs import describe, to_dict, valid_keys
 from configs.userinput import path_word, shown
 from data.batches import split_ids
 from data.paths import quoted
-from model import load_checkpoint, model_from_checkpoint
+from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint
 from training.config import RunConfig, load_config
 from training.optim import lr_at, schedule_note
 
@@ -878,3 +878,18 @@ def test_a_bad_config_or_option_or_help_comes_before_torch_is_imported(tmp_path,
     assert lines[:-1] == ([said] if said else [])
     if said is None:
         assert "usage:" in result.stdout
+
+
+def test_a_run_and_sample_py_count_every_parameter_as_the_readme_does(tmp_path, capsys):
+    """They printed GPT.num_params(), which leaves out the position table (nanoGPT's count): 10.65M for
+    shakespeare_char.yaml, whose 10,745,088 parameters the README calls 10.7M."""
+    import sample
+
+    out = train_small_run(tmp_path, **{"model.block_size": 256, "model.n_embd": 64, "train.max_iters": 1})
+    model = GPT(GPTConfig(**load_checkpoint(out / "ckpt.pt")["model_config"]))
+    total = sum(p.numel() for p in model.parameters())
+    assert f"{total / 1e6:.2f}" != f"{model.num_params() / 1e6:.2f}"  # the two counts differ in what is printed
+    printed = re.findall(r"model: ([\d.]+)M parameters", capsys.readouterr().out)
+    assert printed == [f"{total / 1e6:.2f}"]
+    assert sample.main(["--out-dir", str(out), "--max-new-tokens", "1", "--device", "cpu"]) == 0
+    assert f": {total / 1e6:.2f}M parameters, step 1, " in capsys.readouterr().err

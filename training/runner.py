@@ -217,7 +217,7 @@ def check_same_text(payload: dict, corpus: Corpus, cfg: RunConfig) -> None:
 def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool) -> None:
     """The lines a run starts with: its data, model, device, throughput yardstick, global batch, and resume."""
     log, tc, world = trainer.log, trainer.tc, trainer.launch.world_size
-    params = trainer.model.num_params()
+    params = trainer.model.num_params(non_embedding=False)  # every parameter, as the README counts them
     dtype = str(start.dtype).replace("torch.", "")
     log.info(f"data: {start.corpus.description}")
     for note in start.corpus.notes:
