@@ -61,7 +61,10 @@ def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[
             continue
         try:
             dtype, n_tokens = np.dtype(info["dtype"]), int(info["n_tokens"])
-            sound = info["format"] == FORMAT_VERSION and info["key"] == key and isinstance(info["crc32"], int)
+            # a meta without its own checksum is from before metas carried one: encoded again, like an older format
+            # (its vocabulary was trusted if sorted, and one flipped bit, 'z' read as '{', kept it sorted)
+            sound = (info["format"] == FORMAT_VERSION and info["key"] == key and isinstance(info["crc32"], int)
+                     and "meta_crc32" in info)
         except (ValueError, KeyError, TypeError, OverflowError):  # JSON, but not a meta of this version (an infinite
             continue  # count, 1e999, was an OverflowError traceback in every run)
         if not sound:
@@ -121,14 +124,11 @@ def meta_checksum(info: dict) -> int:
 
 
 def _meta_damage(info: dict, dtype: np.dtype) -> str:
-    """Why a meta of this format cannot be what the encoder wrote, in words; '' when nothing says so.
-
-    Entries written before metas carried "meta_crc32" have no checksum of their vocabulary, and are still read:
-    their vocabulary must be a sorted list of distinct characters, as every encoder wrote it, and _open_checked
-    then finds every id within it.
-    """
+    """Why a meta of this format cannot be what the encoder wrote, in words; '' when nothing says so (its vocabulary
+    a sorted list of distinct characters, as every encoder wrote it, and _open_checked then finds every id within
+    it)."""
     chars = info.get("chars")
-    if "meta_crc32" in info and info["meta_crc32"] != meta_checksum(info):
+    if info["meta_crc32"] != meta_checksum(info):
         return "its meta does not match its own checksum"
     if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
         return "its vocabulary is not a list of characters"

@@ -23,7 +23,7 @@ from .paths import DataError, not_a_file, not_utf8, open_regular, os_failure, qu
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
 # CRC-32 of the ids, checked whenever the entry is opened. 3: a byte-order mark that starts a file is left out (the
 # "bom" setting), and the meta counts the marks and the files holding NUL bytes. The meta's checksum of itself
-# ("meta_crc32") came without a bump: entries written before it have no other difference, and are still read.
+# ("meta_crc32") came without a bump: entries written before it are encoded again (data/cache.py).
 FORMAT_VERSION = 3
 SNIFF_BYTES = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 _GLOB_MAGIC = frozenset("*?[")
