@@ -273,18 +273,8 @@ def reap_parts(folder: Path) -> list[Path]:
     file. A pid alive here keeps its file, even when it was reused by another program: the file goes once that
     process has ended. Only names of open_part's exact form are touched, never anything else in the folder.
     """
-    if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows, not look at it
-        return []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
     removed = []
-    for name in names:
-        match = _PART.fullmatch(name)
-        if match is None or _alive(int(match["pid"])):
-            continue
-        path = folder / name
+    for path, _ in orphaned_parts(folder):
         try:
             if time.time() - os.lstat(path).st_mtime < STALE_PART_S:
                 continue
@@ -368,6 +358,33 @@ def unwritten(setting: str, folder: Path, entry: tuple[Path, ...], e: OSError) -
     if (blocked := next((p for p in entry if os.path.isdir(p)), None)) is not None:
         return DataError(f"{setting}: cannot write the encoded corpus to {quoted(blocked)}: a folder of that name is "
                          f"in the way; move it away, or set {setting} to another folder")
-    todo = "free some space or" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder, or"
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    todo = "free some space or" if full else "check the folder, or"
+    left = orphaned_parts(folder) if full else []
+    if left:  # not reaped yet: each is kept an hour, in case its encoder lives on another machine (reap_parts)
+        size = sum(n for _, n in left)
+        todo = (f"{len(left)} partial file{'s' if len(left) > 1 else ''} that an encoding killed midway left there "
+                f"hold{'' if len(left) > 1 else 's'} {size / 2**20:,.0f} MB ({quoted(left[0][0].name)}"
+                f"{', ...' if len(left) > 1 else ''}): remove {'them' if len(left) > 1 else 'it'} if no other "
+                f"machine is encoding into that folder, free some space, or")
     return DataError(f"{setting}: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); {todo} "
                      f"set {setting} to another folder")
+
+
+def orphaned_parts(folder: Path) -> list[tuple[Path, int]]:
+    """The partial files in folder whose encoder is not alive on this machine, with their sizes, largest first."""
+    if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows, not look at it
+        return []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _PART.fullmatch(name)
+        if match is not None and not _alive(int(match["pid"])):
+            try:
+                found.append((folder / name, os.lstat(folder / name).st_size))
+            except OSError:
+                continue
+    return sorted(found, key=lambda item: -item[1])

@@ -709,6 +709,23 @@ def test_a_live_encoder_on_this_machine_keeps_its_partial_file_however_old(tmp_p
     assert data.cache.reap_parts(folder) == [] and part.exists()
 
 
+def test_a_full_disk_names_the_partial_files_a_killed_encoding_left_there(tmp_path: Path) -> None:
+    """Such a file is kept an hour (its encoder may live on another machine), and `ls` does not show it: the line
+    only said to free some space."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    folder = tmp_path / "c"
+    write(folder / f".zh.txt.{child.pid}.5e457059.ids.part", b"\0" * (3 << 20))
+    write(folder / f".t.txt.{os.getpid()}.0123abcd.ids.part", b"\0" * (5 << 20))  # this run's own, alive
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(data.cache.unwritten("data.cache_dir", folder, (), full)) == (
+        f"data.cache_dir: cannot write the encoded corpus to '{folder}' (No space left on device); 1 partial file "
+        f"that an encoding killed midway left there holds 3 MB ('.zh.txt.{child.pid}.5e457059.ids.part'): remove it "
+        f"if no other machine is encoding into that folder, free some space, or set data.cache_dir to another folder")
+    assert str(data.cache.unwritten("data.cache_dir", tmp_path / "empty", (), full)).endswith(
+        "(No space left on device); free some space or set data.cache_dir to another folder")
+
+
 # --- byte-order marks: entries and runs from before they were left out -----------------------------------------------
 
 
