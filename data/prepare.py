@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class Corpus:
     # The ids and vocabulary in 16 hex digits, the same on any machine and in any cache folder: a run can tell that
     # it is given the text it was trained on (any change to the ids, their count or the vocabulary changes it).
     fingerprint: str = field(kw_only=True)
+    crc32: int | None = field(default=None, kw_only=True)  # of the cache file, checked again when ids_on reads it
 
     @property
     def vocab_size(self) -> int:
@@ -71,7 +73,7 @@ class Corpus:
         device = torch.device(device)
         if device.type == "cpu" or self.path is None:
             return self.ids.to(device)
-        return _read_ids(self.path, self.ids.dtype, self.n_tokens, device)
+        return _read_ids(self.path, self.ids.dtype, self.n_tokens, device, crc32=self.crc32)
 
 
 def prepare_corpus(
@@ -157,7 +159,8 @@ def _prepared(
     )
     chars = list(info["chars"])
     print_ = fingerprint(info["crc32"], n_tokens, chars)
-    return Corpus(ids, chars, description, n_tokens, notes, ids_path, hit, fingerprint=print_), info["boms"]
+    return Corpus(ids, chars, description, n_tokens, notes, ids_path, hit, fingerprint=print_,
+                  crc32=info["crc32"]), info["boms"]
 
 
 def _cached(
@@ -325,19 +328,30 @@ def _changed(source: Source) -> bool:
 
 
 def _read_ids(
-    path: Path, dtype: torch.dtype, n_tokens: int, device: torch.device, piece_bytes: int = 64 << 20
+    path: Path, dtype: torch.dtype, n_tokens: int, device: torch.device, piece_bytes: int = 64 << 20,
+    crc32: int | None = None,
 ) -> torch.Tensor:
-    """The n_tokens ids of the file at path, of dtype, read into a new tensor on device piece_bytes at a time."""
+    """The n_tokens ids of the file at path, of dtype, read into a new tensor on device piece_bytes at a time; with
+    crc32, checked against it (the file is read by its name again, after the checked one was mapped: another
+    process may have removed or changed it since), DataError where it differs."""
     out = torch.empty(n_tokens, dtype=dtype, device=device)
     step = max(1, piece_bytes // out.element_size())
     buffer = torch.empty(min(step, n_tokens), dtype=dtype)
-    with path.open("rb") as f:
-        for start in range(0, n_tokens, step):
-            piece = buffer[: min(step, n_tokens - start)]
-            view = memoryview(piece.numpy()).cast("B")
-            if f.readinto(view) != len(view):
-                raise DataError(f"the cache file {quoted(path)} is shorter than its meta says; delete it and run again")
-            out[start : start + len(piece)].copy_(piece)
+    changed = f"the cache file {quoted(path)} changed after it was checked"
+    crc = 0
+    try:
+        with path.open("rb") as f:
+            for start in range(0, n_tokens, step):
+                piece = buffer[: min(step, n_tokens - start)]
+                view = memoryview(piece.numpy()).cast("B")
+                if f.readinto(view) != len(view):
+                    raise DataError(f"{changed} (it is shorter than its meta says); run again, which encodes it anew")
+                crc = zlib.crc32(view, crc)
+                out[start : start + len(piece)].copy_(piece)
+    except OSError as e:
+        raise DataError(f"{changed} ({e.strerror or type(e).__name__}); run again, which encodes it anew") from None
+    if crc32 is not None and crc != crc32:
+        raise DataError(f"{changed} (its checksum differs); run again, which encodes it anew")
     return out
 
 

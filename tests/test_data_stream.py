@@ -392,8 +392,24 @@ def test_ids_on_a_device_are_read_from_the_cache_file_in_pieces(tmp_path: Path) 
     corpus = prepare(write(tmp_path / "t.txt", distinct_chars(300) * 3))
     assert corpus.ids.dtype == torch.uint16 and corpus.ids_on("cpu") is corpus.ids
     for piece_bytes in (2, 6, 1 << 20):  # one id at a time, three, and all at once
-        copy = data.prepare._read_ids(corpus.path, corpus.ids.dtype, corpus.n_tokens, torch.device("cpu"), piece_bytes)
+        copy = data.prepare._read_ids(corpus.path, corpus.ids.dtype, corpus.n_tokens, torch.device("cpu"), piece_bytes,
+                                      crc32=corpus.crc32)
         assert torch.equal(copy, corpus.ids) and copy.data_ptr() != corpus.ids.data_ptr()
+
+
+@pytest.mark.parametrize("change", ["a byte", "cut short", "removed"])
+def test_ids_read_for_a_device_are_checked_against_the_checksum_the_map_was(tmp_path: Path, change: str) -> None:
+    """On a GPU the ids are read from the cache file by name, after the checked file was mapped: a file changed or
+    removed since by another process reached the GPU unchecked, or ended the run in a traceback."""
+    corpus = prepare(write(tmp_path / "t.txt", distinct_chars(300) * 3))
+    raw = corpus.path.read_bytes()
+    corpus.path.unlink()  # the map keeps the checked file; the name now leads elsewhere, or nowhere
+    if change != "removed":
+        corpus.path.write_bytes(raw[:-2] if change == "cut short" else raw[:7] + bytes([raw[7] ^ 1]) + raw[8:])
+    with pytest.raises(DataError, match=r"^the cache file .* changed after it was checked \((its checksum differs|it "
+                                        r"is shorter than its meta says|No such file or directory)\); run again"):
+        data.prepare._read_ids(corpus.path, corpus.ids.dtype, corpus.n_tokens, torch.device("cpu"), 64,
+                               crc32=corpus.crc32)
 
 
 def test_a_stray_write_to_the_ids_never_reaches_the_cache_file(tmp_path: Path) -> None:
