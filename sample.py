@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also draw the attention of every layer and head over the prompt (its last block_size "
                         "characters) into this picture: PNG, or the format its extension names (.jpg, .webp, ...); "
                         "missing folders on its path are made")
+    p.add_argument("--attention-values", action="store_true",
+                   help="write each weight in its square of the --attention-map picture, with two decimals (the "
+                        "squares grow to hold them)")
     return p.parse_args(argv)
 
 

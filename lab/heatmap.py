@@ -28,7 +28,17 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
-from lab.labels import INK, display_char, draw_label, fonts, label_width, legible, legible_text, text_size
+from lab.labels import (
+    INK,
+    display_char,
+    draw_label,
+    font_of,
+    fonts,
+    label_width,
+    legible,
+    legible_text,
+    text_size,
+)
 from lab.pictures import picture_target, write_picture
 
 # Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
@@ -37,6 +47,9 @@ EMPTY_COLOUR = (228, 228, 228)  # the masked future: light grey, far from every 
 BACKGROUND = (255, 255, 255)
 FRAME = (150, 150, 150)
 MARGIN, GAP, CBAR_W = 12, 18, 14  # outer margin, space between cells, colour-bar width (px)
+# The weights written in their squares (values=True), as the notes' heatmaps print them: two decimals in a font of
+# VALUE_FONT_PX pixels, dark on the light end of the map and white on the dark end.
+VALUE_FONT_PX = 10
 
 
 def attention_weights(model: nn.Module, ids: list[int] | torch.Tensor) -> list[torch.Tensor]:
@@ -122,10 +135,18 @@ def cell_pixels(T: int) -> int:
     return max(6, min(20, round(20 * math.sqrt(8 / max(T, 1)))))
 
 
-def grid_layout(n_layer: int, n_head: int, chars: list[str], title: str | None = None) -> GridLayout:
-    """Where everything goes in ``render_attention_grid`` for this many layers, heads and characters."""
+def value_pixels() -> int:
+    """The side of a square that holds a weight written with two decimals (values=True)."""
+    width, height = text_size(font_of(VALUE_FONT_PX), "0.00")
+    return max(width, height) + 6
+
+
+def grid_layout(n_layer: int, n_head: int, chars: list[str], title: str | None = None,
+                values: bool = False) -> GridLayout:
+    """Where everything goes in ``render_attention_grid`` for this many layers, heads and characters (with values,
+    squares large enough to hold the weights written in them)."""
     T = len(chars)
-    px = cell_pixels(T)
+    px = max(cell_pixels(T), value_pixels()) if values else cell_pixels(T)
     axis_font, label_font, title_font = fonts(px)
     title = legible_text(title_font, title) if title else title
     labels = [legible(axis_font, display_char(c)) for c in chars]
@@ -163,12 +184,14 @@ def _key_positions(widths: list[int], px: int, stride: int) -> list[int]:
     return chosen
 
 
-def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: str | None = None) -> Image.Image:
+def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: str | None = None,
+                          values: bool = False) -> Image.Image:
     """A white RGB image of every head's attention: rows = layers (from 0), columns = heads (from 0).
 
     weights: one (n_head, T, T) tensor per layer, row = query position, column = key position; chars: the T
     characters of the window. Cells above the diagonal (the future a query cannot see) are drawn in
-    ``EMPTY_COLOUR``, which no weight maps to, so a masked position never passes for a weight of 0.
+    ``EMPTY_COLOUR``, which no weight maps to, so a masked position never passes for a weight of 0. values: each
+    weight written in its square with two decimals (value_ink says in which colour).
     """
     if not weights:
         raise ValueError("render_attention_grid needs the weights of at least one layer")
@@ -182,8 +205,9 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
                 f"layer {i}: weights must be (n_head, T, T) = ({n_head}, {T}, {T}) for {T} characters, "
                 f"got {tuple(w.shape)}"
             )
-    layout = grid_layout(len(weights), n_head, chars, title)
+    layout = grid_layout(len(weights), n_head, chars, title, values)
     px = layout.px
+    value_font = font_of(VALUE_FONT_PX) if values else None
     axis_font, label_font, title_font = fonts(px)
     title = legible_text(title_font, title) if title else title
     labels = [legible(axis_font, display_char(c)) for c in chars]
@@ -206,6 +230,8 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
             heat = Image.frombytes("RGB", (T, T), bytes(rgb[head].flatten().tolist()))
             image.paste(heat.resize((T * px, T * px), Image.Resampling.NEAREST), (x0, y0))
             draw.rectangle((x0 - 1, y0 - 1, x1, y1), outline=FRAME)
+            if value_font is not None:
+                _write_values(draw, w[head], layout.position_centre(layer, head, 0, 0), px, value_font)
             for t in keys:  # key characters along the top
                 cx = x0 + t * px + px / 2
                 draw_label(draw, labels[t], cx, y0 - 6 - char_h / 2, axis_font)
@@ -218,6 +244,25 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
                     draw.line([(x0 - 4, cy), (x0 - 2, cy)], fill=FRAME)
     _draw_colour_bar(draw, layout, label_font)
     return image
+
+
+def value_ink(value: float) -> tuple[int, int, int]:
+    """The colour a weight is written in on its square: INK where the map is light (from about 0.6 up), else white."""
+    r, g, b = colour_at(value)
+    return INK if 0.299 * r + 0.587 * g + 0.114 * b > 140 else BACKGROUND
+
+
+def _write_values(draw: ImageDraw.ImageDraw, w: torch.Tensor, first: tuple[int, int], px: int,
+                  font: ImageFont.ImageFont) -> None:
+    """Each weight of one head's (T, T) w on or below the diagonal, with two decimals, centred on its square (the
+    square of [0, 0] centred at first)."""
+    _, top, _, bottom = font.getbbox("0.00")
+    for q, row in enumerate(w.tolist()):
+        for k, value in enumerate(row[: q + 1]):
+            text = f"{value:.2f}"
+            left, _, right, _ = font.getbbox(text)
+            x, y = first[0] + k * px - (left + right) / 2, first[1] + q * px - (top + bottom) / 2
+            draw.text((x, y), text, font=font, fill=value_ink(value))
 
 
 def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageFont.ImageFont) -> None:
@@ -302,14 +347,14 @@ MAX_MAP_PIXELS = 178_956_970
 
 
 def characters_shown(n_layer: int, n_head: int, chars: list[str], title: str | None = None,
-                     limit: int | None = None) -> int:
+                     limit: int | None = None, values: bool = False) -> int:
     """How many of the last of chars a picture of n_layer x n_head heads shows within limit pixels (default
     MAX_MAP_PIXELS); 0 when not even one character fits (a model of thousands of heads), so that no caller draws
     past the bound."""
     limit = MAX_MAP_PIXELS if limit is None else limit
 
     def fits(n: int) -> bool:
-        layout = grid_layout(n_layer, n_head, chars[len(chars) - n :], title)
+        layout = grid_layout(n_layer, n_head, chars[len(chars) - n :], title, values)
         return layout.width * layout.height <= limit
 
     if not chars or not fits(1):
@@ -330,7 +375,8 @@ def too_large(n_layer: int, n_head: int) -> str:
 
 
 def save_attention_map(
-    model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None
+    model: nn.Module, ids: list[int] | torch.Tensor, chars: list[str], path: str | Path, title: str | None = None,
+    values: bool = False,
 ) -> Path:
     """Render the attention of model on the last block_size ids and write it to path, in the format its extension
     names (image_format; PNG without one): on as many of the last of them as a picture of MAX_MAP_PIXELS shows
@@ -340,10 +386,11 @@ def save_attention_map(
     Returns the path written."""
     picture_target(path)  # refused before the work of drawing
     window = _last_window(ids, model.config.block_size)
-    shown = characters_shown(model.config.n_layer, model.config.n_head, [chars[i] for i in window], title)
+    shown = characters_shown(model.config.n_layer, model.config.n_head, [chars[i] for i in window], title,
+                             values=values)
     if shown == 0:
         raise ValueError(too_large(model.config.n_layer, model.config.n_head))
     window = window[len(window) - shown :]
-    image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title)
+    image = render_attention_grid(attention_weights(model, window), [chars[i] for i in window], title, values)
     return write_picture(image, path)
 

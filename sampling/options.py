@@ -71,6 +71,9 @@ def check_options(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} is empty; give {what}")
         if value is not None:  # '~' is the home folder, as in train.py's paths (the shell leaves --out-dir=~/r)
             setattr(args, name, os.path.expanduser(value))
+    if args.attention_values and args.attention_map is None:
+        raise UsageError("--attention-values writes the weights into the --attention-map picture; give that too "
+                         "(--attention-map FILE.png)")
     if args.prompt is not None:
         check_utf8(args.prompt)
 

@@ -54,7 +54,8 @@ def attention_map_characters(args: argparse.Namespace, config: GPTConfig, path: 
     from lab.heatmap import characters_shown, too_large
 
     window = prompt[-config.block_size :]
-    pictured = characters_shown(config.n_layer, config.n_head, list(window), map_title(path, prompt))
+    pictured = characters_shown(config.n_layer, config.n_head, list(window), map_title(path, prompt),
+                                values=args.attention_values)
     if pictured == 0:
         raise UsageError(f"--attention-map: {too_large(config.n_layer, config.n_head)}; leave out --attention-map")
     return pictured
@@ -178,7 +179,8 @@ def prepare(args: argparse.Namespace, given: str | None = None) -> tuple[GPT, to
             print(f"attention map: the last {pictured:,} characters of the prompt's {window:,} (a picture of them "
                   f"all would be too large to open)", file=sys.stderr)
         try:
-            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=map_title(path, prompt))
+            saved = save_attention_map(model, ids[0], vocab, args.attention_map, title=map_title(path, prompt),
+                                       values=args.attention_values)
         except (OSError, ValueError) as e:  # ValueError: a format Pillow cannot write in RGB
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
             print(f"error: cannot write --attention-map '{shown(args.attention_map)}': {reason}", file=sys.stderr)

@@ -23,6 +23,8 @@ from lab.heatmap import (
     render_attention_grid,
     render_attention_map,
     save_attention_map,
+    value_ink,
+    value_pixels,
 )
 from lab.pictures import image_format, log_image, picture_target
 from model import GPT, GPTConfig
@@ -120,6 +122,47 @@ def test_masked_future_is_empty_and_weights_take_the_colour_map():
     assert pixel(image, layout.position_centre(1, 1, 2, 0)) == colour_at(0.0)
     assert pixel(image, layout.position_centre(1, 1, 2, 1)) == colour_at(0.5)
     assert colour_at(0.0) != EMPTY_COLOUR and colour_at(1.0) != colour_at(0.0)
+
+
+def test_values_write_each_visible_weight_in_its_square_as_the_notes_heatmaps_do():
+    """Note 003's heatmap prints every weight in its cell with two decimals; the lab drew colours alone."""
+    T = 4
+    weights = causal_weights(1, 2, T)
+    weights[0][1, 3] = torch.tensor([0.25, 0.25, 0.25, 0.25])  # head 1, query 3: four equal weights
+    weights[0][1, 2] = torch.tensor([0.125, 0.25, 0.625, 0.0])
+    chars = list("abcd")
+    image = render_attention_grid(weights, chars, values=True)
+    plain = render_attention_grid(weights, chars)
+    layout = grid_layout(1, 2, chars, values=True)
+    assert image.size == (layout.width, layout.height) and layout.px >= value_pixels() > grid_layout(1, 2, chars).px
+
+    def square(head: int, q: int, k: int) -> Image.Image:
+        x, y = layout.position_centre(0, head, q, k)
+        half = layout.px // 2
+        return image.crop((x - half + 1, y - half + 1, x + half - 1, y + half - 1))
+
+    for head in range(2):
+        for q in range(T):
+            for k in range(T):
+                colours = {c for _, c in square(head, q, k).getcolors(layout.px**2)}
+                if k > q:  # the masked future: nothing written
+                    assert colours == {EMPTY_COLOUR}
+                else:  # the weight's colour, and the ink of its digits (smoothed at their edges: some pixels at
+                    w = float(weights[0][head, q, k])  # least half way from the square's colour to the ink's)
+                    ground, ink = colour_at(w), value_ink(w)
+                    far = sum((a - b) ** 2 for a, b in zip(ground, ink, strict=True))
+                    inked = [c for c in colours if sum((a - b) ** 2 for a, b in zip(c, ink, strict=True)) < far / 4]
+                    assert ground in colours and inked, (head, q, k)
+    # the same weight writes the same square, another one another
+    assert square(1, 3, 0).tobytes() == square(1, 3, 1).tobytes() == square(1, 3, 3).tobytes()
+    assert square(1, 2, 1).tobytes() == square(1, 3, 1).tobytes() != square(1, 2, 0).tobytes()
+    assert value_ink(0.0) == (255, 255, 255) and value_ink(1.0) != value_ink(0.0)
+    # without values every square is its colour alone
+    plain_layout = grid_layout(1, 2, chars)
+    x, y = plain_layout.position_centre(0, 1, 2, 2)
+    half = plain_layout.px // 2
+    assert {c for _, c in plain.crop((x - half + 1, y - half + 1, x + half - 1, y + half - 1)).getcolors()} == {
+        colour_at(0.625)}
 
 
 def test_colour_map_runs_dark_to_bright_through_its_ends():

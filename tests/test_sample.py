@@ -401,6 +401,17 @@ def test_an_attention_map_is_written_in_the_format_its_name_says(run, tmp_path):
     assert line.endswith("map.xyz': Pillow cannot write '.xyz' pictures; name it .png (or .jpg, .webp, .gif, ...)")
 
 
+def test_attention_values_write_the_weights_into_a_larger_map_and_need_one(run, tmp_path):
+    line = one_error_line(run("--prompt", PROMPT, "--attention-values"))
+    assert line == ("error: --attention-values writes the weights into the --attention-map picture; give that too "
+                    "(--attention-map FILE.png)")
+    for name, extra in (("plain.png", ()), ("values.png", ("--attention-values",))):
+        code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "0", "--attention-map", str(tmp_path / name), *extra)
+        assert code == 0, err
+    with Image.open(tmp_path / "plain.png") as plain, Image.open(tmp_path / "values.png") as values:
+        assert values.height > plain.height and values.width >= plain.width  # (the title may set the width)
+
+
 def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, run_dir, tmp_path):
     # Written to a temporary file renamed over its path, the picture replaced whatever was there: the checkpoint being
     # sampled (named without an extension, so as PNG), a run's .lock, a named pipe, a device, a symbolic link.
