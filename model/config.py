@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 MODEL_TYPES = ("gpt", "bigram", "gru")
 ATTENTION_KINDS = ("manual", "fused")
 SCORE_KINDS = ("dot", "additive")
+NORM_PLACES = ("pre", "post")
 
 
 
@@ -40,6 +41,9 @@ class GPTConfig:
         "help": "manual: explicit masked softmax of the notes; fused: torch scaled_dot_product_attention"})
     score: str = field(default="dot", metadata={
         "help": "attention score: dot (scaled dot product) or additive (Bahdanau, v^T tanh(W1 q + W2 k))"})
+    norm: str = field(default="pre", metadata={
+        "help": "where each block's layer norms go: pre (GPT-2's x + f(ln(x)), a last layer norm before the head) or "
+                "post (the notes' Add & Norm, ln(x + f(x)), as in the first transformer)"})
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -61,10 +65,13 @@ class GPTConfig:
             raise ValueError(f"model.score must be one of {', '.join(SCORE_KINDS)}, got {self.score!r}")
         if self.type not in MODEL_TYPES:
             raise ValueError(f"model.type must be one of {', '.join(MODEL_TYPES)}, got {self.type!r}")
-        if self.type != "gpt" and (self.attention != "manual" or self.score != "dot"):
-            option = "model.attention=fused" if self.attention != "manual" else f"model.score={self.score}"
-            raise ValueError(f"{option} means nothing for model.type={self.type}, which has no attention; leave "
-                             f"model.attention and model.score at their defaults")
+        if self.norm not in NORM_PLACES:
+            raise ValueError(f"model.norm must be one of {', '.join(NORM_PLACES)}, got {self.norm!r}")
+        if self.type != "gpt" and (self.attention != "manual" or self.score != "dot" or self.norm != "pre"):
+            option = ("model.attention=fused" if self.attention != "manual" else f"model.score={self.score}"
+                      if self.score != "dot" else f"model.norm={self.norm}")
+            raise ValueError(f"{option} means nothing for model.type={self.type}, which has no attention blocks; "
+                             f"leave model.attention, model.score and model.norm at their defaults")
         if self.score == "additive" and self.attention == "fused":
             raise ValueError(
                 "model.score=additive needs model.attention=manual (the fused kernel only does dot products)")

@@ -38,7 +38,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Transformer block. Pre-norm (model.norm=pre, GPT-2's): x + attn(ln_1(x)), then x + mlp(ln_2(x)). Post-norm
+    (model.norm=post, the notes' Add & Norm): ln_1(x + attn(x)), then ln_2(x + mlp(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -46,24 +47,35 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.post = config.norm == "post"
+
+    def attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the attention projects: ln_1(x) pre-norm, x itself post-norm."""
+        return x if self.post else self.ln_1(x)
+
+    def add_attention(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The residual sum with the attention's output a (and post-norm its layer norm)."""
+        return self.ln_1(x + a) if self.post else x + a
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward layer with its residual sum and layer norm, where model.norm puts it."""
+        return self.ln_2(x + self.mlp(x)) if self.post else x + self.mlp(self.ln_2(x))
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, need_weights: bool = False,
         qkv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """qkv: the attention's projections of ln_1(x), where the caller has them (GPT.first_projections)."""
-        a, weights = self.attn(self.ln_1(x) if qkv is None else x, cache, layer, need_weights, qkv)
-        x = x + a
-        x = x + self.mlp(self.ln_2(x))
-        return x, weights
+        """qkv: the attention's projections of attn_input(x), where the caller has them (GPT.first_projections)."""
+        a, weights = self.attn(self.attn_input(x) if qkv is None else x, cache, layer, need_weights, qkv)
+        return self.add_mlp(self.add_attention(x, a)), weights
 
     def forward_at(self, x: torch.Tensor, row: torch.Tensor | None = None, qkv: torch.Tensor | None = None
                    ) -> torch.Tensor:
         """The block's output (B, 1, C) at position row (a (1,) index; None: the last) alone; see
         CausalSelfAttention.forward_at."""
         here = x[:, -1:] if row is None else x.index_select(1, row)
-        x = here + self.attn.forward_at(self.ln_1(x) if qkv is None else x, row, qkv)
-        return x + self.mlp(self.ln_2(x))
+        return self.add_mlp(self.add_attention(here, self.attn.forward_at(self.attn_input(x) if qkv is None else x,
+                                                                           row, qkv)))
 
 
 class GPT(nn.Module):
@@ -83,7 +95,8 @@ class GPT(nn.Module):
             "wpe": nn.Embedding(config.block_size, config.n_embd),  # learned position embeddings
             "drop": nn.Dropout(config.dropout),
             "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+            # post-norm, each block's output is already normalised: no last layer norm (the first transformer's)
+            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias) if config.norm == "pre" else nn.Identity(),
         })
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: the head reads characters out with the same vectors that embed them.
@@ -159,13 +172,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def first_projections(self) -> torch.Tensor:
-        """The first block's attention projections, c_attn(ln_1(wte[c] + wpe[p])), of every character c at every
+        """The first block's attention projections, c_attn(attn_input(wte[c] + wpe[p])), of every character c at every
         position p: (vocab_size, block_size, 3 * n_embd). The first block's input is a function of the character and
         its position alone, so where dropout is off (eval mode) its projections can be looked up instead of computed:
         sampling's window (model.sampler) does, a snapshot of the weights of the moment."""
         wte, wpe = self.transformer.wte.weight, self.transformer.wpe.weight
         first = self.transformer.h[0]
-        return first.attn.c_attn(first.ln_1(wte[:, None, :] + wpe[None, :, :]))
+        return first.attn.c_attn(first.attn_input(wte[:, None, :] + wpe[None, :, :]))
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, return_attention: bool = False

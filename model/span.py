@@ -63,7 +63,7 @@ def draw_span(model: GPT, first: torch.Tensor | None, temperature: float, top_k:
         qkv = None
     # the last layer: keys and values of every row; the rest only where a character is drawn
     C = cfg.n_embd
-    kv = last.attn.c_attn.part(last.ln_1(x), C, 3 * C) if qkv is None else qkv[..., C:]
+    kv = last.attn.c_attn.part(last.attn_input(x), C, 3 * C) if qkv is None else qkv[..., C:]
     key, value = (last.attn.heads(t) for t in kv.split(C, dim=2))
     keys = [t.view(B, span, *t.shape[1:]) for t in [*cache.k[: len(blocks)], key]]  # (B, span, nh, T, hs) each
     values = [t.view(B, span, *t.shape[1:]) for t in [*cache.v[: len(blocks)], value]]
@@ -111,13 +111,12 @@ def _tail(model: GPT, first: torch.Tensor | None, tail: torch.Tensor, at: torch.
     *blocks, last = model.transformer.h
     for layer, block in enumerate(blocks):
         attn = block.attn
-        qkv = first[tail, at] if layer == 0 and first is not None else attn.c_attn(block.ln_1(x))
+        qkv = first[tail, at] if layer == 0 and first is not None else attn.c_attn(block.attn_input(x))
         q, k, v = (attn.heads(t) for t in qkv.split(C, dim=2))
         key, value = keys[layer].index_copy(2, at, k), values[layer].index_copy(2, at, v)
-        x = x + attn.attend(q, key, value, attn.mask.index_select(0, at))
-        x = x + block.mlp(block.ln_2(x))
+        x = block.add_mlp(block.add_attention(x, attn.attend(q, key, value, attn.mask.index_select(0, at))))
     qkv = first[tail, at] if not blocks and first is not None else None
-    kv = last.attn.c_attn.part(last.ln_1(x), C, 3 * C) if qkv is None else qkv[..., C:]
+    kv = last.attn.c_attn.part(last.attn_input(x), C, 3 * C) if qkv is None else qkv[..., C:]
     k, v = (last.attn.heads(t) for t in kv.split(C, dim=2))
     return (x[:, -1:], None if qkv is None else qkv[:, -1:], keys[-1].index_copy(2, at, k),
             values[-1].index_copy(2, at, v))
@@ -131,7 +130,6 @@ def _last_row(model: GPT, x: torch.Tensor, qkv: torch.Tensor | None, key: torch.
     last = model.transformer.h[-1]
     attn = last.attn
     C = x.size(-1)
-    q = attn.heads(attn.c_attn.part(last.ln_1(x), 0, C) if qkv is None else qkv[..., :C])  # (B, nh, 1, hs)
-    x = x + attn.attend(q, key, value, attn.mask.index_select(0, here))
-    x = x + last.mlp(last.ln_2(x))
+    q = attn.heads(attn.c_attn.part(last.attn_input(x), 0, C) if qkv is None else qkv[..., :C])  # (B, nh, 1, hs)
+    x = last.add_mlp(last.add_attention(x, attn.attend(q, key, value, attn.mask.index_select(0, here))))
     return model.transformer.ln_f(x).squeeze(1)

@@ -28,9 +28,10 @@ def test_forward_shapes_and_loss_none_without_targets():
     assert loss.ndim == 0
 
 
-@pytest.mark.parametrize(("attention", "score"), [("manual", "dot"), ("fused", "dot"), ("manual", "additive")])
-def test_mask_hides_the_future(attention, score):
-    model = tiny(attention=attention, score=score)
+@pytest.mark.parametrize(("attention", "score", "norm"), [("manual", "dot", "pre"), ("fused", "dot", "pre"),
+                                                          ("manual", "additive", "pre"), ("manual", "dot", "post")])
+def test_mask_hides_the_future(attention, score, norm):
+    model = tiny(attention=attention, score=score, norm=norm)
     torch.manual_seed(1)
     idx = torch.randint(0, 11, (2, 8))
     logits, _ = model(idx)
@@ -221,6 +222,38 @@ def test_kv_cache_generates_the_same_characters(trained, attention):
     assert with_cache.shape == (2, 33)
     assert torch.equal(with_cache, without)
     assert all(len(set(row[3:])) > 5 for row in with_cache.tolist())  # text that depends on its context
+
+
+def test_post_norm_blocks_add_and_normalise_as_the_notes_do_and_need_no_last_layer_norm():
+    """model.norm=post is the notes' Add & Norm (note 003's MultiHeadAttention, the first transformer):
+    ln_1(x + attention(x)), then ln_2(h + mlp(h)); pre-norm (GPT-2's) normalises what each sublayer reads instead."""
+    post, pre = tiny(norm="post"), tiny()
+    assert isinstance(post.transformer.ln_f, torch.nn.Identity) and isinstance(pre.transformer.ln_f, torch.nn.LayerNorm)
+    assert set(pre.state_dict()) - set(post.state_dict()) == {"transformer.ln_f.weight", "transformer.ln_f.bias"}
+    post.load_state_dict(pre.state_dict(), strict=False)  # the same weights, placed as post-norm places them
+    idx = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        x = post.embed(idx)
+        for block in post.transformer.h:
+            a, _ = block.attn(x)
+            h = block.ln_1(x + a)
+            x = block.ln_2(h + block.mlp(h))
+        torch.testing.assert_close(post.hidden(idx)[0], x, rtol=0, atol=1e-6)
+        assert not torch.allclose(pre.hidden(idx)[0], x, atol=1e-3)
+        # each position's output is layer-normalised: mean 0, variance 1 (the norms start with weight 1, bias 0)
+        torch.testing.assert_close(x.mean(-1), torch.zeros(2, 8), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="model.norm must be one of pre, post, got 'middle'"):
+        GPTConfig(norm="middle")
+    with pytest.raises(ValueError, match="model.norm=post means nothing for model.type=gru"):
+        GPTConfig(type="gru", norm="post")
+
+
+def test_a_post_norm_model_generates_the_same_characters_with_and_without_its_cache():
+    model = tiny(norm="post")
+    prompt = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(2))
+    with_cache = model.generate(prompt, 30, generator=torch.Generator().manual_seed(5), use_cache=True)
+    assert torch.equal(with_cache, model.generate(prompt, 30, generator=torch.Generator().manual_seed(5),
+                                                  use_cache=False))
 
 
 @pytest.mark.parametrize("keep", [None, 1, 4, 6])

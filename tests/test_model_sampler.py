@@ -67,7 +67,7 @@ def test_the_window_gives_the_plain_paths_characters(model, temperature, top_k, 
         assert not torch.equal(windowed(WindowSampler(model, temperature, top_k, top_p), prompt, 40, seed=8)[0], got)
 
 
-@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
+@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}, {"norm": "post"}])
 @pytest.mark.parametrize("prompt_length", [1, 20])
 def test_the_eager_slide_fills_its_window_in_a_few_shapes_with_the_plain_paths_characters(kind, prompt_length,
                                                                                            monkeypatch):
@@ -86,7 +86,7 @@ def test_the_eager_slide_fills_its_window_in_a_few_shapes_with_the_plain_paths_c
     assert sorted(set(rows)) == ([16, 32, 40] if prompt_length == 1 else [32, 40]) and len(rows) == 60
 
 
-@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
+@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}, {"norm": "post"}])
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_a_span_gives_the_plain_paths_characters_for_every_kind_of_model(kind, n_layer):
     # one block (the last is the first: its projections looked up) and three; fused and additive attention
@@ -111,7 +111,7 @@ def test_a_span_is_a_divisor_of_the_chunk_within_the_window_and_never_in_trainin
     assert WindowSampler(training, 0.8, None, None, chunk=4, span=2).steps.span == 1
 
 
-@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}])
+@pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}, {"norm": "post"}])
 @pytest.mark.parametrize(("row", "length"), [(0, 8), (4, 8), (7, 8), (None, 8), (None, 5)])
 @pytest.mark.parametrize("n_layer", [1, 2])
 @pytest.mark.parametrize("looked_up", [False, True])
@@ -129,16 +129,18 @@ def test_hidden_at_is_hiddens_row(kind, row, length, n_layer, looked_up):
     torch.testing.assert_close(at, full[:, -1 if row is None else row], rtol=0, atol=1e-6)
 
 
-def test_the_first_projections_are_the_first_blocks_projections_of_each_character_at_each_position():
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_the_first_projections_are_the_first_blocks_projections_of_each_character_at_each_position(norm):
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=2, n_head=2, n_embd=8)).eval()
+    m = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=2, n_head=2, n_embd=8, norm=norm)).eval()
     first = m.first_projections()
     assert first.shape == (5, 4, 24) and not first.requires_grad
     block = m.transformer.h[0]
     with torch.no_grad():
         for c, p in [(0, 0), (3, 1), (4, 3)]:
             x = m.transformer.wte.weight[c] + m.transformer.wpe.weight[p]
-            torch.testing.assert_close(first[c, p], block.attn.c_attn(block.ln_1(x)), rtol=0, atol=1e-6)
+            projected = block.attn.c_attn(block.ln_1(x) if norm == "pre" else x)  # post-norm: the sum itself
+            torch.testing.assert_close(first[c, p], projected, rtol=0, atol=1e-6)
 
 
 def test_the_sampler_looks_the_first_block_up_in_eval_mode_below_the_size_limit(model, monkeypatch):
