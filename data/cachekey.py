@@ -28,16 +28,12 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
 
     Inputs under CONTENT_HASH_BELOW are hashed whole. Larger ones are hashed by SAMPLES blocks spread evenly over
     them (4 MB at most), which sees such an edit only where it touches a block. On a 200 MB file (2-core machine):
-    the blocks take 5-6 ms from the page cache and 13-18 ms from disk, a whole hash 0.25-0.5 s at every start. So
-    for them the key also takes each file's status-change time, which no tool sets back as mtime can be (setting
-    mtime back moves it): a file edited and its mtime put back, or another moved in its place with the same size
-    and mtime (as `tar x` or `rsync -t` make), is encoded again, as is one whose owner or permissions changed.
+    the blocks take 5-6 ms from the page cache and 13-18 ms from disk, a whole hash 0.25-0.5 s at every start.
     """
-    large = inputs.n_bytes >= CONTENT_HASH_BELOW
-    files = [[str(s.path.resolve()), s.size, s.mtime_ns, *([s.ctime_ns] if large else [])] for s in inputs.sources]
+    files = [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources]
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps({"format": FORMAT_VERSION, "settings": settings, "files": files}).encode())
-    if not large:
+    if inputs.n_bytes < CONTENT_HASH_BELOW:
         for s in inputs.sources:
             with open_regular(s.path, inputs.label) as f:
                 while chunk := f.read(_HASH_CHUNK):
