@@ -29,6 +29,11 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
     Inputs under CONTENT_HASH_BELOW are hashed whole. Larger ones are hashed by SAMPLES blocks spread evenly over
     them (4 MB at most), which sees such an edit only where it touches a block. On a 200 MB file (2-core machine):
     the blocks take 5-6 ms from the page cache and 13-18 ms from disk, a whole hash 0.25-0.5 s at every start.
+
+    The files' status-change times (ctime), which no tool sets back, are not in the key, though they would see every
+    edit: a copy of the same file on each machine of a cluster (`rsync -t` to local disks) has its own, so machines
+    sharing one cache folder would each encode the corpus again and, finding the others' entry for the same path
+    and settings, remove it (prune), at every run. Tried and taken back on 2026-12-05.
     """
     files = [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources]
     digest = hashlib.blake2b(digest_size=16)
