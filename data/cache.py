@@ -364,11 +364,15 @@ def unwritten(setting: str, folder: Path, entry: tuple[Path, ...], e: OSError) -
     if left:  # not reaped yet: each is kept an hour, in case its encoder lives on another machine (reap_parts)
         size = sum(n for _, n in left)
         todo = (f"{len(left)} partial file{'s' if len(left) > 1 else ''} that an encoding killed midway left there "
-                f"hold{'' if len(left) > 1 else 's'} {size / 2**20:,.0f} MB ({quoted(left[0][0].name)}"
+                f"hold{'' if len(left) > 1 else 's'} {_megabytes(size)} ({quoted(left[0][0].name)}"
                 f"{', ...' if len(left) > 1 else ''}): remove {'them' if len(left) > 1 else 'it'} if no other "
                 f"machine is encoding into that folder, free some space, or")
     return DataError(f"{setting}: cannot write the encoded corpus to {quoted(folder)} ({e.strerror or e}); {todo} "
                      f"set {setting} to another folder")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MB" if n >= 2**20 // 10 else f"{n:,} bytes"
 
 
 def orphaned_parts(folder: Path) -> list[tuple[Path, int]]:

@@ -697,8 +697,10 @@ def test_a_full_disk_names_the_partial_files_a_killed_encoding_left_there(tmp_pa
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert str(data.cache.unwritten("data.cache_dir", folder, (), full)) == (
         f"data.cache_dir: cannot write the encoded corpus to '{folder}' (No space left on device); 1 partial file "
-        f"that an encoding killed midway left there holds 3 MB ('.zh.txt.{child.pid}.5e457059.ids.part'): remove it "
+        f"that an encoding killed midway left there holds 3.0 MB ('.zh.txt.{child.pid}.5e457059.ids.part'): remove it "
         f"if no other machine is encoding into that folder, free some space, or set data.cache_dir to another folder")
+    (folder / f".zh.txt.{child.pid}.5e457059.ids.part").write_bytes(b"\0" * 300)
+    assert "left there holds 300 bytes (" in str(data.cache.unwritten("data.cache_dir", folder, (), full))
     assert str(data.cache.unwritten("data.cache_dir", tmp_path / "empty", (), full)).endswith(
         "(No space left on device); free some space or set data.cache_dir to another folder")
 

@@ -173,9 +173,11 @@ def test_a_step_that_cannot_end_soon_says_how_long_it_takes_at_least(tmp_path, c
     assert step_note(3.6e14, 1e11, 1000, 64) is None  # an hour at the ceiling: no note
     assert step_note(1e18, 1e11, 10**6, 128) == (
         "note: each step trains 1,000,000 micro-batches of 128 sequences: at least 116 days a step here (its products "
-        "alone at the machine's matrix-multiply ceiling); a smaller train.grad_accum_steps steps sooner, and Ctrl-C "
-        "stops a step between micro-batches, to resume exactly")
-    assert "at least 3.2e+07 years a step" in step_note(1e29, 1e14, 10**18, 1)
+        "alone at the machine's matrix-multiply ceiling); a smaller train.grad_accum_steps steps sooner")
+    assert "trains 1,000,000,000,000,000,000 micro-batches of 1 sequence: at least 3.2e+07 years a step" in step_note(
+        1e29, 1e14, 10**18, 1)
+    assert "trains 1,000,000,000 sequences: at least 1 hour a step here" in step_note(3.61e14, 1e11, 1, 10**9)
+    assert "at least 1,000 years" in step_note(365.25 * 86400 * 1000, 1, 2, 2)  # not 1e+03
     assert "a smaller train.batch_size" in step_note(1e18, 1e11, 1, 10**9)
     assert step_note(1e18, float("inf"), 10**6, 1) is None  # no ceiling measured
     for config in sorted((ROOT / "configs").glob("*.yaml")):  # the shipped configs' steps take well under an hour

@@ -25,7 +25,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 @pytest.mark.parametrize("kw", [
     {}, {"bias": False}, {"score": "additive"}, {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 3},
-    {"attention": "fused", "block_size": 64, "n_embd": 128},
+    {"attention": "fused", "block_size": 64, "n_embd": 128}, {"norm": "post"}, {"norm": "post", "bias": False},
 ])
 def test_the_parameter_count_is_the_model_s(kw) -> None:
     cfg = GPTConfig(vocab_size=65, **kw)

@@ -109,20 +109,22 @@ LONG_STEP_SECONDS = 3600.0
 
 def spelled_duration(seconds: float) -> str:
     """seconds as a person reads a long time: minutes, hours, days or years."""
-    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
-        if seconds >= size:
-            return f"{seconds / size:,.3g} {unit}" if seconds / size < 1e6 else f"{seconds / size:.1e} {unit}"
-    return f"{seconds:.3g} seconds"
+    for unit, size in (("year", 365.25 * 86400), ("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds >= size or unit == "second":
+            n = seconds / size
+            shown = f"{n:.1e}" if n >= 1e6 else f"{n:,.0f}" if n >= 100 else f"{n:.3g}"
+            return f"{shown} {unit}{'' if shown == '1' else 's'}"
+    raise AssertionError  # the loop returns at "second"
 
 
 def step_note(flops_per_step: float, ceiling: float, grad_accum_steps: int, batch_size: int) -> str | None:
-    """A note for a step that would take over LONG_STEP_SECONDS even if every FLOP ran at the measured matrix-multiply
-    ceiling (FLOP/s), or None: train.grad_accum_steps=10**6 sat in its first step with no word of why."""
+    """A note for a step that would take over LONG_STEP_SECONDS even if each of its FLOPs (of every process) ran at
+    the measured matrix-multiply ceiling (FLOP/s, every process's), or None: train.grad_accum_steps=10**6 sat in its
+    first step with no word of why."""
     if not 0 < ceiling < float("inf") or flops_per_step / ceiling <= LONG_STEP_SECONDS:
         return None
-    micro = f"{grad_accum_steps:,} micro-batches of {batch_size:,} sequences" if grad_accum_steps > 1 else \
-        f"{batch_size:,} sequences"
+    sequences = f"{batch_size:,} sequence{'' if batch_size == 1 else 's'}"
+    micro = f"{grad_accum_steps:,} micro-batches of {sequences}" if grad_accum_steps > 1 else sequences
     fewer = "train.grad_accum_steps" if grad_accum_steps > 1 else "train.batch_size"
     return (f"note: each step trains {micro}: at least {spelled_duration(flops_per_step / ceiling)} a step here (its "
-            f"products alone at the machine's matrix-multiply ceiling); a smaller {fewer} steps sooner, and Ctrl-C "
-            f"stops a step between micro-batches, to resume exactly")
+            f"products alone at the machine's matrix-multiply ceiling); a smaller {fewer} steps sooner")

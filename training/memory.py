@@ -69,7 +69,8 @@ def parameter_count(cfg: GPTConfig) -> int:
     if cfg.score == "additive":
         hs = cfg.head_size
         per_layer += 2 * hs * hs + hs
-    return L * per_layer + V * C + T * C + C + bias * C
+    last_norm = C + bias * C if cfg.norm == "pre" else 0  # post-norm models have none (GPT.transformer.ln_f)
+    return L * per_layer + V * C + T * C + last_norm
 
 
 def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:

@@ -236,8 +236,9 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     log.info(f"global batch: {world} process{'es' if world > 1 else ''} x {tc.batch_size} sequences x "
              f"{tc.grad_accum_steps} micro-batch{'es' if tc.grad_accum_steps > 1 else ''} = "
              f"{tc.batch_size * tc.grad_accum_steps * world:,} sequences ({trainer.tokens_per_step:,} tokens) per step")
-    per_process = trainer.flops_per_token * trainer.tokens_per_step / world
-    if note := step_note(per_process, trainer.ceiling, tc.grad_accum_steps, tc.batch_size):
+    # the FLOPs of all processes over the ceiling of all of them (trainer.ceiling: the processes' summed)
+    if note := step_note(trainer.flops_per_token * trainer.tokens_per_step, trainer.ceiling, tc.grad_accum_steps,
+                         tc.batch_size):
         log.info(note)
     if note := evaluation_note(tc.max_iters, trainer.step, tc.eval_interval, tc.eval_iters, tc.grad_accum_steps):
         log.info(note)
