@@ -296,12 +296,14 @@ def render_attention_map(
     title: str | None = None,
     rows: str = "query",
     columns: str = "key",
+    hidden: torch.Tensor | None = None,
 ) -> Image.Image:
-    """One labelled (Tq, Tk) map of attention weights with no mask, such as a decoder's attention over its encoder.
+    """One labelled (Tq, Tk) map of attention weights, such as a decoder's attention over its encoder.
 
     Row i is query i (labelled row_labels[i], down the left), its colours the weights over the keys (column_labels,
     along the top); rows and columns name the two axes in a caption under the title. Same colours, fonts and
-    colour bar as ``render_attention_grid``; every cell is a weight, so there is no grey.
+    colour bar as ``render_attention_grid``. hidden (Tk,) marks the keys a mask hides from every query (padding):
+    their columns are drawn empty, grey, as the grid draws the future; every other cell is a weight.
     """
     if weights.dim() != 2 or tuple(weights.shape) != (len(row_labels), len(column_labels)) or weights.numel() == 0:
         raise ValueError(f"weights must be (rows, columns) = ({len(row_labels)}, {len(column_labels)}) and non-empty, "
@@ -328,6 +330,8 @@ def render_attention_map(
         draw.text((MARGIN, MARGIN), title, font=title_font, fill=INK)
     draw.text((MARGIN, MARGIN + title_h), caption, font=label_font, fill=INK)
     rgb = colourise(weights)  # (Tq, Tk, 3)
+    if hidden is not None:
+        rgb[:, hidden] = torch.tensor(EMPTY_COLOUR, dtype=torch.uint8)
     heat = Image.frombytes("RGB", (Tk, Tq), bytes(rgb.flatten().tolist()))
     image.paste(heat.resize((Tk * px, Tq * px), Image.Resampling.NEAREST), (x0, y0))
     draw.rectangle((x0 - 1, y0 - 1, x0 + Tk * px, y0 + Tq * px), outline=FRAME)

@@ -4,7 +4,8 @@
 same task with the bottleneck (``--no-attention``: the decoder sees only the final encoder state), or a tiny
 transformer encoder-decoder (``--model transformer``). It prints the exact-sequence accuracy of greedy decoding
 on held-out sequences and saves the decoder-over-encoder attention as a heatmap. ``--bottleneck`` prints accuracy
-by length with and without attention instead.
+by length with and without attention instead. ``--min-length`` mixes lengths in a batch, padded, and says how many
+answers the padding changes: none under the padding mask, some without it (``--no-padding-mask``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ if not __package__:  # run as a file (python lab/sort.py): the project's package
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-import torch.nn.functional as F
 
 from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
 from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
+from lab.sort_task import Batch, PaddingCheck, evaluate, padding_check, sorting_batch, sorting_loss
 from model.config import short_int
 from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals
@@ -65,6 +66,10 @@ class SortConfig:
     """Held-out sequences the accuracy is measured on."""
     seed: int = 0
     """Seeds the weights, the training batches and (seed + 1, held_out_seed) the held-out sequences."""
+    min_length: int | None = None
+    """Shortest sequence: each holds from min_length to length digits, padded at the end. None: all of length."""
+    padding_mask: bool = True
+    """With min_length: attention never looks at the padding. False leaves it in view, to compare."""
 
     def held_out_seed(self) -> int:
         """seed + 1, wrapped around within the signed 64-bit seeds (the largest one's successor is the smallest)."""
@@ -96,24 +101,27 @@ class SortConfig:
                              f"{self.learning_rate:g}")
         if not -(2**63) <= self.seed < 2**63:  # what torch.manual_seed takes without an overflow
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {short_int(self.seed)}")
+        if self.min_length is not None and not 1 <= self.min_length <= self.length:
+            raise ValueError(f"min_length must be from 1 to the length, {short_int(self.length)}, got "
+                             f"{short_int(self.min_length)}")
+        if not self.padding_mask and not self.padded:
+            raise ValueError("--no-padding-mask needs padding to show: give --min-length below --length")
+        if not self.padding_mask and not self.attention:
+            raise ValueError("--no-padding-mask takes the mask off the attention, which --no-attention leaves out; "
+                             "give one of them")
+
+    @property
+    def padded(self) -> bool:
+        """Whether sequences of mixed lengths share a batch, the shorter ones padded."""
+        return self.min_length is not None and self.min_length < self.length
 
     def seq2seq(self) -> Seq2SeqConfig:
         return Seq2SeqConfig(digits=self.digits, length=self.length, n_embd=self.n_embd, score=self.score,
-                             attention=self.attention)
+                             attention=self.attention, padded=self.padded, padding_mask=self.padding_mask)
 
-
-class Batch(NamedTuple):
-    src: torch.Tensor  # (B, T) digits as drawn
-    tgt_in: torch.Tensor  # (B, T) the start token, then the sorted digits but the last: what teacher forcing feeds
-    tgt: torch.Tensor  # (B, T) the sorted digits
-
-
-def sorting_batch(n: int, length: int, digits: int, generator: torch.Generator) -> Batch:
-    """n random sequences and their sorted versions; the start token is ``digits``."""
-    src = torch.randint(0, digits, (n, length), generator=generator)
-    tgt = src.sort(dim=-1).values
-    start = torch.full((n, 1), digits, dtype=torch.long)
-    return Batch(src, torch.cat([start, tgt[:, :-1]], dim=1), tgt)
+    def batch(self, n: int, generator: torch.Generator) -> Batch:
+        """n sequences of this run's lengths, drawn from generator, and their sorted copies."""
+        return sorting_batch(n, self.length, self.digits, generator, self.min_length)
 
 
 def lr_at(step: int, cfg: SortConfig) -> float:
@@ -138,9 +146,9 @@ def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: objec
     for step in range(cfg.steps):
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step, cfg)
-        batch = sorting_batch(cfg.batch_size, cfg.length, cfg.digits, generator)
+        batch = cfg.batch(cfg.batch_size, generator)
         logits, _ = model(batch.src, batch.tgt_in)  # (B, T, digits)
-        loss = F.cross_entropy(logits.reshape(-1, cfg.digits), batch.tgt.reshape(-1))
+        loss = sorting_loss(logits, batch.tgt, cfg.digits)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         # A GRU unrolled through its decoder loop can take one huge step that undoes the rest; clipping keeps it.
@@ -189,22 +197,16 @@ def check_memory(cfg: SortConfig) -> None:
 
 def held_out(cfg: SortConfig) -> Batch:
     """The evaluation sequences: their own generator, so they are the same whatever the training did."""
-    return sorting_batch(cfg.eval_size, cfg.length, cfg.digits, torch.Generator().manual_seed(cfg.held_out_seed()))
-
-
-def evaluate(model: GRUSeq2Seq | TransformerSeq2Seq, batch: Batch) -> tuple[float, torch.Tensor | None]:
-    """Exact-sequence accuracy of greedy decoding (every digit right), and its attention (B, T_out, T_in)."""
-    model.eval()
-    out, weights = model.greedy(batch.src)
-    return (out == batch.tgt).all(dim=-1).float().mean().item(), weights
+    return cfg.batch(cfg.eval_size, torch.Generator().manual_seed(cfg.held_out_seed()))
 
 
 class SortResult(NamedTuple):
     model: GRUSeq2Seq | TransformerSeq2Seq
     accuracy: float
     seconds: float  # training time
-    example: torch.Tensor  # (T,) the first held-out sequence
+    example: torch.Tensor  # (T,) the first held-out sequence (with padding, the first padded one)
     weights: torch.Tensor | None  # (T_out, T_in) attention while decoding it; None without attention
+    padding: PaddingCheck | None = None  # the held-out sequences decoded alone, without padding; None: no padding
 
 
 def run(cfg: SortConfig, writer: object | None = None) -> SortResult:
@@ -215,7 +217,10 @@ def run(cfg: SortConfig, writer: object | None = None) -> SortResult:
     seconds = time.perf_counter() - start
     batch = held_out(cfg)
     accuracy, weights = evaluate(model, batch)
-    return SortResult(model, accuracy, seconds, batch.src[0], None if weights is None else weights[0])
+    padding = padding_check(model, batch) if cfg.padded else None
+    shown_row = int((batch.src == cfg.digits).any(dim=-1).long().argmax())  # the first padded row, else row 0
+    return SortResult(model, accuracy, seconds, batch.src[shown_row], None if weights is None else weights[shown_row],
+                      padding)
 
 
 def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, float, float]]:
@@ -233,6 +238,11 @@ def parser() -> OneLineParser:
     p.add_argument("--score", default=None, help="GRU attention score: additive (default) or dot")
     p.add_argument("--no-attention", action="store_true", help="GRU without attention: the bottleneck")
     p.add_argument("--length", type=int, default=None, help="digits per sequence (default 8)")
+    p.add_argument("--min-length", type=int, default=None,
+                   help="mix lengths: each sequence holds from this many digits to --length, the shorter ones padded "
+                        "at the end, and the padding mask keeps attention off the padding (default: all --length)")
+    p.add_argument("--no-padding-mask", action="store_true",
+                   help="with --min-length: leave the padding in attention's view, to see what the mask is for")
     p.add_argument("--digits", type=int, default=10, help="alphabet size (default 10: digits 0-9)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default 400 GRU, 600 transformer; at most {MAX_STEPS:,})")
@@ -252,16 +262,20 @@ def parser() -> OneLineParser:
 
 def contradiction(args: object) -> str | None:
     """What in the options asks for something the run would not do (a flag it would ignore), in words; or None."""
-    given = {name for name in ("score", "length", "lengths", "heatmap", "logdir") if getattr(args, name) is not None}
+    given = {name for name in ("score", "length", "lengths", "heatmap", "logdir", "min_length")
+             if getattr(args, name) is not None}
     if args.bottleneck:
         if args.model == "transformer":
             return "--bottleneck compares the GRU with and without attention; leave out --model transformer"
         if args.no_attention:
             return "--bottleneck runs the GRU both with and without attention; leave out --no-attention"
         for name, why in (("length", "takes its lengths from --lengths"), ("heatmap", "prints a table and draws no "
-                          "heatmap"), ("logdir", "prints a table and logs nothing to TensorBoard")):
+                          "heatmap"), ("logdir", "prints a table and logs nothing to TensorBoard"),
+                          ("min_length", "runs each of --lengths unpadded")):
             if name in given:
-                return f"--bottleneck {why}; leave out --{name}"
+                return f"--bottleneck {why}; leave out --{name.replace('_', '-')}"
+        if args.no_padding_mask:
+            return "--bottleneck runs each of --lengths unpadded; leave out --no-padding-mask"
         return None
     if "lengths" in given:
         return "--lengths is for --bottleneck's table; give one run its length with --length"
@@ -277,7 +291,7 @@ def contradiction(args: object) -> str | None:
 
 # The options that set SortConfig's fields: its checks name the fields, the command line's refusals the options.
 OPTION_OF = {"model": "--model", "score": "--score", "length": "--length", "digits": "--digits", "steps": "--steps",
-             "batch_size": "--batch-size", "learning_rate": "--lr", "seed": "--seed"}
+             "batch_size": "--batch-size", "learning_rate": "--lr", "seed": "--seed", "min_length": "--min-length"}
 
 
 def config_from(args: object) -> SortConfig:
@@ -290,6 +304,7 @@ def config_from(args: object) -> SortConfig:
             attention=not args.no_attention, batch_size=args.batch_size, seed=args.seed,
             steps=args.steps if args.steps is not None else (600 if transformer else 400),
             learning_rate=args.lr if args.lr is not None else (1e-3 if transformer else 3e-3),
+            min_length=args.min_length, padding_mask=not args.no_padding_mask,
         )
     except ValueError as e:
         field, must, rest = str(e).partition(" must ")
@@ -356,9 +371,13 @@ def report(args: object, cfg: SortConfig, lengths: list[int], heatmap: str, writ
             print(f"{length:>6}  {with_attn:>9.1%}  {without:>12.1%}", flush=True)
         return 0
     result = run(cfg, writer)
-    print(f"{describe(cfg)}, length {cfg.length}, digits 0-{cfg.digits - 1}: {cfg.steps} steps in "
+    lengths = f"lengths {cfg.min_length}-{cfg.length}, padded" if cfg.padded else f"length {cfg.length}"
+    print(f"{describe(cfg)}, {lengths}, digits 0-{cfg.digits - 1}: {cfg.steps} steps in "
           f"{result.seconds:.1f} s; exact-sequence accuracy {result.accuracy:.2%} on {cfg.eval_size} "
           f"held-out sequences")
+    if result.padding is not None:
+        print(f"decoded alone, without their padding: exact-sequence accuracy {result.padding.accuracy_alone:.2%}, "
+              f"{result.padding.changed} of {cfg.eval_size} answers changed")
     image = heatmap_of(result, cfg) if result.weights is not None else None
     if image is not None:
         try:

@@ -23,21 +23,35 @@ if TYPE_CHECKING:
     from lab.sort import SortConfig, SortResult
 
 
+# How the heatmap labels an input position that holds padding
+PAD_LABEL = "_"
+
+
 def describe(cfg: SortConfig) -> str:
-    """The model in a few words: 'GRU, additive attention', 'GRU, no attention', 'transformer'."""
+    """The model in a few words: 'GRU, additive attention', 'GRU, no attention', 'transformer'; and ', no padding
+    mask' where the padding is left in view."""
+    unmasked = ", no padding mask" if not cfg.padding_mask else ""
     if cfg.model == "transformer":
         s = cfg.seq2seq()
-        return f"transformer ({s.n_embd} wide, {s.n_layer} block(s) each side, {s.n_head} heads)"
-    return f"GRU, {cfg.score} attention" if cfg.attention else "GRU, no attention (final encoder state only)"
+        return f"transformer ({s.n_embd} wide, {s.n_layer} block(s) each side, {s.n_head} heads){unmasked}"
+    return (f"GRU, {cfg.score} attention{unmasked}" if cfg.attention
+            else "GRU, no attention (final encoder state only)")
 
 
 def heatmap_of(result: SortResult, cfg: SortConfig) -> object:
-    """The picture of one decoding: output digits down the side, input digits along the top."""
-    inputs = [str(d) for d in result.example.tolist()]
-    outputs = [str(d) for d in result.example.sort().values.tolist()]
+    """The picture of one decoding: output digits down the side, input digits along the top. A padded input's
+    padding has its columns (labelled _): grey where the padding mask hides them, coloured with what leaks there
+    without it; the rows are its digits' outputs only."""
+    digits = [d for d in result.example.tolist() if d != cfg.digits]
+    inputs = [str(d) if d != cfg.digits else PAD_LABEL for d in result.example.tolist()]
+    outputs = [str(d) for d in sorted(digits)]
     heads = cfg.seq2seq().n_head
     title = f"transformer: cross-attention (mean of {heads} heads)" if cfg.model == "transformer" else describe(cfg)
-    return render_attention_map(result.weights, outputs, inputs, title=title, rows="sorted output", columns="input")
+    if cfg.model == "transformer" and not cfg.padding_mask:
+        title += ", no padding mask"
+    hidden = (result.example == cfg.digits) if cfg.padding_mask else None
+    return render_attention_map(result.weights[: len(digits)], outputs, inputs, title=title, rows="sorted output",
+                                columns="input", hidden=hidden)
 
 
 def check_heatmap(path: str | Path) -> None:
@@ -78,6 +92,9 @@ def tensorboard_writer(logdir: str | None) -> object | None:
 
 def log_result(writer: object, result: SortResult, image: object | None, cfg: SortConfig) -> None:
     writer.add_scalar("accuracy/held_out", result.accuracy, cfg.steps)
+    if result.padding is not None:
+        writer.add_scalar("accuracy/held_out_alone", result.padding.accuracy_alone, cfg.steps)
+        writer.add_scalar("padding/changed_answers", result.padding.changed, cfg.steps)
     if image is not None:
         log_image(writer, "attention/decoder_over_encoder", image, cfg.steps)
     writer.close()

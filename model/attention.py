@@ -81,14 +81,15 @@ def masked_attention(
     """The masked step of the notes: hide the future, softmax, dropout, weighted sum of values.
 
     scores: (..., Tq, Tk) raw attention scores; v: (..., Tk, hs); visible: (Tq, Tk), where a query may look (the
-    lower triangle), as booleans (True: may look) or as a float bias (see hide_future). Returns the context vectors
-    (..., Tq, hs) and the attention weights (..., Tq, Tk).
+    lower triangle), as booleans (True: may look) or as a float bias (see hide_future); or any shape that broadcasts
+    against the scores, such as the notes' padding mask (B, 1, 1, Tk), one row of keys a sequence. Returns the context
+    vectors (..., Tq, hs) and the attention weights (..., Tq, Tk).
     """
     if scores.device.type == "cpu" and scores.size(-1) <= 8:
         # Same numbers, faster: PyTorch's CPU softmax over a last dimension this short pays ~0.1 us per row,
         # which at block_size 8 costs more than the attention maths; over dim -2 of the transpose a vectorised
         # kernel runs (forward and backward about 1.5x faster, measured). For longer rows the plain form wins.
-        scores_t = hide_future(scores.transpose(-2, -1), visible.T)  # (..., Tk, Tq)
+        scores_t = hide_future(scores.transpose(-2, -1), visible.transpose(-2, -1))  # (..., Tk, Tq)
         weights = F.softmax(scores_t, dim=-2).transpose(-2, -1)  # (..., Tq, Tk)
     else:
         weights = F.softmax(hide_future(scores, visible), dim=-1)
