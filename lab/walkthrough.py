@@ -5,7 +5,9 @@ up, computed by ``lab.notes`` (whose masked steps run the GPT's own ``masked_att
 the ways to turn them into weights, the context vector, every query at once, trainable query, key and value
 matrices, the compact classes, the causal mask both ways, dropout, and the multi-head modules. Each stage names the
 notebook cell that printed the same numbers (``000``/``001`` are the notes' first two notebooks) and the seed it
-draws its weights with, so a reader can put the two side by side. ``--query N`` follows another word.
+draws its weights with, so a reader can put the two side by side. ``--query N`` follows another word. The last two
+stages are the later notes' (``lab.notes_modules``): the fifth note's single head on random tokens and what its
+scaling does, and the fourth note's modules with keys and values of different widths under a padding mask.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from lab.notes import (
     trainable_attention_for_query,
     v2_as_built_in_001,
 )
+from lab.notes_modules import MultiHeadAttention as NotesMultiHeadAttention
+from lab.notes_modules import ScaledDotProductAttention, single_head
 from model.config import short_int
 from training.signals import Interrupted, InterruptSignals
 
@@ -99,6 +103,8 @@ def walkthrough(query: int) -> str:
         *table(dropped, words, words),
         "   About half the weights are zeroed and the rest doubled (1 / (1 - p)), so each keeps its expected value.")
     out += _modules(x, words)
+    out += _single_head()
+    out += _notes_modules(x, words)
     return "\n".join(out) + "\n"
 
 
@@ -211,6 +217,53 @@ def _modules(x: torch.Tensor, words: list[str]) -> list[str]:
         *table(fused[0], words, ["z1", "z2"]),
         "", "The GPT (model/attention.py) runs section 6's way (b) in every head of every block, with the heads of",
         "section 8's MultiHeadAttention; `python sample.py --attention-map FILE` draws its weights.")
+
+
+def _single_head() -> list[str]:
+    """Section 9: the fifth note's head on random tokens, and the variance its scaling keeps."""
+    torch.manual_seed(1337)
+    x = torch.randn(4, 8, 32)
+    head = single_head(x, head_size=16, seed=1337)
+    tokens = [f"t{k + 1}" for k in range(8)]
+    return section(
+        "9. One head on a batch (004): x = torch.randn(4, 8, 32) after torch.manual_seed(1337), head_size 16",
+        "   key, query, value = nn.Linear(32, 16, bias=False) each; wei = softmax(masked q k^T / sqrt(16));",
+        "   out = wei @ v, (4, 8, 16). The first sequence's weights, row t the t-th token's, the future zero:",
+        *table(head.weights[0], tokens, tokens),
+        "   Why the scaling: for q and k of unit variance (1,000 random sequences of them), q k^T has variance about",
+        f"   head_size ({head.variance_unscaled:.2f}) and q k^T / sqrt(head_size) about 1 "
+        f"({head.variance_scaled:.2f}): the softmax stays diffuse.",
+        f"   The largest of the last row's 8 weights is {head.peak_scaled:.2f} on average with the scaling and "
+        f"{head.peak_unscaled:.2f} without,",
+        "   where the softmax nears one-hot and passes on little gradient.")
+
+
+def _notes_modules(x: torch.Tensor, words: list[str]) -> list[str]:
+    """Section 10: the fourth note's modules, their shapes, and the padding mask on the sentence."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 4, 64), torch.randn(2, 8, 6, 64), torch.randn(2, 8, 6, 64)
+    out, weights = ScaledDotProductAttention(temperature=64**0.5).eval()(q, k, v)
+    mha = NotesMultiHeadAttention(8, 512, 64, 64).eval()
+    seq = torch.randn(2, 10, 512)
+    with torch.no_grad():
+        mha_out, mha_weights = mha(seq, seq, seq)
+        torch.manual_seed(123)
+        small = NotesMultiHeadAttention(n_head=2, d_model=3, d_k=2, d_v=1, dropout=0.0).eval()
+        keys = torch.tensor([[True] * 4 + [False] * 2])  # "one step" taken as padding
+        _, padded = small(x[None], x[None], x[None], keys[:, None, :])
+    return section(
+        "10. The fourth note's modules (003): ScaledDotProductAttention and MultiHeadAttention(n_head, d_model, "
+        "d_k, d_v)",
+        "   shapes as the note prints them, for random q, k, v after torch.manual_seed(0):",
+        f"   ScaledDotProductAttention(sqrt(64)): q {tuple(q.shape)}, k and v {tuple(k.shape)}",
+        f"     -> output {tuple(out.shape)}, weights {tuple(weights.shape)}",
+        f"   MultiHeadAttention(8, 512, 64, 64): q = k = v {tuple(seq.shape)}",
+        f"     -> output {tuple(mha_out.shape)}, weights {tuple(mha_weights.shape)}",
+        "   MultiHeadAttention(n_head=2, d_model=3, d_k=2, d_v=1) after torch.manual_seed(123), on the sentence, with",
+        "   the padding mask hiding \"one step\" as if it were padding (mask (1, 1, 6)): head 1's weights, those",
+        "   columns zero in every row; keys and queries 2 wide, values 1 wide, the heads' values concatenated (2)",
+        "   and projected back to d_model = 3, then Add & Norm: LayerNorm(x + output).",
+        *table(padded[0, 0], words, words))
 
 
 def parser() -> OneLineParser:
