@@ -80,6 +80,9 @@ class MultiHeadAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, len_q, len_k = q.size(0), q.size(1), k.size(1)
+        if mask is not None and mask.dim() != 3:  # a (len_q, len_k) triangle would line up with batch and heads
+            raise ValueError(f"mask must be (B or 1, len_q or 1, len_k), as the note takes it, got "
+                             f"{tuple(mask.shape)}; give the triangle as (1, len_q, len_k)")
         residual = q
         heads = self.n_head
         q = self.w_qs(q).view(B, len_q, heads, self.d_k).transpose(1, 2)  # (B, h, len_q, d_k)
@@ -107,16 +110,15 @@ VARIANCE_SEQUENCES = 1000
 
 
 def single_head(x: torch.Tensor, head_size: int = 16, seed: int = 1337) -> SingleHead:
-    """The fifth note's one head: key, query and value layers (C -> head_size, no bias, drawn after
-    torch.manual_seed(seed)) on x, scores q k^T / sqrt(head_size) under the triangular mask, softmax, weighted sum
-    of the values. The variances and peaks are measured on q and k drawn with unit variance (torch.randn, the same
-    seed, VARIANCE_SEQUENCES of them), as the note states its claim: scaling keeps the scores at unit variance, so
-    the softmax stays diffuse rather than near one-hot."""
+    """The fifth note's one head: key, query and value layers (C -> head_size, no bias, drawn in that order from
+    torch's global generator, as the note's code draws them right after x) on x, scores q k^T / sqrt(head_size) under
+    the triangular mask, softmax, weighted sum of the values. The variances and peaks are measured on q and k drawn
+    with unit variance (torch.randn from a generator of its own, seeded with seed, VARIANCE_SEQUENCES of them), as the
+    note states its claim: scaling keeps the scores at unit variance, so the softmax stays diffuse rather than near
+    one-hot."""
     T, C = x.size(-2), x.size(-1)
     generator = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        key, query, value = (nn.Linear(C, head_size, bias=False) for _ in range(3))
+    key, query, value = (nn.Linear(C, head_size, bias=False) for _ in range(3))
     with torch.no_grad():
         k, q, v = key(x), query(x), value(x)
         triangle = torch.ones(T, T, dtype=torch.bool).tril()

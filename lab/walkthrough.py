@@ -223,12 +223,13 @@ def _single_head() -> list[str]:
     """Section 9: the fifth note's head on random tokens, and the variance its scaling keeps."""
     torch.manual_seed(1337)
     x = torch.randn(4, 8, 32)
-    head = single_head(x, head_size=16, seed=1337)
+    head = single_head(x, head_size=16, seed=1337)  # its layers drawn next, from the same generator
     tokens = [f"t{k + 1}" for k in range(8)]
     return section(
         "9. One head on a batch (004): x = torch.randn(4, 8, 32) after torch.manual_seed(1337), head_size 16",
-        "   key, query, value = nn.Linear(32, 16, bias=False) each; wei = softmax(masked q k^T / sqrt(16));",
-        "   out = wei @ v, (4, 8, 16). The first sequence's weights, row t the t-th token's, the future zero:",
+        "   then key, query, value = nn.Linear(32, 16, bias=False) in that order;",
+        "   wei = softmax(masked q k^T / sqrt(16)), out = wei @ v, (4, 8, 16).",
+        "   The first sequence's weights, row t the t-th token's, the future zero:",
         *table(head.weights[0], tokens, tokens),
         "   Why the scaling: for q and k of unit variance (1,000 random sequences of them), q k^T has variance about",
         f"   head_size ({head.variance_unscaled:.2f}) and q k^T / sqrt(head_size) about 1 "

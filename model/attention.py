@@ -81,9 +81,9 @@ def masked_attention(
     """The masked step of the notes: hide the future, softmax, dropout, weighted sum of values.
 
     scores: (..., Tq, Tk) raw attention scores; v: (..., Tk, hs); visible: (Tq, Tk), where a query may look (the
-    lower triangle), as booleans (True: may look) or as a float bias (see hide_future); or any shape that broadcasts
-    against the scores, such as the notes' padding mask (B, 1, 1, Tk), one row of keys a sequence. Returns the context
-    vectors (..., Tq, hs) and the attention weights (..., Tq, Tk).
+    lower triangle), as booleans (True: may look) or as a float bias (see hide_future); or any shape of two or more
+    dimensions, (..., Tq or 1, Tk), that broadcasts against the scores, such as the notes' padding mask (B, 1, 1, Tk),
+    one row of keys a sequence. Returns the context vectors (..., Tq, hs) and the attention weights (..., Tq, Tk).
     """
     if scores.device.type == "cpu" and scores.size(-1) <= 8:
         # Same numbers, faster: PyTorch's CPU softmax over a last dimension this short pays ~0.1 us per row,

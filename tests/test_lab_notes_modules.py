@@ -95,3 +95,28 @@ def test_the_walkthrough_prints_the_later_notes_sections():
     rows = text.split("then Add & Norm: LayerNorm(x + output).\n")[1].splitlines()[1:7]
     assert [r.split()[0] for r in rows] == ["Your", "journey", "starts", "with", "one", "step"]
     assert all(r.split()[-2:] == ["0.0000", "0.0000"] for r in rows)  # "one step", hidden as padding
+
+
+def test_a_two_dimensional_mask_is_refused_rather_than_taken_across_the_heads():
+    # (len_q, len_k) made (len_q, 1, len_k) would line up with the batch and the heads: with 4 heads and 4 queries
+    # it ran, every head given one row of the triangle
+    mha = MultiHeadAttention(4, 8, 2, 2, dropout=0.0)
+    x = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match=r"mask must be \(B or 1, len_q or 1, len_k\).*got \(4, 4\)"):
+        mha(x, x, x, torch.ones(4, 4).tril())
+    _, weights = mha(x, x, x, torch.ones(1, 4, 4).tril())
+    assert torch.all(weights.triu(1) == 0) and torch.all(weights[0, :, 3] > 0)  # the last query sees every key
+
+
+def test_the_fifth_notes_head_is_the_recipe_it_prints():
+    # seed, x, then the three layers from the same generator: what a reader typing the recipe gets
+    torch.manual_seed(1337)
+    x = torch.randn(4, 8, 32)
+    head = single_head(x, head_size=16)
+    torch.manual_seed(1337)
+    x = torch.randn(4, 8, 32)
+    key, query, value = (torch.nn.Linear(32, 16, bias=False) for _ in range(3))
+    with torch.no_grad():
+        wei = (query(x) @ key(x).mT / 4).masked_fill(torch.ones(8, 8).tril() == 0, float("-inf")).softmax(-1)
+    torch.testing.assert_close(head.weights, wei)
+    torch.testing.assert_close(head.out, wei @ value(x).detach())
