@@ -15,6 +15,7 @@ _HOMES = {
     "GPTConfig": "config",
     "GRUModel": "baselines",
     "KVCache": "attention",
+    "LSTMModel": "baselines",
     "NonFiniteLogits": "gpt",
     "build_model": "baselines",
     "checkpoint_config": "checkpoint",

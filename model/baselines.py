@@ -1,7 +1,8 @@
-"""The models attention is measured against: a bigram table (each character predicts the next from itself alone) and
-a GRU (a recurrent model that squeezes the whole past into one hidden state, the bottleneck the notes describe).
-Both keep the GPT's interface: ``logits, loss = model(idx, targets)``, ``generate``, ``num_params``,
-``flops_per_token``, so train.py, sample.py and checkpoints treat all three alike."""
+"""The models attention is measured against: a bigram table (each character predicts the next from itself alone), a
+GRU and an LSTM (recurrent models that squeeze the whole past into one hidden state, the bottleneck the notes
+describe; the LSTM is the notes' "before attention" model, with a cell state beside the hidden one). All keep the
+GPT's interface: ``logits, loss = model(idx, targets)``, ``generate``, ``num_params``, ``flops_per_token``, so
+train.py, sample.py and checkpoints treat every type alike."""
 
 from __future__ import annotations
 
@@ -87,8 +88,13 @@ class Bigram(Recurrent):
         return 0.0
 
 
-class GRUModel(Recurrent):
-    """Embedding, n_layer GRU layers of width n_embd, layer norm, a linear head tied to the embedding."""
+class RecurrentNet(Recurrent):
+    """Embedding, n_layer recurrent layers of width n_embd (``LAYER``: PyTorch's GRU or LSTM), layer norm, a linear
+    head tied to the embedding. The layers are kept under the type's name (``self.gru``, ``self.lstm``), which names
+    their weights in checkpoints."""
+
+    LAYER: type[nn.RNNBase]
+    GATES: int  # the input and hidden matrices a layer has per gate: 3 (GRU) or 4 (LSTM)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -98,28 +104,42 @@ class GRUModel(Recurrent):
         C = config.n_embd
         self.wte = nn.Embedding(config.vocab_size, C)
         self.drop = nn.Dropout(config.dropout)
-        self.gru = nn.GRU(C, C, num_layers=config.n_layer, batch_first=True, bias=config.bias,
-                          dropout=config.dropout if config.n_layer > 1 else 0.0)
+        layers = self.LAYER(C, C, num_layers=config.n_layer, batch_first=True, bias=config.bias,
+                            dropout=config.dropout if config.n_layer > 1 else 0.0)
+        setattr(self, config.type, layers)
         self.ln_f = nn.LayerNorm(C, bias=config.bias)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in the GPT
         nn.init.normal_(self.wte.weight, mean=0.0, std=0.02)
-        for name, p in self.gru.named_parameters():
+        for name, p in layers.named_parameters():
             if name.startswith("weight"):
                 nn.init.uniform_(p, -1 / math.sqrt(C), 1 / math.sqrt(C))
 
     def step(self, idx: torch.Tensor, state: object) -> tuple[torch.Tensor, object]:
         x = self.drop(self.wte(idx))  # (B, T, C)
-        h, state = self.gru(x, state)  # (B, T, C); state (n_layer, B, C): all of the past, squeezed
+        # (B, T, C); state (n_layer, B, C), with the LSTM's cell state beside it: all of the past, squeezed
+        h, state = getattr(self, self.config.type)(x, state)
         return self.lm_head(self.ln_f(h)), state
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 per weight of the GRU's input and hidden matrices (3 gates each) and of the
-        head."""
+        """Training FLOPs per token: 6 per weight of the layers' input and hidden matrices (one pair a gate) and of
+        the head."""
         C, L, V = self.config.n_embd, self.config.n_layer, self.config.vocab_size
-        return 6 * (L * 6 * C * C + V * C)
+        return 6 * (L * 2 * self.GATES * C * C + V * C)
+
+
+class GRUModel(RecurrentNet):
+    """model.type=gru: GRU layers (reset and update gates, and the candidate state)."""
+
+    LAYER, GATES = nn.GRU, 3
+
+
+class LSTMModel(RecurrentNet):
+    """model.type=lstm: LSTM layers (input, forget and output gates, and the cell's candidate)."""
+
+    LAYER, GATES = nn.LSTM, 4
 
 
 def build_model(config: GPTConfig) -> nn.Module:
-    """The model config.type names: GPT, Bigram or GRUModel."""
-    return {"gpt": GPT, "bigram": Bigram, "gru": GRUModel}[config.type](config)
+    """The model config.type names: GPT, Bigram, GRUModel or LSTMModel."""
+    return {"gpt": GPT, "bigram": Bigram, "gru": GRUModel, "lstm": LSTMModel}[config.type](config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-MODEL_TYPES = ("gpt", "bigram", "gru")
+MODEL_TYPES = ("gpt", "bigram", "gru", "lstm")
 ATTENTION_KINDS = ("manual", "fused")
 SCORE_KINDS = ("dot", "additive")
 NORM_PLACES = ("pre", "post")
@@ -27,7 +27,8 @@ class GPTConfig:
     """
 
     type: str = field(default="gpt", metadata={
-        "help": "gpt (the notes' transformer), bigram (a table of next-character logits) or gru (a recurrent model)"})
+        "help": "gpt (the notes' transformer), bigram (a table of next-character logits), gru or lstm (recurrent "
+                "models)"})
     vocab_size: int = field(default=0, metadata={"help": "number of distinct characters (set from the data)",
                                                   "derived": True})
     block_size: int = field(default=8, metadata={"help": "context length: how many characters a position can see"})

@@ -319,7 +319,7 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bigram", "gru"])
+@pytest.mark.parametrize("kind", ["gpt", "bigram", "gru", "lstm"])
 @pytest.mark.parametrize(("bad", "message"), BAD_ARGUMENTS)
 def test_bad_sampling_arguments_raise_a_value_error_naming_them(kind, bad, message):
     from model import build_model

@@ -1,5 +1,5 @@
-"""Tests for model/baselines.py: model.type=bigram and model.type=gru train, resume exactly, sample and save like the
-GPT, through the same train.py, sample.py and checkpoints; options that mean nothing for them are refused."""
+"""Tests for model/baselines.py: model.type=bigram, gru and lstm train, resume exactly, sample and save like the GPT,
+through the same train.py, sample.py and checkpoints; options that mean nothing for them are refused."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from test_train import bitwise_equal, weights
 
 import sample
 import train
-from model import Bigram, GPTConfig, GRUModel, build_model, load_checkpoint
+from model import Bigram, GPTConfig, GRUModel, LSTMModel, build_model, load_checkpoint
 from training.memory import parameter_count
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
-TYPES = ["bigram", "gru"]
+TYPES = ["bigram", "gru", "lstm"]
 
 
 def quiet_train(args: list[str]) -> int:
@@ -29,7 +29,7 @@ def quiet_train(args: list[str]) -> int:
 def test_each_type_is_causal_and_counts_its_parameters(kind) -> None:
     cfg = GPTConfig(type=kind, vocab_size=20, n_layer=2, n_embd=16, n_head=2)
     model = build_model(cfg).eval()
-    assert isinstance(model, {"bigram": Bigram, "gru": GRUModel}[kind])
+    assert isinstance(model, {"bigram": Bigram, "gru": GRUModel, "lstm": LSTMModel}[kind])
     assert parameter_count(cfg) == model.num_params() == sum(p.numel() for p in model.parameters())
     idx = torch.randint(20, (2, 8), generator=torch.Generator().manual_seed(0))
     later = idx.clone()
@@ -62,6 +62,23 @@ def test_each_type_trains_saves_samples_and_resumes_exactly(kind, tmp_path, caps
     assert quiet_train(["--config", TINY, *tiny_overrides(corpus, half / "out", **keys)]) == 0
     assert quiet_train(["--resume", "--out-dir", str(half / "out"), "train.max_iters=20"]) == 0
     assert bitwise_equal(weights(half / "out" / "ckpt.pt"), weights(run / "ckpt.pt"))
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_a_recurrent_model_carries_its_whole_state_from_character_to_character(kind) -> None:
+    # what sampling does: the state after each character (the LSTM's hidden and cell states) continues the next
+    model = build_model(GPTConfig(type=kind, vocab_size=20, n_layer=2, n_embd=16, n_head=2)).eval()
+    idx = torch.randint(20, (3, 9), generator=torch.Generator().manual_seed(1))
+    whole, _ = model(idx)
+    state, steps = None, []
+    for t in range(9):
+        logits, state = model.step(idx[:, t : t + 1], state)
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-6)
+    gates = {"gru": 3, "lstm": 4}[kind]
+    # the layers' weights are named by the type in checkpoints (gru.weight_hh_l1), one 16-row block a gate
+    assert dict(model.named_parameters())[f"{kind}.weight_hh_l1"].shape == (gates * 16, 16)
+    assert model.flops_per_token() == 6 * (2 * 2 * gates * 16 * 16 + 20 * 16)
 
 
 def test_the_gpt_under_muon_hears_nothing_of_adamw_alone(tmp_path, capsys) -> None:

@@ -194,8 +194,9 @@ def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["engine"] == "eager"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"], ids=["whole-step", "block-by-block"])
-def test_a_gru_with_compile_true_says_it_trains_eagerly_without_trying(tmp_path, capsys, monkeypatch, dtype):
+@pytest.mark.parametrize("kind, dtype", [("gru", "float32"), ("gru", "float16"), ("lstm", "float32")],
+                         ids=["whole-step", "block-by-block", "lstm"])
+def test_a_gru_with_compile_true_says_it_trains_eagerly_without_trying(tmp_path, capsys, monkeypatch, kind, dtype):
     """torch.compile refuses PyTorch's GRU: the whole step tried (seconds), failed, and said "cannot compile here
     (Unsupported: Attempted to wrap RNN, GRU, or LSTM)", as if the machine were at fault; the block-by-block path
     (float16, torchrun) said "model compiled block by block" and compiled nothing."""
@@ -208,11 +209,11 @@ def test_a_gru_with_compile_true_says_it_trains_eagerly_without_trying(tmp_path,
     monkeypatch.setattr(training.runner, "compile_blocks", compiling)
     monkeypatch.setattr(engine, "cannot_compile", lambda device: None)  # a C++ compiler or not, the same answer
     overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{
-        "model.type": "gru", "train.compile": "true", "train.dtype": dtype, "train.max_iters": 2})
+        "model.type": kind, "train.compile": "true", "train.dtype": dtype, "train.max_iters": 2})
     code, out, err = call(train_main, overrides, capsys)
     assert code == 0, err
-    assert ("engine: eager (train.compile=true, but torch.compile does not compile a gru model (PyTorch's GRU): "
-            "training without compiling)") in out
+    assert (f"engine: eager (train.compile=true, but torch.compile does not compile a {kind} model (PyTorch's "
+            f"{kind.upper()}): training without compiling)") in out
     assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["engine"] == "eager"
 
 

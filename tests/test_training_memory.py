@@ -32,7 +32,7 @@ def test_the_parameter_count_is_the_model_s(kw) -> None:
     assert parameter_count(cfg) == GPT(cfg).num_params(non_embedding=False)
 
 
-@pytest.mark.parametrize("kind", ["gru", "bigram"])
+@pytest.mark.parametrize("kind", ["gru", "bigram", "lstm"])
 @pytest.mark.parametrize("n_layer", [1, 2, 3, 5, 8])
 def test_the_parameter_count_of_the_other_models_is_theirs(kind, n_layer) -> None:
     from model import build_model

@@ -285,8 +285,8 @@ def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) 
         unrolled = (f"; {tc.grad_accum_steps} micro-batches a step are more than the compiled step unrolls "
                     f"({MAX_STEP_ACCUM})")
     why_not = cannot_compile(device)
-    if why_not is None and trainer.cfg.model.type == "gru":  # torch.compile refuses nn.GRU ("Attempted to wrap RNN")
-        why_not = "torch.compile does not compile a gru model (PyTorch's GRU)"
+    if why_not is None and (rnn := trainer.cfg.model.type) in ("gru", "lstm"):  # "Attempted to wrap RNN"
+        why_not = f"torch.compile does not compile a {rnn} model (PyTorch's {rnn.upper()})"
     if tc.compile == "true":
         if why_not is not None:
             return EngineChoice("eager", f"train.compile=true, but {why_not}: training without compiling")
