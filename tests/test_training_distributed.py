@@ -463,6 +463,12 @@ def test_launch_comes_from_torchruns_variables():
     assert not launch.main
     with pytest.raises(LaunchError, match="not whole numbers"):
         launch_from_env({**env, "RANK": "three"})
+    # one without the other: a process started by hand as rank 1 of 2 trained as a rank 0 of its own
+    for alone, says in (({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE is not; start the run with torchrun"),
+                        ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' is set but RANK is not; start the run with torchrun")):
+        with pytest.raises(LaunchError, match=says):
+            launch_from_env(alone)
+    assert launch_from_env({"WORLD_SIZE": "1"}) == launch_from_env({"RANK": "0"}) == Launch()  # one process anyway
     with pytest.raises(LaunchError, match="inconsistent"):
         launch_from_env({**env, "RANK": "4"})
     for world in (2**31, 10**20):  # a TypeError traceback from the rendezvous's store, which counts in a C int

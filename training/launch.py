@@ -47,7 +47,15 @@ class Launch:
 def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
     """The Launch that torchrun's variables describe; rank 0 of 1 when they are absent."""
     env = os.environ if environ is None else environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return Launch()
     if "RANK" not in env or "WORLD_SIZE" not in env:
+        # One without the other is no launcher's doing (torchrun sets both): a second process started by hand as rank
+        # 1 trained as a rank 0 of its own. Alone, the values that mean one process are let through.
+        name, other, one = ("RANK", "WORLD_SIZE", "0") if "RANK" in env else ("WORLD_SIZE", "RANK", "1")
+        if env[name].strip() != one:
+            raise LaunchError(f"{name}={cut_short(env[name])} is set but {other} is not; start the run with torchrun, "
+                              f"which sets both, or unset {name} to run one process")
         return Launch()
     raw = {"RANK": env["RANK"], "WORLD_SIZE": env["WORLD_SIZE"], "LOCAL_RANK": env.get("LOCAL_RANK", "0"),
            # without LOCAL_WORLD_SIZE (a launcher other than torchrun), assume one machine
