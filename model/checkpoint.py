@@ -14,6 +14,7 @@ import re
 import stat
 import warnings
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +215,8 @@ def checkpoint_config(payload: dict[str, Any], path: str | Path = "checkpoint") 
         raise CheckpointError(f"checkpoint {quoted(path)} has an unusable model config: it lacks "
                               f"{', '.join(missing)}, which every checkpoint tinychar writes holds")
     known = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(str(key) for key in payload["model_config"] if key not in known)
+    # each name escaped: a newline in one split the message over two lines
+    unknown = sorted(quoted(str(key)) for key in payload["model_config"] if key not in known)
     if unknown:
         raise NotThisVersion(f"checkpoint {quoted(path)} has an unusable model config: {', '.join(unknown[:5])[:200]} "
                               f"is no setting this tinychar knows; load it with the tinychar that wrote it")
@@ -275,7 +277,10 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
     except (RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {quoted(path)} weights do not match its model config: "
                               f"{error_reasons(e)}") from None
-    name = first_not_finite(model)
+    # The saved tensors too: of two tied weights (the head and the token embedding) the model keeps the one loaded
+    # last, and a NaN in the other went past this check into the weights' average, which reads the saved tensors
+    name = first_not_finite(model) or first_not_finite_of(
+        (k, v) for k, v in weights.items() if isinstance(v, torch.Tensor))
     if name is not None:
         raise CheckpointError(f"checkpoint {quoted(path)} holds weights that are not finite (NaN or infinite) in "
                               f"{name}; it is damaged (training stops before saving such weights)")
@@ -290,7 +295,12 @@ def first_not_finite(model: nn.Module) -> str | None:
     """The name of the first parameter holding a NaN or an infinity (in the model's dtype: a float64 1e300 that
     became inf on loading counts), or None. One pass over the weights: sampling from them would fail at the first
     softmax, or on a fixed-shape path draw garbage."""
-    for name, p in model.named_parameters():
+    return first_not_finite_of(model.named_parameters())
+
+
+def first_not_finite_of(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating-point tensor of named (name, tensor) pairs holding a NaN or an infinity."""
+    for name, p in named:
         if not p.is_floating_point():
             continue
         if not all(bool(chunk.isfinite().all()) for chunk in p.detach().reshape(-1).split(FINITE_CHUNK)):

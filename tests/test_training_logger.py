@@ -137,6 +137,24 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_keeps_the_last_checkpoint
     assert load_checkpoint(out / "ckpt.pt")["step"] == 10
 
 
+def test_a_full_disk_under_tensorboard_before_any_checkpoint_does_not_advise_a_resume(tmp_path, capsys, monkeypatch):
+    """Full from the start: there was no checkpoint to be intact, and the --resume it advised found nothing."""
+    from training.events import EventWriter
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(EventWriter, "_write", full)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 40, encoding="utf-8")
+    out = tmp_path / "out"
+    code = train.main(["--config", TINY, *tiny_overrides(corpus, out, **{"train.max_iters": 30})], progress=False)
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and not (out / "ckpt.pt").exists()
+    assert err.endswith("(No space left on device); no checkpoint had been saved yet. Free some space, or set "
+                        "train.tensorboard=false, and run the same command again"), err
+
+
 def _picture_logger(out_dir: Path) -> Logger:
     return Logger(out_dir, start=0, total=10, tensorboard=True, progress=False)
 

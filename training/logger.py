@@ -4,6 +4,7 @@ images and hyperparameters, and the training throughput they report."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -106,9 +107,12 @@ class Logger:
             writer, self.writer = self.writer, None
             if writer is not None:
                 writer.close()  # nothing is pending there: each event was written when it was added
-            raise LogError(f"cannot write TensorBoard logs into '{shown(str(self.out_dir))}' ({e.strerror or e}); "
-                           f"the last checkpoint there is intact. Free some space, or set train.tensorboard=false "
-                           f"and --resume") from None
+            said = f"cannot write TensorBoard logs into '{shown(str(self.out_dir))}' ({e.strerror or e})"
+            if not os.path.isfile(os.path.join(self.out_dir, "ckpt.pt")):  # --resume would find nothing to resume
+                raise LogError(f"{said}; no checkpoint had been saved yet. Free some space, or set "
+                               f"train.tensorboard=false, and run the same command again") from None
+            raise LogError(f"{said}; the last checkpoint there is intact. Free some space, or set "
+                           f"train.tensorboard=false and --resume") from None
 
     def info(self, line: str) -> None:
         if self.quiet:
