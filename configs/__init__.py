@@ -73,6 +73,10 @@ def _unknown(key: str, cls: type, where: str, section: bool = False) -> ConfigEr
     # dotted keys alone never come close to.
     guess = nearest(key, valid_keys(cls) + (_section_keys(cls) if section else []))
     hint = f"; did you mean '{guess}'?" if guess else "; see `python train.py --help` for the valid keys"
+    if key in valid_keys(cls):  # 'train.batch_size: 4' at a file's top level: it was "did you mean" itself
+        section_name, _, name = key.rpartition(".")
+        hint = (f"; in a file, nest it: '{name}:' indented under '{section_name}:' (dotted keys are for the command "
+                f"line)")
     return ConfigError(f"unknown config key '{shown(key)}'{where}{hint}")
 
 

@@ -156,6 +156,9 @@ def _parsed(parse: Callable[[], Any], name: str) -> Any:
     except (ValueError, OverflowError) as e:
         # safe_load builds dates as it reads them: 'seed: 2024-13-01' is a date with month 13, which Python refuses
         detail = shown((str(e).splitlines() or [type(e).__name__])[0], CHECK_LIMIT)
+        if "int_max_str_digits" in str(e):  # Python's advice (sys.set_int_max_str_digits) is no fix for a config
+            detail = ("an integer too long for Python to read (over 4,300 digits by default), far past what any "
+                      "setting takes; give a smaller number")
         raise ConfigError(f"config file '{name}' holds a value YAML cannot build: {detail}") from None
     except RecursionError:
         raise ConfigError(f"config file '{name}' is nested too deeply to read") from None

@@ -103,6 +103,19 @@ def test_a_misspelt_override_names_the_nearest_valid_key(override, suggestion):
     assert "command line" in message
 
 
+def test_a_dotted_key_in_a_file_says_to_nest_it(tmp_path):
+    # it was "unknown config key 'train.batch_size'; did you mean 'train.batch_size'?"
+    message = refused(write_yaml(tmp_path, "train.batch_size: 4\n"))
+    assert message.endswith("; in a file, nest it: 'batch_size:' indented under 'train:' (dotted keys are for the "
+                            "command line)") and "did you mean" not in message
+
+
+def test_an_integer_too_long_for_python_is_one_line_without_pythons_advice(tmp_path):
+    message = refused(write_yaml(tmp_path, "seed: " + "9" * 5000 + "\n"))
+    assert "an integer too long for Python to read" in message and "give a smaller number" in message
+    assert "set_int_max_str_digits" not in message and len(message) < 300
+
+
 def test_an_unguessable_key_points_at_help(tmp_path):
     message = refused(write_yaml(tmp_path, "zzzzqqqq: 1\n"))
     assert "zzzzqqqq" in message and "--help" in message
