@@ -294,6 +294,10 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      lambda c: c.resume(lambda p: p.update(vocab=[p["vocab"][1], p["vocab"][0], *p["vocab"][2:]])), "out of order"),
     ("resume-saved-by-no-processes", "train", lambda c: c.resume(lambda p: p.update(world_size=0)),
      "saved by 0 processes"),
+    # the run config builds the resumed model, the model config the saved one: n_head edited in one alone resumed
+    # another model (its weights are the same shapes) without a word
+    ("resume-run-config-not-the-models", "train", lambda c: c.resume(lambda p: p["config"]["model"].update(n_head=1)),
+     "has a run config that says model.n_head=1 where its model was built with "),
     ("resume-unknown-key-saved", "train", lambda c: c.resume(lambda p: p["config"]["train"].update(foo=1)),
      "unknown config key 'train.foo' (in the config saved in '"),
     ("resume-with-config-saved-config-holds-itself", "train", lambda c: _saved_config_crafted(c, "itself"),
