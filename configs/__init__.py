@@ -12,6 +12,7 @@ import datetime
 import decimal
 import math
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -260,8 +261,25 @@ def _build(cls: type, mapping: Any, prefix: str, origin: _Origin, construct: boo
     try:
         return cls(**kwargs)
     except ValueError as e:
-        # The config classes' own checks quote values with repr; shown() bounds what a huge value would make.
-        raise origin.refuse(shown(str(e), limit=CHECK_LIMIT)) from None
+        # The config classes' own checks quote values with repr; shown() bounds what a huge value would make, once
+        # each long quoted value is cut short itself (cut as a whole, the message lost what it asks for: the list
+        # of the values that would do)
+        raise origin.refuse(shown(_quoted_values_cut(str(e)), limit=CHECK_LIMIT)) from None
+
+
+# A quoted value in a check's message longer than this is cut in its middle
+QUOTED_VALUE_LIMIT = 40
+
+
+def _quoted_values_cut(message: str) -> str:
+    """message with every quoted value ('...' as repr writes it) of more than QUOTED_VALUE_LIMIT characters cut in
+    its middle."""
+    def cut(match: re.Match[str]) -> str:
+        inner = match.group(1)
+        half = QUOTED_VALUE_LIMIT // 2
+        return f"'{inner[:half]}...{inner[-half:]}'"
+
+    return re.sub(rf"'([^'\n]{{{QUOTED_VALUE_LIMIT + 1},}})'", cut, message)
 
 
 def text_keys(cls: type) -> frozenset[str]:

@@ -425,3 +425,11 @@ def test_what_is_not_a_loop_resolves_as_path_resolve_does(tmp_path):
         assert resolved(tmp_path / name) == (tmp_path / name).resolve(), name
     assert resolved(tmp_path / "link" / "a.png") == tmp_path.resolve() / "real" / "a.png"
 
+
+
+@pytest.mark.parametrize(("key", "kept"), [("train.device", "must be one of auto, cpu, cuda, cuda:N, mps; got 'xxx"),
+                                           ("data.dataset", "shakespeare_char (or unset with data.path given), got")])
+def test_a_long_value_is_cut_not_the_values_that_would_do(key, kept):
+    # the message was cut as a whole in its middle: the list of values that would do lost its end
+    message = refused(TINY, [f"{key}={'x' * 300}"])
+    assert kept in message and "xxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxx'" in message and len(message) < 400
