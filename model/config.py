@@ -19,6 +19,12 @@ def short_int(n: int) -> str:
         return str(n)
     return f"{'-' if n < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
 
+
+def parameters_text(n: int) -> str:
+    """A model's size as runs and sample.py print it: '0.15M parameters', and whole below 10,000 ('4,225
+    parameters': a bigram table read '0.00M')."""
+    return f"{n / 1e6:.2f}M parameters" if n >= 10_000 else f"{n:,} parameters"
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Hyperparameters of the decoder-only character model.

@@ -309,18 +309,23 @@ def sample_next(
         # A temperature so close to 0 that the division overflows float32 (1e-40): to the precision of the logits
         # that is greedy decoding, and the softmax of infinities would be NaN.
         return logits.argmax(dim=-1, keepdim=True)
-    return torch.multinomial(filtered_probs(scaled, top_k, top_p), num_samples=1, generator=generator)
+    return torch.multinomial(filtered_probs(scaled, top_k, top_p, logits), num_samples=1, generator=generator)
 
 
-def filtered_probs(scaled: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+def filtered_probs(scaled: torch.Tensor, top_k: int | None, top_p: float | None,
+                   logits: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax of temperature-scaled logits (B, vocab), keeping the top_k likeliest characters and then the
-    smallest set whose probability reaches top_p."""
+    smallest set whose probability reaches top_p. Which characters are the likeliest is read from logits, the
+    unscaled ones, where given: at a huge temperature the scaled ones round to equal values (every one 0 past
+    float32's range, or softmax weights all 1.0 past about 1e8), and top_k 1 drew from every character."""
+    ranked = scaled if logits is None else logits
     if top_k is not None and top_k < scaled.size(-1):
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        kth = torch.topk(ranked, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scaled = scaled.masked_fill(ranked < kth, float("-inf"))
     probs = F.softmax(scaled, dim=-1)
     if top_p is not None and top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        order = torch.sort(ranked, dim=-1, descending=True).indices
+        sorted_probs = probs.gather(-1, order)
         # keep a character while the mass before it is below top_p; the first, likeliest one always: a top_p under
         # float32's smallest value (1e-46) rounds to 0 in the comparison, which would drop it too and leave nothing
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p

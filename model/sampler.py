@@ -242,7 +242,7 @@ class WindowSampler:
             if self.temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p)
+                probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p, logits)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             context[:, end : end + 1] = next_id
             yield next_id
@@ -316,7 +316,7 @@ class WindowSteps(nn.Module):
         if noise is None:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
-            probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p)
+            probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p, logits)
             next_id = (probs / noise.index_select(0, k).squeeze(0)).argmax(dim=-1, keepdim=True)  # (B, 1)
         full = n == block_size
         # not full: write the character after the last one; full: slide by one and put it at the end

@@ -87,7 +87,7 @@ def draw_span(model: GPT, first: torch.Tensor | None, temperature: float, top_k:
         if noise is None:
             chars.append(logits.argmax(dim=-1, keepdim=True))
         else:
-            probs = filtered_probs(logits / temperature, top_k, top_p)
+            probs = filtered_probs(logits / temperature, top_k, top_p, logits)
             chars.append((probs / noise.index_select(0, k + j).squeeze(0)).argmax(dim=-1, keepdim=True))
     new = torch.cat(chars, dim=1)  # (B, span)
     marked = torch.where(torch.cat(finite, dim=1), new, -1)

@@ -19,7 +19,7 @@ from model import (
     model_from_checkpoint,
 )
 from model.checkpoint import WholeCheckpoint
-from model.config import GPTConfig
+from model.config import GPTConfig, parameters_text
 from training import compile_cache
 from training.devices import DeviceError, resolve_device
 from training.errors import UsageError, path_error, path_message
@@ -169,7 +169,7 @@ def prepare(args: argparse.Namespace, given: str | None = None) -> tuple[GPT, to
         return 2
     step = payload.get("step")  # an int in every checkpoint train.py writes; anything else is not quoted
     step = number(step) if isinstance(step, int) and not isinstance(step, bool) else "?"
-    print(f"{shown(str(path), LOG_PATH)}: {model.num_params(non_embedding=False) / 1e6:.2f}M parameters, step {step}, "
+    print(f"{shown(str(path), LOG_PATH)}: {parameters_text(model.num_params(non_embedding=False))}, step {step}, "
           f"vocabulary {len(vocab)}", file=sys.stderr)
     if args.attention_map is not None:
         from lab.heatmap import save_attention_map

@@ -106,7 +106,8 @@ def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[N
 def plain_path(model: GPT, args: argparse.Namespace) -> str | None:
     """Why this request samples on the plain path (GPT.generate: nothing compiled), or None for the window sampler."""
     if not isinstance(model, GPT):
-        return f"a {model.config.type} model samples on the plain path"
+        kind = model.config.type
+        return f"{'an' if kind == 'lstm' else 'a'} {kind} model samples on the plain path"
     if args.no_cache:
         return "--no-cache takes the plain path"
     if 0 < args.temperature < MIN_FAST_TEMPERATURE:

@@ -428,7 +428,7 @@ def test_an_attention_map_that_cannot_be_written_is_one_error_line_whatever_its_
     code, out, err = call(sample.main, args, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 2, err
-    assert "M parameters, step 20" in lines[0]  # the model's line, on one line too
+    assert " parameters, step 20" in lines[0]  # the model's line, on one line too
     assert lines[1].startswith("error: cannot write --attention-map '") and "a\\nfile/map.png': " in lines[1]
 
 

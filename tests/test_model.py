@@ -409,3 +409,10 @@ def test_a_model_config_has_the_types_it_declares(field, value, message):
     with pytest.raises(ValueError) as info:
         GPTConfig(**{field: value})
     assert str(info.value) == message
+
+
+def test_a_models_size_is_said_in_millions_and_a_small_one_whole():
+    from model.config import parameters_text
+
+    assert parameters_text(154_752) == "0.15M parameters" and parameters_text(10_000) == "0.01M parameters"
+    assert parameters_text(4_225) == "4,225 parameters"  # a bigram table read "0.00M parameters"

@@ -186,6 +186,20 @@ def test_the_smallest_top_p_keeps_the_likeliest_character_on_every_path(model, t
         assert torch.equal(state, expected_state)
 
 
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1e39, 1, None), (1e300, None, 0.01), (1e10, None, 1e-6)])
+def test_a_huge_temperature_keeps_top_k_and_top_p_to_the_likeliest_on_every_path(model, temperature, top_k, top_p):
+    # the logits divided by it round to equal values (all 0 past float32's range; softmax weights all 1.0 past about
+    # 1e8): --top-k 1 drew from every character and --top-p 0.01 always took the same arbitrary one
+    prompt = torch.randint(0, 23, (2, 5), generator=torch.Generator().manual_seed(2))
+    greedy = model.generate(prompt, 20, temperature=0.0)
+    expected, expected_state = plain(model, prompt, 20, temperature, top_k, top_p, seed=4)
+    assert torch.equal(expected, greedy)
+    assert torch.equal(model.generate(prompt, 20, temperature, top_k, top_p, torch.Generator().manual_seed(4)), greedy)
+    for chunk in (1, 3):
+        got, state = windowed(WindowSampler(model, temperature, top_k, top_p, chunk=chunk), prompt, 20, seed=4)
+        assert torch.equal(got, greedy) and torch.equal(state, expected_state)
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p", "message"), [
     (-1.0, None, None, "temperature must be a finite number >= 0"),  # was: accepted, the unlikeliest characters
     (float("nan"), None, None, "temperature must be a finite number >= 0"),

@@ -132,7 +132,7 @@ def test_the_checkpoint_line_quotes_only_an_integer_step(run, run_dir, tmp_path)
         torch.save(payload, tmp_path / "odd.pt")
         code, out, err = run("--checkpoint", str(tmp_path / "odd.pt"), "--max-new-tokens", "3")
         assert code == 0 and len(err.splitlines()) == 1, err[:500]
-        assert f"M parameters, {shown}, vocabulary" in err
+        assert f" parameters, {shown}, vocabulary" in err
 
 
 # ------------------------------------------------------------------------------------- reproducibility

@@ -17,6 +17,7 @@ from configs.userinput import path_word, script_word, shell_word, shown
 from data import Corpus, DataError, prepare_corpus, split_ids
 from data.paths import quoted
 from model import build_model
+from model.config import parameters_text
 from model.linear import onednn_min_macs
 
 from . import distributed
@@ -222,7 +223,7 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     log.info(f"data: {start.corpus.description}")
     for note in start.corpus.notes:
         log.info(note)
-    log.info(f"model: {params / 1e6:.2f}M parameters; device {start.device}, {dtype}")
+    log.info(f"model: {parameters_text(params)}; device {start.device}, {dtype}")
     if start.device.type == "cpu" and (busy := distributed.oversubscribed(tc.threads, trainer.launch)):
         log.info(busy)
     if start.device.type == "cpu" and start.dtype == torch.float16 and not cpu_has_fast_float16():
