@@ -275,11 +275,12 @@ def _quoted_values_cut(message: str) -> str:
     """message with every quoted value ('...' as repr writes it) of more than QUOTED_VALUE_LIMIT characters cut in
     its middle."""
     def cut(match: re.Match[str]) -> str:
-        inner = match.group(1)
+        quote, inner = match.group(1), match.group(2)
         half = QUOTED_VALUE_LIMIT // 2
-        return f"'{inner[:half]}...{inner[-half:]}'"
+        return f"{quote}{inner[:half]}...{inner[-half:]}{quote}"
 
-    return re.sub(rf"'([^'\n]{{{QUOTED_VALUE_LIMIT + 1},}})'", cut, message)
+    # '...' as repr writes most values, "..." one that holds an apostrophe
+    return re.sub(rf"""(['"])((?:(?!\1)[^\n]){{{QUOTED_VALUE_LIMIT + 1},}})\1""", cut, message)
 
 
 def text_keys(cls: type) -> frozenset[str]:

@@ -20,6 +20,11 @@ def short_int(n: int) -> str:
     return f"{'-' if n < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
 
 
+def a_model_of(kind: str) -> str:
+    """'a gpt model', 'an lstm model': a model.type in a sentence."""
+    return f"{'an' if kind[:1] in 'aeiou' or kind == 'lstm' else 'a'} {kind} model"
+
+
 def parameters_text(n: int) -> str:
     """A model's size as runs and sample.py print it: '0.15M parameters', and whole below 10,000 ('4,225
     parameters': a bigram table read '0.00M')."""

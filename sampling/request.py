@@ -19,7 +19,7 @@ from model import (
     model_from_checkpoint,
 )
 from model.checkpoint import WholeCheckpoint
-from model.config import GPTConfig, parameters_text
+from model.config import GPTConfig, a_model_of, parameters_text
 from training import compile_cache
 from training.devices import DeviceError, resolve_device
 from training.errors import UsageError, path_error, path_message
@@ -146,7 +146,8 @@ def prepare(args: argparse.Namespace, given: str | None = None) -> tuple[GPT, to
         payload = load_run_checkpoint(path, args.checkpoint is None)
         config, vocab = checkpoint_config(payload, path)  # before the model is built: will it fit?
         if args.attention_map is not None and config.type != "gpt":
-            raise UsageError(f"--attention-map: a {config.type} model has no attention to draw (model.type=gpt has)")
+            raise UsageError(f"--attention-map: {a_model_of(config.type)} has no attention to draw (model.type=gpt "
+                             f"has)")
         prompt = read_prompt(given, vocab)
         index = {c: i for i, c in enumerate(vocab)}
         check_known(prompt, index)

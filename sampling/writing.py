@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from model import GPT, NonFiniteLogits
+from model.config import a_model_of
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
 from model.span import span_for
 from training import compile_cache, engine, step_file
@@ -106,8 +107,7 @@ def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[N
 def plain_path(model: GPT, args: argparse.Namespace) -> str | None:
     """Why this request samples on the plain path (GPT.generate: nothing compiled), or None for the window sampler."""
     if not isinstance(model, GPT):
-        kind = model.config.type
-        return f"{'an' if kind == 'lstm' else 'a'} {kind} model samples on the plain path"
+        return f"{a_model_of(model.config.type)} samples on the plain path"
     if args.no_cache:
         return "--no-cache takes the plain path"
     if 0 < args.temperature < MIN_FAST_TEMPERATURE:

@@ -298,6 +298,10 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # another model (its weights are the same shapes) without a word
     ("resume-run-config-not-the-models", "train", lambda c: c.resume(lambda p: p["config"]["model"].update(n_head=1)),
      "has a run config that says model.n_head=1 where its model was built with "),
+    # a value that is no plain value is the run config's own check's: the comparison was a traceback
+    ("resume-run-config-holds-a-tensor", "train",
+     lambda c: c.resume(lambda p: p["config"]["model"].update(n_layer=torch.tensor([3, 3]))),
+     "model.n_layer must be an integer, got tensor([3, 3])"),
     ("resume-unknown-key-saved", "train", lambda c: c.resume(lambda p: p["config"]["train"].update(foo=1)),
      "unknown config key 'train.foo' (in the config saved in '"),
     ("resume-with-config-saved-config-holds-itself", "train", lambda c: _saved_config_crafted(c, "itself"),

@@ -625,3 +625,9 @@ def test_train_backend_is_checked_and_may_change_on_resume(tmp_path, capsys):
         "train.compile: 'auto' -> 'false'", "train.threads: 0 -> 1"]
     assert train.main(["train.backend=nccl2", "--out-dir", str(tmp_path / "x")], progress=False) == 2
     assert "train.backend must be one of" in capsys.readouterr().err
+
+
+def test_one_of_rank_and_world_size_empty_or_meaning_one_process_passes():
+    # an empty RANK, or 00, ran as one process before the check and still does
+    for alone in ({"RANK": ""}, {"RANK": "00"}, {"WORLD_SIZE": " 1 "}, {"WORLD_SIZE": ""}):
+        assert launch_from_env(alone) == Launch()

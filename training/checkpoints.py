@@ -154,12 +154,13 @@ def check_training_state(payload: dict, path: Path) -> None:
         raise CheckpointError(f"'{shown(str(path))}' has a damaged run config or RNG state; it cannot be resumed")
     # The run config builds the resumed model, the model config the saved one: an edit to one alone (n_head, whose
     # weights are the same shapes) resumed a different model without a word
-    model = payload["config"].get("model")
-    if isinstance(model, dict) and (key := next((k for k, v in model.items() if k != "vocab_size"
-                                                 and k in config.to_dict() and v != config.to_dict()[k]), None)):
+    model, built = payload["config"].get("model"), config.to_dict()
+    # plain values only: anything else (a tensor, a list) is the run config's own check's to refuse, in one line
+    if isinstance(model, dict) and (key := next((k for k, v in model.items() if k != "vocab_size" and k in built
+                                                 and type(v) in (int, float, str, bool) and v != built[k]), None)):
         raise CheckpointError(f"'{shown(str(path))}' has a run config that says model.{shown(str(key))}="
                               f"{shown(repr(model[key]), 40)} where its model was built with "
-                              f"{shown(repr(config.to_dict()[key]), 40)}; it is damaged and cannot be resumed")
+                              f"{shown(repr(built[key]), 40)}; it is damaged and cannot be resumed")
     # Checked here, before anything is written: a step of -5 divided by zero in the weight average's warm-up after
     # restore_best had already copied the checkpoint over best.pt, and an optimizer state that is no dict was an
     # AttributeError from torch.

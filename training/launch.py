@@ -52,8 +52,9 @@ def launch_from_env(environ: Mapping[str, str] | None = None) -> Launch:
     if "RANK" not in env or "WORLD_SIZE" not in env:
         # One without the other is no launcher's doing (torchrun sets both): a second process started by hand as rank
         # 1 trained as a rank 0 of its own. Alone, the values that mean one process are let through.
-        name, other, one = ("RANK", "WORLD_SIZE", "0") if "RANK" in env else ("WORLD_SIZE", "RANK", "1")
-        if env[name].strip() != one:
+        name, other, one = ("RANK", "WORLD_SIZE", 0) if "RANK" in env else ("WORLD_SIZE", "RANK", 1)
+        value = env[name].strip()
+        if value and not (value.isdigit() and int(value) == one):  # empty, or 0 / 00, ran as one process before
             raise LaunchError(f"{name}={cut_short(env[name])} is set but {other} is not; start the run with torchrun, "
                               f"which sets both, or unset {name} to run one process")
         return Launch()
