@@ -22,7 +22,7 @@ def short_int(n: int) -> str:
 
 def a_model_of(kind: str) -> str:
     """'a gpt model', 'an lstm model': a model.type in a sentence."""
-    return f"{'an' if kind[:1] in 'aeiou' or kind == 'lstm' else 'a'} {kind} model"
+    return f"{'an' if kind == 'lstm' else 'a'} {kind} model"  # of the types, only lstm is said with a vowel
 
 
 def parameters_text(n: int) -> str:
