@@ -640,6 +640,22 @@ def test_out_dir_given_twice_as_one_folder_is_no_contradiction(capsys):
     assert "contradict each other" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("argv", [["--config", "configs/tiny.yaml", "--config", "configs/shakespeare_char_cpu.yaml"],
+                                  ["--config=configs/tiny.yaml", "--conf", "configs/shakespeare_char_cpu.yaml"],
+                                  ["--out-dir", "runs/a", "--out-dir", "runs/b"]])
+def test_an_option_given_twice_with_two_values_is_refused(argv, capsys):
+    # argparse keeps the last value: --config a --config b trained on b without a word
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    assert e.value.code == 2
+    option = "--out-dir" if "--out-dir" in argv else "--config"
+    first, second = (v.rpartition("=")[2] for v in argv if v.rpartition("=")[2].startswith(("configs/", "runs/")))
+    assert capsys.readouterr().err == (f"error: argument {option}: given twice, as '{first}' and '{second}'; give it "
+                                       f"once (see train.py --help)\n")
+    assert train.parse_args(["--config", "configs/tiny.yaml", "--config=configs/tiny.yaml"]).config == \
+        "configs/tiny.yaml"  # the same value twice is one request
+
 def run_started_on_a_relative_path(tmp_path: Path, monkeypatch, capsys) -> tuple[Path, Path, Path]:
     """(started, elsewhere, out): a 4-step run trained in started on data.path=corpus.txt into out, and the current
     folder now elsewhere, another folder."""
