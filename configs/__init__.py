@@ -104,6 +104,8 @@ class _NotOfType(Exception):
 def _to_bool(value: Any, from_text: bool) -> bool:
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):  # a file's 1 and 0, as the command line's train.compile=1 is read
+        return bool(value)
     if isinstance(value, str):
         low = value.strip().lower()
         if low in ("true", "yes", "on", "1"):

@@ -149,6 +149,14 @@ def test_a_wrong_type_in_the_file_is_refused_in_one_line(tmp_path, text, fragmen
     assert fragment in refused(write_yaml(tmp_path, text))
 
 
+
+def test_one_and_zero_are_true_and_false_in_a_file_as_on_the_command_line(tmp_path):
+    # train.compile=1 on the command line compiled, where compile: 1 in a file was refused
+    path = write_yaml(tmp_path, "model:\n  bias: 0\ntrain:\n  compile: 1\n  tensorboard: 0\n")
+    for cfg in (load_config(path, []), load_config(TINY, ["model.bias=0", "train.compile=1", "train.tensorboard=0"])):
+        assert (cfg.model.bias, cfg.train.compile, cfg.train.tensorboard) == (False, "true", False)
+    assert "model.bias must be true/false, got 2" in refused(write_yaml(tmp_path, "model:\n  bias: 2\n"))
+
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
