@@ -185,12 +185,12 @@ def memory_need(cfg: SortConfig) -> int:
     return 4 * floats
 
 
-def check_memory(cfg: SortConfig) -> None:
-    """ValueError, in one line, when a run of cfg would not fit in the memory this machine has free."""
+def check_memory(cfg: SortConfig, option: str = "--length") -> None:
+    """ValueError, in one line, when a run of cfg (its length given by option) would not fit in the free memory."""
     cpu = torch.device("cpu")
     need, free = memory_need(cfg), allocatable_bytes(cpu)
     if free is not None and need > free:
-        raise ValueError(f"a run of --length {cfg.length}, --digits {cfg.digits} and --batch-size {cfg.batch_size} "
+        raise ValueError(f"a run of {option} {cfg.length}, --digits {cfg.digits} and --batch-size {cfg.batch_size} "
                          f"({describe(cfg)}) needs about {need / 1e9:,.1f} GB of memory and {whose_memory(cpu, free)} "
                          f"{free / 1e9:,.1f} GB free; make them smaller")
 
@@ -339,10 +339,11 @@ def checked_run(p: OneLineParser, args: object) -> int:
             raise ValueError("--logdir is empty; give the folder for TensorBoard's logs (or leave it out)")
         cfg = config_from(args)
         lengths = args.lengths if args.lengths is not None else [8, 16]
-        if args.bottleneck and min(lengths) < 1:
-            raise ValueError(f"--lengths must be at least 1, got {min(lengths)}")
+        if args.bottleneck and (bad := next((n for n in lengths if not 0 < n < 2**63), None)) is not None:
+            raise ValueError(f"--lengths must be from 1 to 2**63 - 1, got {bad}")  # as SortConfig checks --length
         # before any allocation: the longest run, where the kernel would otherwise step in (or torch, in a traceback)
-        check_memory(replace(cfg, model="gru", length=max(lengths)) if args.bottleneck else cfg)
+        check_memory(replace(cfg, model="gru", length=max(lengths)) if args.bottleneck else cfg,
+                     "--lengths" if args.bottleneck else "--length")
         heatmap = args.heatmap if args.heatmap is not None else default_heatmap(cfg)
         if not args.bottleneck and not args.no_attention:  # the runs that draw a heatmap
             check_heatmap(heatmap)

@@ -410,7 +410,19 @@ def test_a_logdir_that_is_there_but_cannot_be_written_is_one_line_before_trainin
 def test_a_run_too_big_for_the_memory_is_refused_in_one_line_before_allocating(argv, capsys, monkeypatch):
     monkeypatch.setattr(lab.sort, "allocatable_bytes", lambda device: 8 * 10**9)
     err = refused_before_training(["--steps", "1", *argv], monkeypatch, capsys)
-    assert err.startswith("error: a run of --length ") and "GB of memory and this machine has 8.0 GB free" in err
+    option = "--lengths" if "--bottleneck" in argv else "--length"  # the option the user gave, not the one refused
+    assert err.startswith(f"error: a run of {option} ") and "GB of memory and this machine has 8.0 GB free" in err
+
+
+@pytest.mark.parametrize("lengths", [["0", "8"], ["8", str(2**63)]])
+def test_a_length_of_bottleneck_s_table_out_of_range_names_lengths(lengths, capsys):
+    # 2**63 was refused as "length must be at most 2**63 - 1", naming no option the user could find
+    with pytest.raises(SystemExit) as e:
+        main(["--bottleneck", "--lengths", *lengths])
+    assert e.value.code == 2
+    bad = lengths[0] if lengths[0] == "0" else lengths[1]
+    assert capsys.readouterr().err == (f"error: --lengths must be from 1 to 2**63 - 1, got {bad} (see python -m lab "
+                                       f"sort --help)\n")
 
 
 def test_a_run_past_the_process_s_memory_limit_names_the_limit_not_the_machine(capsys, monkeypatch):
