@@ -146,7 +146,7 @@ def read_user_file(
         if kind is not None:
             raise error(f"{what}: '{name}' is {kind}, not a file; give the path of a regular file")
         if st.st_size > max_bytes:
-            raise error(f"{what}: '{name}' is {st.st_size:,} bytes; the limit is {max_bytes:,}")
+            raise error(f"{what}: '{name}' is {st.st_size:,} bytes; the limit is {max_bytes:,}: give a smaller file")
         if own and hasattr(os, "getuid") and st.st_uid != os.getuid():
             raise error(f"{what}: '{name}' belongs to another user; remove it or give a file of your own")
         with os.fdopen(fd, "rb") as f:
@@ -158,7 +158,7 @@ def read_user_file(
         if fd >= 0:
             os.close(fd)
     if len(data) > max_bytes:  # it grew while being read
-        raise error(f"{what}: '{name}' is over the limit of {max_bytes:,} bytes")
+        raise error(f"{what}: '{name}' is over the limit of {max_bytes:,} bytes: give a smaller file")
     return data
 
 

@@ -170,7 +170,7 @@ def test_a_socket_is_refused(tmp_path, monkeypatch):
 
 def test_a_file_over_the_limit_is_refused_before_it_is_parsed(tmp_path):
     path = write_yaml(tmp_path, "seed: 1\n" + "#" * MAX_CONFIG_BYTES + "\n")
-    assert f"the limit is {MAX_CONFIG_BYTES:,}" in refused(path)
+    assert f"the limit is {MAX_CONFIG_BYTES:,}: give a smaller file" in refused(path)  # what is wrong and what to do
     write_yaml(tmp_path, "seed: 1\n" + "#" * (MAX_CONFIG_BYTES - 20) + "\n")  # just under: read as usual
     assert load_config(str(path), []).seed == 1
 
