@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from configs.errors import UsageError
-from configs.userinput import read_user_file, shown
+from configs.userinput import path_kind, read_user_file, shown
 from model.runs import check_checkpoint_path, find_checkpoint
 
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
@@ -128,9 +128,11 @@ def checkpoint_to_read(args: argparse.Namespace) -> Path:
 
 def run_checkpoint(out_dir: str | None) -> Path:
     """The checkpoint of a run folder (out_dir, or DEFAULT_OUT_DIR without one): model.runs.find_checkpoint's
-    CheckpointError when there is none, UsageError when the folder is a file."""
+    CheckpointError when there is none, UsageError when the folder is a file or a device."""
     out_dir = out_dir or DEFAULT_OUT_DIR
     if os.path.isfile(out_dir) or os.path.isfile(out_dir.rstrip("/") or "/"):  # 'run/ckpt.pt/', a tab's completion
         raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
                          f"--checkpoint")
+    if (kind := path_kind(out_dir)) not in (None, "a folder"):  # /dev/null: "no run folder", as if nothing was there
+        raise UsageError(f"--out-dir '{shown(out_dir)}' is {kind}, not a run folder; give the folder a run wrote")
     return find_checkpoint(out_dir)

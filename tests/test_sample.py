@@ -547,6 +547,8 @@ BAD_REQUESTS = [
     ("empty-attention-map", lambda r, t: ["--attention-map", ""], "--attention-map is empty"),
     ("out-dir-a-checkpoint", lambda r, t: ["--out-dir", str(r / "best.pt")],
      "best.pt' is a file, not a run folder; to sample from it, pass it as --checkpoint"),
+    ("out-dir-a-device", lambda r, t: ["--out-dir", "/dev/null"],  # was "no run folder '/dev/null'"
+     "--out-dir '/dev/null' is a character device, not a run folder; give the folder a run wrote"),
 ]
 
 
