@@ -37,7 +37,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs import ConfigError, describe, option_as_setting, valid_keys
     from configs.environment import environment_help
     from configs.errors import UsageError
-    from configs.userinput import OneLineParser, shown
+    from configs.userinput import OneLineParser, StoreOnce, shown
     from data.paths import DataError
     from data.sources import refuse_if_nothing_there
     from training.config import DEFAULT_CONFIG, RunConfig, load_config
@@ -82,7 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=help_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default=None, help=f"YAML config file (default {DEFAULT_CONFIG})")
+    config = parser.add_argument("--config", default=None, action=StoreOnce,
+                                 help=f"YAML config file (default {DEFAULT_CONFIG})")
+    config.once_hint = " (configs do not add up: give the other's settings as KEY=VALUE overrides)"
     parser.add_argument("--resume", action="store_true", help="continue the run saved in out_dir/ckpt.pt")
     parser.add_argument("--overwrite", action="store_true", help="start afresh even if out_dir holds a run")
     parser.add_argument("--out-dir", default=None, help="same as the override out_dir=DIR")

@@ -201,31 +201,26 @@ def private_temp_root() -> Path:
     return root
 
 
-class _StoreOnce(argparse._StoreAction):
-    """argparse's plain store, refusing a second, different value: `--config a.yaml --config b.yaml` trained on b
-    without a word (argparse keeps the last one). The same value twice is one request."""
+class StoreOnce(argparse._StoreAction):
+    """argparse's plain store, refusing a second, different value (argparse keeps the last one): for an option whose
+    second value reads as something else than a replacement, as `--config a.yaml --config b.yaml` might read as layered
+    configs, where it trained on b alone without a word. The same value twice is one request."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204 - argparse's own
         given = getattr(parser, "_given", {})
         if self.dest in given and given[self.dest] != values:
             raise argparse.ArgumentError(self, f"given twice, as '{shown(given[self.dest])}' and '{shown(values)}'; "
-                                               f"give it once")
+                                               f"give it once{getattr(self, 'once_hint', '')}")
         given[self.dest] = values
         super().__call__(parser, namespace, values, option_string)
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error; and an
-    option that takes one value takes it once (_StoreOnce)."""
-
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own
-        super().__init__(*args, **kwargs)
-        self.register("action", None, _StoreOnce)
-        self.register("action", "store", _StoreOnce)
+    """argparse, but a bad command line gets one line on stderr (and exit status 2), not usage plus error."""
 
     def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
         self._argv = list(sys.argv[1:] if args is None else args)  # for error(): what the option was followed by
-        self._given: dict[str, object] = {}  # each _StoreOnce option's value, as given on this command line
+        self._given: dict[str, object] = {}  # each StoreOnce option's value, as given on this command line
         return super().parse_known_args(args, namespace)
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]):  # noqa: ANN202 - argparse's own
