@@ -607,3 +607,37 @@ def test_a_one_process_resume_restores_the_gpus_this_machine_has_and_the_apple_g
                                             tmp_path / "ckpt.pt")
     assert cuda_set == {0: 10}
     assert torch.equal(mps_state["now"], torch.tensor([1], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("other", ["another model", "another text"])
+def test_a_ckpt_pt_copied_in_from_another_run_is_refused_before_best_pt_is_touched(tmp_path, capsys, other):
+    """A resume on another run's ckpt.pt copied into a folder copied it over the folder's best.pt at once, saying
+    that "the save that wrote ckpt.pt could not write best.pt", and trained the other run on."""
+    from conftest import train_small_run
+
+    import train
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run = train_small_run(tmp_path / "a")
+    if other == "another model":
+        donor = train_small_run(tmp_path / "b", **{"model.n_layer": 1})
+    else:  # the same model and characters, another text
+        corpus = tmp_path / "b" / "corpus.txt"
+        corpus.write_text("".join(reversed((tmp_path / "a" / "corpus.txt").read_text(encoding="utf-8"))),
+                          encoding="utf-8")
+        donor = tmp_path / "b" / "out"
+        assert train.main(["--config", str(ROOT / "configs" / "tiny.yaml"), *tiny_overrides(corpus, donor)],
+                          progress=False) == 0
+    shutil.copyfile(donor / "ckpt.pt", run / "ckpt.pt")
+    kept = {name: (run / name).read_bytes() for name in ("best.pt", "config.yaml")}
+    capsys.readouterr()
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=30"], progress=False) == 2
+    why = "model.n_layer is 2 in best.pt, 1 in ckpt.pt" if other == "another model" else "trained on two texts"
+    assert capsys.readouterr().err == (
+        f"error: '{shown(str(run / 'ckpt.pt'))}' and the best.pt beside it are checkpoints of two runs ({why}): a "
+        f"ckpt.pt copied in from another run? Resuming would write over best.pt; move one of them out of "
+        f"'{shown(str(run))}', or give the other run a folder of its own\n")
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    shutil.copyfile(run / "best.pt", run / "ckpt.pt")  # the run's own checkpoint (its best) resumes as ever
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=30"], progress=False) == 0

@@ -308,6 +308,25 @@ def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
 
 
+def another_run(best: Path, payload: dict) -> str | None:
+    """How the run's best.pt shows it is another run's than the checkpoint payload (another model or vocabulary,
+    another text), or None: the same run's, or no checkpoint to keep (missing, damaged: restore_best's to mend)."""
+    try:
+        if not best.is_file():
+            return None
+        kept = load_checkpoint(best)
+        (theirs, their_vocab), (ours, our_vocab) = checkpoint_config(kept, best), checkpoint_config(payload)
+    except (CheckpointError, OSError, KeyError):
+        return None
+    a, b = theirs.to_dict(), ours.to_dict()
+    if (key := next((k for k in a if a[k] != b.get(k)), None)) is not None:
+        return f"model.{key} is {shown(a[key])} in best.pt, {shown(b.get(key))} in ckpt.pt"
+    if their_vocab != our_vocab:
+        return "their vocabularies differ"
+    texts = (kept.get("data_fingerprint"), payload.get("data_fingerprint"))
+    return "trained on two texts" if None not in texts and texts[0] != texts[1] else None
+
+
 def resumable(path: Path) -> bool:
     """Whether a run could continue from the checkpoint at path (read whole: an error path's check)."""
     try:
@@ -335,6 +354,10 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
                "out_dir)" if not recovered and resumable(best) else
                "start afresh with --overwrite, or choose another out_dir")
         raise CheckpointError(f"{e}; {way}") from None
+    if not recovered and (other := another_run(out_dir / "best.pt", payload)) is not None:
+        raise UsageError(f"'{shown(str(ckpt))}' and the best.pt beside it are checkpoints of two runs ({other}): a "
+                         f"ckpt.pt copied in from another run? Resuming would write over best.pt; move one of them out "
+                         f"of '{shown(str(out_dir))}', or give the other run a folder of its own")
     saved = f"the config saved in '{shown(str(ckpt))}'"
     if config is None:  # no config named: continue with the saved one, in the folder resumed (the run may have moved)
         cfg = replace(load_config(None, overrides, base=payload["config"], origin=saved), out_dir=str(out_dir))
