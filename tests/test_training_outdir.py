@@ -649,3 +649,22 @@ def test_a_folder_named_best_pt_is_refused_before_a_resume_trains(tmp_path, caps
                    f"out of out_dir, then --resume again\n")
     assert files() == before
     assert (run / "best.pt" / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
+
+
+@pytest.mark.parametrize("name", ["best.pt", "ckpt.pt", "events.out.tfevents.123.x.1.0"])
+def test_a_folder_under_a_run_file_s_name_is_refused_before_an_overwrite_moves_it(tmp_path, capsys, name) -> None:
+    """--overwrite moved such a folder into .replaced/ with the run's files, and deleted it, with all it held, once
+    the new run saved its first checkpoint."""
+    run = train_small_run(tmp_path)
+    if (run / name).exists():
+        (run / name).unlink()
+    (run / name).mkdir()
+    (run / name / "notes.txt").write_text(PRECIOUS, encoding="utf-8")
+    before = {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK}
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run),
+                                     "--overwrite"], capsys)
+    assert code == 2
+    assert err == (f"error: '{shown(run / name)}' is a folder, where a run keeps a file of its own, and a new run "
+                   f"would replace it with all it holds; move it out of out_dir, or choose another out_dir\n")
+    assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK} == before
+    assert (run / name / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
