@@ -664,7 +664,7 @@ def test_a_folder_under_a_run_file_s_name_is_refused_before_an_overwrite_moves_i
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run),
                                      "--overwrite"], capsys)
     assert code == 2
-    assert err == (f"error: '{shown(run / name)}' is a folder, where a run keeps a file of its own, and a new run "
+    assert err == (f"error: '{shown(run / name)}' is a folder, where a run keeps a file of its own, and --overwrite "
                    f"would replace it with all it holds; move it out of out_dir, or choose another out_dir\n")
     assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK} == before
     assert (run / name / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
