@@ -64,9 +64,9 @@ def not_a_file(mode: int) -> str | None:
     return "a special file"
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
     """Read a tinychar checkpoint; anything else (missing, not a regular file, truncated, foreign, unsafe) is a
-    CheckpointError."""
+    CheckpointError. mmap: its tensors read from the file as they are touched, not copied into memory at once."""
     path = Path(path)
     check_checkpoint_path(path)
     kind = not_a_file(os.stat(path).st_mode)
@@ -87,7 +87,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of files it did not write; the error below says all there is
             warnings.simplefilter("ignore", UserWarning)
-            payload = torch.load(path, map_location=map_location, weights_only=True)
+            payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # torch's own message spans several lines, carries terminal escape codes and explains how to load the
         # file unsafely, which is not advice to pass on for a file nobody vouches for. The weights-only unpickler

@@ -609,7 +609,7 @@ def test_a_one_process_resume_restores_the_gpus_this_machine_has_and_the_apple_g
     assert torch.equal(mps_state["now"], torch.tensor([1], dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("other", ["another model", "another text"])
+@pytest.mark.parametrize("other", ["another model", "another text", "another seed"])
 def test_a_ckpt_pt_copied_in_from_another_run_is_refused_before_best_pt_is_touched(tmp_path, capsys, other):
     """A resume on another run's ckpt.pt copied into a folder copied it over the folder's best.pt at once, saying
     that "the save that wrote ckpt.pt could not write best.pt", and trained the other run on."""
@@ -622,6 +622,8 @@ def test_a_ckpt_pt_copied_in_from_another_run_is_refused_before_best_pt_is_touch
     run = train_small_run(tmp_path / "a")
     if other == "another model":
         donor = train_small_run(tmp_path / "b", **{"model.n_layer": 1})
+    elif other == "another seed":  # the same model and text: a sweep's sibling, whose best.pt was replaced silently
+        donor = train_small_run(tmp_path / "b", seed=7)
     else:  # the same model and characters, another text
         corpus = tmp_path / "b" / "corpus.txt"
         corpus.write_text("".join(reversed((tmp_path / "a" / "corpus.txt").read_text(encoding="utf-8"))),
@@ -633,7 +635,9 @@ def test_a_ckpt_pt_copied_in_from_another_run_is_refused_before_best_pt_is_touch
     kept = {name: (run / name).read_bytes() for name in ("best.pt", "config.yaml")}
     capsys.readouterr()
     assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=30"], progress=False) == 2
-    why = "model.n_layer is 2 in best.pt, 1 in ckpt.pt" if other == "another model" else "trained on two texts"
+    seed = load_checkpoint(run / "best.pt")["config"]["seed"]
+    why = {"another model": "model.n_layer is 2 in best.pt, 1 in ckpt.pt", "another text": "trained on two texts",
+           "another seed": f"seed is {seed} in best.pt, 7 in ckpt.pt"}[other]
     assert capsys.readouterr().err == (
         f"error: '{shown(str(run / 'ckpt.pt'))}' and the best.pt beside it are checkpoints of two runs ({why}): a "
         f"ckpt.pt copied in from another run? Resuming would write over best.pt; move one of them out of "
@@ -641,3 +645,22 @@ def test_a_ckpt_pt_copied_in_from_another_run_is_refused_before_best_pt_is_touch
     assert {name: (run / name).read_bytes() for name in kept} == kept
     shutil.copyfile(run / "best.pt", run / "ckpt.pt")  # the run's own checkpoint (its best) resumes as ever
     assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=30"], progress=False) == 0
+
+
+def test_a_later_best_pt_is_kept_through_the_evaluations_of_an_older_ckpt_pt_copied_back(tmp_path):
+    """restore_best kept it, but the run judged each evaluation against the older ckpt.pt's best loss, and its first
+    evaluation wrote a worse step over the later, better best.pt."""
+    from conftest import train_small_run
+
+    import train
+
+    run = train_small_run(tmp_path, **{"train.max_iters": 10})
+    older = (run / "ckpt.pt").read_bytes()
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=40"], progress=False) == 0
+    best = load_checkpoint(run / "best.pt")
+    assert best["step"] > 20  # the setup: the run's best came after step 20, where the copied-back run will be
+    kept = (run / "best.pt").read_bytes()
+    (run / "ckpt.pt").write_bytes(older)
+    assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=20"], progress=False) == 0
+    assert (run / "best.pt").read_bytes() == kept
+    assert load_checkpoint(run / "ckpt.pt")["best_val_loss"] == best["best_val_loss"]

@@ -283,21 +283,30 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
         raise damaged(path, e) from None
 
 
+def config_changes(saved: dict, later: dict, fingerprinted: bool) -> tuple[dict, dict, list[str], list[str]]:
+    """Two run configs (as saved: nested dicts) flattened, the keys that differ, and those of them a resume refuses
+    (check_resume_config)."""
+    old, new = flatten(saved), flatten(later)
+    for flat in (old, new):
+        if flat.get("data.path") is not None and flat.get("data.dataset") is not None:
+            flat["data.dataset"] = None  # a run saved with both (as runs once were) read its data.path (see one_text)
+    # A key a saved config lacks was added since (model.type): the saved run had its default.
+    defaults = flatten(to_dict(RunConfig()))
+    for flat, other in ((old, new), (new, old)):
+        flat.update({k: defaults[k] for k in set(other) - set(flat) if k in defaults and k != "out_dir"})
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    refused = [k for k in changed if k not in RESUMABLE_CHANGES and not (fingerprinted and k == "data.path"
+                                                                          and new.get(k) is not None)]
+    return old, new, changed, refused
+
+
 def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False) -> list[str]:
     """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused.
 
     fingerprinted: the checkpoint records its text's fingerprint, which the resume compares with the text it reads
     (runner.check_same_text): then data.path may change too, since the text may not. A run started on a relative
     data.path and resumed from another folder needs that, to name the same file by a path that works from there."""
-    old, new = flatten(saved), flatten(to_dict(cfg))
-    if old.get("data.path") is not None and old.get("data.dataset") is not None:
-        old["data.dataset"] = None  # a run saved with both (as runs once were) read its data.path (see one_text)
-    # A key the saved config lacks was added since (model.type): the saved run had its default.
-    defaults = flatten(to_dict(RunConfig()))
-    old.update({k: defaults[k] for k in set(new) - set(old) if k in defaults and k != "out_dir"})
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    refused = [k for k in changed if k not in RESUMABLE_CHANGES and not (fingerprinted and k == "data.path"
-                                                                          and new.get(k) is not None)]
+    old, new, changed, refused = config_changes(saved, to_dict(cfg), fingerprinted)
     if refused == ["data.dataset"] and new.get("data.path") is not None:  # a data.path given, not a dataset changed
         raise UsageError(f"cannot resume on data.path={new['data.path']!r}: this run was trained on data.dataset="
                          f"{old['data.dataset']}; start a new run in another out_dir for another text")
@@ -310,21 +319,32 @@ def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False
 
 def another_run(best: Path, payload: dict) -> str | None:
     """How the run's best.pt shows it is another run's than the checkpoint payload (another model or vocabulary,
-    another text), or None: the same run's, or no checkpoint to keep (missing, damaged: restore_best's to mend)."""
+    another text, another setting no resume changes: a seed, a learning rate), or None: the same run's, or no
+    checkpoint to keep (missing, damaged: restore_best's to mend). A later best.pt of the same run (an older ckpt.pt
+    copied back) gives payload its lower best loss, which the run's evaluations must then beat to replace it."""
     try:
         if not best.is_file():
             return None
-        kept = load_checkpoint(best)
+        kept = load_checkpoint(best, mmap=True)  # its settings alone are read: not a second copy of the weights
         (theirs, their_vocab), (ours, our_vocab) = checkpoint_config(kept, best), checkpoint_config(payload)
-    except (CheckpointError, OSError, KeyError):
+        texts = (kept.get("data_fingerprint"), payload.get("data_fingerprint"))
+        refused = config_changes(kept["config"], payload["config"], None not in texts)[3]
+    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
         return None
     a, b = theirs.to_dict(), ours.to_dict()
     if (key := next((k for k in a if a[k] != b.get(k)), None)) is not None:
         return f"model.{key} is {shown(a[key])} in best.pt, {shown(b.get(key))} in ckpt.pt"
     if their_vocab != our_vocab:
         return "their vocabularies differ"
-    texts = (kept.get("data_fingerprint"), payload.get("data_fingerprint"))
-    return "trained on two texts" if None not in texts and texts[0] != texts[1] else None
+    if None not in texts and texts[0] != texts[1]:
+        return "trained on two texts"
+    if refused:
+        old, new = flatten(kept["config"]), flatten(payload["config"])
+        return f"{refused[0]} is {shown(old.get(refused[0]))} in best.pt, {shown(new.get(refused[0]))} in ckpt.pt"
+    later = kept.get("best_val_loss")
+    if isinstance(later, float) and kept.get("step", 0) > payload["step"] and later < payload["best_val_loss"]:
+        payload["best_val_loss"] = later
+    return None
 
 
 def resumable(path: Path) -> bool:
