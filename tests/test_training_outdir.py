@@ -651,7 +651,7 @@ def test_a_folder_named_best_pt_is_refused_before_a_resume_trains(tmp_path, caps
     assert (run / "best.pt" / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
 
 
-@pytest.mark.parametrize("name", ["best.pt", "ckpt.pt", "events.out.tfevents.123.x.1.0"])
+@pytest.mark.parametrize("name", ["best.pt", "ckpt.pt", "config.yaml", "events.out.tfevents.123.x.1.0"])
 def test_a_folder_under_a_run_file_s_name_is_refused_before_an_overwrite_moves_it(tmp_path, capsys, name) -> None:
     """--overwrite moved such a folder into .replaced/ with the run's files, and deleted it, with all it held, once
     the new run saved its first checkpoint."""
@@ -661,10 +661,13 @@ def test_a_folder_under_a_run_file_s_name_is_refused_before_an_overwrite_moves_i
     (run / name).mkdir()
     (run / name / "notes.txt").write_text(PRECIOUS, encoding="utf-8")
     before = {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK}
-    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run),
-                                     "--overwrite"], capsys)
-    assert code == 2
-    assert err == (f"error: '{shown(run / name)}' is a folder, where a run keeps a file of its own, and --overwrite "
-                   f"would replace it with all it holds; move it out of out_dir, or choose another out_dir\n")
-    assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK} == before
-    assert (run / name / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
+    for flags in (["--overwrite"], []):  # without it, a best.pt folder was a run to continue or to --overwrite
+        if not flags and name == "config.yaml":
+            continue  # a new run says that a config.yaml is in its way (test_an_entry_of_out_dir_in_the_way_is_named)
+        code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run), *flags],
+                            capsys)
+        assert code == 2
+        assert err == (f"error: '{shown(run / name)}' is a folder, where a run keeps a file of its own; move it out of "
+                       f"out_dir, or choose another out_dir\n")
+        assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK} == before
+        assert (run / name / "notes.txt").read_text(encoding="utf-8") == PRECIOUS

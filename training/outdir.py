@@ -53,11 +53,12 @@ def prepare_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
             raise UsageError(f"'{shown(str(best))}' is a folder, where this run keeps its best checkpoint; move it out "
                              f"of out_dir, then --resume again")
         return
-    # a folder under a run file's name went aside with the old run's files, and was deleted with them
-    if overwrite and (folders := [p for p in _run_files(out_dir) if p.is_dir() and not p.is_symlink()]):
-        raise UsageError(f"'{shown(str(folders[0]))}' is a folder, where a run keeps a file of its own, and "
-                         f"--overwrite would replace it with all it holds; move it out of out_dir, or choose another "
-                         f"out_dir")
+    # --overwrite moved a folder under a run file's name aside with the old run's files and deleted it with them; a
+    # new run told that a best.pt folder was a run to continue or to --overwrite (a config.yaml is refused below)
+    if folders := [p for p in _run_files(out_dir) if p.is_dir() and not p.is_symlink()
+                   and (overwrite or p.name != "config.yaml")]:
+        raise UsageError(f"'{shown(str(folders[0]))}' is a folder, where a run keeps a file of its own; move it out of "
+                         f"out_dir, or choose another out_dir")
     # .replaced/ckpt.pt (or best.pt alone): left by an --overwrite killed midway, which claiming out_dir puts back
     existing = [p for p in (out_dir / "ckpt.pt", out_dir / "best.pt", *(out_dir / f / name for name in ("ckpt.pt",
                 "best.pt") for f in ASIDE_FOLDERS)) if p.exists()]
