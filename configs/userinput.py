@@ -202,13 +202,14 @@ def private_temp_root() -> Path:
 
 
 class StoreOnce(argparse._StoreAction):
-    """argparse's plain store, refusing a second, different value (argparse keeps the last one): for an option whose
-    second value reads as something else than a replacement, as `--config a.yaml --config b.yaml` might read as layered
-    configs, where it trained on b alone without a word. The same value twice is one request."""
+    """argparse's plain store of a path, refusing a second, different one (argparse keeps the last): for an option
+    whose second value reads as something else than a replacement, as `--config a.yaml --config b.yaml` might read as
+    layered configs, where it trained on b alone without a word. One file named twice (a.yaml, ./a.yaml) is one
+    request."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204 - argparse's own
         given = getattr(parser, "_given", {})
-        if self.dest in given and given[self.dest] != values:
+        if self.dest in given and os.path.realpath(given[self.dest]) != os.path.realpath(values):
             raise argparse.ArgumentError(self, f"given twice, as '{shown(given[self.dest])}' and '{shown(values)}'; "
                                                f"give it once{getattr(self, 'once_hint', '')}")
         given[self.dest] = values

@@ -133,6 +133,7 @@ def run_checkpoint(out_dir: str | None) -> Path:
     if os.path.isfile(out_dir) or os.path.isfile(out_dir.rstrip("/") or "/"):  # 'run/ckpt.pt/', a tab's completion
         raise UsageError(f"--out-dir '{shown(out_dir)}' is a file, not a run folder; to sample from it, pass it as "
                          f"--checkpoint")
-    if (kind := path_kind(out_dir)) not in (None, "a folder"):  # /dev/null: "no run folder", as if nothing was there
+    kind = path_kind(out_dir) or path_kind(out_dir.rstrip("/") or "/")  # /dev/null/ cannot be looked at as it is
+    if kind not in (None, "a folder"):  # /dev/null: "no run folder", as if nothing was there
         raise UsageError(f"--out-dir '{shown(out_dir)}' is {kind}, not a run folder; give the folder a run wrote")
     return find_checkpoint(out_dir)

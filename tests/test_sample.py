@@ -549,6 +549,8 @@ BAD_REQUESTS = [
      "best.pt' is a file, not a run folder; to sample from it, pass it as --checkpoint"),
     ("out-dir-a-device", lambda r, t: ["--out-dir", "/dev/null"],  # was "no run folder '/dev/null'"
      "--out-dir '/dev/null' is a character device, not a run folder; give the folder a run wrote"),
+    ("out-dir-a-device-slash", lambda r, t: ["--out-dir", "/dev/null/"],
+     "--out-dir '/dev/null/' is a character device, not a run folder; give the folder a run wrote"),
 ]
 
 
