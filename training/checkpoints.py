@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from configs import flatten, to_dict
+from configs import ConfigError, flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
@@ -322,14 +322,13 @@ def another_run(best: Path, payload: dict) -> str | None:
     another text, another setting no resume changes: a seed, a learning rate), or None: the same run's, or no
     checkpoint to keep (missing, damaged: restore_best's to mend). A later best.pt of the same run (an older ckpt.pt
     copied back) gives payload its lower best loss, which the run's evaluations must then beat to replace it."""
-    try:
-        if not best.is_file():
-            return None
-        kept = load_checkpoint(best, mmap=True)  # its settings alone are read: not a second copy of the weights
+    try:  # its settings alone are read (not a second copy of the weights), and checked before they are compared
+        kept = load_checkpoint(best, mmap=True) if best.is_file() else {}
         (theirs, their_vocab), (ours, our_vocab) = checkpoint_config(kept, best), checkpoint_config(payload)
+        load_config(None, [], base=kept["config"])  # as ckpt.pt's is: flattening a crafted one went on without end
         texts = (kept.get("data_fingerprint"), payload.get("data_fingerprint"))
         refused = config_changes(kept["config"], payload["config"], None not in texts)[3]
-    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
+    except (CheckpointError, ConfigError, OSError, KeyError, TypeError, AttributeError):
         return None
     a, b = theirs.to_dict(), ours.to_dict()
     if (key := next((k for k in a if a[k] != b.get(k)), None)) is not None:
@@ -374,15 +373,15 @@ def load_run(config: str | None, overrides: list[str], resume: bool) -> tuple[Ru
                "out_dir)" if not recovered and resumable(best) else
                "start afresh with --overwrite, or choose another out_dir")
         raise CheckpointError(f"{e}; {way}") from None
-    if not recovered and (other := another_run(out_dir / "best.pt", payload)) is not None:
-        raise UsageError(f"'{shown(str(ckpt))}' and the best.pt beside it are checkpoints of two runs ({other}): a "
-                         f"ckpt.pt copied in from another run? Resuming would write over best.pt; move one of them out "
-                         f"of '{shown(str(out_dir))}', or give the other run a folder of its own")
     saved = f"the config saved in '{shown(str(ckpt))}'"
     if config is None:  # no config named: continue with the saved one, in the folder resumed (the run may have moved)
         cfg = replace(load_config(None, overrides, base=payload["config"], origin=saved), out_dir=str(out_dir))
     else:  # checked all the same before it is compared: comparing a crafted one went on without end
         load_config(None, [], base=payload["config"], origin=saved)
+    if not recovered and (other := another_run(out_dir / "best.pt", payload)) is not None:
+        raise UsageError(f"'{shown(str(ckpt))}' and the best.pt beside it are checkpoints of two runs ({other}): a "
+                         f"ckpt.pt copied in from another run? Resuming would write over best.pt; move one of them out "
+                         f"of '{shown(str(out_dir))}', or give the other run a folder of its own")
     changes = check_resume_config(payload["config"], cfg, fingerprinted=payload.get("data_fingerprint") is not None)
     # At it, the run would only evaluate and save the same step again (unless a stop cut that evaluation short)
     if cfg.train.max_iters < payload["step"] or (cfg.train.max_iters == payload["step"] and not payload.get(
