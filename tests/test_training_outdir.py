@@ -651,6 +651,25 @@ def test_a_folder_named_best_pt_is_refused_before_a_resume_trains(tmp_path, caps
     assert (run / "best.pt" / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
 
 
+@pytest.mark.parametrize("best", [True, False], ids=["best.pt beside it", "alone"])
+def test_a_ckpt_pt_folder_is_refused_by_resume_with_advice_that_works(tmp_path, capsys, best) -> None:
+    """--resume said "start afresh with --overwrite", which then refused the folder, or "copy best.pt over it", which
+    copies best.pt into it."""
+    run = train_small_run(tmp_path)
+    (run / "ckpt.pt").unlink()
+    if not best:
+        (run / "best.pt").unlink()
+    (run / "ckpt.pt").mkdir()
+    (run / "ckpt.pt" / "notes.txt").write_text(PRECIOUS, encoding="utf-8")
+    before = {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK}
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
+    assert code == 2
+    assert err == (f"error: '{shown(run / 'ckpt.pt')}' is a folder, where a run keeps the checkpoint --resume "
+                   f"continues from; move it out of out_dir, or choose another out_dir\n")
+    assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK} == before
+    assert (run / "ckpt.pt" / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
+
+
 @pytest.mark.parametrize("name", ["best.pt", "ckpt.pt", "config.yaml", "events.out.tfevents.123.x.1.0"])
 def test_a_folder_under_a_run_file_s_name_is_refused_before_an_overwrite_moves_it(tmp_path, capsys, name) -> None:
     """--overwrite moved such a folder into .replaced/ with the run's files, and deleted it, with all it held, once
