@@ -218,6 +218,38 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
                       "is capturing); sampling eagerly")]
 
 
+def test_a_stop_the_compiler_swallows_is_raised_again_until_sampling_stops(run, monkeypatch):
+    """A library that catches the Ctrl-C (as inductor once did while compiling the training step) and works on: the
+    signal is raised again until it ends the command, not when the compile is done. Here the CUDA graph's path,
+    whose warm-up is the compile's, stands in for it: nothing is compiled."""
+    from training import signals
+
+    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)
+    monkeypatch.setattr(signals, "INSIST_AFTER", 0.5)
+    caught: list[BaseException] = []
+
+    def compiling(self, batch, device):
+        deadline, sent = time.monotonic() + 60, False
+        while time.monotonic() < deadline:
+            try:
+                if not sent:  # only under tinychar's handler: without it, the signal would stop pytest itself
+                    sent = isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), signals.StopSignals)
+                    assert sent, "no tinychar handler for SIGINT while the sampler warms up"
+                    signal.raise_signal(signal.SIGINT)
+                time.sleep(0.01)
+            except Exception as e:  # noqa: BLE001 - the library's
+                if caught or isinstance(e, AssertionError):
+                    raise
+                caught.append(e)
+
+    monkeypatch.setattr(writing.WindowSampler, "warm_up", compiling)
+    begun = time.monotonic()
+    code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "40")
+    assert code == 130 and time.monotonic() - begun < 30, err
+    assert err.splitlines()[-1] == "interrupted (SIGINT); stopped sampling" and out == "", err
+    assert len(caught) == 1 and isinstance(caught[0], signals.Interrupted)
+
+
 def test_a_stop_that_an_import_wraps_while_the_sampler_is_made_still_ends_it_in_one_line(run, monkeypatch):
     """Ctrl-C landing inside the compiler's first import (torch.compile makes the sampler): Python 3.11 wraps an
     exception raised in a class's __set_name__ in a RuntimeError, which was a traceback (seen once in the suite)."""

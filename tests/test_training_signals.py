@@ -35,8 +35,11 @@ from training_runs import (
 )
 
 import training.checkpoints
+import training.compiled_step
+import training.engine
 import training.loop
 import training.runner
+import training.signals
 from configs.userinput import shown
 from model import GPT, load_checkpoint
 from training.config import TrainConfig
@@ -212,6 +215,41 @@ def test_a_signal_while_the_step_compiles_stops_the_run_instead_of_training_on(t
     assert text.splitlines()[-1] == f"interrupted ({name}) before training started; no checkpoint was saved", text
     assert "Traceback" not in text and "Exception ignored" not in text and "cannot compile" not in text, text
     assert not (out / "ckpt.pt").exists() and not (out / "best.pt").exists()
+
+
+@pytest.mark.parametrize("swallowed", [1, 3])
+def test_a_signal_the_compiler_swallows_is_raised_again_until_the_run_stops(tmp_path, capsys, monkeypatch, swallowed):
+    # Inductor caught a Ctrl-C two seconds into compiling the step, once in a few busy runs of the suite, and compiled
+    # on: the run stopped 35 s later, when the compile was done. Here a stand-in compile catches the signal (and as
+    # many more as `swallowed`), as a library's `except Exception` would, then compiles on for a minute.
+    monkeypatch.setattr(training.engine, "cannot_compile", lambda device: None)
+    monkeypatch.setattr(training.engine, "prepare_compile", lambda: tmp_path / "compiled")
+    monkeypatch.setattr(training.signals, "INSIST_AFTER", 0.5)
+    caught: list[BaseException] = []
+
+    def compiling(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
+        deadline, sent = time.monotonic() + 60, False
+        while time.monotonic() < deadline:
+            try:
+                if not sent:
+                    sent = True
+                    send(signal.SIGINT)
+                time.sleep(0.01)
+            except Exception as e:  # noqa: BLE001 - the library's
+                if len(caught) == swallowed:
+                    raise
+                caught.append(e)
+        return 60.0
+
+    monkeypatch.setattr(training.compiled_step.CompiledStep, "warm_up", compiling)
+    begun = time.monotonic()
+    code, out, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), tmp_path / "out"),
+                                       "train.compile=true"], capsys)
+    assert code == 130 and time.monotonic() - begun < 30, err
+    assert one_line(err) == "interrupted (SIGINT) before training started; no checkpoint was saved"
+    assert len(caught) == swallowed and all(isinstance(e, Interrupted) for e in caught)
+    assert "engine: compiling the training step" in out and "compiled in" not in out
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 
 def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):

@@ -44,7 +44,7 @@ from .compiled_step import CompiledStep
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
 from .errors import UsageError
-from .signals import interrupting
+from .signals import insist_on_stop, interrupting
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -243,7 +243,7 @@ def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
     start = time.perf_counter()
     try:
         with random_kept(trainer.device):
-            with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype):
+            with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype), insist_on_stop():
                 _, loss = model(x, y)
             loss.backward()
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
@@ -384,7 +384,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     step = CompiledStep(trainer.model, trainer.optimizer, trainer.tc, trainer.device, trainer.dtype)
     xs, ys = [torch.stack([b] * trainer.tc.grad_accum_steps) for b in trial_batch(trainer)]
     try:
-        with compiler_log_quiet():
+        with compiler_log_quiet(), insist_on_stop():
             step.warm_up(xs, ys)
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
         if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
