@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import re
 import secrets
@@ -24,12 +23,10 @@ import torch
 
 from configs.userinput import file_kind, private_temp_root, temp_root
 
+from .idsfile import read_ids
 from .paths import LOG_PATH, DataError, open_regular, quoted
 from .sources import FORMAT_VERSION
 
-# Bytes read at a time by checksum: 1 and 8 MB pieces read 200 MB cold in 0.12-0.19 s, 64 MB ones in 0.23-0.24 s
-# (measured on a 2-core machine); 8 MB of memory is nothing beside the corpus it checks.
-_CRC_PIECE = 8 << 20
 # The partial files open_part names: '.<stem>.<pid>.<8 hex digits><suffix>.part', suffix '.ids' or '.json'.
 _PART = re.compile(r"\.(?P<stem>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(?:ids|json)\.part")
 # The largest meta read: a vocabulary of every Unicode character takes under 18 MB of escaped JSON, and each source
@@ -134,8 +131,8 @@ def _meta_damage(info: dict, dtype: np.dtype) -> str:
         return "its vocabulary is not a list of characters"
     if any(a >= b for a, b in pairwise(chars)):
         return "its vocabulary is not sorted, or holds a character twice"
-    if dtype.kind != "u":
-        return f"its ids are said to be {dtype.str}, not unsigned integers"
+    if dtype.str not in ("|u1", "<u2", "<u4"):  # what ids_dtype gives: a big-endian '>u2' was a traceback
+        return f"its ids are said to be {dtype.str}, not unsigned little-endian integers of 1, 2 or 4 bytes"
     return ""
 
 
@@ -161,76 +158,14 @@ def _open_checked(
         if st.st_size != expected:
             return None, f"it holds {st.st_size:,} bytes, not {expected:,}"
         try:
-            found, top = scan(f, dtype)
+            found, top, ids = read_ids(f, dtype, n_tokens)
             if found != crc:
                 return None, f"its CRC-32 is {found:08x}, not {crc:08x}"
             if top >= n_chars:
                 return None, f"it holds id {top:,}, past the {n_chars:,} characters of the vocabulary in its meta"
-            return map_ids(f, dtype, n_tokens), ""
+            return ids, ""
         except OSError as e:
             return None, e.strerror or type(e).__name__
-
-
-def checksum(f: BinaryIO) -> int:
-    """The CRC-32 of the whole file f, read from its start; the file is then dropped from the page cache (see scan)."""
-    return scan(f)[0]
-
-
-def scan(f: BinaryIO, dtype: np.dtype | None = None) -> tuple[int, int]:
-    """(CRC-32, largest id) of the whole file f, read from its start as ids of dtype; the file is then dropped from
-    the page cache. The largest id is -1 without a dtype, or for a file of no ids.
-
-    Cheap enough for every start: on a 200 MB ids file (tiny Shakespeare repeated), on a 2-core machine, the CRC-32
-    took 0.12-0.14 s with the file out of the page cache and 0.09-0.11 s with it in, and a whole cached
-    prepare_corpus 0.13-0.15 s; zlib.crc32 alone runs at ~4 GB/s there (0.05 s for 200 MB in memory). The largest id
-    is found in the same pass, on the pieces already read, for 0.02 s more (numpy's max over 200 MB of uint8 ids in
-    8 MB pieces, in memory, on the same machine). Dropped from the page cache afterwards because reading
-    leaves the file there in large folios, and a memory map over large folios maps a whole folio at each fault:
-    3,000 random windows of that file then made 182 MB resident instead of 12 MB (measured, Linux 6.18); see settle.
-    """
-    f.seek(0)
-    buffer = bytearray(_CRC_PIECE)
-    view = memoryview(buffer)
-    crc, top = 0, -1
-    rest = b""  # the bytes of an id that a read cut in two (a short read, or a piece size no multiple of the id's)
-    while n := f.readinto(buffer):
-        crc = zlib.crc32(view[:n], crc)
-        if dtype is not None:
-            piece = rest + view[:n] if rest else view[:n]
-            whole = len(piece) - len(piece) % dtype.itemsize
-            if whole:
-                top = max(top, int(np.frombuffer(piece, dtype, count=whole // dtype.itemsize).max()))
-            rest = bytes(piece[whole:])
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return crc, top
-
-
-def map_ids(f: BinaryIO, dtype: np.dtype, n_tokens: int) -> torch.Tensor:
-    """The open ids file as a 1-D tensor over a private, copy-on-write memory map: nothing is read until it is used."""
-    if not n_tokens:  # an empty file cannot be mapped: a text of nothing but a byte-order mark has no ids
-        return torch.from_numpy(np.zeros(0, dtype=dtype))
-    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if hasattr(mapped, "madvise"):
-        # Training reads windows at random: without this, each page fault reads ahead ~128 KB around it, which in
-        # a cold cache made batches ~8x slower and resident memory grow ~16x faster (measured on a 1 GB file).
-        mapped.madvise(mmap.MADV_RANDOM)
-    # a writable buffer (copy-on-write) so torch.from_numpy has nothing to warn about; no byte is copied
-    return torch.from_numpy(np.frombuffer(mapped, dtype=dtype, count=n_tokens))
-
-
-def settle(out: BinaryIO) -> None:
-    """Put the ids on disk and out of the page cache.
-
-    On disk before the rename, so that a crash cannot leave a name pointing at blocks never written. Out of the
-    page cache because the writes left it in large folios (up to 2 MB), and a memory map maps a whole cached folio
-    on each fault: 3,000 random windows of a 2 GB file then made 1.5 GB resident (Linux 6.18, ext4). Read back
-    page by page (MADV_RANDOM), a window costs 4 KB of resident memory instead.
-    """
-    out.flush()
-    os.fsync(out.fileno())
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def open_part(

@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 from configs.userinput import shown
 
-from .cache import checksum, find, map_ids, meta_checksum, open_part, prune, reap_parts, settle, unwritten
+from .cache import find, meta_checksum, open_part, prune, reap_parts, unwritten
 from .cachekey import cache_dirs, cache_key
 from .config import DataConfig
 from .corpus import shakespeare_path
+from .idsfile import read_ids, settle
 from .notes import input_notes
 from .paths import LOG_PATH, DataError, quoted
 from .sources import FORMAT_VERSION, Inputs, Source, resolve_inputs
@@ -64,7 +65,8 @@ class Corpus:
         return CharTokenizer(self.chars)
 
     def ids_on(self, device: torch.device | str) -> torch.Tensor:
-        """The ids on device: on the CPU, ids itself (the memory map); elsewhere one copy, read from the cache file.
+        """The ids on device: on the CPU, ids itself (in memory, or a large corpus's memory map); elsewhere one copy,
+        read from the cache file.
 
         Read rather than copied from ids because the map is advised for random access, which makes a sequential
         pass through it fault in page by page, ~4x slower than reading the file (measured); the file is read in
@@ -265,8 +267,7 @@ def _encode(
         if written != info["n_tokens"] or any(_changed(s) for s in inputs.sources):
             raise DataError(f"{inputs.label}: {quoted(inputs.spec)} changed while it was being read; run again")
         with part.open("rb") as f:  # read back rather than summed while written: the checksum is of what is stored
-            info["crc32"] = checksum(f)
-            ids = map_ids(f, dtype, info["n_tokens"])
+            info["crc32"], _, ids = read_ids(f, dtype, info["n_tokens"])
         info["meta_crc32"] = meta_checksum(info)  # last: of everything else in the meta, the vocabulary included
         # Atomic renames: a reader sees a whole entry or none, and a crash leaves at worst a hidden .part file,
         # which a later encoding into the folder reaps (reap_parts).

@@ -25,6 +25,7 @@ from test_data_stream import MIXED, prepare, text_of, write
 
 import data.cache
 import data.cachekey
+import data.idsfile
 import data.prepare
 import data.sources
 from configs.userinput import shown
@@ -408,6 +409,26 @@ def test_a_damaged_meta_is_encoded_again_and_said(tmp_path: Path, cache: Path, c
     assert entries(cache) == [first.path.name, first.path.with_suffix(".json").name]
 
 
+@pytest.mark.parametrize("dtype", [">u2", "<u8"])
+def test_ids_of_a_byte_order_or_width_the_encoder_never_writes_are_encoded_again(tmp_path: Path, cache: Path,
+                                                                                 dtype: str) -> None:
+    """A meta saying '>u2' (big-endian), its checksums made to agree with it and with the ids, was a traceback from
+    numpy ("byte order different from the native byte order"); '<u8' was trained on."""
+    text = "abcdefgh" * 64
+    first = prepare(write(tmp_path / "t.txt", text))
+    meta_path = first.path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    ids = np.frombuffer(first.path.read_bytes(), dtype=meta["dtype"]).astype(dtype).tobytes()
+    first.path.write_bytes(ids)
+    meta.update(dtype=dtype, crc32=zlib.crc32(ids))
+    meta["meta_crc32"] = data.cache.meta_checksum(meta)
+    meta_path.write_text(json.dumps(meta), encoding="utf-8")
+    again = prepare(tmp_path / "t.txt")
+    assert not again.cache_hit and text_of(again) == text
+    assert again.notes == (f"data: the cached copy '{meta_path}' was damaged (its ids are said to be {dtype}, not "
+                           "unsigned little-endian integers of 1, 2 or 4 bytes); it has been encoded again",)
+
+
 @pytest.mark.parametrize("content", [b"", b'{"format": 3, "key": "', b"\xff\xfe garbage", b"[1, 2, 3]", b"null"])
 def test_a_meta_cut_short_or_overwritten_is_encoded_again_and_said(tmp_path: Path, cache: Path, content: bytes) -> None:
     """A meta that was no JSON (a copy cut short, a stray write) was passed over without the note a damaged entry
@@ -539,19 +560,19 @@ def test_the_largest_id_is_found_in_the_checksums_pass_whatever_the_pieces(
     ids = np.arange(1000, dtype="<u2")[::-1].copy()
     ids[517] = 4321
     path = write(tmp_path / "ids", ids.tobytes())
-    monkeypatch.setattr(data.cache, "_CRC_PIECE", 7)  # every other piece cuts an id in two
+    monkeypatch.setattr(data.idsfile, "_CRC_PIECE", 7)  # every other piece cuts an id in two
     with path.open("rb", buffering=0) as f:
-        assert data.cache.scan(f, np.dtype("<u2")) == (zlib.crc32(ids.tobytes()), 4321)
-        assert data.cache.scan(f) == (zlib.crc32(ids.tobytes()), -1)
+        assert data.idsfile.scan(f, np.dtype("<u2")) == (zlib.crc32(ids.tobytes()), 4321)
+        assert data.idsfile.scan(f) == (zlib.crc32(ids.tobytes()), -1)
 
 
 def test_the_checksum_is_of_the_whole_file_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     content = bytes(range(256)) * 100
     path = write(tmp_path / "ids", content)
-    monkeypatch.setattr(data.cache, "_CRC_PIECE", 7)  # pieces that never line up with the file's end
+    monkeypatch.setattr(data.idsfile, "_CRC_PIECE", 7)  # pieces that never line up with the file's end
     with path.open("rb", buffering=0) as f:
         f.read(10)  # from the start, wherever the file was left
-        assert data.cache.checksum(f) == zlib.crc32(content)
+        assert data.idsfile.scan(f)[0] == zlib.crc32(content)
 
 
 # --- fingerprint -----------------------------------------------------------------------------------------------------
