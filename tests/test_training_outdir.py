@@ -665,7 +665,7 @@ def test_a_ckpt_pt_folder_is_refused_by_resume_with_advice_that_works(tmp_path, 
     code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
     assert code == 2
     assert err == (f"error: '{shown(run / 'ckpt.pt')}' is a folder, where a run keeps the checkpoint --resume "
-                   f"continues from; move it out of out_dir, or choose another out_dir\n")
+                   f"continues from; move it out of out_dir, then --resume again\n")
     assert {p.name: p.is_dir() or p.read_bytes() for p in run.iterdir() if p.name != LOCK} == before
     assert (run / "ckpt.pt" / "notes.txt").read_text(encoding="utf-8") == PRECIOUS
 

@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -250,6 +251,32 @@ def test_a_signal_the_compiler_swallows_is_raised_again_until_the_run_stops(tmp_
     assert len(caught) == swallowed and all(isinstance(e, Interrupted) for e in caught)
     assert "engine: compiling the training step" in out and "compiled in" not in out
     assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_the_watcher_that_insists_ends_with_its_guard_even_if_the_block_never_ended(monkeypatch, signalled):
+    """A signal landing as insist_on_stop's block ends could cut its ending short, and the watcher then went on
+    sending the signal, to handlers that no longer expected it, or waited for the next run's signal."""
+    from training.signals import insist_on_stop
+
+    monkeypatch.setattr(training.signals, "INSIST_AFTER", 0.05)
+    strays: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: strays.append(signum))
+    try:
+        with InterruptSignals():
+            block = insist_on_stop()
+            block.__enter__()  # and never left, as a signal at the right moment could leave it
+            assert "tinychar-insist-on-stop" in [t.name for t in threading.enumerate()]
+            if signalled:
+                with pytest.raises(Interrupted):
+                    send(signal.SIGINT)
+                with pytest.raises(Interrupted):  # raised again while the block goes on
+                    time.sleep(5)
+        time.sleep(0.5)  # the InterruptSignals is gone: nothing more may come
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert strays == [] and "tinychar-insist-on-stop" not in [t.name for t in threading.enumerate()]
+    del block  # (its generator, closed now, ends nothing that is still running)
 
 
 def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):

@@ -242,8 +242,8 @@ def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
     x, y = trial_batch(trainer)
     start = time.perf_counter()
     try:
-        with random_kept(trainer.device):
-            with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype), insist_on_stop():
+        with random_kept(trainer.device), insist_on_stop():  # the backward is compiled on its first call
+            with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype):
                 _, loss = model(x, y)
             loss.backward()
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why

@@ -46,7 +46,8 @@ def resume_target(config: str | None, overrides: list[str]) -> tuple[RunConfig |
             raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
                              f"continue from that step, {way}")
         raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
-    if ckpt.is_dir():  # not the file a run writes; --overwrite, which moves the run's files aside, refuses it too
-        raise UsageError(f"'{shown(str(ckpt))}' is a folder, where a run keeps the checkpoint --resume continues "
-                         "from; move it out of out_dir, or choose another out_dir")
+    if ckpt.is_dir():  # not the file a run writes
+        kind = "a link to a folder" if ckpt.is_symlink() else "a folder"
+        raise UsageError(f"'{shown(str(ckpt))}' is {kind}, where a run keeps the checkpoint --resume continues from; "
+                         "move it out of out_dir, then --resume again")
     return cfg, out_dir, ckpt, recovered

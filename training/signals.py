@@ -97,6 +97,7 @@ class InterruptSignals(StopSignals):
         raise Interrupted(signum)
 
     received: int | None = None  # the last signal that interrupted, for interrupting() to find behind a library
+    ended = 0  # how many times one has been left (insist_on_stop's watcher ends with the one it began under)
 
     def __enter__(self) -> Self:
         InterruptSignals.received = None
@@ -116,6 +117,7 @@ class InterruptSignals(StopSignals):
 
     def __exit__(self, *exc: object) -> None:
         InterruptSignals.received = None  # what it received belongs to the work it guarded
+        InterruptSignals.ended += 1
         sys.unraisablehook = self._unraisable
         warnings.showwarning = self._showwarning
         if self._logging_was is not None:
@@ -167,27 +169,41 @@ def insist_on_stop() -> Iterator[None]:
     """While inside (under InterruptSignals, in the main thread), a stop signal the work inside has not ended on
     within INSIST_AFTER seconds is raised in it again, as often as it takes: a library may catch the exception and
     carry on. Inductor did, once in a few busy test runs: a Ctrl-C two seconds into compiling the training step ended
-    the run 35 s later, once the compile was done."""
+    the run 35 s later, once the compile was done. The watching thread ends with the block, or with the
+    InterruptSignals around it, should a signal cut the block's own ending short."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_kill"):
         yield  # (another thread cannot be sent a signal to raise; Windows has no pthread_kill)
         return
-    done = threading.Event()
-    main = threading.main_thread().ident
+    done, main, guard = threading.Event(), threading.main_thread().ident, InterruptSignals.ended
+
+    def guarded() -> bool:
+        return not done.is_set() and InterruptSignals.ended == guard
 
     def insist() -> None:
-        while not done.wait(0.1):
-            if (signum := InterruptSignals.received) is not None:
-                while not done.wait(INSIST_AFTER):
-                    signal.pthread_kill(main, signum)
-                return
+        while guarded() and InterruptSignals.received is None:
+            done.wait(0.1)
+        while not done.wait(INSIST_AFTER) and guarded() and (signum := InterruptSignals.received) is not None:
+            signal.pthread_kill(main, signum)  # the latest signal, as the run would have ended on it
 
     watcher = threading.Thread(target=insist, name="tinychar-insist-on-stop", daemon=True)
-    watcher.start()
+    with _stop_signals_held():  # so that no signal cuts the start in two
+        watcher.start()  # (the thread keeps them blocked: only the main thread takes them)
     try:
         yield
     finally:
-        done.set()
-        watcher.join()
+        with _stop_signals_held():
+            done.set()
+            watcher.join()
+
+
+@contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """The stop signals held back while inside, in this thread; one sent meanwhile is taken at the end."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, StopSignals.SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def import_holding_signals(names: tuple[str, ...]) -> int | None:
