@@ -702,8 +702,8 @@ def test_a_run_on_a_relative_data_path_resumes_from_another_folder_by_the_texts_
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6"], progress=False) == 2
     assert one_error_line(capsys.readouterr().err).endswith(
         "this run was started on that path relative to the folder it ran in: resume from that folder (or with "
-        "TINYCHAR_DATA_DIR as it was, if found there), or give its full path (data.path=/.../corpus.txt), which a "
-        "resume takes")
+        "TINYCHAR_DATA_DIR as it was, if found there), the text put back if it is gone, or give its full path "
+        "(data.path=/.../corpus.txt), which a resume takes")
     full = str(started / "corpus.txt")
     assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=6", f"data.path={full}"],
                       progress=False) == 0

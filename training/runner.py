@@ -143,8 +143,8 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
             found_in = " (or with TINYCHAR_DATA_DIR as it was, if found there)"
             found_in = "" if os.environ.get("TINYCHAR_DATA_DIR") else found_in
             raise DataError(f"{e}; this run was started on that path relative to the folder it ran in: resume from "
-                            f"that folder{found_in}, or give its full path (data.path=/.../"
-                            f"{shell_word(Path(path).name)}), which a resume takes") from None
+                            f"that folder{found_in}, the text put back if it is gone, or give its full path "
+                            f"(data.path=/.../{shell_word(Path(path).name)}), which a resume takes") from None
 
     # The first process on each machine reads the corpus (encoding it into the cache if need be) while the others
     # wait, then they map the cached file: not every process encoding the same text at once.
