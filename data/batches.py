@@ -43,7 +43,7 @@ def get_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """batch_size random windows of data: inputs x and next-character targets y, both int64 (B, T) on device.
 
-    data is a 1-D tensor of ids of any integer dtype: int64, or the uint8/uint16/uint32 of a memory-mapped corpus,
+    data is a 1-D tensor of ids of any integer dtype: int64, or the uint8/uint16/uint32 of a cached corpus,
     of which only the windows drawn are read. The starts come from generator alone, so the same generator state
     gives the same batch (exact resume).
     """

@@ -37,7 +37,7 @@ STALE_PART_S = 3600.0
 
 
 def find(folders: list[Path], stem: str, key: str, damaged: list[str]) -> tuple[dict, Path, torch.Tensor] | None:
-    """(meta, ids file, ids) of the first entry for key that is whole, its ids mapped; None when there is none.
+    """(meta, ids file, ids) of the first entry for key that is whole, its ids read (read_ids); None when there is none.
 
     An entry of this format whose meta disagrees with itself (its own checksum, or a vocabulary that is no sorted
     list of characters) or whose ids are not sound (the wrong size or checksum, or an id past the vocabulary: a disk
@@ -143,7 +143,7 @@ def _open_checked(
     size of the vocabulary); else (None, why not). OSError where it cannot be opened for another reason than its
     absence (no permission): unreadable, which is not damaged.
 
-    The checksum is taken on the same open file that is then mapped, so what was checked is what is used.
+    The checksum is taken on the bytes then used (read_ids), or on the same open file that is then mapped.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))

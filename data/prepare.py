@@ -1,7 +1,8 @@
-"""prepare_corpus: any amount of text -> token ids in a cached file, read by training through a memory map.
+"""prepare_corpus: any amount of text -> token ids in a cached file, read by training into memory (up to 64 MB of ids)
+or through a memory map.
 
 The first run streams the text twice (vocabulary, then ids) into a cache folder; later runs with unchanged inputs
-only map the cached file, so they start at once and their memory does not grow with the corpus.
+only read or map the cached file, so they start at once, and a large corpus's memory does not grow with it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .cache import find, meta_checksum, open_part, prune, reap_parts, unwritten
 from .cachekey import cache_dirs, cache_key
 from .config import DataConfig
 from .corpus import shakespeare_path
-from .idsfile import read_ids, settle
+from .idsfile import IN_MEMORY_BYTES, read_ids, settle
 from .notes import input_notes
 from .paths import LOG_PATH, DataError, quoted
 from .sources import FORMAT_VERSION, Inputs, Source, resolve_inputs
@@ -39,13 +40,13 @@ _SHOW_AT_MOST = 20  # unseen characters named in an error; beyond that the messa
 
 @dataclass(frozen=True, eq=False)
 class Corpus:
-    """A prepared corpus: its token ids, mapped from the cache file, and its vocabulary.
+    """A prepared corpus: its token ids, read from the cache file (data.idsfile.read_ids), and its vocabulary.
 
-    ids is a read-only-in-spirit view of the file (a private copy-on-write mapping: a stray write changes this
-    process's pages, never the cache); slicing it, as split_ids does, makes views, not copies.
+    ids is read-only in spirit: this process's copy of the file, or for a large corpus a private copy-on-write map of
+    it (a stray write changes this process's pages, never the cache); slicing it, as split_ids does, makes views.
     """
 
-    ids: torch.Tensor  # 1-D uint8, uint16 or uint32, backed by the memory-mapped cache file
+    ids: torch.Tensor  # 1-D uint8, uint16 or uint32: in memory, or backed by the memory-mapped cache file
     chars: list[str]  # the vocabulary, sorted; ids index it
     description: str  # one log line: source, size, vocabulary, cache hit or freshly encoded
     n_tokens: int
@@ -66,14 +67,14 @@ class Corpus:
 
     def ids_on(self, device: torch.device | str) -> torch.Tensor:
         """The ids on device: on the CPU, ids itself (in memory, or a large corpus's memory map); elsewhere one copy,
-        read from the cache file.
+        of ids in memory, else read from the cache file.
 
-        Read rather than copied from ids because the map is advised for random access, which makes a sequential
-        pass through it fault in page by page, ~4x slower than reading the file (measured); the file is read in
-        pieces, so the host never holds the whole corpus either.
+        A map's ids are read rather than copied because the map is advised for random access, which makes a
+        sequential pass through it fault in page by page, ~4x slower than reading the file (measured); the file is
+        read in pieces, so the host never holds the whole corpus either.
         """
         device = torch.device(device)
-        if device.type == "cpu" or self.path is None:
+        if device.type == "cpu" or self.path is None or self.ids.numel() * self.ids.element_size() <= IN_MEMORY_BYTES:
             return self.ids.to(device)
         return _read_ids(self.path, self.ids.dtype, self.n_tokens, device, crc32=self.crc32)
 
@@ -88,7 +89,7 @@ def prepare_corpus(
     trained_on: str | None = None,
     out_dir: str | Path | None = None,
 ) -> Corpus:
-    """The corpus cfg names, encoded into the cache on first use and memory-mapped; DataError for what a person fixes.
+    """The corpus cfg names, encoded into the cache on first use and read from it; DataError for what a person fixes.
 
     min_chars is the length of one training window (block_size + 1). With vocab (a resumed run's, or a model's),
     the ids follow that vocabulary; a character outside it is an error, unless the vocabulary holds UNKNOWN, which
@@ -246,7 +247,7 @@ def _encode(
     moved: list[str],
 ) -> tuple[dict, Path, torch.Tensor]:
     """Both passes over the text, into a new cache entry in the first of cache's folders that takes it: its meta, its
-    ids file and the ids mapped. cache is (folders, the setting that chose them), as cache_dirs gives."""
+    ids file and the ids read. cache is (folders, the setting that chose them), as cache_dirs gives."""
     folders, setting = cache
     strip_bom = settings["bom"] == "strip"
     seen = Oddities()
@@ -333,7 +334,7 @@ def _read_ids(
     crc32: int | None = None,
 ) -> torch.Tensor:
     """The n_tokens ids of the file at path, of dtype, read into a new tensor on device piece_bytes at a time; with
-    crc32, checked against it (the file is read by its name again, after the checked one was mapped: another
+    crc32, checked against it (the file is read by its name again, after the checked one was read: another
     process may have removed or changed it since), DataError where it differs."""
     out = torch.empty(n_tokens, dtype=dtype, device=device)
     step = max(1, piece_bytes // out.element_size())

@@ -123,7 +123,7 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
     tc, block_size = cfg.train, cfg.model.block_size
 
     def read_corpus() -> Corpus:
-        # Encoded once into a cache and memory-mapped; a resumed run encodes with the vocabulary its model knows.
+        # Encoded once into a cache and read from it; a resumed run encodes with the vocabulary its model knows.
         try:
             return prepare_corpus(cfg.data, min_chars=block_size + 1, progress=progress is not False and launch.main,
                                   vocab=payload["vocab"] if payload is not None else None,
@@ -147,7 +147,7 @@ def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | N
                             f"(data.path=/.../{shell_word(Path(path).name)}), which a resume takes") from None
 
     # The first process on each machine reads the corpus (encoding it into the cache if need be) while the others
-    # wait, then they map the cached file: not every process encoding the same text at once.
+    # wait, then they read the cached file: not every process encoding the same text at once.
     with agreeing(launch):
         prepare_out_dir(Path(cfg.out_dir), resume, overwrite)  # every process checks; rank 0 alone writes, later
         device = distributed.rank_device(tc.device, launch)
