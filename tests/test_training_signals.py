@@ -279,6 +279,26 @@ def test_the_watcher_that_insists_ends_with_its_guard_even_if_the_block_never_en
     del block  # (its generator, closed now, ends nothing that is still running)
 
 
+def test_a_second_ctrl_c_just_after_the_stop_was_saved_changes_nothing(tmp_path, capsys, monkeypatch):
+    """A second Ctrl-C 10 ms behind the first (1 in 20 tries, `kill -INT` twice) landed after the loop had saved and
+    given the handlers back, and the run ended saying "interrupted (SIGINT) before training started; no checkpoint
+    was saved", its checkpoint saved all the same."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
+    real_exit = StopSignals.__exit__
+
+    def exit_then_ctrl_c(self, *exc):
+        real_exit(self, *exc)
+        if type(self) is StopSignals:  # the loop's, not the InterruptSignals around it
+            send(signal.SIGINT)
+
+    monkeypatch.setattr(StopSignals, "__exit__", exit_then_ctrl_c)
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
+    assert code == 130
+    assert one_line(err) == stop_line(out, 7)
+    assert check_after_a_crash(out) == 7
+
+
 def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))

@@ -66,6 +66,10 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.signal is not None or isinstance(exc[1] if len(exc) > 1 else None, Stopped):
+            # The run stopped and saved: a signal after this (a second Ctrl-C 10 ms behind the first, torchrun's
+            # SIGTERM), under an InterruptSignals still around it, must not end the run as one that never started
+            InterruptSignals.run_stopped = True
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -84,6 +88,8 @@ class InterruptSignals(StopSignals):
     waiting, and so that SIGTERM there ends the run with a line and status 143 as it does during training."""
 
     def _handle(self, signum: int, frame: object) -> None:
+        if InterruptSignals.run_stopped:  # ("interrupted ... before training started; no checkpoint was saved")
+            return
         if InterruptSignals.received is None:
             # A library may log the exception on its way through, traceback and all, or warn of it, then let it go
             # on up: torch's fake tensors log "failed while attempting to run meta for aten.sub.Tensor" when the
@@ -97,10 +103,11 @@ class InterruptSignals(StopSignals):
         raise Interrupted(signum)
 
     received: int | None = None  # the last signal that interrupted, for interrupting() to find behind a library
+    run_stopped = False  # a training loop inside has stopped on a signal and saved (StopSignals.__exit__)
     ended = 0  # how many times one has been left (insist_on_stop's watcher ends with the one it began under)
 
     def __enter__(self) -> Self:
-        InterruptSignals.received = None
+        InterruptSignals.received, InterruptSignals.run_stopped = None, False
         self._logging_was: int | None = None
         # Raised inside a callback Python calls on its own (a weak reference's, as torch.compile's caches keep), the
         # exception cannot stop anything and Python prints it as "Exception ignored in ...", a traceback: leave it
@@ -116,7 +123,7 @@ class InterruptSignals(StopSignals):
             raise
 
     def __exit__(self, *exc: object) -> None:
-        InterruptSignals.received = None  # what it received belongs to the work it guarded
+        InterruptSignals.received, InterruptSignals.run_stopped = None, False  # of the work it guarded
         InterruptSignals.ended += 1
         sys.unraisablehook = self._unraisable
         warnings.showwarning = self._showwarning
