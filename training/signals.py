@@ -123,13 +123,14 @@ class InterruptSignals(StopSignals):
             raise
 
     def __exit__(self, *exc: object) -> None:
-        InterruptSignals.received, InterruptSignals.run_stopped = None, False  # of the work it guarded
+        InterruptSignals.received = None  # what it received belongs to the work it guarded
         InterruptSignals.ended += 1
         sys.unraisablehook = self._unraisable
         warnings.showwarning = self._showwarning
         if self._logging_was is not None:
             logging.disable(self._logging_was)
         super().__exit__(*exc)
+        InterruptSignals.run_stopped = False  # once its handlers are back (StopSignals.__exit__ may set it)
 
     def _quiet_about_interrupts(self, unraisable: sys.UnraisableHookArgs) -> None:
         if not isinstance(unraisable.exc_value, Interrupted):
