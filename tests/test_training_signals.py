@@ -4,6 +4,7 @@ signal before training starts writes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import re
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -253,30 +254,101 @@ def test_a_signal_the_compiler_swallows_is_raised_again_until_the_run_stops(tmp_
     assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 
+def test_a_signal_the_compiler_swallows_while_the_blocks_compile_is_raised_again(tmp_path, capsys, monkeypatch):
+    # As above, on the path that compiles the model block by block (more micro-batches than the whole step unrolls):
+    # the stand-in catches the signal inside the blocks' trial forward and backward, and works on for a minute.
+    monkeypatch.setattr(training.engine, "cannot_compile", lambda device: None)
+    monkeypatch.setattr(training.signals, "INSIST_AFTER", 0.5)
+    caught: list[BaseException] = []
+
+    @contextlib.contextmanager
+    def compiling() -> Iterator[None]:
+        deadline, sent = time.monotonic() + 60, False
+        while time.monotonic() < deadline:
+            try:
+                if not sent:
+                    sent = True
+                    send(signal.SIGINT)
+                time.sleep(0.01)
+            except Exception as e:  # noqa: BLE001 - the library's
+                if caught:
+                    raise
+                caught.append(e)
+        yield
+
+    monkeypatch.setattr(training.engine, "compiler_log_quiet", compiling)
+    begun = time.monotonic()
+    code, out, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), tmp_path / "out"),
+                                       "train.compile=true", "train.grad_accum_steps=9"], capsys)
+    assert code == 130 and time.monotonic() - begun < 30, err
+    assert one_line(err) == "interrupted (SIGINT) before training started; no checkpoint was saved"
+    assert len(caught) == 1 and isinstance(caught[0], Interrupted)
+    assert "engine: compiling the model block by block" in out and "compiled block by block" not in out
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
 @pytest.mark.parametrize("signalled", [False, True])
 def test_the_watcher_that_insists_ends_with_its_guard_even_if_the_block_never_ended(monkeypatch, signalled):
     """A signal landing as insist_on_stop's block ends could cut its ending short, and the watcher then went on
     sending the signal, to handlers that no longer expected it, or waited for the next run's signal."""
     from training.signals import insist_on_stop
 
-    monkeypatch.setattr(training.signals, "INSIST_AFTER", 0.05)
+    # long enough that a stall of the loaded machine between the raise below and the InterruptSignals' end does not
+    # let the watcher raise it once more in the test's own code
+    monkeypatch.setattr(training.signals, "INSIST_AFTER", 0.5)
     strays: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: strays.append(signum))
     try:
         with InterruptSignals():
             block = insist_on_stop()
             block.__enter__()  # and never left, as a signal at the right moment could leave it
-            assert "tinychar-insist-on-stop" in [t.name for t in threading.enumerate()]
+            assert watchers() == 1
             if signalled:
                 with pytest.raises(Interrupted):
                     send(signal.SIGINT)
                 with pytest.raises(Interrupted):  # raised again while the block goes on
-                    time.sleep(5)
-        time.sleep(0.5)  # the InterruptSignals is gone: nothing more may come
+                    time.sleep(10)
+        wait_until(lambda: watchers() == 0)  # the InterruptSignals is gone: nothing more may come
+        time.sleep(0.2)
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert strays == [] and "tinychar-insist-on-stop" not in [t.name for t in threading.enumerate()]
+    assert strays == [] and watchers() == 0
     del block  # (its generator, closed now, ends nothing that is still running)
+
+
+def watchers() -> int:
+    """How many of insist_on_stop's watching threads are running."""
+    return [t.name for t in threading.enumerate()].count("tinychar-insist-on-stop")
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_a_signal_as_the_watcher_starts_ends_it_with_the_block_that_never_began(monkeypatch):
+    """A signal held while insist_on_stop started its watcher came out just after, before the block's try: the
+    watcher outlived it, raising the signal again every few seconds into the cleanup that followed (a log's close,
+    the lock's release) until the InterruptSignals ended."""
+    from training.signals import insist_on_stop
+
+    monkeypatch.setattr(training.signals, "INSIST_AFTER", 0.05)
+    real_start = threading.Thread.start
+
+    def start_then_signal(self: threading.Thread) -> None:
+        real_start(self)
+        if self.name == "tinychar-insist-on-stop":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # held by the start: taken after it
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_signal)
+    with InterruptSignals():
+        with pytest.raises(Interrupted), insist_on_stop():
+            pytest.fail("the block began")
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        wait_until(lambda: watchers() == 0, 2.0)
+        time.sleep(0.3)  # six of the watcher's turns, had it lived on: nothing is raised in the cleanup here
 
 
 def test_a_second_ctrl_c_just_after_the_stop_was_saved_changes_nothing(tmp_path, capsys, monkeypatch):
@@ -297,6 +369,25 @@ def test_a_second_ctrl_c_just_after_the_stop_was_saved_changes_nothing(tmp_path,
     assert code == 130
     assert one_line(err) == stop_line(out, 7)
     assert check_after_a_crash(out) == 7
+
+
+def test_a_ctrl_c_as_a_finished_run_gives_its_handlers_back_changes_nothing(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C just after the loop had trained to its end and saved (its handlers given back to the
+    InterruptSignals around it, the cleanup and the last line to come) ended the run with status 130 saying
+    "interrupted (SIGINT) before training started; no checkpoint was saved"."""
+    out = tmp_path / "out"
+    real_exit = StopSignals.__exit__
+
+    def exit_then_ctrl_c(self, *exc):
+        real_exit(self, *exc)
+        if type(self) is StopSignals:  # the loop's, not the InterruptSignals around it
+            send(signal.SIGINT)
+
+    monkeypatch.setattr(StopSignals, "__exit__", exit_then_ctrl_c)
+    code, out_text, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
+    assert code == 0, err
+    assert "done: step 20," in out_text
+    assert check_after_a_crash(out) == 20
 
 
 def test_a_second_and_third_ctrl_c_in_the_middle_of_the_save_change_nothing(tmp_path, capsys, monkeypatch):

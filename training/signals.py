@@ -66,10 +66,10 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.signal is not None or isinstance(exc[1] if len(exc) > 1 else None, Stopped):
-            # The run stopped and saved: a signal after this (a second Ctrl-C 10 ms behind the first, torchrun's
-            # SIGTERM), under an InterruptSignals still around it, must not end the run as one that never started
-            InterruptSignals.run_stopped = True
+        # The loop has ended: stopped on a signal and saved, trained to its end, or failed with a line of its own to
+        # say. A signal after this (a second Ctrl-C 10 ms behind the first, torchrun's SIGTERM, a Ctrl-C as the run
+        # finishes), under an InterruptSignals still around it, must not end the run as one that never started
+        InterruptSignals.loop_ended = True
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -88,8 +88,8 @@ class InterruptSignals(StopSignals):
     waiting, and so that SIGTERM there ends the run with a line and status 143 as it does during training."""
 
     def _handle(self, signum: int, frame: object) -> None:
-        if InterruptSignals.run_stopped:  # ("interrupted ... before training started; no checkpoint was saved")
-            return
+        if InterruptSignals.loop_ended:  # ("interrupted ... before training started; no checkpoint was saved")
+            return  # what is left is the run's cleanup (its last line, the lock), seconds at most
         if InterruptSignals.received is None:
             # A library may log the exception on its way through, traceback and all, or warn of it, then let it go
             # on up: torch's fake tensors log "failed while attempting to run meta for aten.sub.Tensor" when the
@@ -103,11 +103,11 @@ class InterruptSignals(StopSignals):
         raise Interrupted(signum)
 
     received: int | None = None  # the last signal that interrupted, for interrupting() to find behind a library
-    run_stopped = False  # a training loop inside has stopped on a signal and saved (StopSignals.__exit__)
+    loop_ended = False  # a training loop inside has ended, whichever way (StopSignals.__exit__)
     ended = 0  # how many times one has been left (insist_on_stop's watcher ends with the one it began under)
 
     def __enter__(self) -> Self:
-        InterruptSignals.received, InterruptSignals.run_stopped = None, False
+        InterruptSignals.received, InterruptSignals.loop_ended = None, False
         self._logging_was: int | None = None
         # Raised inside a callback Python calls on its own (a weak reference's, as torch.compile's caches keep), the
         # exception cannot stop anything and Python prints it as "Exception ignored in ...", a traceback: leave it
@@ -130,7 +130,7 @@ class InterruptSignals(StopSignals):
         if self._logging_was is not None:
             logging.disable(self._logging_was)
         super().__exit__(*exc)
-        InterruptSignals.run_stopped = False  # once its handlers are back (StopSignals.__exit__ may set it)
+        InterruptSignals.loop_ended = False  # once its handlers are back (StopSignals.__exit__ may set it)
 
     def _quiet_about_interrupts(self, unraisable: sys.UnraisableHookArgs) -> None:
         if not isinstance(unraisable.exc_value, Interrupted):
@@ -194,19 +194,20 @@ def insist_on_stop() -> Iterator[None]:
             signal.pthread_kill(main, signum)  # the latest signal, as the run would have ended on it
 
     watcher = threading.Thread(target=insist, name="tinychar-insist-on-stop", daemon=True)
-    with _stop_signals_held():  # so that no signal cuts the start in two
-        watcher.start()  # (the thread keeps them blocked: only the main thread takes them)
-    try:
+    try:  # started inside: a signal raised as it starts (or any time after) ends it here
+        with _stop_signals_held():  # those sent to this thread; the thread keeps them blocked
+            watcher.start()
         yield
     finally:
-        with _stop_signals_held():
-            done.set()
+        done.set()  # first: the watcher ends on it even if a signal cuts the join short
+        if watcher.is_alive():
             watcher.join()
 
 
 @contextmanager
 def _stop_signals_held() -> Iterator[None]:
-    """The stop signals held back while inside, in this thread; one sent meanwhile is taken at the end."""
+    """The stop signals held back while inside, in this thread; one sent to it meanwhile is taken at the end. Those
+    sent to the process (a terminal's Ctrl-C, kill) may still be taken by another thread and handled in this one."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, StopSignals.SIGNALS)
     try:
         yield
