@@ -23,11 +23,12 @@ from tqdm import tqdm
 
 from configs.userinput import shown
 
+from . import idsfile
 from .cache import find, meta_checksum, open_part, prune, reap_parts, unwritten
 from .cachekey import cache_dirs, cache_key
 from .config import DataConfig
 from .corpus import shakespeare_path
-from .idsfile import IN_MEMORY_BYTES, read_ids, settle
+from .idsfile import read_ids, settle
 from .notes import input_notes
 from .paths import LOG_PATH, DataError, quoted
 from .sources import FORMAT_VERSION, Inputs, Source, resolve_inputs
@@ -74,7 +75,9 @@ class Corpus:
         read in pieces, so the host never holds the whole corpus either.
         """
         device = torch.device(device)
-        if device.type == "cpu" or self.path is None or self.ids.numel() * self.ids.element_size() <= IN_MEMORY_BYTES:
+        # read_ids's own test of the size, read now (a test, a later version may change it): a map is read anew
+        if device.type == "cpu" or self.path is None or self.ids.numel() * self.ids.element_size() <= (
+                idsfile.IN_MEMORY_BYTES):
             return self.ids.to(device)
         return _read_ids(self.path, self.ids.dtype, self.n_tokens, device, crc32=self.crc32)
 

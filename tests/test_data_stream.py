@@ -410,6 +410,12 @@ def test_the_ids_of_a_large_corpus_are_a_memory_map_of_the_cache_file_not_a_copy
     assert train.data_ptr() == corpus.ids.data_ptr()
     assert val.data_ptr() == corpus.ids.data_ptr() + len(train) * corpus.ids.element_size()
 
+    # and for another device they are read from the file, not faulted in from the map page by page (meta: no GPU)
+    read: list[Path] = []
+    real_read = data.prepare._read_ids
+    monkeypatch.setattr(data.prepare, "_read_ids", lambda path, *a, **k: read.append(path) or real_read(path, *a, **k))
+    assert corpus.ids_on("meta").shape == corpus.ids.shape and read == [corpus.path]
+
 
 def test_ids_on_a_device_are_read_from_the_cache_file_in_pieces(tmp_path: Path) -> None:
     corpus = prepare(write(tmp_path / "t.txt", distinct_chars(300) * 3))
