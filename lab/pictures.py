@@ -63,7 +63,8 @@ def picture_target(path: str | Path) -> tuple[Path, str]:
     """Where a picture named path is written, and in which format (image_format): the file a symbolic link leads to,
     so that the link stays a link. ValueError, in words, where writing would lose something: a folder there, or
     anything but a picture or an empty file (a checkpoint, a run's .lock, a device such as /dev/null, a pipe),
-    which the rename that writes it would replace; or a loop of symbolic links on the way."""
+    which the rename that writes it would replace; the file this command's stdout or stderr goes to (output_stream);
+    or a loop of symbolic links on the way."""
     kind = image_format(path)
     try:
         target = resolved(path)
@@ -75,14 +76,39 @@ def picture_target(path: str | Path) -> tuple[Path, str]:
         raise ValueError(f"{e.strerror or type(e).__name__}; give another path") from None
     if folder:
         raise ValueError(f"it is a folder; give a file name such as {shown(str(target / 'attention.png'))}")
-    if there:
-        if not target.is_file():
-            raise ValueError("it is not a plain file (a device, a pipe or a socket), which the picture would "
-                             "replace; give a file name")
-        if target.stat().st_size and not is_picture(target):
-            raise ValueError("a file that is not a picture is there, which the picture would replace; give another "
-                             "name (or remove that file first)")
+    if there and not target.is_file():
+        raise ValueError("it is not a plain file (a device, a pipe or a socket), which the picture would replace; "
+                         "give a file name")
+    if (stream := output_stream(path, target)) is not None:  # a deleted file's /proc/self/fd/1 is not there
+        raise ValueError(f"it is where this command's output ({stream}) is written, which the picture would "
+                         f"replace; name a picture file")
+    if there and target.stat().st_size and not is_picture(target):
+        raise ValueError("a file that is not a picture is there, which the picture would replace; give another name "
+                         "(or remove that file first)")
     return target, kind
+
+
+def output_stream(path: str | Path, target: Path) -> str | None:
+    """'stdout' or 'stderr' where the file at path is the one this process writes that stream to, else None. The
+    shell makes the file of `> out.txt` empty before the command starts, and /dev/stdout leads to it: taken for an
+    empty file that a picture may replace, it became the picture, and what was printed went to the old, unlinked
+    file. Both the path and the file its links lead to are looked at: /proc/self/fd/1 of a deleted file resolves to
+    a name that is not there."""
+    files = set()
+    for name in (path, target):
+        try:
+            found = os.stat(name)
+        except (OSError, ValueError):  # not there; ValueError: a NUL in the name
+            continue
+        files.add((found.st_dev, found.st_ino))
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        try:
+            opened = os.fstat(fd)
+        except OSError:  # closed
+            continue
+        if (opened.st_dev, opened.st_ino) in files:
+            return stream
+    return None
 
 
 def check_picture_path(path: str | Path) -> Path:

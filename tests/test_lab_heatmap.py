@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -430,3 +431,31 @@ def test_a_picture_replaces_a_picture_or_an_empty_file_and_writes_through_a_link
     assert (tmp_path / "link.png").is_symlink()  # the link stays; the picture it leads to is the new one
     with Image.open(tmp_path / "link.png") as image:
         assert image.size != (2, 2)
+
+
+@contextlib.contextmanager
+def descriptor_into(fd: int, path: Path):
+    """Descriptor fd (1: stdout, 2: stderr) writing to the file at path, as the shell's `> path` leaves it."""
+    saved = os.dup(fd)
+    with open(path, "wb") as file:
+        os.dup2(file.fileno(), fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@pytest.mark.parametrize(("fd", "stream"), [(1, "stdout"), (2, "stderr")])
+def test_a_picture_never_replaces_the_file_the_commands_output_goes_to(tmp_path: Path, fd, stream):
+    # `sample.py --attention-map /dev/stdout > samples.txt`: the shell's empty samples.txt passed for an empty file a
+    # picture may replace; it became the picture, and the samples went to the old, unlinked file
+    out = tmp_path / "out.png"
+    for name in (f"/dev/{stream}", f"/proc/self/fd/{fd}", str(out)):
+        with descriptor_into(fd, out), pytest.raises(ValueError, match=re.escape(
+                f"it is where this command's output ({stream}) is written, which the picture would replace; name a "
+                f"picture file")):
+            save_attention_map(tiny(), ids_of("hear me"), VOCAB, name)
+        assert out.read_bytes() == b"" and list(tmp_path.iterdir()) == [out]
+    with descriptor_into(fd, tmp_path / "out.txt"):
+        assert picture_target(out) == (out, "PNG")  # another empty file: replaced as before

@@ -260,6 +260,22 @@ def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, 
     assert says in err
 
 
+def test_a_heatmap_onto_the_file_stdout_goes_to_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch):
+    # `lab sort --heatmap /dev/stdout > results.txt` trained, then wrote the picture over results.txt (the shell's
+    # empty file passed for one a picture may replace) and printed the results into the old, unlinked file
+    saved = os.dup(1)
+    with open(tmp_path / "results.txt", "wb") as results:
+        os.dup2(results.fileno(), 1)
+    try:
+        err = refused_before_training(["--steps", "1", "--heatmap", "/dev/stdout"], monkeypatch, capsys)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert err.startswith("error: --heatmap: cannot write the heatmap '/dev/stdout': it is where this command's "
+                          "output (stdout) is written"), err
+    assert (tmp_path / "results.txt").read_bytes() == b""
+
+
 def test_a_heatmap_whose_name_is_near_the_systems_limit_is_written(tmp_path, capsys):
     # Its temporary file, '.<name>.<pid>.part', was past the 255 bytes a name may have: refused after training
     path = tmp_path / ("é" * 123 + ".png")  # 250 bytes

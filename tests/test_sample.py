@@ -463,6 +463,24 @@ def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, ru
         assert image.size != (2, 2)
 
 
+def test_an_attention_map_onto_the_samples_own_file_is_refused_before_the_checkpoint_is_read(tmp_path):
+    # `--attention-map /dev/stdout > samples.txt` exited 0 with samples.txt a PNG: the shell's empty file passed for
+    # one a picture may replace, and the samples went to the old, unlinked file. A checkpoint that is not one shows
+    # the map is refused before anything is loaded.
+    (tmp_path / "model.pt").write_text("not a checkpoint\n", encoding="utf-8")
+    for stream in ("stdout", "stderr"):
+        with open(tmp_path / "samples.txt", "wb") as out:
+            done = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--checkpoint", str(tmp_path / "model.pt"),
+                                   "--attention-map", f"/dev/{stream}"],
+                                  stdout=out if stream == "stdout" else subprocess.DEVNULL,
+                                  stderr=out if stream == "stderr" else subprocess.PIPE, timeout=120, check=False)
+        said = (tmp_path / "samples.txt").read_bytes() if stream == "stderr" else done.stderr
+        assert done.returncode == 2 and said.decode() == (
+            f"error: --attention-map '/dev/{stream}': it is where this command's output ({stream}) is written, which "
+            f"the picture would replace; name a picture file\n")
+        assert stream == "stderr" or (tmp_path / "samples.txt").read_bytes() == b""
+
+
 def test_an_attention_map_into_a_folder_that_takes_no_file_is_refused_before_the_model_is_built(run, monkeypatch):
     # /proc takes no new file, root's included, for whom os.access allows everything: sample.py sampled, then failed
     monkeypatch.setattr(request, "model_from_checkpoint", lambda *a: pytest.fail("the model was built"))
