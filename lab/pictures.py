@@ -32,15 +32,31 @@ if TYPE_CHECKING:
 # Formats that hold icons of fixed sizes: a picture saved in them is not the picture drawn (measured, Pillow 13: a
 # 900 x 700 picture came back 256 x 199 from .ico and 1024 x 1024 from .icns).
 ICONS = {"ICO": "shrunk to at most 256 x 256 pixels", "ICNS": "stretched to a square"}
+# Names of formats that hold less than colour, which Pillow fills with the colour picture all the same, whatever the
+# name says (Pillow 13: a P6 pixmap in .pbm, .pgm and .pfm, an RGB SGI file in .bw). A heatmap's meaning is in its
+# colours (a grey cell is one the mask hides), so it is not made grey to fit them: the name is refused.
+LESS_THAN_COLOUR = {
+    ".pbm": ("a black-and-white bitmap", "a colour pixmap"),
+    ".pgm": ("a greyscale map", "a colour pixmap"),
+    ".pfm": ("a map of floating-point numbers", "a colour pixmap of bytes"),
+    ".bw": ("a greyscale SGI picture", "a colour one"),
+}
+# What Pillow decides from the name of the file it writes (a .j2k name gets the raw codestream, any other a JP2
+# container), given as options: write_picture hands it a file without a name (SAVE_OPTIONS).
+SAVE_OPTIONS = {".j2k": {"no_jp2": True}}
 
 
 def image_format(path: str | Path) -> str:
     """The Pillow format that a picture named path is written in: the one its extension names (map.jpg: JPEG), PNG
     for a name without one; ValueError, in words, for an extension Pillow cannot write, or writes only as an icon
-    (ICONS)."""
+    (ICONS), or writes as another kind of picture than the name says (LESS_THAN_COLOUR)."""
     suffix = Path(path).suffix.lower()
     if not suffix:
         return "PNG"
+    if suffix in LESS_THAN_COLOUR:
+        promised, written = LESS_THAN_COLOUR[suffix]
+        raise ValueError(f"a '{suffix}' file is {promised}, but Pillow writes {written} there whatever the name says; "
+                         f"name it .png (or .ppm, .jpg, .webp, .gif, ...)")
     Image.init()  # registers every plugin's extensions, not only the common ones loaded at import
     name = Image.registered_extensions().get(suffix)
     if name is None or name not in Image.SAVE:
@@ -52,7 +68,7 @@ def image_format(path: str | Path) -> str:
         raise ValueError(f"'{suffix}' is an icon format, which Pillow writes {ICONS[name]}, not as drawn; name it .png "
                          f"(or .jpg, .webp, .gif, ...)")
     try:  # some formats it writes only in other modes (.xbm: black and white), or only with a plugin (.h5)
-        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=name)
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=name, **SAVE_OPTIONS.get(suffix, {}))
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"Pillow cannot write '{suffix}' pictures in colour ({e}); name it .png (or .jpg, .webp, "
                          f".gif, ...)") from None
@@ -159,7 +175,11 @@ def write_picture(image: Image.Image, path: str | Path) -> Path:
     # named in 250 bytes, which check_heatmap lets through, failed here, after the work of drawing it.
     part = target.with_name(f".{os.fsdecode(os.fsencode(target.name)[:200])}.{os.getpid()}.part")
     try:
-        image.save(part, format=kind)
+        # A file without a name (its descriptor's number): given the temporary name, Pillow wrote that name into the
+        # picture's header (SGI) and took the format's variant from it (a .j2k got a JP2 container, not the raw
+        # codestream). So the picture is what image_format's test save made, the name's choices passed as options.
+        with open(os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666), "w+b") as file:
+            image.save(file, format=kind, **SAVE_OPTIONS.get(Path(path).suffix.lower(), {}))
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)

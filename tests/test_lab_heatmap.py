@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, features
 
 from lab import labels
 from lab.heatmap import (
@@ -27,7 +27,7 @@ from lab.heatmap import (
     value_ink,
     value_pixels,
 )
-from lab.pictures import image_format, log_image, picture_target
+from lab.pictures import image_format, log_image, picture_target, write_picture
 from model import GPT, GPTConfig
 
 VOCAB = list("\n !,.:?abcdefghijklmnopqrstuvwxyz")
@@ -363,6 +363,36 @@ def test_an_icon_format_is_refused_before_drawing(tmp_path: Path, name, says):
     with pytest.raises(ValueError, match="is an icon format"):
         save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not features.check("jpg_2000"), reason="Pillow built without OpenJPEG")
+def test_a_j2k_picture_is_the_raw_codestream_and_no_picture_holds_the_temporary_name(tmp_path: Path):
+    # Written through '.NAME.j2k.<pid>.part', a .j2k got a JP2 container (Pillow picks the codestream by the name's
+    # ending), and an SGI picture's header held that temporary name
+    image = Image.new("RGB", (6, 5), (200, 30, 60))
+    for name, starts in (("a.j2k", b"\xff\x4f\xff\x51"), ("a.jp2", b"\x00\x00\x00\x0cjP  \r\n\x87\n"),
+                         ("a.sgi", b"\x01\xda"), ("a.rgb", b"\x01\xda")):
+        written = write_picture(image, tmp_path / name).read_bytes()
+        assert written.startswith(starts) and b".part" not in written, name
+        expected = io.BytesIO()  # the format's bytes, nothing of the file's name in them
+        image.save(expected, format=image_format(name), no_jp2=name.endswith(".j2k"))
+        assert written == expected.getvalue(), name
+        with Image.open(tmp_path / name) as back:
+            assert back.mode == "RGB" and back.getpixel((0, 0)) == (200, 30, 60)
+
+
+@pytest.mark.parametrize(("name", "says"), [("map.pbm", "a black-and-white bitmap"), ("map.PGM", "a greyscale map"),
+                                            ("map.pfm", "a map of floating-point numbers"),
+                                            ("map.bw", "a greyscale SGI picture")])
+def test_a_name_that_promises_less_than_colour_is_refused_before_drawing(tmp_path: Path, name, says):
+    # Pillow wrote a colour pixmap (P6) into .pbm, .pgm and .pfm, and a colour SGI file into .bw, whatever the name
+    suffix = Path(name).suffix.lower()
+    with pytest.raises(ValueError, match=f"a '{suffix}' file is {says}, but Pillow writes a colour .*; name it .png"):
+        image_format(name)
+    with pytest.raises(ValueError, match="but Pillow writes a colour"):
+        save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+    assert image_format("map.ppm") == "PPM"  # the colour pixmap's own name
 
 
 @pytest.mark.parametrize("name", ["map.pdf", "map.PALM"])
