@@ -395,6 +395,18 @@ def test_a_name_that_promises_less_than_colour_is_refused_before_drawing(tmp_pat
     assert image_format("map.ppm") == "PPM"  # the colour pixmap's own name
 
 
+@pytest.mark.parametrize("name", ["é.im", "map.IM"])
+def test_a_format_pillow_is_dropping_is_refused_before_drawing(tmp_path: Path, name):
+    # .im with a name in other letters passed the check and failed after the drawing (lab sort: after the training):
+    # "'ascii' codec can't encode", Pillow writing the file's name into the format's ASCII header
+    with pytest.raises(ValueError, match=r"'.im' is a format Pillow is dropping \(deprecated, and gone in Pillow 15\), "
+                                         r".*; name it .png"):
+        image_format(name)
+    with pytest.raises(ValueError, match="Pillow is dropping"):
+        save_attention_map(tiny(), ids_of("hear me"), VOCAB, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["map.pdf", "map.PALM"])
 def test_a_format_pillow_cannot_read_back_is_refused_before_drawing(tmp_path: Path, name):
     # a .pdf was written once, and the same command then refused it: "a file that is not a picture is there"

@@ -251,7 +251,9 @@ def refused_before_training(argv: list[str], monkeypatch, capsys) -> str:
                                                       id="long-folder-name"),  # these two were a traceback
                                          # no new file, root's included (refused after training as root)
                                          pytest.param("/proc/map.png", "the folder '/proc' cannot be written",
-                                                      id="proc")])
+                                                      id="proc"),
+                                         # Pillow wrote the name into an ASCII header, and failed, after training
+                                         pytest.param("é.im", "'.im' is a format Pillow is dropping", id="im")])
 def test_an_unwritable_heatmap_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch, where, says):
     (tmp_path / "file").write_text("")
     (tmp_path / "folder").mkdir()
