@@ -30,7 +30,10 @@ def display_char(ch: str) -> str:
     """How a character is written on an axis: whitespace made visible, control characters escaped ('\r', '\x00'),
     and the characters that show nothing alone as their code point: a combining mark (a Devanagari vowel sign, an
     Arabic fatha: the font drew a dotted circle and a box, which the check for a missing glyph does not catch) or an
-    invisible one (U+200D, the joiner of emoji)."""
+    invisible one (U+200D, the joiner of emoji). The symbols themselves (a literal '→' in the text) are written as
+    their code points, U+2192: drawn as they are, they were the same figure as the whitespace they stand for."""
+    if ch in (SPACE, NEWLINE, TAB):
+        return f"U+{ord(ch):04X}"
     if ch == " ":
         return SPACE
     if ch == "\n":

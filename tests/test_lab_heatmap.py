@@ -222,6 +222,16 @@ def test_whitespace_and_control_characters_are_visible():
     assert image.mode == "RGB"
 
 
+def test_the_whitespace_symbols_written_in_the_text_are_labelled_apart_from_whitespace():
+    # a real '→' in the text was labelled as a tab is, and '␣', '↵' as a space and a newline: the same drawn figure
+    axis_font = labels.fonts(20)[0]
+    shown = {c: labels.legible(axis_font, display_char(c)) for c in " \n\t␣↵→"}
+    assert [shown[c] for c in " \n\t"] == [labels.SPACE, labels.NEWLINE, labels.TAB]  # drawn as line figures
+    assert [shown[c] for c in "␣↵→"] == ["U+2423", "U+21B5", "U+2192"]
+    assert len(set(shown.values())) == 6
+    render_attention_grid(causal_weights(1, 1, 6), list(" \n\t␣↵→"))
+
+
 def test_combining_marks_and_invisible_characters_are_labelled_by_their_code_points():
     # A Devanagari vowel sign or virama was drawn as a dotted circle and a box (the missing-glyph check does not
     # catch a lone mark), a joiner as '\u200d' beside the U+ codes of the rest
