@@ -31,11 +31,20 @@ OTHER_NAMES = {
 }
 
 
-def nearest(key: str, candidates: list[str]) -> str | None:
+# sample.py's own options, which train.py does not take: told where they belong, not taken for the setting nearest in
+# spelling (--attention-map was model.attention=x.png, --max-new-tokens train.max_iters, --prompt model.dropout).
+SAMPLE_OPTIONS = ("--attention-map", "--attention-values", "--prompt", "--prompt-file", "--num-samples",
+                  "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--checkpoint", "--stream", "--no-cache")
+# How close an option's spelling must be to a setting's to be offered as the one meant: at the 0.6 that a misspelt
+# key gets, a name far from every setting got one all the same (--stream: train.threads, --logdir: out_dir).
+OPTION_CUTOFF = 0.7
+
+
+def nearest(key: str, candidates: list[str], cutoff: float = 0.6) -> str | None:
     """The valid key a misspelt one most likely meant: another trainer's name for it (OTHER_NAMES), a key whose last
     part it ends in (learning_rate: train.learning_rate), the closest spelling among its own section's keys (the
     section's name in common made train.adam look like train.threads), else the closest whole dotted key (a
-    misspelt section: trian.max_iters) or last part."""
+    misspelt section: trian.max_iters) or last part; a spelling counts as close from cutoff (difflib's ratio) up."""
     section, _, last = key.rpartition(".")
     if OTHER_NAMES.get(last.lower()) in candidates:
         return OTHER_NAMES[last.lower()]
@@ -44,27 +53,40 @@ def nearest(key: str, candidates: list[str]) -> str | None:
         return same[0]
     if section and any(c.startswith(section + ".") for c in candidates):
         by_last = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == section}
-        match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.6)
+        match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=cutoff)
         return by_last[match[0]] if match else None
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=cutoff)
     if match:
         return match[0]
     by_last = {c.rpartition(".")[2]: c for c in candidates}
-    match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.6)
+    match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=cutoff)
     return by_last[match[0]] if match else None
 
 
 def option_as_setting(argv: list[str], keys: list[str], options: set[str]) -> str:
     """For a setting written as an option (--max_iters 3, --train.max_iters=3), which argparse calls an unrecognized
-    argument: '; ...' saying how it is written (train.max_iters=3), or '' for nothing of the kind in argv. options:
-    the command's own options, which are no settings; keys: the valid dotted keys."""
+    argument: '; ...' saying how it is written (train.max_iters=3), or where an option of sample.py belongs
+    (SAMPLE_OPTIONS), or '' for nothing of the kind in argv. options: the command's own options, which are no
+    settings; keys: the valid dotted keys."""
     for at, word in enumerate(argv):
         name, equals, value = word[2:].partition("=")
         if not word.startswith("--") or not name or word.partition("=")[0] in options:
             continue
+        if word.partition("=")[0] in SAMPLE_OPTIONS:
+            return sample_option_hint(word.partition("=")[0])
         if not equals and at + 1 < len(argv) and not argv[at + 1].startswith("-") and "=" not in argv[at + 1]:
             value = argv[at + 1]
-        key = name.replace("-", "_") if name.replace("-", "_") in keys else nearest(name.replace("-", "_"), keys)
+        key = name.replace("-", "_")
+        key = key if key in keys else nearest(key, keys, cutoff=OPTION_CUTOFF)
         if key is not None:
             return f"; settings are KEY=VALUE words, not options: {key}={shown(value or 'VALUE', 40)}"
     return ""
+
+
+def sample_option_hint(option: str) -> str:
+    """'; ...' for one of sample.py's options given to train.py: where it belongs."""
+    if option.startswith("--attention-"):
+        return ("; train.py logs the attention grid to TensorBoard; for a picture file use python sample.py --out-dir "
+                "RUN --attention-map FILE")
+    return (f"; {option} is an option of sample.py, which samples a trained run: python sample.py --out-dir RUN "
+            f"{option} ...")

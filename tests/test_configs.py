@@ -12,6 +12,7 @@ import yaml
 from conftest import ROOT
 
 from configs import ConfigError, apply_overrides, build, coerce, flatten, load_yaml, to_dict, valid_keys
+from configs.names import option_as_setting
 from configs.userinput import shown
 from model import GPT
 from training.config import RunConfig, load_config
@@ -393,3 +394,56 @@ def test_valid_keys_are_the_dotted_leaves_and_build_refuses_a_derived_one():
         build(RunConfig, {"model": {"vocab_size": 10}})
     with pytest.raises(ConfigError, match="model.vocab_size"):
         apply_overrides({}, ["model.vocab_size=10"], RunConfig)
+
+
+def test_an_option_of_sample_py_given_to_train_py_says_where_it_belongs(capsys):
+    # `train.py --attention-map x.png` was told "settings are KEY=VALUE words, not options: model.attention=x.png",
+    # which only gave a second error; --max-new-tokens was taken for train.max_iters, --prompt for model.dropout
+    import train
+
+    with pytest.raises(SystemExit) as exited:
+        train.parse_args(["--attention-map", "x.png"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: unrecognized arguments: --attention-map; train.py logs the attention grid to TensorBoard; for a "
+        "picture file use python sample.py --out-dir RUN --attention-map FILE (see train.py --help)\n")
+    keys, own = valid_keys(RunConfig), {"--config", "--resume", "--overwrite", "--out-dir", "-h", "--help"}
+    assert option_as_setting(["--attention-values"], keys, own) == option_as_setting(["--attention-map=a"], keys, own)
+    for option in ("--max-new-tokens", "--prompt", "--num-samples", "--stream", "--prompt-file"):
+        assert option_as_setting([option, "5"], keys, own) == (
+            f"; {option} is an option of sample.py, which samples a trained run: python sample.py --out-dir RUN "
+            f"{option} ...")
+
+
+def test_sample_options_are_the_options_of_sample_py_that_train_py_lacks(monkeypatch):
+    import sample
+    import train
+    from configs.names import SAMPLE_OPTIONS
+    from configs.userinput import OneLineParser
+
+    class Parsed(Exception):
+        pass
+
+    def options(parser: OneLineParser, argv: list[str]) -> None:
+        raise Parsed(set(parser._option_string_actions))
+
+    monkeypatch.setattr(OneLineParser, "parse_args", options)
+    monkeypatch.setattr(OneLineParser, "parse_intermixed_args", options)
+    found = []
+    for module in (sample, train):
+        with pytest.raises(Parsed) as parsed:
+            module.parse_args([])
+        found.append(parsed.value.args[0])
+    sampling, training = found
+    settings = {"--" + key.rpartition(".")[2].replace("_", "-") for key in valid_keys(RunConfig)}
+    assert {"--seed", "--device", "--compile"} <= settings  # sample.py's, and settings of train.py's: seed=3
+    assert set(SAMPLE_OPTIONS) == sampling - training - settings
+
+
+def test_an_option_far_from_every_setting_gets_no_guess_and_a_near_one_still_does():
+    keys, own = valid_keys(RunConfig), {"--config"}
+    for far in ("--logdir", "--heatmap", "--resume-from", "--sample"):  # were out_dir, -, -, train.sample_chars
+        assert option_as_setting([far, "x"], keys, own) == "", far
+    for near, setting in (("--optim", "train.optimizer"), ("--learning-rat", "train.learning_rate"),
+                          ("--blocksize", "model.block_size"), ("--lr", "train.learning_rate"), ("--seed", "seed")):
+        assert option_as_setting([near, "3"], keys, own) == f"; settings are KEY=VALUE words, not options: {setting}=3"
