@@ -20,6 +20,11 @@ from typing import NamedTuple
 
 if not __package__:  # run as a file (python lab/sort.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # python lab/sort.py, python -m lab.sort: started as python -m lab sort is, before
+    # torch loads (a Ctrl-C while it loaded was a traceback; stdout was not made to take any text)
+    from lab.__main__ import main as lab_main
+
+    raise SystemExit(lab_main(["sort", *sys.argv[1:]]))
 
 import torch
 
@@ -393,7 +398,3 @@ def report(args: object, cfg: SortConfig, lengths: list[int], heatmap: str, writ
         log_result(writer, result, image, cfg)
         print(f"TensorBoard: {shell_word(str(args.logdir))}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

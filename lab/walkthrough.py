@@ -19,6 +19,11 @@ from collections.abc import Sequence
 
 if not __package__:  # run as a file (python lab/walkthrough.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # python lab/walkthrough.py, python -m lab.walkthrough: started as python -m lab notes is,
+    # before torch loads (a Ctrl-C while it loaded was a traceback; stdout was not made to take any text)
+    from lab.__main__ import main as lab_main
+
+    raise SystemExit(lab_main(["notes", *sys.argv[1:]]))
 
 import torch
 
@@ -293,7 +298,3 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum
     except OSError as e:
         return output_failed(e)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -532,3 +532,41 @@ def test_a_full_disk_under_the_tensorboard_logs_is_one_line_about_them(tmp_path,
     assert code == 1
     assert err == (f"error: cannot write TensorBoard logs into '{shown(logs)}' (No space left on device); give "
                    f"--logdir a folder with room, or leave it out\n")
+
+
+# Interrupts the first import of torch, as a Ctrl-C 0.6 s after the start did: loaded by Python at its start from
+# PYTHONPATH, before the command's own code
+INTERRUPT_TORCH_IMPORT = '''
+import importlib.abc, os, signal, sys
+
+class Interrupting(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupting())
+'''
+
+
+@pytest.mark.parametrize("command", [["lab/sort.py"], ["-m", "lab.sort"], ["lab/walkthrough.py"],
+                                     ["-m", "lab.walkthrough"]], ids=" ".join)
+def test_a_lab_command_run_as_its_file_or_module_is_stopped_while_starting_in_one_line(command, tmp_path):
+    # It skipped python -m lab's startup: a KeyboardInterrupt traceback from inside torch's import
+    (tmp_path / "sitecustomize.py").write_text(INTERRUPT_TORCH_IMPORT)
+    done = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert (done.returncode, done.stderr) == (130, "interrupted (SIGINT) while starting; nothing was done\n")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("command", [["lab/sort.py"], ["-m", "lab.sort"]], ids=" ".join)
+def test_a_heatmap_name_stdout_cannot_encode_is_written_and_said_when_run_as_a_file(command, tmp_path):
+    # PYTHONIOENCODING=latin-1 python lab/sort.py --heatmap .../中.png: a UnicodeEncodeError traceback, exit 1
+    path = tmp_path / "中.png"
+    done = subprocess.run([sys.executable, *command, "--steps", "1", "--batch-size", "4", "--heatmap", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONIOENCODING": "latin-1"}, encoding="latin-1")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert path.exists() and "heatmap: " in done.stdout
