@@ -32,6 +32,7 @@ from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
 from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
+from lab.sort_options import contradiction
 from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
 from lab.sort_task import Batch, PaddingCheck, evaluate, padding_check, sorting_batch, sorting_loss
 from model.config import short_int
@@ -263,35 +264,6 @@ def parser() -> OneLineParser:
                    help="print accuracy by length with and without attention (GRU) instead of one run")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="lengths for --bottleneck (default 8 16)")
     return p
-
-
-def contradiction(args: object) -> str | None:
-    """What in the options asks for something the run would not do (a flag it would ignore), in words; or None."""
-    given = {name for name in ("score", "length", "lengths", "heatmap", "logdir", "min_length")
-             if getattr(args, name) is not None}
-    if args.bottleneck:
-        if args.model == "transformer":
-            return "--bottleneck compares the GRU with and without attention; leave out --model transformer"
-        if args.no_attention:
-            return "--bottleneck runs the GRU both with and without attention; leave out --no-attention"
-        for name, why in (("length", "takes its lengths from --lengths"), ("heatmap", "prints a table and draws no "
-                          "heatmap"), ("logdir", "prints a table and logs nothing to TensorBoard"),
-                          ("min_length", "runs each of --lengths unpadded")):
-            if name in given:
-                return f"--bottleneck {why}; leave out --{name.replace('_', '-')}"
-        if args.no_padding_mask:
-            return "--bottleneck runs each of --lengths unpadded; leave out --no-padding-mask"
-        return None
-    if "lengths" in given:
-        return "--lengths is for --bottleneck's table; give one run its length with --length"
-    if "score" in given and args.model == "transformer":
-        return ("--score is the GRU's attention score, and the transformer's attention is its own (scaled dot "
-                "product); leave out --score")
-    if "score" in given and args.no_attention:
-        return "--score scores the GRU's attention, which --no-attention leaves out; give one of them"
-    if "heatmap" in given and args.no_attention:
-        return "--no-attention has no attention to draw a heatmap of; leave out --heatmap"
-    return None
 
 
 # The options that set SortConfig's fields: its checks name the fields, the command line's refusals the options.

@@ -1,0 +1,43 @@
+"""The command line of `python -m lab sort` and what it refuses before training, each in one line: options that ask
+for something the run would not do."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if not __package__:  # run as a file (python lab/sort_options.py): the project's packages are one folder up
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # functions, not a command: said at once
+    from lab import not_a_command
+
+    raise SystemExit(not_a_command("lab/sort_options.py"))
+
+
+def contradiction(args: object) -> str | None:
+    """What in the options asks for something the run would not do (a flag it would ignore), in words; or None."""
+    given = {name for name in ("score", "length", "lengths", "heatmap", "logdir", "min_length")
+             if getattr(args, name) is not None}
+    if args.bottleneck:
+        if args.model == "transformer":
+            return "--bottleneck compares the GRU with and without attention; leave out --model transformer"
+        if args.no_attention:
+            return "--bottleneck runs the GRU both with and without attention; leave out --no-attention"
+        for name, why in (("length", "takes its lengths from --lengths"), ("heatmap", "prints a table and draws no "
+                          "heatmap"), ("logdir", "prints a table and logs nothing to TensorBoard"),
+                          ("min_length", "runs each of --lengths unpadded")):
+            if name in given:
+                return f"--bottleneck {why}; leave out --{name.replace('_', '-')}"
+        if args.no_padding_mask:
+            return "--bottleneck runs each of --lengths unpadded; leave out --no-padding-mask"
+        return None
+    if "lengths" in given:
+        return "--lengths is for --bottleneck's table; give one run its length with --length"
+    if "score" in given and args.model == "transformer":
+        return ("--score is the GRU's attention score, and the transformer's attention is its own (scaled dot "
+                "product); leave out --score")
+    if "score" in given and args.no_attention:
+        return "--score scores the GRU's attention, which --no-attention leaves out; give one of them"
+    if "heatmap" in given and args.no_attention:
+        return "--no-attention has no attention to draw a heatmap of; leave out --heatmap"
+    return None
