@@ -314,6 +314,8 @@ def checked_run(p: OneLineParser, args: object) -> int:
                              "or to /dev/null instead of closing it")
         if args.logdir == "":
             raise ValueError("--logdir is empty; give the folder for TensorBoard's logs (or leave it out)")
+        # '~' is the home folder, as in sample.py's and train.py's paths (the shell leaves --heatmap=~/s.png alone)
+        args.heatmap, args.logdir = (path and os.path.expanduser(path) for path in (args.heatmap, args.logdir))
         cfg = config_from(args)
         lengths = args.lengths if args.lengths is not None else [8, 16]
         if args.bottleneck and (bad := next((n for n in lengths if not 0 < n < 2**63), None)) is not None:

@@ -570,3 +570,17 @@ def test_a_heatmap_name_stdout_cannot_encode_is_written_and_said_when_run_as_a_f
                           env={**os.environ, "PYTHONIOENCODING": "latin-1"}, encoding="latin-1")
     assert (done.returncode, done.stderr) == (0, "")
     assert path.exists() and "heatmap: " in done.stdout
+
+
+def test_a_tilde_after_an_options_equals_sign_is_the_home_folder(tmp_path, capsys, monkeypatch):
+    # --heatmap=~/s.png and --logdir=~/tb, whose '~' the shell leaves alone, made a folder named '~' where the run was
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap=~/maps/s.png", "--logdir=~/tb"]) == 0
+    assert list(work.iterdir()) == []
+    assert (home / "maps" / "s.png").is_file() and any((home / "tb").iterdir())
+    lines = capsys.readouterr().out.splitlines()
+    assert f"heatmap: {home}/maps/s.png" in lines and f"TensorBoard: {home}/tb" in lines
