@@ -32,7 +32,7 @@ from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
 from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
-from lab.sort_options import contradiction
+from lab.sort_options import check_apart, contradiction
 from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
 from lab.sort_task import Batch, PaddingCheck, evaluate, padding_check, sorting_batch, sorting_loss
 from model.config import short_int
@@ -326,6 +326,7 @@ def checked_run(p: OneLineParser, args: object) -> int:
         heatmap = args.heatmap if args.heatmap is not None else default_heatmap(cfg)
         if not args.bottleneck and not args.no_attention:  # the runs that draw a heatmap
             check_heatmap(heatmap)
+            check_apart(heatmap, args.logdir)
         writer = None if args.bottleneck else tensorboard_writer(args.logdir)
     except ValueError as e:
         p.error(str(e))

@@ -1,5 +1,5 @@
 """The command line of `python -m lab sort` and what it refuses before training, each in one line: options that ask
-for something the run would not do."""
+for something the run would not do, and paths that would be in each other's way."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ if __name__ == "__main__":  # functions, not a command: said at once
     from lab import not_a_command
 
     raise SystemExit(not_a_command("lab/sort_options.py"))
+
+from configs.userinput import shown
 
 
 def contradiction(args: object) -> str | None:
@@ -41,3 +43,17 @@ def contradiction(args: object) -> str | None:
     if "heatmap" in given and args.no_attention:
         return "--no-attention has no attention to draw a heatmap of; leave out --heatmap"
     return None
+
+
+def check_apart(heatmap: str, logdir: str | None) -> None:
+    """ValueError in one line when --logdir is at --heatmap's path or under it: the logs' folder, made before
+    training, would stand where the picture is written after it. A heatmap inside the logs' folder is fine."""
+    if logdir is None:
+        return
+    picture, logs = os.path.realpath(heatmap), os.path.realpath(logdir)  # ./, ../ and links as the system takes them
+    if logs == picture:
+        raise ValueError(f"--heatmap and --logdir name the same path, '{shown(heatmap)}', and the logs' folder would "
+                         f"stand where the picture goes; give them different paths")
+    if logs.startswith(picture.rstrip(os.sep) + os.sep):
+        raise ValueError(f"--logdir is inside --heatmap's path, '{shown(heatmap)}', which would have to be a folder "
+                         f"for it; give the heatmap another name, or the logs another folder")

@@ -584,3 +584,22 @@ def test_a_tilde_after_an_options_equals_sign_is_the_home_folder(tmp_path, capsy
     assert (home / "maps" / "s.png").is_file() and any((home / "tb").iterdir())
     lines = capsys.readouterr().out.splitlines()
     assert f"heatmap: {home}/maps/s.png" in lines and f"TensorBoard: {home}/tb" in lines
+
+
+@pytest.mark.parametrize(("logdir", "says"), [
+    ("D/h.png", "--heatmap and --logdir name the same path"),
+    ("D/h.png/logs", "--logdir is inside --heatmap's path, '"),
+    ("D/./h.png/../h.png/tb/logs", "--logdir is inside --heatmap's path"),
+])
+def test_a_logdir_at_the_heatmaps_path_or_under_it_is_refused_before_training(logdir, says, tmp_path, capsys,
+                                                                             monkeypatch):
+    # the logs' folder was made there, and the heatmap refused after training for the folder in its way
+    err = refused_before_training(["--steps", "1", "--heatmap", str(tmp_path / "D/h.png"), "--logdir",
+                                   str(tmp_path / logdir)], monkeypatch, capsys)
+    assert err.startswith(f"error: {says}") and list(tmp_path.iterdir()) == []
+
+
+def test_a_heatmap_inside_the_logdir_is_written_there(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(logs / "h.png"), "--logdir", str(logs)]) == 0
+    assert (logs / "h.png").is_file() and any(p.name.startswith("events.out.tfevents.") for p in logs.iterdir())
