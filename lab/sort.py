@@ -32,7 +32,7 @@ from configs.userinput import OneLineParser, shell_word, shown
 from lab import output_failed
 from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
-from lab.sort_options import check_apart, contradiction
+from lab.sort_options import check_apart, check_lengths, contradiction
 from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
 from lab.sort_task import Batch, PaddingCheck, evaluate, padding_check, sorting_batch, sorting_loss
 from model.config import short_int
@@ -318,8 +318,8 @@ def checked_run(p: OneLineParser, args: object) -> int:
         args.heatmap, args.logdir = (path and os.path.expanduser(path) for path in (args.heatmap, args.logdir))
         cfg = config_from(args)
         lengths = args.lengths if args.lengths is not None else [8, 16]
-        if args.bottleneck and (bad := next((n for n in lengths if not 0 < n < 2**63), None)) is not None:
-            raise ValueError(f"--lengths must be from 1 to 2**63 - 1, got {bad}")  # as SortConfig checks --length
+        if args.bottleneck:
+            check_lengths(lengths, cfg.steps, MAX_STEPS)
         # before any allocation: the longest run, where the kernel would otherwise step in (or torch, in a traceback)
         check_memory(replace(cfg, model="gru", length=max(lengths)) if args.bottleneck else cfg,
                      "--lengths" if args.bottleneck else "--length")

@@ -1,5 +1,5 @@
 """The command line of `python -m lab sort` and what it refuses before training, each in one line: options that ask
-for something the run would not do, and paths that would be in each other's way."""
+for something the run would not do, paths that would be in each other's way, and --bottleneck's lengths."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def check_apart(heatmap: str, logdir: str | None) -> None:
     if logs.startswith(picture.rstrip(os.sep) + os.sep):
         raise ValueError(f"--logdir is inside --heatmap's path, '{shown(heatmap)}', which would have to be a folder "
                          f"for it; give the heatmap another name, or the logs another folder")
+
+
+def check_lengths(lengths: list[int], steps: int, max_steps: int) -> None:
+    """ValueError in one line when --bottleneck's lengths cannot be run: one out of range, one given twice, or so
+    many that their runs, two a length of steps each, would take more than max_steps in all (the most steps of one
+    run, there to keep a command to about an hour)."""
+    if (bad := next((n for n in lengths if not 0 < n < 2**63), None)) is not None:
+        raise ValueError(f"--lengths must be from 1 to 2**63 - 1, got {bad}")  # as SortConfig checks --length
+    if (twice := next((n for i, n in enumerate(lengths) if n in lengths[:i]), None)) is not None:
+        raise ValueError(f"--lengths names {twice} twice; give each length once")
+    if (total := len(lengths) * 2 * steps) > max_steps:
+        raise ValueError(f"--lengths and --steps ask for {len(lengths):,} lengths x 2 runs x {steps:,} steps = "
+                         f"{total:,} steps, past the {max_steps:,} one command may take (about an hour); give fewer "
+                         f"lengths or fewer --steps")

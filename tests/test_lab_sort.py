@@ -603,3 +603,26 @@ def test_a_heatmap_inside_the_logdir_is_written_there(tmp_path, capsys):
     logs = tmp_path / "logs"
     assert main(["--steps", "1", "--batch-size", "4", "--heatmap", str(logs / "h.png"), "--logdir", str(logs)]) == 0
     assert (logs / "h.png").is_file() and any(p.name.startswith("events.out.tfevents.") for p in logs.iterdir())
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--lengths", "8", "16", "8"], "error: --lengths names 8 twice; give each length once"),
+    # 5,000 lengths x 2 runs x 100,000 steps ran on
+    (["--steps", "100000", "--lengths", *map(str, range(1, 5001))], "error: --lengths and --steps ask for 5,000 "
+     "lengths x 2 runs x 100,000 steps = 1,000,000,000 steps, past the 100,000 one command may take"),
+    (["--lengths", *map(str, range(1, 201))], "= 160,000 steps, past the 100,000"),  # the default 400 steps
+    (["--steps", "25001", "--lengths", "8", "16"], "= 100,004 steps, past the 100,000"),
+])
+def test_bottleneck_s_lengths_repeated_or_past_the_steps_of_one_command_are_refused_before_training(argv, says,
+                                                                                                     capsys,
+                                                                                                     monkeypatch):
+    err = refused_before_training(["--bottleneck", *argv], monkeypatch, capsys)
+    assert err.startswith("error: --lengths ") and says in err and len(err) < 250, err
+
+
+def test_bottleneck_s_lengths_within_the_steps_of_one_command_are_run(capsys, monkeypatch):
+    tables = []
+    monkeypatch.setattr(lab.sort, "bottleneck_table", lambda cfg, lengths: tables.append((cfg.steps, lengths)) or [])
+    assert main(["--bottleneck", "--steps", "25000", "--lengths", "8", "16"]) == 0
+    assert main(["--bottleneck", "--lengths", *map(str, range(1, 126))]) == 0  # 125 x 2 x 400 steps
+    assert tables == [(25000, [8, 16]), (400, list(range(1, 126)))]
