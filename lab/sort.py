@@ -258,7 +258,8 @@ def parser() -> OneLineParser:
                    help="seed for the weights and the random sequences; the same seed gives the same run (default 0)")
     p.add_argument("--heatmap", default=None,
                    help="the picture to write, in the format its extension names, PNG without one (default "
-                        "sort_<model>_<attention>.png); missing folders on its path are made")
+                        "sort_<model>_<attention>.png, and the lengths, padding mask and digits where they are not the "
+                        "default: sort_gru_additive_attention_len2-8_nomask.png); missing folders on its path are made")
     p.add_argument("--logdir", default=None, help="also log loss, accuracy and the heatmap to TensorBoard here")
     p.add_argument("--bottleneck", action="store_true",
                    help="print accuracy by length with and without attention (GRU) instead of one run")

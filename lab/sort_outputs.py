@@ -101,7 +101,16 @@ def log_result(writer: object, result: SortResult, image: object | None, cfg: So
 
 
 def default_heatmap(cfg: SortConfig) -> str:
-    if cfg.model == "transformer":
-        return "sort_transformer_cross_attention.png"
-    return f"sort_gru_{cfg.score}_attention.png"
+    """The heatmap's name when --heatmap is left out: the model and its attention, then what the task has other
+    than the default (sort_gru_additive_attention_len2-8_nomask.png), so that a run made to compare with another,
+    such as --no-padding-mask, does not write over its picture."""
+    name = "sort_transformer_cross_attention" if cfg.model == "transformer" else f"sort_gru_{cfg.score}_attention"
+    default = type(cfg)()
+    if cfg.padded:
+        name += f"_len{cfg.min_length}-{cfg.length}" + ("" if cfg.padding_mask else "_nomask")
+    elif cfg.length != default.length:
+        name += f"_len{cfg.length}"
+    if cfg.digits != default.digits:
+        name += f"_digits{cfg.digits}"
+    return f"{name}.png"
 

@@ -170,3 +170,24 @@ def test_padding_options_that_cannot_be_taken_are_one_line_before_training(argv,
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and says in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_heatmap_names_differ_with_the_lengths_the_padding_mask_and_the_digits(tmp_path, capsys,
+                                                                                            monkeypatch):
+    # --no-padding-mask, "to compare", wrote over the masked run's picture: the name said only the model
+    from lab.sort_outputs import default_heatmap
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--steps", "1", "--batch-size", "4", "--min-length", "2"]) == 0
+    assert main(["--steps", "1", "--batch-size", "4", "--min-length", "2", "--no-padding-mask"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sort_gru_additive_attention_len2-8.png",
+                                                          "sort_gru_additive_attention_len2-8_nomask.png"]
+    assert default_heatmap(SortConfig()) == "sort_gru_additive_attention.png"  # the names the README gives
+    assert default_heatmap(SortConfig(model="transformer")) == "sort_transformer_cross_attention.png"
+    names = {default_heatmap(cfg) for cfg in (
+        SortConfig(), SortConfig(score="dot"), SortConfig(min_length=8), SortConfig(length=12),
+        SortConfig(length=12, min_length=3), SortConfig(digits=50), SortConfig(length=16, digits=50),
+        SortConfig(model="transformer", min_length=2), SortConfig(model="transformer", digits=50),
+        SortConfig(model="transformer", min_length=2, padding_mask=False))}
+    assert len(names) == 9  # min_length=8 of length 8 is no padding: the default run
+    assert "sort_gru_additive_attention_len16_digits50.png" in names
