@@ -34,7 +34,7 @@ from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
 from lab.sort_options import check_apart, check_lengths, contradiction
 from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_of, log_result, tensorboard_writer
-from lab.sort_task import Batch, PaddingCheck, evaluate, padding_check, sorting_batch, sorting_loss
+from lab.sort_task import Batch, PaddingCheck, decode, padding_check, sorting_batch, sorting_loss
 from model.config import short_int
 from training.memory import allocatable_bytes, whose_memory
 from training.signals import Interrupted, InterruptSignals
@@ -212,6 +212,7 @@ class SortResult(NamedTuple):
     seconds: float  # training time
     example: torch.Tensor  # (T,) the first held-out sequence (with padding, the first padded one)
     weights: torch.Tensor | None  # (T_out, T_in) attention while decoding it; None without attention
+    answer: torch.Tensor  # (T,) the model's greedy answer to it, the one the attention was taken writing
     padding: PaddingCheck | None = None  # the held-out sequences decoded alone, without padding; None: no padding
 
 
@@ -222,11 +223,11 @@ def run(cfg: SortConfig, writer: object | None = None) -> SortResult:
     train(model, cfg, writer)
     seconds = time.perf_counter() - start
     batch = held_out(cfg)
-    accuracy, weights = evaluate(model, batch)
+    accuracy, answers, weights = decode(model, batch)
     padding = padding_check(model, batch) if cfg.padded else None
     shown_row = int((batch.src == cfg.digits).any(dim=-1).long().argmax())  # the first padded row, else row 0
     return SortResult(model, accuracy, seconds, batch.src[shown_row], None if weights is None else weights[shown_row],
-                      padding)
+                      answers[shown_row], padding)
 
 
 def bottleneck_table(base: SortConfig, lengths: list[int]) -> list[tuple[int, float, float]]:

@@ -39,18 +39,22 @@ def describe(cfg: SortConfig) -> str:
 
 
 def heatmap_of(result: SortResult, cfg: SortConfig) -> object:
-    """The picture of one decoding: output digits down the side, input digits along the top. A padded input's
-    padding has its columns (labelled _): grey where the padding mask hides them, coloured with what leaks there
-    without it; the rows are its digits' outputs only."""
+    """The picture of one decoding: the model's output digits down the side (each digit it got wrong followed by the
+    right one in brackets, '6 (1)'), input digits along the top. A padded input's padding has its columns (labelled
+    _): grey where the padding mask hides them, coloured with what leaks there without it; the rows are its digits'
+    outputs only."""
     digits = [d for d in result.example.tolist() if d != cfg.digits]
     inputs = [str(d) if d != cfg.digits else PAD_LABEL for d in result.example.tolist()]
-    outputs = [str(d) for d in sorted(digits)]
+    # the weights of row t were taken while the model wrote its own digit t, whether or not that was the right one
+    said, right = result.answer.tolist()[: len(digits)], sorted(digits)
+    outputs = [str(s) if s == r else f"{s} ({r})" for s, r in zip(said, right, strict=True)]
+    rows = "the model's output" + (" (the right digit in brackets where it is wrong)" if said != right else "")
     heads = cfg.seq2seq().n_head
     title = f"transformer: cross-attention (mean of {heads} heads)" if cfg.model == "transformer" else describe(cfg)
     if cfg.model == "transformer" and not cfg.padding_mask:
         title += ", no padding mask"
     hidden = (result.example == cfg.digits) if cfg.padding_mask else None
-    return render_attention_map(result.weights[: len(digits)], outputs, inputs, title=title, rows="sorted output",
+    return render_attention_map(result.weights[: len(digits)], outputs, inputs, title=title, rows=rows,
                                 columns="input", hidden=hidden)
 
 

@@ -58,9 +58,16 @@ def right_answers(out: torch.Tensor, tgt: torch.Tensor, digits: int) -> torch.Te
 
 def evaluate(model: GRUSeq2Seq | TransformerSeq2Seq, batch: Batch) -> tuple[float, torch.Tensor | None]:
     """Exact-sequence accuracy of greedy decoding (every digit right), and its attention (B, T_out, T_in)."""
+    accuracy, _, weights = decode(model, batch)
+    return accuracy, weights
+
+
+def decode(model: GRUSeq2Seq | TransformerSeq2Seq, batch: Batch) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+    """Greedy decoding of the batch: its exact-sequence accuracy, its answers (B, T) and its attention (B, T_out,
+    T_in), row t of which is taken while writing answer digit t."""
     model.eval()
     out, weights = model.greedy(batch.src)
-    return right_answers(out, batch.tgt, model.config.digits).float().mean().item(), weights
+    return right_answers(out, batch.tgt, model.config.digits).float().mean().item(), out, weights
 
 
 class PaddingCheck(NamedTuple):

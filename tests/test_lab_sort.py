@@ -16,7 +16,8 @@ from PIL import Image
 import lab.sort
 from configs.userinput import shell_word, shown
 from lab.__main__ import main as lab_main
-from lab.sort import SortConfig, evaluate, held_out, main, memory_need, new_model, run, sorting_batch, train
+from lab.sort import SortConfig, held_out, main, memory_need, new_model, run, sorting_batch, train
+from lab.sort_task import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -501,7 +502,8 @@ def test_tensorboard_gets_the_held_out_accuracy_and_the_heatmap(tmp_path):
     cfg = SortConfig(steps=3)
     weights = torch.softmax(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
     image = render_attention_map(weights, list("31415926"), list("11234569"))
-    result = SortResult(model=new_model(cfg), accuracy=0.75, seconds=1.0, example=torch.arange(8), weights=weights)
+    result = SortResult(model=new_model(cfg), accuracy=0.75, seconds=1.0, example=torch.arange(8), weights=weights,
+                        answer=torch.arange(8))
     log_result(tensorboard_writer(str(tmp_path)), result, image, cfg)
     events = EventAccumulator(str(tmp_path))
     events.Reload()
@@ -626,3 +628,23 @@ def test_bottleneck_s_lengths_within_the_steps_of_one_command_are_run(capsys, mo
     assert main(["--bottleneck", "--steps", "25000", "--lengths", "8", "16"]) == 0
     assert main(["--bottleneck", "--lengths", *map(str, range(1, 126))]) == 0  # 125 x 2 x 400 steps
     assert tables == [(25000, [8, 16]), (400, list(range(1, 126)))]
+
+
+def test_the_heatmap_s_rows_are_the_models_own_output_with_the_right_digit_where_it_is_wrong(monkeypatch):
+    # The rows were labelled with the right answer, [1 1 3 3 4 5 8 9], over the weights taken while the model wrote
+    # its own, [6 8 4 4 4 4 4 4]
+    import lab.sort_outputs
+    from lab.sort_outputs import heatmap_of
+
+    cfg = SortConfig(steps=1, eval_size=20)
+    result = run(cfg)
+    said = result.model.greedy(result.example[None])[0][0].tolist()  # the model's answer to the example alone
+    right = sorted(result.example.tolist())
+    assert said != right  # one step of training: wrong
+    drawn = []
+    monkeypatch.setattr(lab.sort_outputs, "render_attention_map", lambda *a, **k: drawn.append((a, k)))
+    heatmap_of(result, cfg)
+    ((weights, rows, _), options), = drawn
+    assert rows == [str(s) if s == r else f"{s} ({r})" for s, r in zip(said, right, strict=True)]
+    assert torch.equal(weights, result.weights)
+    assert options["rows"] == "the model's output (the right digit in brackets where it is wrong)"

@@ -123,7 +123,7 @@ def test_the_heatmap_draws_masked_padding_empty_and_unmasked_padding_in_colour(m
     cfg = SortConfig(min_length=2, steps=1)
     weights = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 4)  # 0.4 only in the padding's column
     result = lab.sort.SortResult(model=None, accuracy=1.0, seconds=0.0, example=torch.tensor([5, 9, 4, PAD]),
-                                 weights=weights)
+                                 weights=weights, answer=torch.tensor([4, 5, 9, 9]))  # its last digit over padding
 
     def colours(cfg: SortConfig) -> list[tuple[int, int, int]]:
         image = heatmap_of(result, cfg).convert("RGB")
