@@ -1,9 +1,10 @@
-"""The attention lab: teaching code that shows what the model does. ``lab.notes`` runs each step of the attention
-notes under their names, and ``lab.walkthrough`` prints them on the notes' example (``python -m lab notes``);
-``lab.heatmap`` draws attention weights as pictures (its axis labels from ``lab.labels``, written by
-``lab.pictures``); ``lab.seq2seq`` and ``lab.sort`` (with ``lab.sort_options``, ``lab.sort_outputs`` and
-``lab.sort_task``) are the notes' encoder-decoder exercise, sorting digits with attention (``python -m lab sort``).
-Imports model/ and configs/, and from training/ only its helpers for output, memory and stop signals."""
+"""The attention lab: teaching code that shows what the model does. ``lab.notes`` runs each step of the attention notes
+under their names, and ``lab.walkthrough`` prints them on the notes' example (``python -m lab notes``);
+``lab.heatmap`` draws attention weights as pictures (their colours from ``lab.colours``, axis labels from
+``lab.labels``, written by ``lab.pictures``); ``lab.seq2seq`` and ``lab.sort`` (with ``lab.sort_options``,
+``lab.sort_outputs`` and ``lab.sort_task``) are the notes' encoder-decoder exercise, sorting digits with attention
+(``python -m lab sort``). Imports model/ and configs/, and from training/ only its helpers for output, memory and
+stop signals."""
 
 from __future__ import annotations
 

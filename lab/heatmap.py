@@ -28,6 +28,17 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
+from lab.colours import (
+    CBAR_W,
+    EMPTY_COLOUR,
+    FRAME,
+    NOT_FINITE_COLOUR,
+    NOT_FINITE_LABEL,
+    colour_at,
+    colour_scale,
+    colourise,
+    swatch,
+)
 from lab.labels import (
     INK,
     display_char,
@@ -41,12 +52,8 @@ from lab.labels import (
 )
 from lab.pictures import picture_target, write_picture
 
-# Anchors of a viridis-like perceptual map (dark purple -> blue -> teal -> green -> yellow), evenly spaced on [0, 1].
-COLOUR_ANCHORS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
-EMPTY_COLOUR = (228, 228, 228)  # the masked future: light grey, far from every colour of the map
 BACKGROUND = (255, 255, 255)
-FRAME = (150, 150, 150)
-MARGIN, GAP, CBAR_W = 12, 18, 14  # outer margin, space between cells, colour-bar width (px)
+MARGIN, GAP = 12, 18  # outer margin, space between cells (px)
 # The weights written in their squares (values=True), as the notes' heatmaps print them: two decimals in a font of
 # VALUE_FONT_PX pixels, dark on the light end of the map and white on the dark end.
 VALUE_FONT_PX = 10
@@ -78,23 +85,6 @@ def _last_window(ids: list[int] | torch.Tensor, block_size: int) -> list[int]:
     if idx.dim() != 1 or idx.numel() == 0:
         raise ValueError(f"expected one non-empty sequence of ids, got shape {tuple(idx.shape)}")
     return idx[-block_size:].tolist()
-
-
-def colourise(values: torch.Tensor) -> torch.Tensor:
-    """Map values in [0, 1] (any shape) to RGB colours (..., 3) uint8 by linear interpolation between anchors."""
-    anchors = torch.tensor(COLOUR_ANCHORS, dtype=torch.float32)  # (K, 3)
-    steps = len(COLOUR_ANCHORS) - 1
-    x = values.detach().float().cpu().nan_to_num(0.0).clamp(0.0, 1.0) * steps
-    lo = x.floor().long().clamp(max=steps - 1)  # the anchor below; 1.0 falls in the last segment
-    frac = (x - lo).unsqueeze(-1)  # (..., 1)
-    rgb = anchors[lo] * (1.0 - frac) + anchors[lo + 1] * frac  # (..., 3)
-    return rgb.round().to(torch.uint8)
-
-
-def colour_at(value: float) -> tuple[int, int, int]:
-    """The colour-map colour of one weight."""
-    r, g, b = colourise(torch.tensor(value)).tolist()
-    return (r, g, b)
 
 
 @dataclass(frozen=True)
@@ -242,7 +232,8 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
                 draw_label(draw, labels[t], x0 - 6 - widths[t] / 2, cy, axis_font)
                 if layout.row_stride > 1:
                     draw.line([(x0 - 4, cy), (x0 - 2, cy)], fill=FRAME)
-    _draw_colour_bar(draw, layout, label_font)
+    visible = [w[:, ~future] for w in weights]  # (nh, cells) a layer; the future is drawn grey whatever it holds
+    _draw_colour_bar(draw, layout, label_font, not_finite=not all(v.isfinite().all() for v in visible))
     return image
 
 
@@ -265,28 +256,18 @@ def _write_values(draw: ImageDraw.ImageDraw, w: torch.Tensor, first: tuple[int, 
             draw.text((x, y), text, font=font, fill=value_ink(value))
 
 
-def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageFont.ImageFont) -> None:
-    """A vertical bar from 1 (top) to 0 (bottom) with ticks 0, 0.5, 1, and a swatch for the masked future."""
+def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageFont.ImageFont,
+                     not_finite: bool = False) -> None:
+    """A vertical bar from 1 (top) to 0 (bottom) with ticks 0, 0.5, 1, a swatch for the masked future, and one for
+    the values that are not finite where there are any (in the bottom margin's first pixels, where the bar is the
+    tallest thing in the picture)."""
     x0 = layout.origin[0] + layout.n_head * layout.cell_w
     y0 = layout.origin[1] + layout.top
     h = max(layout.T * layout.px, 100)
-    _colour_scale(draw, x0, y0, h, font)
-    _, top, _, bottom = font.getbbox("0.5")
-    sy = y0 + h + 12
-    draw.rectangle((x0, sy, x0 + CBAR_W - 1, sy + CBAR_W - 1), fill=EMPTY_COLOUR, outline=FRAME)
-    draw.text((x0 + CBAR_W + 6, sy + CBAR_W / 2 - (top + bottom) / 2), "future (masked)", font=font, fill=INK)
-
-
-def _colour_scale(draw: ImageDraw.ImageDraw, x0: int, y0: int, h: int, font: ImageFont.ImageFont) -> None:
-    """The colour bar itself, h pixels tall with its top-left corner at (x0, y0): 1 at the top, 0 at the bottom."""
-    for dy in range(h):
-        draw.line([(x0, y0 + dy), (x0 + CBAR_W - 1, y0 + dy)], fill=colour_at(1.0 - dy / (h - 1)))
-    draw.rectangle((x0 - 1, y0 - 1, x0 + CBAR_W, y0 + h), outline=FRAME)
-    _, top, _, bottom = font.getbbox("0.5")
-    for value, text in ((1.0, "1"), (0.5, "0.5"), (0.0, "0")):
-        y = y0 + round((1.0 - value) * (h - 1))
-        draw.line([(x0 + CBAR_W, y), (x0 + CBAR_W + 3, y)], fill=INK)
-        draw.text((x0 + CBAR_W + 6, y - (top + bottom) / 2), text, font=font, fill=INK)
+    colour_scale(draw, x0, y0, h, font)
+    swatch(draw, x0, y0 + h + 12, EMPTY_COLOUR, "future (masked)", font)
+    if not_finite:
+        swatch(draw, x0, y0 + h + 12 + CBAR_W + 4, NOT_FINITE_COLOUR, NOT_FINITE_LABEL, font)
 
 
 def render_attention_map(
@@ -324,7 +305,12 @@ def render_attention_map(
     cbar_h = max(Tq * px, 100)
     width = max(x0 + Tk * px + GAP + CBAR_W + 40, text_size(label_font, caption)[0] + 2 * MARGIN)
     width = max(width, text_size(title_font, title)[0] + 2 * MARGIN) if title else width
-    image = Image.new("RGB", (width + MARGIN, y0 + max(Tq * px, cbar_h) + MARGIN), BACKGROUND)
+    # a swatch under the colour bar says which cells are not finite, where there are any (those a mask hides are grey)
+    not_finite = not (weights if hidden is None else weights[:, ~hidden]).isfinite().all()
+    if not_finite:
+        width = max(width, x0 + Tk * px + GAP + CBAR_W + 6 + text_size(label_font, NOT_FINITE_LABEL)[0] + MARGIN)
+    height = y0 + max(Tq * px, cbar_h) + (12 + CBAR_W if not_finite else 0) + MARGIN
+    image = Image.new("RGB", (width + MARGIN, height), BACKGROUND)
     draw = ImageDraw.Draw(image)
     if title:
         draw.text((MARGIN, MARGIN), title, font=title_font, fill=INK)
@@ -339,7 +325,9 @@ def render_attention_map(
         draw_label(draw, label, x0 + j * px + px / 2, y0 - 6 - char_h / 2, axis_font)
     for i, label in enumerate(row_labels):
         draw_label(draw, label, x0 - 6 - label_width(axis_font, label) / 2, y0 + i * px + px / 2, axis_font)
-    _colour_scale(draw, x0 + Tk * px + GAP, y0, cbar_h, label_font)
+    colour_scale(draw, x0 + Tk * px + GAP, y0, cbar_h, label_font)
+    if not_finite:
+        swatch(draw, x0 + Tk * px + GAP, y0 + cbar_h + 12, NOT_FINITE_COLOUR, NOT_FINITE_LABEL, label_font)
     return image
 
 

@@ -511,3 +511,34 @@ def test_a_picture_never_replaces_the_file_the_commands_output_goes_to(tmp_path:
         assert out.read_bytes() == b"" and list(tmp_path.iterdir()) == [out]
     with descriptor_into(fd, tmp_path / "out.txt"):
         assert picture_target(out) == (out, "PNG")  # another empty file: replaced as before
+
+
+def test_values_that_are_not_finite_have_a_colour_of_their_own_and_the_legend_names_it():
+    # nan was painted as 0 (the weights of a run whose training diverged drew a map of zeros) and inf as 1
+    from lab.colours import NOT_FINITE_COLOUR, colourise
+
+    def count(image: Image.Image, colour: tuple[int, int, int]) -> int:
+        rgb = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(-1, 3)
+        return int((rgb == torch.tensor(colour, dtype=torch.uint8)).all(-1).sum())
+
+    on_the_map = {colour_at(v / 100) for v in range(101)}
+    assert NOT_FINITE_COLOUR not in on_the_map and NOT_FINITE_COLOUR != EMPTY_COLOUR
+    rgb = colourise(torch.tensor([0.0, float("nan"), float("inf"), -float("inf"), 1.0]))
+    assert [tuple(c) for c in rgb.tolist()] == [colour_at(0.0), *[NOT_FINITE_COLOUR] * 3, colour_at(1.0)]
+    assert colour_at(float("nan")) == NOT_FINITE_COLOUR
+    T, chars = 4, list("ab c")
+    weights = causal_weights(2, 2, T)
+    finite = render_attention_grid(weights, chars)
+    weights[1][1, 2] = torch.tensor([float("nan"), 0.5, 0.5, 0.0])
+    image = render_attention_grid(weights, chars)
+    layout = grid_layout(2, 2, chars)
+    assert pixel(image, layout.position_centre(1, 1, 2, 0)) == NOT_FINITE_COLOUR
+    assert pixel(image, layout.position_centre(1, 1, 2, 1)) == colour_at(0.5)
+    assert count(finite, NOT_FINITE_COLOUR) == 0 and image.size == finite.size
+    # the cell, and a legend's swatch beside "nan or inf" (14 x 14 pixels, less its frame)
+    assert count(image, NOT_FINITE_COLOUR) >= layout.px**2 + 12 * 12
+    rows = torch.tensor([[1.0, 0.0, 0.0], [float("nan")] * 3])
+    plain = render_attention_map(rows.nan_to_num(0.0), ["1", "3"], ["3", "1", "3"])
+    image = render_attention_map(rows, ["1", "3"], ["3", "1", "3"])
+    assert count(plain, NOT_FINITE_COLOUR) == 0 and image.height > plain.height
+    assert count(image, NOT_FINITE_COLOUR) >= 3 * 16 * 16 + 12 * 12

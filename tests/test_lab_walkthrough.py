@@ -125,7 +125,8 @@ def test_the_real_command_and_a_reader_that_goes_away():
                                                ("notes", True), ("pictures", True), ("labels", True),
                                                ("sort_outputs", True), ("sort_task", False), ("sort_task", True),
                                                ("notes_modules", False), ("notes_modules", True),
-                                               ("sort_options", False), ("sort_options", True)])
+                                               ("sort_options", False), ("sort_options", True),
+                                               ("colours", False), ("colours", True)])
 def test_a_module_of_functions_run_alone_says_which_commands_run(module, as_file, tmp_path):
     """`python -m lab.notes` (and the others) ran nothing and exited 0, as if it had done what it was asked; run as a
     file, from another folder, it was a ModuleNotFoundError traceback. It is said before torch is imported (which
