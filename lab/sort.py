@@ -143,8 +143,14 @@ def new_model(cfg: SortConfig) -> GRUSeq2Seq | TransformerSeq2Seq:
         return build(cfg.seq2seq(), cfg.model)
 
 
+class Diverged(Exception):
+    """Training made the loss or the weights non-finite (a learning rate too high): what it measured would be noise,
+    and a heatmap of weights that are not numbers."""
+
+
 def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: object | None = None) -> list[float]:
-    """Teacher-forced cross-entropy on fresh batches; returns the loss of every step."""
+    """Teacher-forced cross-entropy on fresh batches; returns the loss of every step. Diverged at the first step whose
+    loss is not finite, or when the last step's update leaves a weight that is not."""
     generator = torch.Generator().manual_seed(cfg.seed)
     optimiser = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
     model.train()
@@ -155,14 +161,20 @@ def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: objec
         batch = cfg.batch(cfg.batch_size, generator)
         logits, _ = model(batch.src, batch.tgt_in)  # (B, T, digits)
         loss = sorting_loss(logits, batch.tgt, cfg.digits)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):  # no step after it learns: the weights are past recovery
+            raise Diverged(f"the loss became {losses[-1]} at step {step + 1} of {cfg.steps} ({describe(cfg)}, length "
+                           f"{cfg.length})")
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         # A GRU unrolled through its decoder loop can take one huge step that undoes the rest; clipping keeps it.
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimiser.step()
-        losses.append(loss.item())
         if writer is not None and step % 10 == 0:
             writer.add_scalar("loss/train", losses[-1], step)
+    if not all(p.isfinite().all() for p in model.parameters()):  # the last step's update, after its loss was taken
+        raise Diverged(f"the weights became non-finite at the last step, {cfg.steps} ({describe(cfg)}, length "
+                       f"{cfg.length})")
     return losses
 
 
@@ -333,7 +345,13 @@ def checked_run(p: OneLineParser, args: object) -> int:
     except ValueError as e:
         p.error(str(e))
     try:
-        code = report(args, cfg, lengths, heatmap, writer)
+        try:
+            code = report(args, cfg, lengths, heatmap, writer)
+        except Diverged as e:  # nothing printed of it, nor drawn: an accuracy of 0% and a heatmap of nan
+            if writer is not None:
+                writer.close()  # the losses logged until then, which show where it went
+            print(f"error: training diverged: {e}; give a lower --lr than {cfg.learning_rate:g}", file=sys.stderr)
+            code = 2
         sys.stdout.flush()  # here, where a full disk is one line, not at exit in a traceback
         return code
     except OSError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -648,3 +649,28 @@ def test_the_heatmap_s_rows_are_the_models_own_output_with_the_right_digit_where
     assert rows == [str(s) if s == r else f"{s} ({r})" for s, r in zip(said, right, strict=True)]
     assert torch.equal(weights, result.weights)
     assert options["rows"] == "the model's output (the right digit in brackets where it is wrong)"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    # its step varies with the threads' sums (7 and 10 seen)
+    (["--model", "transformer", "--lr", "1e4", "--steps", "40"],
+     r"the loss became nan at step \d+ of 40 \(transformer \(64 wide, .*\), length 8\); give a lower --lr than 10000"),
+    (["--lr", "1e30", "--steps", "3"], r"the loss became nan at step 3 of 3 \(GRU, additive attention, length 8\); "
+                                       r"give a lower --lr than 1e\+30"),
+    (["--lr", "1e30", "--steps", "2"], r"the weights became non-finite at the last step, 2 \(GRU"),  # the loss was not
+])
+def test_a_run_whose_training_diverges_says_so_in_one_line_draws_nothing_and_exits_2(argv, says, tmp_path, capsys):
+    # It exited 0 with an accuracy of 0% and a heatmap that painted the weights, all nan, as 0
+    path, logs = tmp_path / "h.png", tmp_path / "logs"
+    assert main([*argv, "--batch-size", "16", "--heatmap", str(path), "--logdir", str(logs)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and re.match(f"error: training diverged: {says}", err), err
+    assert not path.exists() and any(logs.iterdir())  # the losses logged until then are kept
+
+
+def test_a_bottleneck_run_that_diverges_keeps_the_rows_printed_and_says_which_run(capsys):
+    assert main(["--bottleneck", "--lengths", "4", "--lr", "1e30", "--steps", "3", "--batch-size", "16"]) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "length  attention  no attention"
+    assert err == ("error: training diverged: the loss became nan at step 3 of 3 (GRU, additive attention, length 4); "
+                   "give a lower --lr than 1e+30\n")
