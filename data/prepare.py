@@ -113,10 +113,10 @@ def prepare_corpus(
     inputs, source = _inputs(cfg, cache[0], [Path(out_dir)] if out_dir is not None else [])
     if vocab is not None:
         CharTokenizer(vocab)  # refuses an unsorted or duplicated vocabulary before any work
-    corpus, boms = _prepared(inputs, source, cfg, vocab, cache, min_chars, chunk_bytes, progress, strip_bom=True)
+    corpus, boms = _prepared(inputs, source, cfg, vocab, cache, chunk_bytes, progress, strip_bom=True)
     if trained_on is None or corpus.fingerprint == trained_on or not boms or BOM_CHAR not in (vocab or ()):
-        return corpus
-    older, _ = _prepared(inputs, source, cfg, vocab, cache, min_chars, chunk_bytes, progress, strip_bom=False)
+        return _long_enough(corpus, inputs, min_chars, trained_on)
+    older, _ = _prepared(inputs, source, cfg, vocab, cache, chunk_bytes, progress, strip_bom=False)
     if older.fingerprint != trained_on:
         return corpus  # other text indeed: the resume's own check refuses it
     note = (
@@ -132,7 +132,6 @@ def _prepared(
     cfg: DataConfig,
     vocab: list[str] | None,
     cache: tuple[list[Path], str],
-    min_chars: int,
     chunk_bytes: int,
     progress: bool,
     *,
@@ -151,12 +150,6 @@ def _prepared(
         found = _encode(inputs, cfg, settings, key, vocab, cache, stem, chunk_bytes, progress, moved)
     info, ids_path, ids = found
     n_tokens = info["n_tokens"]
-    if n_tokens < min_chars:
-        raise DataError(
-            f"{inputs.label}: {quoted(inputs.spec)} has {n_tokens} character{'s' * (n_tokens != 1)}, but one "
-            f"training window needs at least block_size + 1 = {min_chars}; use a longer text or a smaller "
-            "model.block_size"
-        )
     notes = input_notes(inputs, info, moved, ids_path) + tuple(damaged if not hit else ())
     how = "cached" if hit else f"encoded in {time.perf_counter() - t0:.1f} s"
     description = (
@@ -167,6 +160,20 @@ def _prepared(
     print_ = fingerprint(info["crc32"], n_tokens, chars)
     return Corpus(ids, chars, description, n_tokens, notes, ids_path, hit, fingerprint=print_,
                   crc32=info["crc32"]), info["boms"]
+
+
+def _long_enough(corpus: Corpus, inputs: Inputs, min_chars: int, trained_on: str | None) -> Corpus:
+    """corpus, if it holds one training window (min_chars, block_size + 1); else DataError. A resume's text that is
+    not the run's (trained_on, its fingerprint) passes: the resume's own check refuses it, saying that it is other
+    text, where this line's advice (a smaller block_size) is one a resume refuses."""
+    n_tokens = corpus.n_tokens
+    if n_tokens < min_chars and (trained_on is None or corpus.fingerprint == trained_on):
+        raise DataError(
+            f"{inputs.label}: {quoted(inputs.spec)} has {n_tokens} character{'s' * (n_tokens != 1)}, but one "
+            f"training window needs at least block_size + 1 = {min_chars}; use a longer text or a smaller "
+            "model.block_size"
+        )
+    return corpus
 
 
 def _cached(

@@ -566,6 +566,25 @@ def test_a_resume_on_text_that_changed_since_the_checkpoint_is_refused(tmp_path,
     assert call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)[0] == 0
 
 
+@pytest.mark.parametrize("kept", [60, 5])
+def test_a_resume_on_text_cut_too_short_to_split_is_told_it_is_other_text(tmp_path, capsys, kept):
+    """It was told to change data.val_fraction (60 characters: too few to split) or model.block_size (5: not one
+    window), which the resume then refused: the text is compared with the run's first."""
+    from conftest import train_small_run
+
+    run = train_small_run(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    text = corpus.read_text(encoding="utf-8")
+    corpus.write_text(text[:kept], encoding="utf-8")
+    before = snapshot(run)
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=30"], capsys)
+    assert code == 2
+    assert err.strip() == (f"error: cannot resume: the text of data.path '{shown(corpus)}' is not the text this run "
+                           f"was trained on (it changed since '{shown(run / 'ckpt.pt')}' was saved); resume with that "
+                           f"text, or start a new run in another out_dir")
+    assert snapshot(run) == before
+
+
 def test_weights_that_do_not_fit_the_resumed_run_are_refused_with_the_reason():
     """torch's first line says only "Error(s) in loading state_dict"; the line keeps the reason after it."""
     from model import CheckpointError, GPTConfig

@@ -172,6 +172,8 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
     """The model, optimizer and random state, fresh or restored from payload, in a Trainer (every process)."""
     tc, block_size, device = cfg.train, cfg.model.block_size, start.device
     with agreeing(launch):
+        if payload is not None:  # first: other text too short to split would be told to change what a resume refuses
+            check_same_text(payload, start.corpus, cfg)
         ids = start.corpus.ids_on(device) if device.type == "cuda" else start.corpus.ids  # get_batch widens them
         train_ids, val_ids = split_ids(ids, cfg.data.val_fraction, block_size)
         model_cfg = replace(cfg.model, vocab_size=start.corpus.vocab_size)
@@ -194,7 +196,6 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
                           dtype=start.dtype, gen=gen, scaler=scaler, launch=launch)
         trainer.data_fingerprint = start.corpus.fingerprint
         if payload is not None:
-            check_same_text(payload, start.corpus, cfg)
             trainer.restore(payload, Path(cfg.out_dir) / "ckpt.pt")
     return trainer
 
