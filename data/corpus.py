@@ -11,11 +11,14 @@ import os
 import stat
 from pathlib import Path
 
+from configs.userinput import file_kind
+
 from .config import DataConfig
 from .paths import UTF16_MARKS, DataError, expand_home, not_utf8, open_regular, quoted, stat_path
 
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
-SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # 1,115,394 bytes
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+SHAKESPEARE_BYTES = 1_115_394
 _CHUNK = 1 << 16
 _SNIFF = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 
@@ -27,11 +30,34 @@ def data_dir() -> Path | None:
     return expand_home(folder, "TINYCHAR_DATA_DIR") if folder else None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
+def _shipped_sha256(path: Path, restore: str) -> str:
+    """The sha256 of the file at path, if it is a regular file of the shipped size; else DataError (restore: what to
+    do). Opened as data.path files are, without blocking, and judged by the open file (fstat): a named pipe in its
+    place waited forever for a writer, and a link to /dev/zero was read forever. No more than the shipped size is
+    read, whatever the file grows to meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise DataError(f"the built-in tiny Shakespeare {quoted(path)} is missing; {restore}") from None
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise DataError(f"cannot read the built-in tiny Shakespeare {quoted(path)} ({reason}); {restore}") from None
+    try:
+        st = os.fstat(fd)
+        if (kind := file_kind(st.st_mode)) is not None:
+            raise DataError(f"the built-in tiny Shakespeare {quoted(path)} is {kind}, not a file; {restore}")
+        if st.st_size != SHAKESPEARE_BYTES:
+            raise DataError(f"{quoted(path)} is not the tiny Shakespeare tinychar ships ({st.st_size:,} bytes, "
+                            f"expected {SHAKESPEARE_BYTES:,}); {restore}")
+        digest, left = hashlib.sha256(), SHAKESPEARE_BYTES
+        while left and (chunk := os.read(fd, min(_CHUNK, left))):
             digest.update(chunk)
+            left -= len(chunk)
+    except OSError as e:  # EIO from a failing disk
+        reason = e.strerror or type(e).__name__
+        raise DataError(f"cannot read the built-in tiny Shakespeare {quoted(path)} ({reason}); {restore}") from None
+    finally:
+        os.close(fd)
     return digest.hexdigest()
 
 
@@ -46,13 +72,7 @@ def shakespeare_path() -> Path:
 def check_shakespeare(target: Path) -> Path:
     """target, if it holds exactly the tiny Shakespeare tinychar ships; else DataError saying how to get it back."""
     restore = f"restore it with `git checkout -- data/{SHAKESPEARE_FILE}`, or train on your own text with data.path=..."
-    try:
-        digest = _sha256(target)
-    except FileNotFoundError:
-        raise DataError(f"the built-in tiny Shakespeare {quoted(target)} is missing; {restore}") from None
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise DataError(f"cannot read the built-in tiny Shakespeare {quoted(target)} ({reason}); {restore}") from None
+    digest = _shipped_sha256(target, restore)
     if digest != SHAKESPEARE_SHA256:
         # Never rewritten here: the change may be someone's own edit. (Line endings converted by a checkout are the
         # usual cause; .gitattributes keeps git from doing that.)

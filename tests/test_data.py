@@ -266,6 +266,33 @@ def test_a_changed_or_missing_built_in_corpus_is_refused_and_left_alone(tmp_path
         check_shakespeare(tmp_path / "gone.txt")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("what", ["a pipe", "a link to /dev/zero", "a link to a larger file", "a folder"])
+def test_a_built_in_corpus_that_is_no_file_of_its_size_is_refused_at_once(tmp_path: Path, what: str) -> None:
+    """It was opened as any file and hashed to its end: a named pipe in its place waited forever for a writer, and a
+    link to /dev/zero was read forever."""
+    from test_data_sources import within
+
+    target = tmp_path / "tinyshakespeare.txt"
+    if what == "a pipe":
+        os.mkfifo(target)
+    elif what == "a folder":
+        target.mkdir()
+    else:
+        bigger = tmp_path / "bigger.txt"
+        if what == "a link to a larger file":
+            bigger.write_bytes(shakespeare_path().read_bytes() + b"more\n")
+        target.symlink_to("/dev/zero" if "zero" in what else bigger)
+    with pytest.raises(DataError) as info:
+        within(check_shakespeare, target, seconds=10)
+    line = str(info.value)
+    assert "\n" not in line and line.endswith("restore it with `git checkout -- data/tinyshakespeare.txt`, or train "
+                                              "on your own text with data.path=...")
+    expected = {"a pipe": "is a pipe", "a link to /dev/zero": "is a character device", "a folder": "is a folder",
+                "a link to a larger file": f"({SHAKESPEARE_SIZE + 5:,} bytes, expected {SHAKESPEARE_SIZE:,})"}
+    assert expected[what] in line
+
+
 def test_the_built_in_corpus_is_encoded_into_the_cache_folder_not_beside_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
