@@ -11,7 +11,7 @@ from pathlib import Path
 
 from configs.userinput import temp_root, temp_root_problem
 
-from .paths import DataError, expand_home, open_regular, quoted
+from .paths import DataError, check_unchanged, expand_home, open_regular, quoted
 from .sources import FORMAT_VERSION, Inputs, Source
 
 CONTENT_HASH_BELOW = 64 << 20  # inputs smaller than this in total are hashed, catching edits that keep size and mtime
@@ -41,14 +41,18 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
     if inputs.n_bytes < CONTENT_HASH_BELOW:
         for s in inputs.sources:
             with open_regular(s.path, inputs.label) as f:
-                while chunk := f.read(_HASH_CHUNK):
+                left = s.size  # no further than its listed size: a file extended meanwhile is not read to its end
+                while left > 0 and (chunk := f.read(min(_HASH_CHUNK, left))):
                     digest.update(chunk)
+                    left -= len(chunk)
+                check_unchanged(f, s, inputs.label)
     else:
         for source, offsets in _samples(inputs.sources, SAMPLES, SAMPLE_BYTES):
             with open_regular(source.path, inputs.label) as f:
                 for offset in offsets:
                     f.seek(offset)
-                    digest.update(f.read(SAMPLE_BYTES))
+                    digest.update(f.read(min(SAMPLE_BYTES, source.size - offset)))
+                check_unchanged(f, source, inputs.label)
     return digest.hexdigest()
 
 

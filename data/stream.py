@@ -15,7 +15,7 @@ from typing import BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from .paths import UTF16_MARKS, DataError, not_utf8, open_regular, quoted
+from .paths import UTF16_MARKS, DataError, check_unchanged, not_utf8, open_regular, quoted
 from .sources import Inputs, Source
 
 # Bytes read at a time. Preparing peaks at ~10x this above the imports (UTF-32 copies, int64 temporaries); 16 MB
@@ -67,7 +67,9 @@ def pieces(
             done = _past_bom(f, source, inputs.label, strip_bom, seen, bar)  # bytes of this file read so far
             nul_seen = seen is None
             while True:
-                chunk = f.read(chunk_bytes)
+                chunk = f.read(min(chunk_bytes, source.size - done)) if done < source.size else b""
+                if not chunk:  # its listed size read (or less: it shrank), and no further, whatever it holds now
+                    check_unchanged(f, source, inputs.label)
                 if not nul_seen and (at := chunk.find(b"\0")) >= 0:  # memchr: no cost beside decoding
                     seen.nuls.append((source.path, done + at))
                     nul_seen = True

@@ -4,6 +4,7 @@ frequent characters, and hands training a memory map of the encoded file. Tiny i
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -447,3 +448,53 @@ def test_a_stray_write_to_the_ids_never_reaches_the_cache_file(tmp_path: Path) -
     corpus.ids[:5] = 0
     assert corpus.path.read_bytes() == on_disk
     assert text_of(prepare(tmp_path / "t.txt")) == MIXED
+
+
+@pytest.mark.parametrize("keyed", ["hashed whole", "by samples"])
+@pytest.mark.parametrize("change", ["appended to", "given a hole to 1 TiB"])
+def test_a_file_that_grows_after_it_is_listed_is_read_no_further_and_said_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: Path, keyed: str, change: str
+) -> None:
+    """Such a file was read to its new end, twice (the cache key's hash, then both passes): one extended to 1 TiB
+    after it was listed was read for hours (the listing's refusal of sparse files came too early), and the change was
+    said only after both passes. Running again cannot help a file that is being written to: the line says to copy it."""
+    from test_data_sources import within
+
+    import data.cachekey
+
+    f = write(tmp_path / "log.txt", "abcdefgh" * 64)
+    listed = data.prepare.resolve_inputs
+
+    def list_then_grow(*args: object, **kwargs: object) -> object:
+        inputs = listed(*args, **kwargs)
+        if change == "appended to":
+            with f.open("ab") as out:
+                out.write(b"one more line\n")
+        else:
+            os.truncate(f, 1 << 40)
+        return inputs
+
+    monkeypatch.setattr(data.prepare, "resolve_inputs", list_then_grow)
+    if keyed == "by samples":  # as inputs of 64 MB or more are: the key reads a few blocks, the passes all of it
+        monkeypatch.setattr(data.cachekey, "CONTENT_HASH_BELOW", 0)
+    now = 512 + 14 if change == "appended to" else 1 << 40
+    with pytest.raises(DataError) as info:
+        within(prepare, f, seconds=20)
+    assert str(info.value) == (
+        f"data.path: {quoted(f)} grew from 512 to {now:,} bytes while it was being read; a file still being written to "
+        f"(a live log) changes at every run: copy it first (cp {f} copy.txt) and train on the copy")
+    assert not list(cache.glob("*.ids"))
+
+
+def test_a_file_rewritten_after_it_is_listed_is_said_to_have_changed_by_the_first_pass(tmp_path: Path) -> None:
+    """The change (here one that keeps the size) was said only once both passes had read the whole corpus."""
+    from data.sources import resolve_inputs
+    from data.stream import count_chars
+
+    f = write(tmp_path / "t.txt", "abcdefgh" * 64)
+    inputs = resolve_inputs(f)
+    st = f.stat()
+    while f.stat().st_ctime_ns == st.st_ctime_ns:  # (a file system whose clock ticks coarsely: again, later)
+        f.write_text("z" * st.st_size, encoding="utf-8")
+    with pytest.raises(DataError, match=r"^data\.path: '.*t\.txt' changed while it was being read; run again$"):
+        count_chars(inputs, "strict", 7)
