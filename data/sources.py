@@ -1,5 +1,6 @@
-"""Which files a corpus is made of (a file, a folder or a glob). Where encoded corpora are cached, and the key that
-names one, are in data/cachekey.py.
+"""Which files a corpus is made of (a file, a folder or a glob). The run and cache folders a folder or glob leaves
+out are told apart in data/leftout.py; where encoded corpora are cached, and the key that names one, in
+data/cachekey.py.
 
 Every failure a person can fix raises DataError with a one-line message saying what is wrong and what to do.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ from configs.userinput import file_kind
 
 from .corpus import data_dir, locate, no_such_file
 from .globs import expand, fixed_part, matches_any
+from .leftout import RUN_CONFIG, LeftOut, entry_files, identities, is_cache, is_run, owner_of
 from .paths import DataError, not_a_file, not_utf8, open_regular, os_failure, quoted, stat_path, unreadable, walk
 
 # Bump when the encoded files or their meta change meaning, so old caches are not trusted. 2: the meta carries the
@@ -27,14 +28,6 @@ from .paths import DataError, not_a_file, not_utf8, open_regular, os_failure, qu
 FORMAT_VERSION = 3
 SNIFF_BYTES = 8000  # bytes looked at for a NUL to tell a binary file from text (git looks at as many)
 _GLOB_MAGIC = frozenset("*?[")
-# A folder holding config.yaml beside any of these is a tinychar run's out_dir: training.outdir writes config.yaml and
-# .lock when a run claims the folder, the checkpoints when it saves. Each alone is too common a name to go by.
-_RUN_CONFIG = "config.yaml"
-_RUN_MARKS = frozenset({".lock", "ckpt.pt", "best.pt"})
-# The files of an encoded-corpus cache entry (data/cache.py): '<stem>-<key>.ids' and '<stem>-<key>.json', the key 32
-# hex digits (cache_key) and the stem made of these characters (prepare._stem). A folder holding such a pair is a
-# cache folder even when no setting names it any more (a run with another data.cache_dir put it there).
-_CACHE_ENTRY = re.compile(r"[A-Za-z0-9._-]+-[0-9a-f]{32}\.(?:ids|json)")
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
     """
     text = str(spec)
     p, globbed, st = named(text, label)
-    out = _LeftOut(label, _identities(caches), _identities(runs))
+    out = LeftOut(label, identities(caches), identities(runs))
     if st is None and globbed:
         files = _glob(p, out)
         if not files:
@@ -165,93 +158,7 @@ def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
         return None
 
 
-@dataclass
-class _LeftOut:
-    """What a folder or glob holds that is not the corpus, gathered while its files are listed."""
-
-    label: str
-    cache_ids: frozenset[tuple[int, int]]  # (device, inode) of the cache folders that exist
-    run_ids: frozenset[tuple[int, int]] = frozenset()  # of the run folders named (resolve_inputs's runs) that exist
-    skipped: list[Path] = field(default_factory=list)  # binary files
-    others: list[Path] = field(default_factory=list)  # pipes, sockets, devices, broken links: never opened
-    hidden: list[Path] = field(default_factory=list)  # files and folders whose names start with '.'
-    runs: list[Path] = field(default_factory=list)  # run folders, or the named folder's run config.yaml
-    caches: list[Path] = field(default_factory=list)  # cache folders
-    known: dict[Path, str | None] = field(default_factory=dict)  # _owner's answers: many matches share a folder
-
-    def add(self, owner: str, folder: Path) -> None:
-        found = self.runs if owner == "run" else self.caches
-        if folder not in found:  # a glob reaches a folder both as a match and inside a matched folder
-            found.append(folder)
-
-    def said(self) -> str:
-        """' (tinychar run folders left out: ...)', and the like for cache folders and hidden files, naming the first
-        few of each; '' when nothing was left out for being tinychar's or hidden."""
-        runs = [r.parent if r.name == _RUN_CONFIG else r for r in self.runs]
-        parts = [
-            f"{what} left out: {', '.join(map(quoted, folders[:2]))}{' ...' if len(folders) > 2 else ''}"
-            for what, folders in (("tinychar run folders", runs), ("tinychar cache folders", self.caches),
-                                  ("hidden files and folders (names that start with '.')", self.hidden))
-            if folders
-        ]
-        return f" ({'; '.join(parts)})" if parts else ""
-
-
-def _is_run(names: Iterable[str], folder: Path | None = None,
-            run_ids: frozenset[tuple[int, int]] = frozenset()) -> bool:
-    """Whether a folder holding these names is a tinychar run's out_dir (config.yaml beside .lock or a checkpoint), or
-    folder is one of run_ids, marked or not."""
-    names = set(names)
-    if _RUN_CONFIG in names and not _RUN_MARKS.isdisjoint(names):
-        return True
-    return bool(run_ids) and folder is not None and _identity(folder) in run_ids
-
-
-def _is_cache(folder: Path, names: Iterable[str], cache_ids: frozenset[tuple[int, int]]) -> bool:
-    """Whether folder, holding these names, is one that encoded corpora are cached in: a folder the settings name
-    (cache_ids), or one holding an entry, an ids file beside its meta, that a run with other settings left there."""
-    if any(n.endswith(".json") for n in _entries(names)):
-        return True
-    return bool(cache_ids) and _identity(folder) in cache_ids
-
-
-def _entries(names: Iterable[str]) -> set[str]:
-    """The names of cache entries' files among names: each meta beside its ids file, and each ids file (one alone is
-    what an encoder killed before it wrote the meta leaves). A meta alone may be a person's JSON of a like name."""
-    names = set(names)
-    ids = {n for n in names if n.endswith(".ids") and _CACHE_ENTRY.fullmatch(n)}
-    return ids | {f"{n[:-4]}.json" for n in ids if f"{n[:-4]}.json" in names}
-
-
-def _identities(folders: Iterable[Path]) -> frozenset[tuple[int, int]]:
-    """The identities (_identity) of those of folders that exist."""
-    return frozenset(filter(None, map(_identity, folders)))
-
-
-def _identity(folder: Path) -> tuple[int, int] | None:
-    """(device, inode) of folder, which names it however it is reached (links, '..'); None if it is not there."""
-    try:
-        st = os.stat(folder)
-    except (OSError, ValueError):
-        return None
-    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
-
-
-def _owner(folder: Path, out: _LeftOut) -> str | None:
-    """'run' if folder is a tinychar run's out_dir, 'cache' if it holds encoded corpora, else None."""
-    if folder not in out.known:
-        try:
-            names = os.listdir(folder)
-        except OSError:  # a folder that cannot be listed is nothing of ours to leave out; reading the file says more
-            out.known[folder] = None
-        else:
-            run = _is_run(names, folder, out.run_ids)
-            owner = "run" if run else "cache" if _is_cache(folder, names, out.cache_ids) else None
-            out.known[folder] = owner
-    return out.known[folder]
-
-
-def _glob(pattern: Path, out: _LeftOut) -> list[Path]:
+def _glob(pattern: Path, out: LeftOut) -> list[Path]:
     """The text files that pattern matches, in sorted order of the matches, folders walked in place; matches in or
     of tinychar run and cache folders left out (said in out)."""
     label = out.label
@@ -270,23 +177,40 @@ def _glob(pattern: Path, out: _LeftOut) -> list[Path]:
         if (above := _owner_above(m, base, out)) is not None:
             out.add(*above)
         elif stat.S_ISDIR(st.st_mode):
-            files += _walk(m, out)
+            files += _walk(m, out, named=m == base)  # a '**' that ends the pattern matches base: named, as a folder is
         else:
             (files if _is_text(m, label, st) else out.skipped).append(m)
     return files
 
 
-def _owner_above(match: Path, base: Path, out: _LeftOut) -> tuple[str, Path] | None:
-    """('run' or 'cache', the folder) for the tinychar run or cache folder that match lies in, looking up from its
-    folder to base (the pattern's fixed part, which a person named), as walking a matched folder leaves out such a
-    folder's whole tree; None if it lies in none."""
+def _owner_above(match: Path, base: Path, out: LeftOut) -> tuple[str, Path] | None:
+    """('run' or 'cache', what is left out) for the tinychar run or cache folder that match lies in, looking up from
+    its folder to base (the pattern's fixed part, which a person named), as walking a matched folder leaves out such a
+    folder's whole tree; None if it lies in none. base itself is named, as a folder data.path names is (_walk): of a
+    run there, only its config.yaml is left out (the rest of its files are binary), of a cache only its entries."""
     if base not in match.parents:  # a '**' that ends the pattern matches base itself: never look above base
         return None
     for folder in match.parents:  # (not 'base in folder.parents' at each: time in the cube of the depth)
-        if (owner := _owner(folder, out)) is not None:
-            return owner, folder
         if folder == base:
-            break
+            return _owned_in_base(match, base, out) if match.parent == base else None
+        if (owner := owner_of(folder, out)) is not None:
+            return owner, folder
+    return None
+
+
+def _owned_in_base(match: Path, base: Path, out: LeftOut) -> tuple[str, Path] | None:
+    """('run', its config.yaml) or ('cache', base) for a match in base that is the run's config.yaml or a cache
+    entry's file; None for any other."""
+    if base not in out.listed:
+        try:
+            out.listed[base] = os.listdir(base)
+        except OSError:
+            out.listed[base] = []
+    names = out.listed[base]
+    if match.name == RUN_CONFIG and is_run(names, base, out.run_ids):
+        return "run", match
+    if match.name in entry_files(names):
+        return "cache", base
     return None
 
 
@@ -304,7 +228,7 @@ def _sources(files: list[Path], label: str) -> list[Source]:
     return sources
 
 
-def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
+def _walk(folder: Path, out: LeftOut, named: bool = False) -> list[Path]:
     """The text files under folder sorted by relative path; hidden files and folders (.git, .DS_Store) left out.
 
     A tinychar run folder (config.yaml beside .lock, ckpt.pt or best.pt) is left out whole and added to out.runs:
@@ -320,20 +244,20 @@ def _walk(folder: Path, out: _LeftOut, named: bool = False) -> list[Path]:
     for root, dirs, names in walk(folder, unreadable(label)):
         here = Path(root)
         whole = not named or here != folder
-        if _is_run(names, here, out.run_ids):
+        if is_run(names, here, out.run_ids):
             if whole:
                 out.add("run", here)
                 dirs[:] = []
                 continue
-            if _RUN_CONFIG in names:  # the named folder is the run's own before the run has written its config
-                names = [n for n in names if n != _RUN_CONFIG]
-                out.runs.append(here / _RUN_CONFIG)
-        if _is_cache(here, names, out.cache_ids):
+            if RUN_CONFIG in names:  # the named folder is the run's own before the run has written its config
+                names = [n for n in names if n != RUN_CONFIG]
+                out.runs.append(here / RUN_CONFIG)
+        if is_cache(here, names, out.cache_ids):
             if whole:
                 out.add("cache", here)
                 dirs[:] = []
                 continue
-            if entries := _entries(names):
+            if entries := entry_files(names):
                 out.caches.append(here)
                 names = [n for n in names if n not in entries]
         out.hidden += sorted(Path(root, n) for n in (*dirs, *names) if n.startswith("."))

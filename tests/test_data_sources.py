@@ -400,6 +400,40 @@ def test_a_run_in_the_named_folder_itself_leaves_out_only_its_config(tmp_path: P
     assert inputs.runs == [tmp_path / "c" / "config.yaml"]
 
 
+def test_a_glob_into_a_run_folder_leaves_out_only_its_config_as_the_folder_form_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A glob whose fixed part is a run's out_dir matched nothing ('*.txt' in a folder that had been out_dir=.), or
+    nothing but its config ('c/**'), though data.path=c gave the folder's text: the fixed part is named, as a folder
+    data.path names is, and only the run's config.yaml is left out there."""
+    c = a_run(tmp_path / "c", ".lock", "ckpt.pt")
+    write(c / "book.txt", "the book\n")
+    write(c / "more" / "page.txt", "a page\n")
+    folder = [s.path for s in resolve_inputs(c).sources]
+    assert folder == [c / "book.txt", c / "more" / "page.txt", c / "samples.txt"]
+    top = [c / "book.txt", c / "samples.txt"]
+    for pattern, expected in (("**", folder), ("**/*", folder), ("*", folder), ("*.txt", top),
+                              ("*/*.txt", [c / "more" / "page.txt"])):
+        inputs = resolve_inputs(f"{c}/{pattern}")
+        assert sorted(s.path for s in inputs.sources) == expected, pattern
+        assert inputs.runs == ([c / "config.yaml"] if pattern in ("**", "**/*", "*") else []), pattern
+    write(tmp_path / "new" / "a.txt", "alpha\n")  # the run's own out_dir, before it has marked it
+    monkeypatch.chdir(tmp_path / "new")
+    assert [s.path for s in resolve_inputs("*.txt", runs=[Path(".")]).sources] == [Path("a.txt")]
+
+
+def test_a_glob_into_a_cache_folder_leaves_out_only_its_entries_as_the_folder_form_does(tmp_path: Path) -> None:
+    novels = tmp_path / "novels"
+    write(novels / "a.txt", "alpha\n")
+    entry = prepare(novels, cache_dir=str(novels)).path
+    write(novels / "b.txt", "beta\n")
+    for spec in (novels, f"{novels}/**", f"{novels}/*", f"{novels}/*.*"):
+        inputs = resolve_inputs(spec)
+        assert [s.path for s in inputs.sources] == [novels / "a.txt", novels / "b.txt"], spec
+        assert inputs.caches == [novels], spec
+    assert entry.exists()
+
+
 def test_a_folder_of_nothing_but_runs_says_so(tmp_path: Path) -> None:
     a_run(tmp_path / "runs" / "tiny", ".lock")
     with pytest.raises(DataError, match=r"is a folder with no text files in it \(tinychar run folders left out: '"):
