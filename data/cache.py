@@ -264,10 +264,15 @@ def _read_only(folder: Path) -> bool:
 
 
 def prune(folder: Path, stem: str, key: str, info: dict) -> None:
-    """Delete older entries made from the same files with the same settings, or of an older format (which nothing
-    reads any more): they are stale copies, and a re-encoded 1 GB corpus would otherwise leave a 1 GB file behind at
-    every edit."""
-    paths = [s[0] for s in info["sources"]]
+    """Delete older entries of the same corpus with the same settings, or of an older format (which nothing reads any
+    more): they are stale copies, and a re-encoded 1 GB corpus would otherwise leave a 1 GB file behind at every
+    edit. The same corpus is one asked for the same way (its meta's "spec": the same folder or glob, whatever files it
+    gave then: one gaining a file left a whole entry behind at each change), or one made from the same files (all
+    a meta from before metas said what was asked for can be told by): with the same stem and settings, another key
+    means that those files changed. An entry of another folder or glob, of other files, is never touched. A run that
+    has read or mapped an entry deleted here reads on: its ids are in its memory, or the map keeps the file for it.
+    """
+    paths, spec = [s[0] for s in info["sources"]], info.get("spec") or None
     try:
         metas = list(folder.glob(f"{stem}-*.json"))
     except OSError:
@@ -277,7 +282,7 @@ def prune(folder: Path, stem: str, key: str, info: dict) -> None:
             continue
         try:
             old = _read_meta(meta_path)
-            if [s[0] for s in old["sources"]] != paths:
+            if (spec is None or old.get("spec") != spec) and [s[0] for s in old["sources"]] != paths:
                 continue
             if old.get("format") == FORMAT_VERSION and old["settings"] != info["settings"]:
                 continue

@@ -240,6 +240,7 @@ def _meta(inputs: Inputs, key: str, settings: dict, counts: np.ndarray, kept: np
         "nul_files": len(seen.nuls),  # files holding NUL bytes (past the binary sniff), and the first few
         "nuls": [[str(path), at] for path, at in seen.nuls[:3]],
         "settings": settings,
+        "spec": inputs.asked,  # what the files were asked for: a folder or glob's later entries replace this one
         "sources": [[str(s.path.resolve()), s.size, s.mtime_ns] for s in inputs.sources],
     }
 

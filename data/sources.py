@@ -60,6 +60,9 @@ class Inputs:
     others: list[Path] = field(default_factory=list)
     # hidden files and folders (a name that starts with '.': .git, .DS_Store) under a folder, left out
     hidden: list[Path] = field(default_factory=list)
+    # what spec came to: the file's or folder's full path, links resolved, or the glob's pattern from its fixed part's
+    # (the cache's entries of one corpus are told by it, whatever files it held: data/cache.py's prune)
+    asked: str = ""
 
     @property
     def n_bytes(self) -> int:
@@ -84,7 +87,7 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
     p, globbed, st = named(text, label)
     out = LeftOut(label, identities(caches), identities(runs))
     if st is None and globbed:
-        files = _glob(p, out)
+        files, p = _glob(p, out)
         if not files:
             raise DataError(
                 f"{label}: no text file matches {quoted(text)}{out.said()}; check the pattern (** reaches sub-folders)"
@@ -108,7 +111,14 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
         if os.path.realpath(p).startswith(("/proc/", "/sys/")):  # the kernel's files, made as they are read
             what += " (the kernel's files under /proc and /sys say 0 bytes whatever they hold: copy one first)"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
-    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others, out.hidden)
+    asked = _resolved(p) if st is None else p.resolve()
+    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others, out.hidden, str(asked))
+
+
+def _resolved(pattern: Path) -> Path:
+    """pattern from its fixed part's full path, links resolved: the same pattern however it was written."""
+    base = fixed_part(pattern)
+    return base.resolve().joinpath(*pattern.parts[len(base.parts):])
 
 
 def named(text: str, label: str = "data.path") -> tuple[Path, bool, os.stat_result | None]:
@@ -158,9 +168,10 @@ def _stat_or_glob(p: Path, label: str) -> os.stat_result | None:
         return None
 
 
-def _glob(pattern: Path, out: LeftOut) -> list[Path]:
-    """The text files that pattern matches, in sorted order of the matches, folders walked in place; matches in or
-    of tinychar run and cache folders left out (said in out)."""
+def _glob(pattern: Path, out: LeftOut) -> tuple[list[Path], Path]:
+    """(the text files that pattern matches, in sorted order of the matches, folders walked in place; the pattern
+    matched, in TINYCHAR_DATA_DIR if that is where). Matches in or of tinychar run and cache folders are left out
+    (said in out)."""
     label = out.label
     matches = expand(pattern, label)
     folder = data_dir()
@@ -180,7 +191,7 @@ def _glob(pattern: Path, out: LeftOut) -> list[Path]:
             files += _walk(m, out, named=m == base)  # a '**' that ends the pattern matches base: named, as a folder is
         else:
             (files if _is_text(m, label, st) else out.skipped).append(m)
-    return files
+    return files, pattern
 
 
 def _owner_above(match: Path, base: Path, out: LeftOut) -> tuple[str, Path] | None:

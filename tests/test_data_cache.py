@@ -86,6 +86,74 @@ def test_a_changed_file_is_encoded_again_and_its_old_entry_removed(tmp_path: Pat
     assert not first.path.exists()
 
 
+def metas(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("*.json"))]
+
+
+@pytest.mark.parametrize("form", ["folder", "glob"])
+def test_a_folder_or_glob_that_gains_loses_or_renames_files_leaves_one_entry(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """Only an entry of exactly the same files was pruned: each change to a folder's files left a whole entry behind
+    for good (a 10 MB folder gaining three small files left 4 entries, 39 MB). An entry says what it was asked for,
+    and a later one of the same folder or glob replaces it, whatever its files; another folder's stays."""
+    books = tmp_path / "books"
+    write(books / "a.txt", "alpha " * 20)
+    spec = str(books) if form == "folder" else f"{books}/*.txt"
+    first = prepare(spec)
+    monkeypatch.chdir(tmp_path)  # the same corpus named another way: the meta holds what it came to
+    other_way = "books" if form == "folder" else "books/*.txt"
+    for change in ("gains", "loses", "renames"):
+        if change == "gains":
+            write(books / "b.txt", "beta " * 20)
+        elif change == "loses":
+            (books / "a.txt").unlink()
+        else:
+            (books / "b.txt").rename(books / "c.txt")
+        again = prepare(other_way)
+        assert not again.cache_hit, change
+        assert entries(cache) == [again.path.name, again.path.with_suffix(".json").name], change
+    assert not first.path.exists()
+    (asked,) = {meta["spec"] for meta in metas(cache)}
+    assert asked == (str(books.resolve()) if form == "folder" else str(books.resolve() / "*.txt"))
+
+
+def test_another_corpus_or_another_spec_of_the_same_files_keeps_its_entry(tmp_path: Path, cache: Path) -> None:
+    """Runs of different folders (here of one name, so of one stem) and of a glob share a cache: a folder's new
+    entry prunes its own older one, never theirs."""
+    mine, theirs = tmp_path / "mine" / "books", tmp_path / "theirs" / "books"
+    write(mine / "a.txt", "alpha " * 20)
+    write(theirs / "a.txt", "alpha " * 20)
+    kept = [prepare(theirs).path, prepare(f"{mine}/*").path]
+    write(mine / "b.txt", "beta " * 20)
+    prepare(mine)
+    write(mine / "c.txt", "gamma " * 20)
+    newest = prepare(mine)
+    assert all(p.exists() for p in kept)
+    assert entries(cache) == sorted(p.name for e in (*kept, newest.path) for p in (e, e.with_suffix(".json")))
+
+
+def test_an_entry_from_before_metas_said_what_was_asked_for_is_pruned_by_its_files_alone(
+    tmp_path: Path, cache: Path
+) -> None:
+    books = tmp_path / "books"
+    write(books / "a.txt", "alpha " * 20)
+    old_same_files = prepare(books).path
+    meta_path = old_same_files.with_suffix(".json")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    del meta["spec"]
+    meta["meta_crc32"] = data.cache.meta_checksum(meta)
+    meta_path.write_text(json.dumps(meta), encoding="utf-8")
+    assert prepare(books).cache_hit  # still whole: served
+    write(books / "b.txt", "beta " * 20)
+    newer = prepare(books)  # other files than the old entry's: an entry without a spec is not known to be this one's
+    assert old_same_files.exists()
+    (books / "b.txt").unlink()
+    os.utime(books / "a.txt", ns=(0, 0))  # the same file again, another entry: the old comparison prunes the first
+    prepare(books)
+    assert not old_same_files.exists() and not newer.path.exists()
+
+
 def test_an_edit_keeping_size_and_mtime_is_caught_by_the_content_hash(tmp_path: Path) -> None:
     f = write(tmp_path / "t.txt", "abcdefgh" * 10)
     prepare(f)
