@@ -25,8 +25,10 @@ OTHER_NAMES = {
     **dict.fromkeys(("heads", "n_heads", "num_heads"), "model.n_head"),
     **dict.fromkeys(("context", "context_length", "context_size", "ctx_len", "seq_len", "max_seq_len", "block",
                      "sequence_length"), "model.block_size"),
-    **dict.fromkeys(("file", "input", "input_file", "text", "corpus", "data_path", "train_file", "dataset_path"),
-                    "data.path"),
+    **dict.fromkeys(("file", "input", "input_file", "text", "corpus", "data", "data_path", "train_file",
+                     "dataset_path"), "data.path"),
+    **dict.fromkeys(("accumulation_steps", "gradient_accumulation_steps", "grad_accum", "accum_steps"),
+                    "train.grad_accum_steps"),
     **dict.fromkeys(("out", "output", "output_dir", "outdir", "save_dir", "checkpoint_dir", "ckpt_dir"), "out_dir"),
 }
 
@@ -85,6 +87,9 @@ def option_as_setting(argv: list[str], keys: list[str], options: set[str]) -> st
 
 def sample_option_hint(option: str) -> str:
     """'; ...' for one of sample.py's options given to train.py: where it belongs."""
+    if option == "--checkpoint":  # (sample.py takes it or --out-dir, not both)
+        return ("; train.py --resume continues the run in --out-dir; to sample a checkpoint file use python sample.py "
+                "--checkpoint FILE")
     if option.startswith("--attention-"):
         return ("; train.py logs the attention grid to TensorBoard; for a picture file use python sample.py --out-dir "
                 "RUN --attention-map FILE")

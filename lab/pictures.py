@@ -47,8 +47,8 @@ LESS_THAN_COLOUR = {
 # the training), where image_format's test save, into a file without a name, had passed. Refused, not fixed for now.
 DROPPED = {"IM": "deprecated, and gone in Pillow 15"}
 # What Pillow decides from the name of the file it writes (a .j2k name gets the raw codestream, any other a JP2
-# container), given as options: write_picture hands it a file without a name (SAVE_OPTIONS).
-SAVE_OPTIONS = {".j2k": {"no_jp2": True}}
+# container; .j2c and .jpc name codestreams too), given as options: write_picture hands it a file without a name.
+SAVE_OPTIONS = dict.fromkeys((".j2k", ".j2c", ".jpc"), {"no_jp2": True})
 
 
 def image_format(path: str | Path) -> str:

@@ -264,7 +264,8 @@ def parser() -> OneLineParser:
                    help="with --min-length: leave the padding in attention's view, to see what the mask is for")
     p.add_argument("--digits", type=int, default=10, help="alphabet size (default 10: digits 0-9)")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"training steps (default 400 GRU, 600 transformer; at most {MAX_STEPS:,})")
+                   help=f"training steps (default 400 GRU, 600 transformer; at most {MAX_STEPS:,}, in all the runs of "
+                        f"--bottleneck)")
     p.add_argument("--batch-size", type=int, default=128, help="sequences per training step (default 128)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
     p.add_argument("--seed", type=int, default=0,

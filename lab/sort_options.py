@@ -65,9 +65,10 @@ def check_lengths(lengths: list[int], steps: int, max_steps: int) -> None:
     run, there to keep a command to about an hour)."""
     if (bad := next((n for n in lengths if not 0 < n < 2**63), None)) is not None:
         raise ValueError(f"--lengths must be from 1 to 2**63 - 1, got {bad}")  # as SortConfig checks --length
-    if (twice := next((n for i, n in enumerate(lengths) if n in lengths[:i]), None)) is not None:
-        raise ValueError(f"--lengths names {twice} twice; give each length once")
-    if (total := len(lengths) * 2 * steps) > max_steps:
+    if (total := len(lengths) * 2 * steps) > max_steps:  # first: it is cheap, and a list past it may be long
         raise ValueError(f"--lengths and --steps ask for {len(lengths):,} lengths x 2 runs x {steps:,} steps = "
                          f"{total:,} steps, past the {max_steps:,} one command may take (about an hour); give fewer "
                          f"lengths or fewer --steps")
+    seen: set[int] = set()
+    if (twice := next((n for n in lengths if n in seen or seen.add(n)), None)) is not None:
+        raise ValueError(f"--lengths names {twice} twice; give each length once")

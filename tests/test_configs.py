@@ -413,6 +413,13 @@ def test_an_option_of_sample_py_given_to_train_py_says_where_it_belongs(capsys):
         assert option_as_setting([option, "5"], keys, own) == (
             f"; {option} is an option of sample.py, which samples a trained run: python sample.py --out-dir RUN "
             f"{option} ...")
+    # sample.py takes --checkpoint instead of --out-dir, and train.py's own way to go on from one is --resume
+    assert option_as_setting(["--checkpoint", "runs/x/ckpt.pt"], keys, own) == (
+        "; train.py --resume continues the run in --out-dir; to sample a checkpoint file use python sample.py "
+        "--checkpoint FILE")
+    # other trainers' names for a setting, which the spelling alone no longer reaches
+    assert option_as_setting(["--data", "input.txt"], keys, own).endswith(": data.path=input.txt")
+    assert option_as_setting(["--accumulation-steps", "3"], keys, own).endswith(": train.grad_accum_steps=3")
 
 
 def test_sample_options_are_the_options_of_sample_py_that_train_py_lacks(monkeypatch):

@@ -380,12 +380,13 @@ def test_a_j2k_picture_is_the_raw_codestream_and_no_picture_holds_the_temporary_
     # Written through '.NAME.j2k.<pid>.part', a .j2k got a JP2 container (Pillow picks the codestream by the name's
     # ending), and an SGI picture's header held that temporary name
     image = Image.new("RGB", (6, 5), (200, 30, 60))
-    for name, starts in (("a.j2k", b"\xff\x4f\xff\x51"), ("a.jp2", b"\x00\x00\x00\x0cjP  \r\n\x87\n"),
-                         ("a.sgi", b"\x01\xda"), ("a.rgb", b"\x01\xda")):
+    codestream = b"\xff\x4f\xff\x51"
+    for name, starts in (("a.j2k", codestream), ("a.J2C", codestream), ("a.jpc", codestream),
+                         ("a.jp2", b"\x00\x00\x00\x0cjP  \r\n\x87\n"), ("a.sgi", b"\x01\xda"), ("a.rgb", b"\x01\xda")):
         written = write_picture(image, tmp_path / name).read_bytes()
         assert written.startswith(starts) and b".part" not in written, name
         expected = io.BytesIO()  # the format's bytes, nothing of the file's name in them
-        image.save(expected, format=image_format(name), no_jp2=name.endswith(".j2k"))
+        image.save(expected, format=image_format(name), no_jp2=starts == codestream)
         assert written == expected.getvalue(), name
         with Image.open(tmp_path / name) as back:
             assert back.mode == "RGB" and back.getpixel((0, 0)) == (200, 30, 60)

@@ -615,6 +615,9 @@ def test_a_heatmap_inside_the_logdir_is_written_there(tmp_path, capsys):
      "lengths x 2 runs x 100,000 steps = 1,000,000,000 steps, past the 100,000 one command may take"),
     (["--lengths", *map(str, range(1, 201))], "= 160,000 steps, past the 100,000"),  # the default 400 steps
     (["--steps", "25001", "--lengths", "8", "16"], "= 100,004 steps, past the 100,000"),
+    # told the total first: it is what a list that long is wrong in (and was found after a search for repeats, which
+    # took 34 s over 60,000 lengths)
+    (["--lengths", *["8"] * 2000], "ask for 2,000 lengths x 2 runs x 400 steps"),
 ])
 def test_bottleneck_s_lengths_repeated_or_past_the_steps_of_one_command_are_refused_before_training(argv, says,
                                                                                                      capsys,
