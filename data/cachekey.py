@@ -45,14 +45,14 @@ def cache_key(inputs: Inputs, settings: dict) -> str:
                 while left > 0 and (chunk := f.read(min(_HASH_CHUNK, left))):
                     digest.update(chunk)
                     left -= len(chunk)
-                check_unchanged(f, s, inputs.label)
+                check_unchanged(f, s, inputs.label, ctime=False)
     else:
         for source, offsets in _samples(inputs.sources, SAMPLES, SAMPLE_BYTES):
             with open_regular(source.path, inputs.label) as f:
                 for offset in offsets:
                     f.seek(offset)
                     digest.update(f.read(min(SAMPLE_BYTES, source.size - offset)))
-                check_unchanged(f, source, inputs.label)
+                check_unchanged(f, source, inputs.label, ctime=False)
     return digest.hexdigest()
 
 

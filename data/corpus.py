@@ -46,6 +46,7 @@ def _shipped_sha256(path: Path, restore: str) -> str:
         st = os.fstat(fd)
         if (kind := file_kind(st.st_mode)) is not None:
             raise DataError(f"the built-in tiny Shakespeare {quoted(path)} is {kind}, not a file; {restore}")
+        os.set_blocking(fd, True)  # a plain file (O_NONBLOCK was for a pipe's open): read as one, on any file system
         if st.st_size != SHAKESPEARE_BYTES:
             raise DataError(f"{quoted(path)} is not the tiny Shakespeare tinychar ships ({st.st_size:,} bytes, "
                             f"expected {SHAKESPEARE_BYTES:,}); {restore}")

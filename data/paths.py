@@ -197,22 +197,24 @@ def open_regular(path: Path, label: str) -> Iterator[BinaryIO]:
             raise os_failure(label, path, e) from None
 
 
-def check_unchanged(f: BinaryIO, source: Source, label: str) -> None:
+def check_unchanged(f: BinaryIO, source: Source, label: str, ctime: bool = True) -> None:
     """DataError unless the open file f, just read as far as source's listed size, still has that size and the
     times it was listed with (os.fstat: at once, not after both passes over the corpus).
 
     A file is read no further than its listed size, so one that grows meanwhile (appended to, or given a hole with
     `truncate -s 1T`) is not read to its new end for hours; its growth is said here instead. Running again cannot
-    help a file that is being written to, so that line says to copy it first.
+    help a file that is being written to, so that line says to copy it first. ctime=False: a change of its
+    metadata alone (chmod, a backup tool's extended attributes) leaves its text as it was: no change.
     """
     st = os.fstat(f.fileno())
-    if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (source.size, source.mtime_ns, source.ctime_ns):
+    if (st.st_size, st.st_mtime_ns) == (source.size, source.mtime_ns) and (
+            not ctime or st.st_ctime_ns == source.ctime_ns):
         return
     if st.st_size > source.size:
         word = shell_word(str(source.path))
         raise DataError(
             f"{label}: {quoted(source.path)} grew from {source.size:,} to {st.st_size:,} bytes while it was being "
-            f"read; a file still being written to (a live log) changes at every run: copy it first (cp "
-            f"{word if len(word) <= QUOTE_LIMIT else 'FILE'} copy.txt) and train on the copy"
+            f"read; a file still being written to (a live log) changes at every run: train on a copy of it, kept out "
+            f"of what data.path reads (cp -- {word if len(word) <= QUOTE_LIMIT else 'FILE'} COPY)"
         )
     raise DataError(f"{label}: {quoted(source.path)} changed while it was being read; run again")

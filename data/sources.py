@@ -60,8 +60,9 @@ class Inputs:
     others: list[Path] = field(default_factory=list)
     # hidden files and folders (a name that starts with '.': .git, .DS_Store) under a folder, left out
     hidden: list[Path] = field(default_factory=list)
-    # what spec came to: the file's or folder's full path, links resolved, or the glob's pattern from its fixed part's
-    # (the cache's entries of one corpus are told by it, whatever files it held: data/cache.py's prune)
+    # what spec came to: the file's or folder's full path, links resolved, or the glob's pattern from its fixed part's,
+    # and where that lies on this machine (_asked); the cache's entries of one corpus are told by it, whatever files it
+    # held: data/cache.py's prune
     asked: str = ""
 
     @property
@@ -111,8 +112,20 @@ def resolve_inputs(spec: str | Path, label: str = "data.path", caches: Iterable[
         if os.path.realpath(p).startswith(("/proc/", "/sys/")):  # the kernel's files, made as they are read
             what += " (the kernel's files under /proc and /sys say 0 bytes whatever they hold: copy one first)"
         raise DataError(f"{label}: {quoted(text)} {what}; give UTF-8 text with at least one training window")
+    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others, out.hidden, _asked(p, st))
+
+
+def _asked(p: Path, st: os.stat_result | None) -> str:
+    """Inputs.asked for the file, folder or glob p (st: its stat, None for a glob): its full path, or the pattern from
+    its fixed part's, and that file's or folder's identity on this machine (device and inode). Machines sharing one
+    cache folder (a home on a network file system), each with its own copy of a folder at one path, would otherwise
+    take each other's entries for stale ones of the same corpus, and encode it again at every run."""
     asked = _resolved(p) if st is None else p.resolve()
-    return Inputs(text, label, sources, out.skipped, out.runs, out.caches, out.others, out.hidden, str(asked))
+    try:
+        here = os.stat(fixed_part(p)) if st is None else st
+    except OSError:
+        return str(asked)
+    return f"{asked} ({here.st_dev}:{here.st_ino})"
 
 
 def _resolved(pattern: Path) -> Path:

@@ -115,7 +115,26 @@ def test_a_folder_or_glob_that_gains_loses_or_renames_files_leaves_one_entry(
         assert entries(cache) == [again.path.name, again.path.with_suffix(".json").name], change
     assert not first.path.exists()
     (asked,) = {meta["spec"] for meta in metas(cache)}
-    assert asked == (str(books.resolve()) if form == "folder" else str(books.resolve() / "*.txt"))
+    here = books.stat()
+    assert asked == (str(books.resolve()) if form == "folder" else str(books.resolve() / "*.txt")) + (
+        f" ({here.st_dev}:{here.st_ino})")
+
+
+def test_another_machines_entry_of_a_folder_at_the_same_path_is_not_pruned(tmp_path: Path, cache: Path) -> None:
+    """Machines sharing a cache folder (a home on a network file system), each with its own copy of a folder at one
+    path, took each other's entries for older ones of the same corpus, and encoded it again at every run. Here the
+    other machine's folder is one moved away, and this one's is made anew at its path (so it, too, is taken for
+    another folder, and its entry is kept)."""
+    books = tmp_path / "books"
+    write(books / "a.txt", "alpha " * 20)
+    theirs = prepare(books).path
+    books.rename(tmp_path / "elsewhere")
+    write(books / "a.txt", "alpha " * 20)
+    write(books / "b.txt", "beta " * 20)  # this machine's copy holds another file
+    mine = prepare(books)
+    assert not mine.cache_hit and theirs.exists() and mine.path.exists()
+    write(books / "c.txt", "gamma " * 20)
+    assert not prepare(books).cache_hit and theirs.exists() and not mine.path.exists()  # its own older one: pruned
 
 
 def test_another_corpus_or_another_spec_of_the_same_files_keeps_its_entry(tmp_path: Path, cache: Path) -> None:

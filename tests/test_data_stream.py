@@ -482,8 +482,31 @@ def test_a_file_that_grows_after_it_is_listed_is_read_no_further_and_said_at_onc
         within(prepare, f, seconds=20)
     assert str(info.value) == (
         f"data.path: {quoted(f)} grew from 512 to {now:,} bytes while it was being read; a file still being written to "
-        f"(a live log) changes at every run: copy it first (cp {f} copy.txt) and train on the copy")
+        f"(a live log) changes at every run: train on a copy of it, kept out of what data.path reads (cp -- {f} COPY)")
     assert not list(cache.glob("*.ids"))
+
+
+def test_a_cache_hit_is_served_after_a_change_of_the_files_metadata_alone(tmp_path: Path) -> None:
+    """A chmod (or a backup tool's extended attributes) between the listing and the reading of the cache key changed
+    the file's ctime, and the run was refused: "changed while it was being read". Its text is as it was."""
+    from data.sources import resolve_inputs
+
+    f = write(tmp_path / "t.txt", "abcdefgh" * 64)
+    first = prepare(f)
+    real = data.prepare.resolve_inputs
+
+    def listed_then_chmod(*args, **kwargs):
+        inputs = real(*args, **kwargs)
+        before = f.stat().st_ctime_ns
+        while f.stat().st_ctime_ns == before:  # (a file system whose clock ticks coarsely: again, later)
+            f.chmod(0o640 if f.stat().st_mode & 0o7 else 0o644)
+        return inputs
+
+    assert resolve_inputs is real
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(data.prepare, "resolve_inputs", listed_then_chmod)
+        again = prepare(f)
+    assert again.cache_hit and again.path == first.path
 
 
 def test_a_file_rewritten_after_it_is_listed_is_said_to_have_changed_by_the_first_pass(tmp_path: Path) -> None:
