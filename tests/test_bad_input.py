@@ -321,6 +321,9 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     # a lone mark sat on the quote before it ('́'), a joiner was '\u200d'
     ("prompt-unseen-marks", "sample", lambda c: c.sample("--prompt", "a\u0301\u200d"),
      "never saw in training: U+0301, U+200D; remove or replace them"),
+    # a prompt file saved on Windows: said as '\r' alone, which did not say why the file held one
+    ("prompt-windows-line-ends", "sample", lambda c: c.sample("--prompt", "All:\r\nHi"), "remove or replace them "
+     "(its lines end in \\r\\n, as Windows saves text: save it with \\n line endings, e.g. dos2unix)"),
     ("prompt-empty", "sample", lambda c: c.sample("--prompt", ""), "prompt is empty"),
     ("prompt-file-latin-1", "sample", lambda c: c.sample("--prompt-file", str(_latin1(c))), "is not UTF-8"),
     ("max-new-tokens-negative", "sample", lambda c: c.sample("--max-new-tokens", "-1"), "must be >= 0"),

@@ -386,10 +386,23 @@ def test_a_text_too_long_for_memory_is_refused_before_the_model_is_built(run, mo
     line = one_error_line(run("--num-samples", "1000", "--max-new-tokens", "200000"))  # 2.6 GB of ids
     assert "needs about 2.6 GB of memory and this machine has 2.0 GB free" in line
     assert line.endswith("ask for fewer --num-samples or a smaller --max-new-tokens") and not built
-    # the prompt counts too: 1000 samples of a 100,000-character prompt are 0.8 GB more
-    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 10**9)
-    assert "needs about 1.2 GB" in one_error_line(run("--num-samples", "1000", "--max-new-tokens", "30000",
-                                                      "--prompt", "a" * 100_000))
+    # the prompt's window counts, the rest of it not: a model reads no more (1000 samples of a 100,000-character
+    # prompt counted 0.8 GB more; 100 of a 5 MB prompt took 4 GB)
+    monkeypatch.setattr(training.memory, "available_bytes", lambda device: 10**8)
+    short, long = (one_error_line(run("--num-samples", "1000", "--max-new-tokens", "30000", "--prompt", prompt))
+                   for prompt in ("a", "a" * 100_000))
+    assert "needs about 0.4 GB" in short and short == long
+
+
+def test_a_long_prompt_is_written_whole_and_continued_from_its_last_block_size_characters(run, run_dir):
+    block = load_checkpoint(run_dir / "ckpt.pt")["config"]["model"]["block_size"]
+    prompt = "".join(PROMPT[i % len(PROMPT)] for i in range(5_000))
+    window = prompt[-block:]
+    for args in ((), ("--no-cache",), ("--num-samples", "3")):
+        whole = ok(run("--prompt", prompt, "--max-new-tokens", "40", *args)).split(writing.SEPARATOR)
+        cropped = ok(run("--prompt", window, "--max-new-tokens", "40", *args)).split(writing.SEPARATOR)
+        assert len(whole) == len(cropped) == (3 if "--num-samples" in args else 1)
+        assert whole == [prompt + sample[len(window):] for sample in cropped]
 
 
 def test_a_batch_too_large_for_memory_is_blamed_on_the_number_of_samples_not_the_model(run, monkeypatch):
