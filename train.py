@@ -171,6 +171,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
     from training.heap import memory_kept
     from training.runner import run
 
+    joined = False  # this process has joined the others of a torchrun launch
     try:
         with InterruptSignals(), contextlib.ExitStack() as numerics:
             failure, payload, backend, device = None, None, "gloo", torch.device("cpu")
@@ -193,6 +194,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
                     raise
                 failure = e  # said once, by rank 0, when the processes have joined and agree on it
             with distributed.joined(launch, backend, device):
+                joined = True
                 agree(launch, failure)
                 run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload,
                     launch=launch)
@@ -205,6 +207,10 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
         alone = refused is not None and not launch.main and not isinstance(e, SharedFailure)
         if alone:  # the processes never agreed on it, so rank 0 cannot say it
             line = f"error: rank {launch.rank}: {refused}"
+        elif launch.torchrun and not launch.main and not joined and isinstance(e, LaunchError) and line:
+            # It could not join the others (a host name it cannot resolve, a connection refused): with no group to
+            # agree through, it says why itself, on its own machine, where the cause is; it ended in silence, status 2
+            alone, line = True, line.replace("error: ", f"error: rank {launch.rank}: ", 1)
         # Under torchrun every process gets here for a shared failure, a stop or a divergence; one line is enough.
         if line and (launch.main or alone):
             print(line, file=sys.stderr)

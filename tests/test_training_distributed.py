@@ -355,7 +355,7 @@ def test_the_settings_that_must_match_are_compared_and_the_per_machine_ones_are_
     launch = Launch(rank=0, world_size=2, local_world_size=2, torchrun=True)
 
     def check(other_cfg, *, resume: bool = False, fingerprint: str = "f0") -> None:
-        theirs = ({**training.distributed.settings_of(other_cfg), "--resume": resume}, fingerprint)
+        theirs = ({**training.distributed.settings_of(other_cfg), "--resume": resume}, fingerprint, None)
         monkeypatch.setattr(training.distributed, "all_gather", lambda mine: [mine, theirs])
         check_same_run(launch, cfg, False, "f0")
 
@@ -371,6 +371,22 @@ def test_the_settings_that_must_match_are_compared_and_the_per_machine_ones_are_
         check(cfg, resume=True)
     with pytest.raises(LaunchError, match="read different text"):
         check(cfg, fingerprint="f1")
+
+    # A resume: each process reads its own out_dir's ckpt.pt, which on another machine may be an older copy (rank 0
+    # resumed at step 100, rank 1 at step 50, their collectives paired wrongly, and the run said it was done)
+    def resume_from(mine: dict, theirs: dict) -> None:
+        monkeypatch.setattr(training.distributed, "all_gather", lambda ours: [
+            ours, ({**training.distributed.settings_of(cfg), "--resume": True}, "f0", (theirs["step"],
+                                                                                     theirs["best_val_loss"]))])
+        check_same_run(launch, cfg, True, "f0", mine)
+
+    resume_from({"step": 100, "best_val_loss": 1.5}, {"step": 100, "best_val_loss": 1.5})
+    with pytest.raises(LaunchError, match=re.escape(
+            "resume from different checkpoints: step 100 in rank 0's out_dir/ckpt.pt, step 50 in rank 1's; copy rank "
+            "0's ckpt.pt to every machine's out_dir, or give the processes one shared out_dir")):
+        resume_from({"step": 100, "best_val_loss": 1.5}, {"step": 50, "best_val_loss": 1.7})
+    with pytest.raises(LaunchError, match=r"step 100 in rank 1's \(best losses 1.5 and 1.25\); copy"):
+        resume_from({"step": 100, "best_val_loss": 1.5}, {"step": 100, "best_val_loss": 1.25})
     monkeypatch.setattr(training.distributed, "all_gather", lambda mine: pytest.fail("a lone process gathers"))
     check_same_run(Launch(), cfg, False, "f0")
 
@@ -544,6 +560,12 @@ def test_a_run_whose_master_addr_does_not_resolve_stops_at_once_in_one_line(tmp_
     code = train.main(["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], progress=False)
     assert (code, capsys.readouterr().err) == (2, f"error: {UNRESOLVED}\n")
     assert not out.exists() and not torch.distributed.is_initialized()
+    # Another rank, on a machine that cannot reach rank 0's, says so there, where the cause is: it ended in silence
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    code = train.main(["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], progress=False)
+    assert (code, capsys.readouterr().err) == (2, f"error: rank 1: {UNRESOLVED}\n")
+    assert not out.exists() and not torch.distributed.is_initialized()
 
 
 def test_derived_seeds_differ_by_rank_stream_and_step_and_suit_a_generator():
@@ -631,3 +653,22 @@ def test_one_of_rank_and_world_size_empty_or_meaning_one_process_passes():
     # an empty RANK, or 00, ran as one process before the check and still does
     for alone in ({"RANK": ""}, {"RANK": "00"}, {"WORLD_SIZE": " 1 "}, {"WORLD_SIZE": ""}):
         assert launch_from_env(alone) == Launch()
+
+
+def test_a_later_rank_with_nothing_to_resume_is_told_where_rank_0_s_checkpoint_is(tmp_path, monkeypatch):
+    # On another machine, out_dir holds no copy of the ckpt.pt rank 0 wrote: "start the run without --resume", which
+    # rank 0 then refuses (its folder holds a run), and --overwrite would throw the run away
+    from configs.errors import UsageError
+    from configs.userinput import shown
+    from training.resuming import resume_target
+
+    tmp_path.joinpath("out").mkdir()
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    for rank, says in (("1", "every process of a run reads its out_dir's ckpt.pt, and rank 0 alone writes one: copy "
+                             "rank 0's to this machine's out_dir, or give the processes one shared out_dir"),
+                       ("0", "start the run without --resume")):
+        for key, value in {**env, "RANK": rank, "LOCAL_RANK": rank}.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(UsageError) as refused:
+            resume_target(None, [f"out_dir={tmp_path / 'out'}"])
+        assert str(refused.value) == f"nothing to resume: no '{shown(str(tmp_path / 'out' / 'ckpt.pt'))}'; {says}"

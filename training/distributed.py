@@ -269,17 +269,20 @@ def settings_of(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 
-def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str) -> None:
+def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str, payload: dict | None = None) -> None:
     """Collective under torchrun: refuse, in every process alike, a run whose processes were given different
-    settings (a stale config file on one machine, an override typed on one only) or read different text. Unchecked,
-    such replicas drift apart while the run reports success, or fail inside DDP with a traceback. PER_PROCESS_KEYS
-    may differ; the text is compared by the fingerprint of its token ids."""
+    settings (a stale config file on one machine, an override typed on one only), read different text, or resume from
+    different checkpoints (each reads its own out_dir's, and only rank 0 writes one: a copy on another machine may be
+    an older step's, and the two then paired their collectives wrongly and saved the result as done). Unchecked, such
+    replicas drift apart while the run reports success, or fail inside DDP with a traceback. PER_PROCESS_KEYS may
+    differ; the text is compared by the fingerprint of its token ids, a checkpoint by its step and best loss."""
     if not launch.torchrun:
         return
     mine = {**settings_of(config), "--resume": resume}
-    everyone = all_gather((mine, fingerprint))
-    first, first_text = everyone[0]
-    for rank, (theirs, text) in enumerate(everyone[1:], start=1):
+    saved = None if payload is None else (payload.get("step"), payload.get("best_val_loss"))
+    everyone = all_gather((mine, fingerprint, saved))
+    first, first_text, first_saved = everyone[0]
+    for rank, (theirs, text, their_saved) in enumerate(everyone[1:], start=1):
         for key in [*first, *(k for k in theirs if k not in first)]:  # in the config's order, the same in every process
             if key not in PER_PROCESS_KEYS and first.get(key) != theirs.get(key):
                 raise LaunchError(f"the processes of this run were given different settings: {key} is "
@@ -288,6 +291,12 @@ def check_same_run(launch: Launch, config: Any, resume: bool, fingerprint: str) 
         if text != first_text:
             raise LaunchError(f"the processes of this run read different text: {_text_source(theirs)} in rank {rank} "
                               f"is not the text of {_text_source(first)} in rank 0; give every machine the same corpus")
+        if their_saved != first_saved:
+            (step, best), (their_step, their_best) = first_saved, their_saved
+            also = f" (best losses {cut_short(best)} and {cut_short(their_best)})" if step == their_step else ""
+            raise LaunchError(f"the processes of this run resume from different checkpoints: step {cut_short(step)} in "
+                              f"rank 0's out_dir/ckpt.pt, step {cut_short(their_step)} in rank {rank}'s{also}; copy "
+                              f"rank 0's ckpt.pt to every machine's out_dir, or give the processes one shared out_dir")
 
 
 def _text_source(settings: Mapping[str, Any]) -> str:

@@ -12,6 +12,7 @@ from configs.userinput import path_word, shown
 from model.runs import ASIDE_FOLDERS
 
 from .config import RunConfig, copied_run, load_config
+from .launch import LaunchError, launch_from_env
 from .lock import RunLock, in_use
 
 
@@ -45,9 +46,22 @@ def resume_target(config: str | None, overrides: list[str]) -> tuple[RunConfig |
                        f"{path_word(str(out_dir))} && mv {kept}/* . && rmdir {kept} && cp best.pt ckpt.pt")
             raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}', only best.pt, the run's best step; to "
                              f"continue from that step, {way}")
-        raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; start the run without --resume")
+        raise UsageError(f"nothing to resume: no '{shown(str(ckpt))}'; " + (
+            "every process of a run reads its out_dir's ckpt.pt, and rank 0 alone writes one: copy rank 0's to this "
+            "machine's out_dir, or give the processes one shared out_dir" if _a_later_rank() else
+            "start the run without --resume"))
     if ckpt.is_dir():  # not the file a run writes
         kind = "a link to a folder" if ckpt.is_symlink() else "a folder"
         raise UsageError(f"'{shown(str(ckpt))}' is {kind}, where a run keeps the checkpoint --resume continues from; "
                          "move it out of out_dir, then --resume again")
     return cfg, out_dir, ckpt, recovered
+
+
+def _a_later_rank() -> bool:
+    """Whether this process is one of a torchrun launch's other than rank 0 (whose out_dir, on another machine, may
+    hold no copy of the checkpoint rank 0 saved)."""
+    try:
+        launch = launch_from_env()
+    except LaunchError:  # said elsewhere
+        return False
+    return launch.torchrun and not launch.main

@@ -58,7 +58,7 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progre
     launch = launch or Launch()
     out_dir = Path(cfg.out_dir)
     start = prepare(cfg, resume=resume, overwrite=overwrite, progress=progress, payload=payload, launch=launch)
-    distributed.check_same_run(launch, cfg, resume, start.corpus.fingerprint)  # before DDP and out_dir's claim
+    distributed.check_same_run(launch, cfg, resume, start.corpus.fingerprint, payload)  # before DDP, out_dir's claim
     trainer = build_trainer(cfg, start, payload, launch)
     # Everything is checked in every process: from here on rank 0 holds out_dir's lock and writes into it.
     lock, replaced = None, None
