@@ -18,7 +18,7 @@ from model.config import a_model_of
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
 from model.span import span_for
 from training import compile_cache, engine, step_file
-from training.compile_errors import compile_failed, compiler_log_quiet, one_line
+from training.compile_errors import compile_failed, compile_or_clear, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, insist_on_stop, interrupting
 from training.streams import discard_stdout
 
@@ -160,7 +160,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
         start = begun if compiled else time.perf_counter()
         try:
             with compiler_log_quiet(), insist_on_stop():
-                sampler.warm_up(len(batch), device)
+                compile_or_clear(lambda: sampler.warm_up(len(batch), device))
         except Exception as e:  # noqa: BLE001 - any failure of the compiler stack or of the capture: sample eagerly
             if (stop := interrupting(e)) is not None:  # a signal (write_samples's InterruptSignals), which the
                 raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own

@@ -944,3 +944,37 @@ def test_the_noise_drawn_ahead_of_the_compiled_loop_is_kept_to_a_bound():
         chunk = noise_chunk(32, samples, vocab, 0.8)
         assert 1 <= chunk <= 32 and (chunk == 1 or chunk * samples * vocab * 4 <= NOISE_BYTES)
     assert noise_chunk(32, 400, 60_000, 0.0) == 32  # greedy draws no noise
+
+
+def test_a_library_an_interrupted_compile_left_empty_in_the_cache_is_removed_and_the_sampler_compiled_again(
+        run, monkeypatch, tmp_path):
+    """An empty main.so left in the compile cache by a Ctrl-C while inductor built the sampler made every compiled
+    sample say "cannot compile here (InductorError: ImportError: .../main.so: file too short); sampling eagerly", for
+    good. It is removed and the sampler compiled again: the same characters. Staged: torch.compile runs the step as it
+    is, and the warm-up loads the file, by the real loader, while it is there."""
+    from test_training_engine import load_compiled_module
+
+    from model import sampler
+
+    args = ("--prompt", PROMPT, "--max-new-tokens", "40", "--num-samples", "2", "--seed", "5")
+    expected = ok(run(*args, "--compile", "false"))
+    monkeypatch.setattr(writing.compile_cache, "_USER_CACHE", str(tmp_path))
+    library = writing.compile_cache.cache_folder() / "ef" / "main.so"
+    library.parent.mkdir(parents=True)
+    library.touch()
+    monkeypatch.setattr(writing.compile_cache, "prepare_compile", lambda: library.parent.parent)
+    monkeypatch.setattr(writing.step_file, "used_on", lambda device: False)
+    monkeypatch.setattr(sampler.torch, "compile", lambda fn, **kwargs: fn)
+    warm_up = writing.WindowSampler.warm_up
+
+    def loading(self, batch, device):
+        if library.exists():
+            load_compiled_module(library)
+        warm_up(self, batch, device)
+
+    monkeypatch.setattr(writing.WindowSampler, "warm_up", loading)
+    code, out, err = run(*args, "--compile", "true")
+    assert code == 0 and out == expected and not library.exists()
+    assert (f"compile cache: '{library}' in it could not be loaded (file too short), left over from an interrupted "
+            f"compile: it was removed, and is compiled again") in err
+    assert "sampling step compiled in" in err and "eagerly" not in err, err

@@ -561,3 +561,95 @@ def test_a_compile_is_timed_with_the_compilers_imports(monkeypatch, tmp_path):
     assert trainer.engine == "compiled" and said[-1].startswith("engine: compiled in 0.2 s"), said
     seconds = compile_cache.cached_compile_seconds(engine.compile_key(model.config, tc, CPU, torch.float32))
     assert seconds is not None and 0.2 <= seconds < 5
+
+
+def load_compiled_module(path: Path) -> None:
+    """What inductor does with a compiled module it finds in its cache: import it, by the real loader, which refuses
+    an empty file ("file too short"); its error comes out wrapped as inductor wraps it (InductorError)."""
+    import importlib.machinery
+    import importlib.util
+
+    from torch._inductor.exc import InductorError
+
+    loader = importlib.machinery.ExtensionFileLoader("main", str(path))
+    try:
+        loader.create_module(importlib.util.spec_from_loader("main", loader))
+    except ImportError as e:
+        raise InductorError(e, None) from e  # noqa: B904 - torch's own chain
+
+
+def engine_trainer(tmp_path: Path, monkeypatch) -> tuple[SimpleNamespace, Path]:
+    """A trainer of one small GPT for start_engine and warm_blocks, and its compile cache folder (in tmp_path)."""
+    from training.config import TrainConfig
+
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "cache"))
+    folder = compile_cache.cache_folder()
+    monkeypatch.setattr(engine, "prepare_compile", lambda: folder)
+    model = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=8))
+    tc = TrainConfig(batch_size=2)
+    trainer = SimpleNamespace(model=model, tc=tc, device=CPU, dtype=torch.float32,
+                              optimizer=make_optimizer(model, tc, CPU), splits={"train": torch.randint(0, 5, (64,))},
+                              cfg=SimpleNamespace(model=model.config))
+    return trainer, folder
+
+
+@pytest.mark.parametrize("where", ["cache", "elsewhere", "again"])
+def test_a_library_an_interrupted_compile_left_empty_in_the_cache_is_removed_and_compiled_again(
+        tmp_path, monkeypatch, capsys, where):
+    """A Ctrl-C while inductor linked the step left an empty main.so in the compile cache, which inductor then loaded
+    at every compile: "engine: cannot compile here (InductorError: ImportError: .../main.so: file too short)", and
+    every run trained eagerly, for good. The file is removed and the step compiled again; a file outside the cache is
+    never removed, and a second failure trains eagerly, naming the file. Staged without compiling: the warm-up loads
+    the file while it is there, by the real loader."""
+    trainer, folder = engine_trainer(tmp_path, monkeypatch)
+    library = (folder if where != "elsewhere" else tmp_path) / "ab" / "main.so"
+    library.parent.mkdir(parents=True)
+    library.touch()
+    tries: list[bool] = []
+
+    def warm_up(self, xs, ys):
+        if where == "again":
+            library.touch()  # built cut short again
+        tries.append(library.exists())
+        if library.exists():
+            load_compiled_module(library)
+        return 0.0
+
+    monkeypatch.setattr(CompiledStep, "warm_up", warm_up)
+    said: list[str] = []
+    engine.start_engine(trainer, engine.EngineChoice("step", "asked"), said.append)
+    err = capsys.readouterr().err
+    failed = f"engine: cannot compile here (InductorError: ImportError: {library}: file too short); training without"
+    if where == "elsewhere":
+        assert tries == [True] and library.exists() and said[-1].startswith(failed) and "compile cache" not in err
+        return
+    assert (f"compile cache: '{library}' in it could not be loaded (file too short), left over from an interrupted "
+            f"compile: it was removed, and is compiled again") in err
+    if where == "cache":
+        assert tries == [True, False] and not library.exists()
+        assert trainer.engine == "compiled" and said[-1].startswith("engine: compiled in"), said
+    else:
+        assert tries == [True, True] and said[-1].startswith(failed), said
+        assert getattr(trainer, "engine", None) != "compiled"
+
+
+def test_the_blocks_compile_again_once_a_library_left_empty_in_the_cache_is_removed(tmp_path, monkeypatch, capsys):
+    """The block-by-block path (torchrun, float16) met the same empty main.so and trained eagerly for good. Staged
+    with a backend that loads the file while it is there, else runs the graph as traced."""
+    trainer, folder = engine_trainer(tmp_path, monkeypatch)
+    library = folder / "cd" / "main.so"
+    library.parent.mkdir(parents=True)
+    library.touch()
+
+    def loading(gm, example_inputs):
+        if library.exists():
+            load_compiled_module(library)
+        return gm.forward
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, *args, **kwargs: compile_module(self, *args, **{**kwargs, "backend": loading}))
+    engine.compile_blocks(trainer.model)
+    choice = engine.warm_blocks(trainer, engine.EngineChoice("blocks", "asked"))
+    assert choice.kind == "blocks" and "compiled in" in choice.reason, choice
+    assert not library.exists() and "it was removed, and is compiled again" in capsys.readouterr().err

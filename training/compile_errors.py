@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
 
 import torch
+
+from configs.userinput import shown
+
+from .compile_cache import cache_folder
+from .signals import interrupting
+
+T = TypeVar("T")
 
 
 def compile_failed(e: Exception) -> str:
@@ -26,6 +36,64 @@ def compile_failed(e: Exception) -> str:
     head = one_line(e).rstrip(":")  # "BackendCompilerFailed: backend='inductor' raised:" ends where its cause begins
     cause = "" if root is e or one_line(root) in head else f"; from {one_line(root)}"
     return f"cannot compile here ({head}{cause})"
+
+
+# What the dynamic loader says of a library it cannot load (dlopen's messages, as ImportError or OSError gives them:
+# "<path>: file too short"): a library whose link was cut short (Ctrl-C or SIGTERM while inductor built it, a full
+# disk) is empty or garbled, and inductor, finding it in its cache, loads it rather than building it again.
+_UNLOADABLE = re.compile(r"(/[^\s:'\"]+): (file too short|invalid ELF header|cannot open shared object file|"
+                         r"ELF load command past end of file|cannot read file data|failed to map segment)")
+
+
+def unloadable_library(e: BaseException, folder: Path) -> tuple[Path, str] | None:
+    """The file inside the compile cache folder that e, or an error it was raised from or while handling, says the
+    loader cannot load, and what the loader said of it; None where it names none there (a file elsewhere is never
+    the cache's to remove)."""
+    link: BaseException | None = e
+    for _ in range(20):
+        if link is None:
+            break
+        for m in _UNLOADABLE.finditer(str(link)):
+            path = Path(m.group(1))
+            try:  # the folder the file is in, links resolved; the file itself may be a link (removing it removes that)
+                inside = path.parent.resolve().is_relative_to(folder.resolve())
+            except (OSError, RuntimeError):
+                continue
+            if inside and path.name not in ("", ".", ".."):
+                return path, m.group(2)
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def compile_or_clear(attempt: Callable[[], T]) -> T:
+    """Run attempt, a compile; where it fails on a library in the compile cache that cannot be loaded, left over
+    from an interrupted compile (unloadable_library), remove that file, say so on stderr, and run it once more. A
+    second failure is raised, for the caller to go on eagerly, saying why (compile_failed), as any other."""
+    try:
+        return attempt()
+    except Exception as e:
+        if interrupting(e) is not None:
+            raise
+        try:
+            found = unloadable_library(e, cache_folder())
+        except OSError:  # no cache folder (NoCacheFolder)
+            found = None
+        if found is None:
+            raise
+        path, said = found
+        try:
+            there: bool | None = path.is_file() or path.is_symlink()
+            if there:
+                path.unlink()
+        except OSError:
+            there = None
+        if there is None:  # cannot be removed: the first failure is the one to say
+            raise
+        what = "it was removed, and is compiled again" if there else "it is compiled again"
+        print(f"compile cache: '{shown(str(path), 300)}' in it could not be loaded ({said}), left over from an "
+              f"interrupted compile: {what}", file=sys.stderr, flush=True)
+        torch._dynamo.reset()
+    return attempt()
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from .compile_cache import (
     remember_compile,
     wanted_options,
 )
-from .compile_errors import compile_failed, compiler_log_quiet
+from .compile_errors import compile_failed, compile_or_clear, compiler_log_quiet
 from .compiled_step import CompiledStep
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
@@ -89,7 +89,6 @@ MAX_STEP_ACCUM = 8
 # ms a step eager and 30-33 compiled (2026-12-01, one process). So a bound step leaves the helper too, and once it
 # has timed the step here, the measurement decides, as for any step (auto_compiles).
 OVERHEAD_BOUND_FLOPS = 2.5e9
-
 
 
 def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
@@ -238,14 +237,15 @@ def warm_blocks(trainer: Trainer, choice: EngineChoice) -> EngineChoice:
     in the first step, where a compiler failure ended the run in a traceback; if it fails, the blocks run eagerly
     again and the choice says why, as a failed whole step does. Called before DDP wraps the model (whose backward
     would reduce), with the random streams kept and the gradients cleared after: the run goes on as if it never ran."""
-    model = trainer.model
-    x, y = trial_batch(trainer)
+    model, (x, y) = trainer.model, trial_batch(trainer)
     start = time.perf_counter()
+    def trial() -> None:  # the backward is compiled on its first call
+        with autocast_context(trainer.device, trainer.dtype):
+            _, loss = model(x, y)
+        loss.backward()
     try:
-        with random_kept(trainer.device), insist_on_stop():  # the backward is compiled on its first call
-            with compiler_log_quiet(), autocast_context(trainer.device, trainer.dtype):
-                _, loss = model(x, y)
-            loss.backward()
+        with random_kept(trainer.device), insist_on_stop(), compiler_log_quiet():
+            compile_or_clear(trial)
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
         if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
             raise stop from None
@@ -385,7 +385,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     xs, ys = [torch.stack([b] * trainer.tc.grad_accum_steps) for b in trial_batch(trainer)]
     try:
         with compiler_log_quiet(), insist_on_stop():
-            step.warm_up(xs, ys)
+            compile_or_clear(lambda: step.warm_up(xs, ys))
     except Exception as e:  # noqa: BLE001 - any failure of the compiler stack means: train eagerly, say why
         if (stop := interrupting(e)) is not None:  # Ctrl-C or SIGTERM while compiling: stop, as asked
             raise stop from None
