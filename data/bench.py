@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from configs.userinput import shown
     from data import DataError, shakespeare_path
-    from data.bench_report import json_problem, table
+    from data.bench_report import json_problem, table, write_json
     from training.signals import STOP_SIGNALS
 
     if args.json is not None and (why := json_problem(args.json)):
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if args.json:  # first: a stdout that fails must not lose the figures
         try:
-            Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+            write_json(args.json, json.dumps(results, indent=2) + "\n")
         except OSError as e:  # the table below is all there is of the figures then
             print(f"error: --json: cannot write '{shown(args.json)}' ({e.strerror or e})", file=sys.stderr)
             status = 1

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from benchmark import jsonfile
 
 
 def json_problem(name: str) -> str | None:
-    """Why the figures could not go to the file name (--json), in words, or None: an empty name, a folder, or a file
-    that is not an earlier result of this bench, which they would replace."""
-    path = Path(name)
-    if not name:
-        return "'' is empty; give a file name, such as data-bench.json"
-    if path.is_dir():
-        return f"'{name}' is a folder; give a file name, such as data-bench.json"
-    if path.exists():
-        try:
-            earlier = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            earlier = None
-        if not (isinstance(earlier, dict) and "size_mb" in earlier and "workdir" in earlier):
-            return f"'{name}' holds something other than an earlier result of this bench; give a new file name"
-    return None
+    """Why the figures could not go to the file name (--json), in words, or None: bench.py's checks
+    (benchmark/jsonfile.py), with a regular file replaced only when it holds an earlier result of this bench."""
+    return jsonfile.json_problem(name, "data-bench.json", lambda data: {"size_mb", "workdir"} <= data.keys(),
+                                 "an earlier result of this bench")
+
+
+def write_json(name: str, text: str) -> None:
+    """Write the figures to the file name: a regular file replaced whole, a pipe or a device written into."""
+    jsonfile.write_json(name, text, json_problem)
 
 
 def table(r: dict) -> str:
