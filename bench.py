@@ -45,7 +45,7 @@ from benchmark.runs import (
 from benchmark.speed import sample_rows, step_rows
 from configs.userinput import OneLineParser, shown
 from model.config import short_int
-from training.config import MAX_THREADS
+from training.config import MAX_THREADS, THREADS_PER_CORE, cores_here
 from training.signals import Interrupted, InterruptSignals
 from training.streams import discard_stdout
 
@@ -132,6 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.threads <= MAX_THREADS:  # torch.set_num_threads(10**20) was a traceback
         p.error(f"--threads must be from 1 to {MAX_THREADS}, got {short_int(args.threads)}")
+    if args.threads > THREADS_PER_CORE * (cores := cores_here()):  # else train.py refused it, once the run had begun
+        p.error(f"--threads {args.threads} is more than {THREADS_PER_CORE} threads for each of the {cores} "
+                f"core{'s' if cores > 1 else ''} this process may use, which train.py refuses; give at most "
+                f"{THREADS_PER_CORE * cores}")
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {short_int(args.rounds)}")
     if args.gpu and not cuda_available():

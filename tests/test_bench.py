@@ -49,7 +49,7 @@ from benchmark.runs import (
 )
 from benchmark.speed import compare, step_rows
 from model import GPT, GPTConfig
-from training.config import load_config
+from training.config import THREADS_PER_CORE, cores_here, load_config
 
 BUILTIN_PRINT = builtins.print
 
@@ -201,7 +201,10 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
         bench.main(["--nanogpt", str(tmp_path), "--threads", "0"])
     assert exited.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     # measured only after a checkout is copied, or written at the end of the run: a traceback there
+    # above train.py's train.threads limit: refused by train.py after the ceilings and nanoGPT's warm-up, status 1
+    too_many = THREADS_PER_CORE * cores_here() + 1
     for extra, says in ((["--threads", str(10**20)], "--threads must be from 1 to"),
+                        (["--threads", str(too_many)], f"--threads {too_many} is more than {THREADS_PER_CORE} threads"),
                         (["--threads", "9" * 4000], "got 9.999e+3999 (see"), (["--rounds", "-" + "9" * 4000],
                                                                              "--rounds must be >= 1, got -9.999e+3999"),
                         (["--json", str(tmp_path)], "is a folder"), (["--json", ""], "is empty"),

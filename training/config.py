@@ -26,6 +26,16 @@ BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adamw", "muon")
 # More than any CPU has: OpenMP would try to start as many threads as asked, and torch overflows at 2**63.
 MAX_THREADS = 4096
+# The most threads a run may ask for each core it may use: beyond the cores they only take turns (tiny.yaml on 2 cores:
+# 8 threads trained at less than half the rate of 2), and OpenMP starts every one asked for with a stack of its own:
+# train.threads=4096 on 2 cores ran about 100 times slower, and under an 8 GB limit of memory (RLIMIT_DATA) the
+# stacks left none for the run, which ended in a MemoryError traceback while reading its corpus.
+THREADS_PER_CORE = 4
+
+
+def cores_here() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 # The longest sample logged at each evaluation. GPT.generate holds it as 8-byte ids: 10**10 characters asked 80 GB at
 # the first evaluation, and the run ended there in a traceback, its steps since the last checkpoint lost.
 MAX_SAMPLE_CHARS = 100_000

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from configs.userinput import shown
 
-from .config import BACKENDS
+from .config import BACKENDS, THREADS_PER_CORE, cores_here
 from .devices import DeviceError, resolve_device
 from .launch import Launch, LaunchError, cut_short
 from .signals import STOP_SIGNALS
@@ -82,21 +82,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def cores_here() -> int:
-    """The cores this process may run on (its affinity, which a container or taskset narrows)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def threads_per_process(launch: Launch) -> int:
     """A fair share of this machine's cores: processes x threads never exceeds them (at least one thread each)."""
     return max(1, cores_here() // launch.local_world_size)
-
-
-# The most threads a run may ask for each core it may use: beyond the cores they only take turns (tiny.yaml on 2 cores:
-# 8 threads trained at less than half the rate of 2), and OpenMP starts every one asked for with a stack of its own:
-# train.threads=4096 on 2 cores ran about 100 times slower, and under an 8 GB limit of memory (RLIMIT_DATA) the
-# stacks left none for the run, which ended in a MemoryError traceback while reading its corpus.
-THREADS_PER_CORE = 4
 
 
 def too_many_threads(threads: int) -> str | None:
