@@ -32,6 +32,7 @@ from benchmark.runs import (
     FULL,
     ISA_LIMITS,
     NANOGPT_FILES,
+    NANOGPT_MARKS,
     QUICK,
     SAMPLE_SHAPES,
     STEP_SHAPES,
@@ -101,10 +102,15 @@ def checkout_problem(folder: Path) -> str | None:
         if not folder.is_dir():
             return f"--nanogpt: no such folder '{shown(str(folder))}'; {CLONE_HINT}"
         missing = [name for name in NANOGPT_FILES if not (folder / name).is_file()]
+        if missing:
+            return f"--nanogpt: '{shown(str(folder))}' is not a nanoGPT checkout (it has no {missing[0]}); {CLONE_HINT}"
+        for name, mark in NANOGPT_MARKS.items():
+            with open(folder / name, "rb") as f:  # a regular file: nanoGPT's are some kilobytes
+                if mark not in f.read(1 << 20):
+                    return (f"--nanogpt: '{shown(str(folder))}' is not a nanoGPT checkout (its {name} is not "
+                            f"nanoGPT's: no '{mark.decode()}' in it); {CLONE_HINT}")
     except OSError as e:  # a name too long for the system, say: Path.is_dir raises it rather than answer False
         return f"--nanogpt: cannot use '{shown(str(folder))}' ({e.strerror or type(e).__name__}); give another folder"
-    if missing:
-        return f"--nanogpt: '{shown(str(folder))}' is not a nanoGPT checkout (it has no {missing[0]}); {CLONE_HINT}"
     return None
 
 

@@ -22,6 +22,10 @@ CLONE_HINT = "get a checkout with: git clone https://github.com/karpathy/nanoGPT
 # What bench.py runs of a nanoGPT checkout; its absence means the folder is not one.
 NANOGPT_FILES = ("train.py", "sample.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
                  "data/shakespeare_char/prepare.py")
+# What a file of nanoGPT's holds, its name alone would not: a folder of empty files or of another program's passed for a
+# checkout, and processes doing nothing were timed as nanoGPT. train.py's is the evaluation line the races read
+# (EVAL_LINE); sample.py is nanoGPT's if it calls GPT.generate.
+NANOGPT_MARKS = {"model.py": b"class GPT(", "train.py": b"train loss {", "sample.py": b"model.generate("}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 EVAL_LINE = re.compile(r"^step (\d+): train loss [-+.\deE]+, val loss ([-+.\deE]+|nan)")
 # nanoGPT's README command for CPUs; bench.py adds only out_dir and float32 (dtype picks nothing on a CPU there, but its

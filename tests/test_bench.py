@@ -36,6 +36,7 @@ from benchmark.report import is_bench_result, json_problem, markdown, write_json
 from benchmark.runs import (
     FULL,
     NANOGPT_FILES,
+    NANOGPT_MARKS,
     QUICK,
     SAMPLE_SHAPES,
     STEP_SHAPES,
@@ -176,11 +177,11 @@ def test_overrides_given_to_tinychar_are_keys_it_knows(shape: Shape):
     assert cfg.train.optimizer == "adamw"  # nanoGPT's: a step does the same work in both programs
 
 
-def nanogpt_checkout(folder: Path) -> Path:
-    """A folder that passes for a nanoGPT checkout: its files, empty."""
+def nanogpt_checkout(folder: Path, marked: bool = True) -> Path:
+    """A folder that passes for a nanoGPT checkout: its files, empty but for the lines that tell nanoGPT's (marked)."""
     for name in NANOGPT_FILES:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text("", encoding="utf-8")
+        (folder / name).write_bytes(NANOGPT_MARKS.get(name, b"") + b"\n" if marked else b"")
     return folder
 
 
@@ -192,6 +193,14 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
     assert "no such folder" in capsys.readouterr().err
     assert bench.main(["--nanogpt", str(tmp_path)]) == 2
     assert "is not a nanoGPT checkout" in capsys.readouterr().err
+    # nanoGPT's file names alone (empty files, another program's) passed, and processes doing nothing were timed
+    empty = nanogpt_checkout(tmp_path / "empty", marked=False)
+    assert bench.main(["--nanogpt", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a nanoGPT checkout (its model.py is not nanoGPT's" in err
+    (empty / "model.py").write_text("class GPT(nn.Module):\n", encoding="utf-8")
+    assert bench.main(["--nanogpt", str(empty)]) == 2
+    assert "(its train.py is not nanoGPT's" in capsys.readouterr().err
     # a newline in the folder's name split the line; a name too long for the system was a traceback
     for folder, says in ((tmp_path / "new\nline", "no such folder"), (tmp_path / ("x" * 300), "File name too long")):
         assert bench.main(["--nanogpt", str(folder)]) == 2
