@@ -23,6 +23,8 @@ import sys
 # AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).
 HELD_SIGINT: list[int] = []
 STARTING_INTERRUPTED = "interrupted ({}) while starting; nothing was saved"
+# What a process of a torchrun launch given --help passes on in place of a refusal (see main)
+HELP_ASKED = "--help"
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda signum, _frame: HELD_SIGINT.append(signum))
 
@@ -129,11 +131,12 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         try:
             args = parse_args(argv)
         except SystemExit as e:
-            # The machines of a run may have been given different command lines: a process that refuses its own still
-            # joins the others, so that they stop too instead of waiting for it (rank 0 has already said why).
-            if not launch.torchrun or not e.code:
+            # The machines of a run may have been given different command lines: a process that refuses its own, or
+            # that was asked for --help, still joins the others, so that they stop too instead of waiting for it
+            # (rank 0 has already said why, or printed the help).
+            if not launch.torchrun:
                 raise
-            refused = said.getvalue().strip().removeprefix("error: ") or "bad command line"
+            refused = (said.getvalue().strip().removeprefix("error: ") or "bad command line") if e.code else HELP_ASKED
     cfg = None
     if not launch.torchrun:  # the config, or a resume's overrides, read before torch is imported
         try:
@@ -167,7 +170,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
     from training import distributed
     from training.checkpoints import load_run
     from training.devices import denormals_as_zero
-    from training.errors import SharedFailure, UsageError, agree, exit_status, failure_line
+    from training.errors import HelpAsked, SharedFailure, UsageError, agree, exit_status, failure_line
     from training.heap import memory_kept
     from training.runner import run
 
@@ -176,6 +179,8 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
         with InterruptSignals(), contextlib.ExitStack() as numerics:
             failure, payload, backend, device = None, None, "gloo", torch.device("cpu")
             try:
+                if refused is HELP_ASKED:
+                    raise HelpAsked(launch.rank)
                 if refused is not None:
                     raise UsageError(refused)
                 # before torch first works in parallel (a resume's checks may): its threads copy the setting
@@ -204,7 +209,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
             raise  # a bug
         if refused is not None and isinstance(e, SharedFailure) and e.rank == 0:
             line = ""  # rank 0's own refusal, said as argparse refused it
-        alone = refused is not None and not launch.main and not isinstance(e, SharedFailure)
+        alone = refused not in (None, HELP_ASKED) and not launch.main and not isinstance(e, SharedFailure)
         if alone:  # the processes never agreed on it, so rank 0 cannot say it
             line = f"error: rank {launch.rank}: {refused}"
         elif launch.torchrun and not launch.main and not joined and isinstance(e, LaunchError) and line:

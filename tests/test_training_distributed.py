@@ -319,7 +319,7 @@ sys.exit(train.main(args[:mark] + (args[mark + 1:] if os.environ["RANK"] == "1" 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["setting", "text", "command line"])
+@pytest.mark.parametrize("case", ["setting", "text", "command line", "help"])
 def test_processes_given_different_settings_text_or_command_lines_all_stop_with_one_line(tmp_path, case):
     corpus = write_corpus(tmp_path)
     other = tmp_path / "other.txt"  # the same characters in another order: the same vocabulary, another text
@@ -336,6 +336,9 @@ def test_processes_given_different_settings_text_or_command_lines_all_stop_with_
                  "the same corpus"),
         "command line": (["--resume", "--overwrite"], "error: rank 1: --resume and --overwrite contradict each other; "
                          "choose one (see train.py --help)"),
+        # it printed nothing and left at once, and rank 0 waited for it for its 30-minute timeout
+        "help": (["--help"], "error: rank 1: --help was given to this process and not to rank 0, which prints it; "
+                 "give every process the same command line"),
     }[case]
     # out_dir and the thread count may differ between machines
     result = torchrun("--config", TINY, *tiny_overrides(corpus, out, **{"train.learning_rate": 1e-3}), "--rank1",

@@ -56,6 +56,15 @@ class SharedFailure(Exception):
         self.rank, self.status, self.line = rank, status, line
 
 
+class HelpAsked(Exception):
+    """Under torchrun, --help given to the process of this rank: rank 0 prints the help, and each process so asked
+    joins the others all the same, so that none waits for it (those not asked waited for their 30-minute timeout)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"--help given to rank {rank}")
+        self.rank = rank
+
+
 def agree(launch: Launch, error: Exception | None) -> None:
     """Collective under torchrun: every process learns whether any failed at this point and, if one did, all raise
     SharedFailure for the lowest failing rank, instead of some carrying on to wait for a partner that has gone. A bug
@@ -145,6 +154,8 @@ def exit_status(e: Exception) -> int:
         return 128 + e.signum
     if isinstance(e, SharedFailure):
         return e.status
+    if isinstance(e, HelpAsked):  # the help, which rank 0 printed; another rank's alone is a command line to fix
+        return 0 if e.rank == 0 else 2
     return 1
 
 
@@ -169,6 +180,9 @@ def failure_line(e: Exception, cfg: RunConfig | None, launch: Launch) -> str | N
         if e.line is None:  # a bug in another process, which prints its traceback
             return ""
         return e.line if e.rank == 0 else e.line.replace("error: ", f"error: rank {e.rank}: ", 1)
+    if isinstance(e, HelpAsked):
+        return "" if e.rank == 0 else ("error: --help was given to this process and not to rank 0, which prints it; "
+                                       "give every process the same command line")
     if isinstance(e, (*INPUT_ERRORS, SaveError)):
         return f"error: {e}"
     if path_error(e):
