@@ -219,6 +219,22 @@ def test_a_signal_while_the_step_compiles_stops_the_run_instead_of_training_on(t
     assert not (out / "ckpt.pt").exists() and not (out / "best.pt").exists()
 
 
+def swallowing_compile(caught: list[BaseException], swallowed: int) -> None:
+    """A stand-in compile of a minute that sends a Ctrl-C, then catches it and as many more as `swallowed`, as a
+    library's `except Exception` would, into caught."""
+    deadline, sent = time.monotonic() + 60, False
+    while time.monotonic() < deadline:
+        try:
+            if not sent:
+                sent = True
+                send(signal.SIGINT)
+            time.sleep(0.01)
+        except Exception as e:  # noqa: BLE001 - the library's
+            if len(caught) == swallowed:
+                raise
+            caught.append(e)
+
+
 @pytest.mark.parametrize("swallowed", [1, 3])
 def test_a_signal_the_compiler_swallows_is_raised_again_until_the_run_stops(tmp_path, capsys, monkeypatch, swallowed):
     # Inductor caught a Ctrl-C two seconds into compiling the step, once in a few busy runs of the suite, and compiled
@@ -230,17 +246,7 @@ def test_a_signal_the_compiler_swallows_is_raised_again_until_the_run_stops(tmp_
     caught: list[BaseException] = []
 
     def compiling(self, xs: torch.Tensor, ys: torch.Tensor) -> float:
-        deadline, sent = time.monotonic() + 60, False
-        while time.monotonic() < deadline:
-            try:
-                if not sent:
-                    sent = True
-                    send(signal.SIGINT)
-                time.sleep(0.01)
-            except Exception as e:  # noqa: BLE001 - the library's
-                if len(caught) == swallowed:
-                    raise
-                caught.append(e)
+        swallowing_compile(caught, swallowed)
         return 60.0
 
     monkeypatch.setattr(training.compiled_step.CompiledStep, "warm_up", compiling)
@@ -263,17 +269,7 @@ def test_a_signal_the_compiler_swallows_while_the_blocks_compile_is_raised_again
 
     @contextlib.contextmanager
     def compiling() -> Iterator[None]:
-        deadline, sent = time.monotonic() + 60, False
-        while time.monotonic() < deadline:
-            try:
-                if not sent:
-                    sent = True
-                    send(signal.SIGINT)
-                time.sleep(0.01)
-            except Exception as e:  # noqa: BLE001 - the library's
-                if caught:
-                    raise
-                caught.append(e)
+        swallowing_compile(caught, 1)
         yield
 
     monkeypatch.setattr(training.engine, "compiler_log_quiet", compiling)
@@ -351,12 +347,8 @@ def test_a_signal_as_the_watcher_starts_ends_it_with_the_block_that_never_began(
         time.sleep(0.3)  # six of the watcher's turns, had it lived on: nothing is raised in the cleanup here
 
 
-def test_a_second_ctrl_c_just_after_the_stop_was_saved_changes_nothing(tmp_path, capsys, monkeypatch):
-    """A second Ctrl-C 10 ms behind the first (1 in 20 tries, `kill -INT` twice) landed after the loop had saved and
-    given the handlers back, and the run ended saying "interrupted (SIGINT) before training started; no checkpoint
-    was saved", its checkpoint saved all the same."""
-    out = tmp_path / "out"
-    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
+def ctrl_c_as_the_loop_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C the moment the training loop has given its handlers back to the InterruptSignals around it."""
     real_exit = StopSignals.__exit__
 
     def exit_then_ctrl_c(self, *exc):
@@ -365,6 +357,15 @@ def test_a_second_ctrl_c_just_after_the_stop_was_saved_changes_nothing(tmp_path,
             send(signal.SIGINT)
 
     monkeypatch.setattr(StopSignals, "__exit__", exit_then_ctrl_c)
+
+
+def test_a_second_ctrl_c_just_after_the_stop_was_saved_changes_nothing(tmp_path, capsys, monkeypatch):
+    """A second Ctrl-C 10 ms behind the first (1 in 20 tries, `kill -INT` twice) landed after the loop had saved and
+    given the handlers back, and the run ended saying "interrupted (SIGINT) before training started; no checkpoint
+    was saved", its checkpoint saved all the same."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(training.loop, "lr_at", signal_at(6, signal.SIGINT))
+    ctrl_c_as_the_loop_ends(monkeypatch)
     code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert code == 130
     assert one_line(err) == stop_line(out, 7)
@@ -376,14 +377,7 @@ def test_a_ctrl_c_as_a_finished_run_gives_its_handlers_back_changes_nothing(tmp_
     InterruptSignals around it, the cleanup and the last line to come) ended the run with status 130 saying
     "interrupted (SIGINT) before training started; no checkpoint was saved"."""
     out = tmp_path / "out"
-    real_exit = StopSignals.__exit__
-
-    def exit_then_ctrl_c(self, *exc):
-        real_exit(self, *exc)
-        if type(self) is StopSignals:  # the loop's, not the InterruptSignals around it
-            send(signal.SIGINT)
-
-    monkeypatch.setattr(StopSignals, "__exit__", exit_then_ctrl_c)
+    ctrl_c_as_the_loop_ends(monkeypatch)
     code, out_text, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out)], capsys)
     assert code == 0, err
     assert "done: step 20," in out_text
