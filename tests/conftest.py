@@ -154,11 +154,13 @@ def _compile_into_the_session_cache():
     from training import compile_cache
 
     compile_cache.prepare_compile()
-    # Inductor placed them in the temp folder this process had before TMPDIR named the session's; its children place
-    # them in the session's, where this process's go too, to be shared and removed with it.
-    headers = os.path.join(os.environ["TMPDIR"], os.path.basename(os.path.dirname(codecache._HEADER_DIR)),
-                           "precompiled_headers")
-    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = headers, os.path.join(headers, "locks")
+    # Inductor puts precompiled headers in the temp folder this process had before TMPDIR named the session's; its
+    # children put them in the session's, where this process's go too, shared and removed with it (a torch without the
+    # module's folder, older or newer, is left as it is).
+    if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        headers = os.path.join(os.environ["TMPDIR"], os.path.basename(os.path.dirname(codecache._HEADER_DIR)),
+                               "precompiled_headers")
+        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = headers, os.path.join(headers, "locks")
 
 
 @pytest.fixture(scope="session", autouse=True)
