@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import decimal
-import math
 import os
 import re
 import types
@@ -22,6 +20,7 @@ from .names import nearest as nearest
 from .names import option_as_setting as option_as_setting
 from .origins import Overridden, as_typed, source
 from .userinput import path_kind, shown
+from .values import CONVERTERS, NotOfType
 from .yamlfile import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
 from .yamlfile import load_yaml as load_yaml
 
@@ -97,90 +96,16 @@ def _wrong_type(key: str, tp: Any, value: Any) -> ConfigError:
     return ConfigError(f"{key} must be {_type_name(tp)}, got {got}{hint}")
 
 
-class _NotOfType(Exception):
-    """Raised by a _to_* converter for a value it cannot take; coerce turns it into the one-line ConfigError."""
-
-
-def _to_bool(value: Any, from_text: bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):  # a file's 1 and 0, as the command line's train.compile=1 is read
-        return bool(value)
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("true", "yes", "on", "1"):
-            return True
-        if low in ("false", "no", "off", "0"):
-            return False
-    raise _NotOfType
-
-
-def _to_int(value: Any, from_text: bool) -> int:
-    if isinstance(value, bool):  # a bool is an int in Python; 'true' for a count is a mistake
-        raise _NotOfType
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):  # YAML's 1.0e+18: the digits written (load_yaml's exact), else the shortest spelling
-        return _integral(getattr(value, "written", None) or repr(value))
-    if not isinstance(value, str):
-        raise _NotOfType
-    if any(c in value for c in ".eE"):  # 1e3 and 1.0e+18 are counts, as the same words in a YAML file are
-        return _integral(value)
-    try:  # Python refuses integer text of over 4300 digits with a ValueError, which lands here too
-        return int(value, 10)
-    except ValueError:
-        raise _NotOfType from None
-
-
-def _integral(text: str) -> int:
-    """The integer that decimal text such as '1e18' or '2.0' spells, exactly (float('1e23') is 99999999999999991611392);
-    _NotOfType for 1.5, and for what is past float's range (1e400), as a YAML file's number would be."""
-    try:
-        number = decimal.Decimal(text)
-    except decimal.InvalidOperation:
-        raise _NotOfType from None
-    if not number.is_finite() or number != number.to_integral_value() or math.isinf(float(number)):
-        raise _NotOfType
-    return int(number)
-
-
-def _to_float(value: Any, from_text: bool) -> float:
-    if isinstance(value, bool):
-        raise _NotOfType
-    if isinstance(value, (int, float)):
-        try:
-            return float(value)
-        except OverflowError:  # an integer past float's range (YAML's 400 digits): infinite, as '1e400' is
-            return math.inf if value > 0 else -math.inf
-    if isinstance(value, str):
-        try:
-            return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
-        except ValueError:
-            raise _NotOfType from None
-    raise _NotOfType
-
-
-def _to_str(value: Any, from_text: bool) -> str:
-    if isinstance(value, str):
-        return value
-    if from_text or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return str(value)
-    raise _NotOfType
-
-
-_CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
-
-
 def coerce(value: Any, tp: Any, key: str, from_text: bool = False) -> Any:
     """Check value against a field's type; text from the command line is parsed by that type."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return _coerce_union(value, tp, key, from_text)
-    convert = _CONVERTERS.get(tp)
+    convert = CONVERTERS.get(tp)
     if convert is None:
         raise ConfigError(f"{key}: unsupported field type {shown(tp)}")
     try:
         return convert(value, from_text)
-    except _NotOfType:
+    except NotOfType:
         raise _wrong_type(key, tp, value) from None
 
 

@@ -388,6 +388,36 @@ def test_numbers_that_read_as_they_look_are_taken(tmp_path):
     assert cfg.train.eval_iters == 1
 
 
+@pytest.mark.parametrize(("key", "word", "value"), [("train.eval_interval", "0x10", 16),
+                                                    ("train.eval_interval", "0b1_0", 2),
+                                                    ("train.eval_interval", "0xE", 14),  # not 0 x 10**E
+                                                    ("seed", "-0x10", -16),
+                                                    ("train.learning_rate", "0x1", 1.0),
+                                                    ("train.decay_lr", "+0", False),
+                                                    ("train.decay_lr", "0x1", True),
+                                                    ("train.compile", "01", "true"),
+                                                    ("model.bias", "+1", True)])
+def test_a_number_means_the_same_in_the_file_and_on_the_command_line(tmp_path, key, word, value):
+    # YAML reads an unquoted 0x10 as 16 and +1 as 1 (true, for a switch); the same words on the command line were
+    # refused as no integer, no number, not true/false
+    *section, name = key.split(".")
+    text = f"{section[0]}:\n  {name}: {word}\n" if section else f"{name}: {word}\n"
+    from_file = load_config(str(write_yaml(tmp_path, text)), [])
+    from_line = load_config(TINY, [f"{key}={word}"])
+    for cfg in (from_file, from_line):
+        assert getattr(getattr(cfg, section[0]) if section else cfg, name) == value
+
+
+def test_yamls_infinity_is_named_so_on_the_command_line_too(tmp_path):
+    # .inf was "must be a number" on the command line, where the file's .inf is refused for not being finite
+    for word in (".inf", "-.Inf", ".NaN"):
+        assert "must be a finite number >= 0, got" in refused(TINY, [f"train.learning_rate={word}"])
+        assert "must be a finite number >= 0, got" in refused(
+            write_yaml(tmp_path, f"train:\n  learning_rate: {word}\n"))
+    assert "must be an integer" in refused(TINY, ["train.eval_interval=0x_"])
+    assert "must be true/false" in refused(TINY, ["train.decay_lr=0x2"])
+
+
 def _resolve_as_in_python_313(self: Path, strict: bool = False) -> Path:
     """Path.resolve as Python 3.13 answers for a loop of links: strict, ELOOP; otherwise the path given back whole."""
     if strict:

@@ -1,0 +1,116 @@
+"""How a config value is read as the type of its field: a YAML file's value (already a number, a bool or text) or
+the text of a command-line override, each read the same way, so that a word means one thing in either place."""
+
+from __future__ import annotations
+
+import contextlib
+import decimal
+import math
+import re
+from typing import Any
+
+
+class NotOfType(Exception):
+    """Raised by a converter for a value it cannot take; configs.coerce turns it into the one-line ConfigError."""
+
+
+# YAML 1.1's integers in base 16 and base 2, as PyYAML resolves them (lower-case prefix, '_' anywhere after it): a
+# file's unquoted `eval_interval: 0x10` is 16, and the same words on the command line, or quoted in a file, are read
+# the same way (train.eval_interval=0x10 was refused as no integer). Octal is not among them: YAML's 010 is 8, which
+# load_yaml refuses in a file, and 010 on the command line is 10.
+_BASED_INT = re.compile(r"([-+]?)0(?:x([0-9a-fA-F_]+)|b([01_]+))")
+
+
+def _int_text(text: str) -> int | None:
+    """The integer that text spells as YAML's unquoted integers do (decimal, 0x.. or 0b..), or None."""
+    based = _BASED_INT.fullmatch(text.strip())
+    if based is None:
+        try:  # Python refuses integer text of over 4300 digits with a ValueError, which lands here too
+            return int(text, 10)
+        except ValueError:
+            return None
+    sign, hexadecimal, binary = based.groups()
+    digits = (hexadecimal or binary).replace("_", "")
+    if not digits:  # '0x_': no digit at all
+        return None
+    number = int(digits, 16 if hexadecimal else 2)
+    return -number if sign == "-" else number
+
+
+def _to_bool(value: Any, from_text: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # a file's 1 and 0, as the command line's train.compile=1 is read
+        return bool(value)
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "yes", "on"):
+            return True
+        if low in ("false", "no", "off"):
+            return False
+        if _int_text(value) in (0, 1):  # +1, 01 and 0x1 are YAML's 1 in a file, so here too
+            return bool(_int_text(value))
+    raise NotOfType
+
+
+def _to_int(value: Any, from_text: bool) -> int:
+    if isinstance(value, bool):  # a bool is an int in Python; 'true' for a count is a mistake
+        raise NotOfType
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):  # YAML's 1.0e+18: the digits written (load_yaml's exact), else the shortest spelling
+        return _integral(getattr(value, "written", None) or repr(value))
+    if not isinstance(value, str):
+        raise NotOfType
+    number = _int_text(value)  # before the float words: 0xE holds an E
+    if number is not None:
+        return number
+    if any(c in value for c in ".eE"):  # 1e3 and 1.0e+18 are counts, as the same words in a YAML file are
+        return _integral(value)
+    raise NotOfType
+
+
+def _integral(text: str) -> int:
+    """The integer that decimal text such as '1e18' or '2.0' spells, exactly (float('1e23') is 99999999999999991611392);
+    NotOfType for 1.5, and for what is past float's range (1e400), as a YAML file's number would be."""
+    try:
+        number = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        raise NotOfType from None
+    if not number.is_finite() or number != number.to_integral_value() or math.isinf(float(number)):
+        raise NotOfType
+    return int(number)
+
+
+def _to_float(value: Any, from_text: bool) -> float:
+    if isinstance(value, bool):
+        raise NotOfType
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range (YAML's 400 digits): infinite, as '1e400' is
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
+        if _YAML_INF_NAN.fullmatch(value.strip()):  # YAML's own spellings, as a file's unquoted .inf is read
+            return float(value.replace(".", "", 1))
+        number = _int_text(value)  # 0x10 and 0b10, which a file's YAML reads as integers
+        if number is None:
+            raise NotOfType
+        return _to_float(number, from_text)
+    raise NotOfType
+
+
+_YAML_INF_NAN = re.compile(r"[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")
+
+
+def _to_str(value: Any, from_text: bool) -> str:
+    if isinstance(value, str):
+        return value
+    if from_text or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return str(value)
+    raise NotOfType
+
+
+CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
