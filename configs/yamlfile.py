@@ -42,9 +42,9 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset(),
     """A YAML config file as a mapping (empty file -> {}). Only plain data: safe_load, no Python tags. A regular
     file of at most MAX_CONFIG_BYTES, and a key given twice in one mapping is refused, not silently dropped.
 
-    as_written: dotted keys whose values are text (text_keys), which keep an unquoted number as it is written: YAML
-    reads `out_dir: 001` as the number 1 and `0123` as 83 (octal), and their text as a folder name was another
-    folder's.
+    as_written: dotted keys whose values are text (text_keys), which keep an unquoted number or bool as it is written:
+    YAML reads `out_dir: 001` as the number 1 and `0123` as 83 (octal), and their text as a folder name was another
+    folder's; `off` is false.
 
     exact: dotted keys whose values are counts (int_keys): an unquoted float there is a WrittenFloat, so that the
     count is read from its digits, as the same words on the command line are (a float keeps about 17)."""
@@ -80,7 +80,7 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset(),
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{name}' must hold a mapping of sections (data:, model:, train:), "
                           f"got {type(data).__name__}")
-    for keys, written in _numbers_as_written(root, as_written):
+    for keys, written in _numbers_as_written(root, as_written, _TEXT_READ_AS_OTHER):
         _replace(data, keys, lambda _, text: text, written)
     for keys, written in _numbers_as_written(root, exact - as_written):
         _replace(data, keys, lambda value, text: WrittenFloat(value, text) if type(value) is float else value, written)
@@ -97,10 +97,16 @@ def _replace(data: dict, keys: list[str], make: Callable[[Any, str], Any], writt
 
 
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+# What YAML 1.1 reads an unquoted word of a text key as, other than text: a number, or a bool (yes, no, on, off, true,
+# false). `out_dir: off` was refused as "must be a string or null, got False", where out_dir=off on the command line
+# is the folder 'off'.
+_TEXT_READ_AS_OTHER = (*_NUMBER_TAGS, "tag:yaml.org,2002:bool")
 
 
-def _numbers_as_written(node: Any, wanted: frozenset[str], prefix: str = "") -> Iterator[tuple[list[str], str]]:
-    """(key path, text as written) of each unquoted number in the composed YAML node whose dotted key is wanted."""
+def _numbers_as_written(node: Any, wanted: frozenset[str], tags: tuple[str, ...] = _NUMBER_TAGS,
+                        prefix: str = "") -> Iterator[tuple[list[str], str]]:
+    """(key path, text as written) of each unquoted scalar of one of tags (numbers by default) in the composed YAML
+    node whose dotted key is wanted."""
     if not wanted or not isinstance(node, yaml.MappingNode):
         return
     for key_node, value in node.value:
@@ -109,10 +115,9 @@ def _numbers_as_written(node: Any, wanted: frozenset[str], prefix: str = "") -> 
         dotted = prefix + key_node.value
         # Only towards a wanted key: a mapping that holds itself (`data: &d {x: *d}`) recursed without end
         if isinstance(value, yaml.MappingNode) and any(w.startswith(dotted + ".") for w in wanted):
-            for keys, written in _numbers_as_written(value, wanted, dotted + "."):
+            for keys, written in _numbers_as_written(value, wanted, tags, dotted + "."):
                 yield [key_node.value, *keys], written
-        elif (isinstance(value, yaml.ScalarNode) and dotted in wanted and value.tag in _NUMBER_TAGS
-              and value.style is None):
+        elif isinstance(value, yaml.ScalarNode) and dotted in wanted and value.tag in tags and value.style is None:
             yield [key_node.value], value.value
 
 

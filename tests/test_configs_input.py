@@ -339,6 +339,17 @@ def test_a_path_written_as_a_number_in_the_file_is_the_text_as_written(tmp_path)
     assert load_config(str(write_yaml(tmp_path, "out_dir: '001'\n", "quoted.yaml")), []).out_dir == "001"
 
 
+@pytest.mark.parametrize("word", ["off", "yes", "True"])
+def test_a_path_written_as_a_yaml_bool_in_the_file_is_the_text_as_written(tmp_path, word):
+    # YAML 1.1 reads an unquoted off as false: `out_dir: off` was refused as "must be a string or null, got False",
+    # where out_dir=off on the command line is the folder 'off'
+    cfg = load_config(str(write_yaml(tmp_path, f"out_dir: {word}\ndata:\n  cache_dir: {word}\n")), [])
+    assert (cfg.out_dir, cfg.data.cache_dir) == (word, word)
+    assert load_config(TINY, [f"out_dir={word}"]).out_dir == word
+    assert "data.dataset must be one of" in refused(write_yaml(tmp_path, f"data:\n  dataset: {word}\n"))
+    assert load_config(str(write_yaml(tmp_path, "out_dir: ~\n", "null.yaml")), []).out_dir == str(Path("runs/null"))
+
+
 @pytest.mark.parametrize("key", ["train.learning_rate", "train.beta1", "model.dropout"])
 def test_an_integer_past_floats_range_for_a_number_is_refused_in_one_line(tmp_path, key):
     # YAML reads 400 digits as an int, which float() refuses with an OverflowError: that was a traceback
