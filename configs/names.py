@@ -47,6 +47,11 @@ def nearest(key: str, candidates: list[str], cutoff: float = 0.6) -> str | None:
     part it ends in (learning_rate: train.learning_rate), the closest spelling among its own section's keys (the
     section's name in common made train.adam look like train.threads), else the closest whole dotted key (a
     misspelt section: trian.max_iters) or last part; a spelling counts as close from cutoff (difflib's ratio) up."""
+    # The key in other capitals (SEED, TRAIN.MAX_ITERS, a file's 'TRAIN:'): difflib compares case and all, and found
+    # no key close to them, so the line pointed at --help
+    by_case = {c.lower(): c for c in candidates}
+    if key.lower() in by_case and by_case[key.lower()] != key:
+        return by_case[key.lower()]
     section, _, last = key.rpartition(".")
     if OTHER_NAMES.get(last.lower()) in candidates:
         return OTHER_NAMES[last.lower()]

@@ -72,6 +72,8 @@ def test_every_shipped_config_loads_and_builds_its_model(path: Path):
         ("sed: 3\n", "seed"),
         ("trian:\n  max_iters: 5\n", "train"),  # a misspelt section
         ("modle:\n  n_layer: 2\n", "model"),
+        ("TRAIN:\n  max_iters: 5\n", "train"),  # in other capitals: no suggestion at all, difflib minds case
+        ("SEED: 3\n", "seed"),
     ],
 )
 def test_a_misspelt_key_in_the_file_names_the_nearest_valid_key(tmp_path, text, suggestion):
@@ -96,6 +98,8 @@ def test_a_misspelt_key_in_the_file_names_the_nearest_valid_key(tmp_path, text, 
         ("model.num_heads=4", "model.n_head"),
         ("model.context_length=64", "model.block_size"),
         ("train.adam.beta1=0.9", "train.beta1"),
+        ("TRAIN.MAX_ITERS=5", "train.max_iters"),
+        ("DATA.PATH=a.txt", "data.path"),
     ],
 )
 def test_a_misspelt_override_names_the_nearest_valid_key(override, suggestion):
