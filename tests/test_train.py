@@ -380,15 +380,21 @@ def test_a_resume_within_the_warmup_that_stretches_the_decay_says_so_too():
     longer = replace(saved, max_iters=800)
     assert lr_at(169, saved) == lr_at(169, longer) and lr_at(400, saved) == saved.min_lr
     assert lr_at(400, longer) > 9e-3  # where the saved run had decayed to min_lr (1e-3)
-    assert schedule_note(asdict(saved), longer, 169) == (
-        f"the learning rate's schedule changes from step 301, where it will be {lr_at(301, longer):.3g}, not "
-        f"{lr_at(301, saved):.3g}: train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
-        f"train.lr_decay_iters=400")
+    assert schedule_note(asdict(saved), longer, 169) == (  # 0.00999991 and 0.00999778, in the digits that part them
+        "the learning rate's schedule changes from step 301, where it will be 0.01, not 0.009998: "
+        "train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add train.lr_decay_iters=400")
     for shorter in (replace(saved, max_iters=350), replace(saved, lr_decay_iters=320), replace(saved, min_lr=5e-3)):
         assert schedule_note(asdict(saved), shorter, 169).startswith("the learning rate's schedule changes from step "
                                                                      "301, ")
     assert schedule_note(asdict(saved), replace(longer, lr_decay_iters=400), 169) is None
     assert schedule_note(asdict(saved), saved, 169) is None
+
+
+def test_a_small_change_of_the_rate_is_written_with_the_digits_that_show_it():
+    saved = load_config(TINY, []).train  # 1,500 steps, decayed to min_lr 1e-3
+    for max_iters, will in ((1510, "0.001001"), (1501, "0.00100001"), (1600, "0.0011")):
+        assert schedule_note(asdict(saved), replace(saved, max_iters=max_iters), 1500).startswith(
+            f"the learning rate at step 1,500 goes from 0.001 to {will}: ")
 
 
 def test_a_resume_without_a_config_checks_its_overrides_against_the_saved_run(tmp_path, capsys):

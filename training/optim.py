@@ -54,12 +54,23 @@ def schedule_note(saved: dict, train: TrainConfig, step: int) -> str | None:
             break
     else:
         return None
-    line = (f"the learning rate at step {step:,} goes from {old:.3g} to {new:.3g}" if at == step else
-            f"the learning rate's schedule changes from step {at:,}, where it will be {new:.3g}, not {old:.3g}")
+    was, will = _apart(old, new)
+    line = (f"the learning rate at step {step:,} goes from {was} to {will}" if at == step else
+            f"the learning rate's schedule changes from step {at:,}, where it will be {will}, not {was}")
     if train.lr_decay_iters is None and before.lr_decay_iters is None and before.max_iters != train.max_iters:
         line += (f": train.lr_decay_iters follows train.max_iters; to keep the saved run's decay, add "
                  f"train.lr_decay_iters={before.max_iters}")
     return line
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """a and b written with 3 significant digits, or as many more (up to 17) as it takes to tell them apart: a
+    resume past a finished 1,500-step run with max_iters=1,510 said its rate "goes from 0.001 to 0.001" (0.001001)."""
+    for digits in range(3, 18):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
 
 
 def orthogonalize(m: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
