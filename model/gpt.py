@@ -305,11 +305,21 @@ def sample_next(
     if temperature == 0.0:
         return logits.argmax(dim=-1, keepdim=True)
     scaled = logits / temperature
-    if not torch.isfinite(scaled).all():
-        # A temperature so close to 0 that the division overflows float32 (1e-40): to the precision of the logits
-        # that is greedy decoding, and the softmax of infinities would be NaN.
-        return logits.argmax(dim=-1, keepdim=True)
+    if not torch.isfinite(scaled).all():  # checked first: the fixed-shape window always takes the same rows
+        scaled = greedy_where_overflowed(scaled, logits)
     return torch.multinomial(filtered_probs(scaled, top_k, top_p, logits), num_samples=1, generator=generator)
+
+
+def greedy_where_overflowed(scaled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """scaled (B, vocab), logits / temperature, with each row that overflowed float32 (a temperature near 0 such as
+    1e-40, or logits near float32's limit, 1e36 at temperature 1e-3) made its likeliest character alone: 0 there,
+    -inf elsewhere. Such a row's softmax would be NaN; to the precision of its logits it is greedy. The row is still
+    drawn from (a one-hot draw), so that every path moves the generator alike: the fixed-shape window draws each
+    character's noise before it knows the logits (model.sampler), and greedy rows that skipped the draw made the
+    plain path's later characters differ from its. Branch-free, for compiled code and CUDA graphs."""
+    overflowed = ~torch.isfinite(scaled).all(dim=-1, keepdim=True)  # (B, 1)
+    alone = torch.full_like(scaled, float("-inf")).scatter(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+    return torch.where(overflowed, alone, scaled)
 
 
 def filtered_probs(scaled: torch.Tensor, top_k: int | None, top_p: float | None,

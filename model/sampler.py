@@ -24,7 +24,7 @@ from torch import nn
 from torch._higher_order_ops import while_loop
 
 from .config import GPTConfig
-from .gpt import GPT, NonFiniteLogits, check_request, check_sampling, filtered_probs
+from .gpt import GPT, NonFiniteLogits, check_request, check_sampling, filtered_probs, greedy_where_overflowed
 from .span import draw_span
 
 # The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
@@ -42,8 +42,9 @@ GRAPH_CHUNK = 16
 # whose products go through oneDNN, held 417 MB more once the window had filled a row at a time.
 SLIDE_ROWS = 16
 
-# Below this temperature logits / temperature may overflow, which sample_next meets by decoding greedily without a
-# draw; such runs take GPT.generate so that the generator moves as it always did.
+# Below this temperature logits / temperature overflows for ordinary logits (a logit of 4 at 1e-38), each such row
+# greedy (greedy_where_overflowed, on every path); such runs take GPT.generate, as they always have. Above it, logits
+# near float32's limit overflow too (1e36 at 1e-3), and the window meets them as GPT.generate does.
 MIN_FAST_TEMPERATURE = 1e-4
 
 
@@ -237,12 +238,15 @@ class WindowSampler:
             last = positions[end - start - 1 : end - start]
             logits = self.model.lm_head(self.model.hidden_at(context[:, start : start + rows], last, self.first))
             logits = logits.float()  # (B, vocab)
-            if not torch.isfinite(logits).all():
-                raise NonFiniteLogits()
+            scaled = logits / (self.temperature or 1.0)
+            if not torch.isfinite(scaled).all():  # one check a character, as before: scaled is finite where logits are
+                if not torch.isfinite(logits).all():
+                    raise NonFiniteLogits()
+                scaled = greedy_where_overflowed(scaled, logits)  # logits near float32's limit: as sample_next does
             if self.temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
-                probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p, logits)
+                probs = filtered_probs(scaled, self.top_k, self.top_p, logits)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
             context[:, end : end + 1] = next_id
             yield next_id
@@ -316,7 +320,8 @@ class WindowSteps(nn.Module):
         if noise is None:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
-            probs = filtered_probs(logits / self.temperature, self.top_k, self.top_p, logits)
+            probs = filtered_probs(greedy_where_overflowed(logits / self.temperature, logits), self.top_k, self.top_p,
+                                   logits)
             next_id = (probs / noise.index_select(0, k).squeeze(0)).argmax(dim=-1, keepdim=True)  # (B, 1)
         full = n == block_size
         # not full: write the character after the last one; full: slide by one and put it at the end

@@ -22,7 +22,7 @@ import torch
 
 from .attention import KVCache
 from .config import GPTConfig
-from .gpt import GPT, filtered_probs
+from .gpt import GPT, filtered_probs, greedy_where_overflowed
 
 # sample.py's compiled sampler on a CPU draws SAMPLE_SPAN characters a pass where a window is small (its batch x
 # block_size x n_embd values at most SAMPLE_SPAN_MAX), whose products are too small to run at the machine's rate. On
@@ -87,7 +87,7 @@ def draw_span(model: GPT, first: torch.Tensor | None, temperature: float, top_k:
         if noise is None:
             chars.append(logits.argmax(dim=-1, keepdim=True))
         else:
-            probs = filtered_probs(logits / temperature, top_k, top_p, logits)
+            probs = filtered_probs(greedy_where_overflowed(logits / temperature, logits), top_k, top_p, logits)
             chars.append((probs / noise.index_select(0, k + j).squeeze(0)).argmax(dim=-1, keepdim=True))
     new = torch.cat(chars, dim=1)  # (B, span)
     marked = torch.where(torch.cat(finite, dim=1), new, -1)

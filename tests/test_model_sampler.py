@@ -270,6 +270,28 @@ def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_ch
     assert len(drawn_until_overflow(sampler.generate_iter(prompt, 10, torch.Generator().manual_seed(1)))) == 1
 
 
+@pytest.mark.parametrize("path", ["slide", "chunk of 3", "span of 2", "unrolled chunk of 4"])
+def test_logits_that_overflow_only_once_divided_by_the_temperature_are_greedy_on_every_path(model, path):
+    # Finite logits near float32's limit (1e36; sample.py's probe passes them) over a temperature of 1e-3 overflow:
+    # the eager slide raised torch.multinomial's RuntimeError (sample.py's default path, a traceback) and the
+    # fixed-shape window drew id 0 every time, where GPT.generate decodes greedily.
+    loud = copy.deepcopy(model)
+    with torch.no_grad():
+        loud.transformer.ln_f.weight.mul_(1e37)
+    prompt = torch.tensor([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]])
+    logits = loud(prompt)[0][:, -1]
+    assert torch.isfinite(logits).all() and not torch.isfinite(logits / 1e-3).all()
+    greedy = loud.generate(prompt, 12, temperature=0.0)
+    expected, expected_state = plain(loud, prompt, 12, 1e-3, None, None, seed=4)
+    assert torch.equal(expected, greedy)
+    chunk = {"slide": 1, "chunk of 3": 3, "span of 2": 4, "unrolled chunk of 4": 4}[path]
+    sampler = WindowSampler(loud, 1e-3, None, None, chunk=chunk, graph=path.startswith("unrolled"),
+                            span=2 if path == "span of 2" else 1)
+    got, state = windowed(sampler, prompt, 12, seed=4)
+    assert torch.equal(got, greedy)
+    assert torch.equal(state, expected_state)  # each character's draw taken, as the window takes it ahead
+
+
 @needs_cpu_compile
 @pytest.mark.slow
 @pytest.mark.parametrize("span", [1, 2])
