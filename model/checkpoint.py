@@ -260,16 +260,8 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
         if odd:
             raise CheckpointError(f"checkpoint {quoted(path)} names a weight by a value of type {odd[0]}, not by a "
                                   f"string; it is damaged or from another program")
-        # load_state_dict would keep the real part of a complex tensor, with a warning on stderr, and take integers or
-        # booleans as the numbers they are (True as 1.0), without a word: no model tinychar builds holds either
-        # A sparse or meta tensor was refused by load_state_dict, its reason cut off behind the shapes' line
-        name = next((k for k, v in weights.items() if isinstance(v, torch.Tensor) and (
-            v.is_complex() or not v.is_floating_point() or v.layout != torch.strided or v.is_meta)), None)
-        if name is not None:
-            v = weights[name]
-            kind = ("complex numbers" if v.is_complex() else "booleans" if v.dtype == torch.bool
-                    else "integers" if not v.is_floating_point() else "a sparse tensor" if v.layout != torch.strided
-                    else "a tensor with no values (on the meta device)")
+        if (odd_weight := unusable_weight(weights)) is not None:
+            name, kind = odd_weight
             raise CheckpointError(f"checkpoint {quoted(path)} holds {kind} as weights ({quoted(str(name))}); it is "
                                   f"damaged or from another program")
     try:
@@ -285,6 +277,36 @@ def model_from_checkpoint(payload: dict[str, Any], path: str | Path = "checkpoin
         raise CheckpointError(f"checkpoint {quoted(path)} holds weights that are not finite (NaN or infinite) in "
                               f"{name}; it is damaged (training stops before saving such weights)")
     return model, vocab
+
+
+def unusable_weight(weights: dict) -> tuple[str, str] | None:
+    """(name, what it holds, in words) of the first tensor in weights that no model tinychar builds holds, or None.
+    load_state_dict would keep the real part of a complex tensor, with a warning on stderr, and take integers or
+    booleans as the numbers they are (True as 1.0), without a word; a sparse or meta tensor it refused, its reason cut
+    off behind the shapes' line."""
+    for name, v in weights.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.is_complex() or not v.is_floating_point() or v.layout != torch.strided or v.is_meta:
+            return name, ("complex numbers" if v.is_complex() else "booleans" if v.dtype == torch.bool
+                          else "integers" if not v.is_floating_point() else "a sparse tensor"
+                          if v.layout != torch.strided else "a tensor with no values (on the meta device)")
+    return None
+
+
+def unlike_weights(weights: object, like: dict) -> str | None:
+    """What keeps weights from standing in for like, the loaded weights of the same model, in words; None if nothing
+    does: they must be tensors of like's names and shapes (checked first: a tensor of 10**12 values, expanded from one
+    in a 2 MB file, was checked whole, 4 TB), of real floating-point numbers in memory, and finite."""
+    if not isinstance(weights, dict) or weights.keys() != like.keys() or not all(
+            isinstance(t, torch.Tensor) and isinstance(like[k], torch.Tensor) and t.shape == like[k].shape
+            for k, t in weights.items()):
+        return "not the model's shapes"
+    if (odd := unusable_weight(weights)) is not None:
+        return f"{odd[1]} in {quoted(str(odd[0]))}"
+    if (name := first_not_finite_of(weights.items())) is not None:
+        return f"not all finite numbers: {quoted(str(name))}"
+    return None
 
 
 # Values of a weight checked at a time: the check's own memory stays at 16 MiB of booleans, whatever the model.

@@ -114,6 +114,10 @@ def _expanded_training_weights(payload: dict) -> None:
     payload["training_weights"]["lm_head.weight"] = torch.zeros(1).expand(10**6, 10**6)
 
 
+def _training_weights_as(payload: dict, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    payload["training_weights"] = {k: make(v) for k, v in payload["model"].items()}
+
+
 def _only_best(c: Case) -> list[str]:
     (c.run / "ckpt.pt").unlink()  # train.py without --resume refuses the folder, which holds a run (best.pt)
     return ["--resume", "--out-dir", str(c.run)]
@@ -274,6 +278,16 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "damaged and cannot be resumed"),
     ("resume-training-weights-of-another-shape", "train", lambda c: c.resume(_expanded_training_weights),
      "has damaged training weights (the weights its average was taken of: not the model's shapes"),
+    # trained on as numbers (val 5.59 against 3.37 at step 30 from booleans; complex ones with torch's warning on
+    # stderr), or a traceback from the finite check (meta): the average's own weights were refused so already
+    ("resume-training-weights-booleans", "train",
+     lambda c: c.resume(lambda p: _training_weights_as(p, lambda v: v > 0)),
+     "has damaged training weights (the weights its average was taken of: booleans in 'transformer."),
+    ("resume-training-weights-complex", "train",
+     lambda c: c.resume(lambda p: _training_weights_as(p, lambda v: v.to(torch.complex64))), "complex numbers in '"),
+    ("resume-training-weights-on-the-meta-device", "train",
+     lambda c: c.resume(lambda p: _training_weights_as(p, lambda v: torch.empty(v.shape, device="meta"))),
+     "a tensor with no values (on the meta device) in '"),
     # the optimizer's state, which torch loads unchecked: a crash of the process in the fused AdamW kernel (a
     # segmentation fault, after config.yaml and best.pt were rewritten), tracebacks, or NaNs blamed on the learning rate
     ("resume-optimizer-moment-of-another-shape", "train",

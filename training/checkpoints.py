@@ -17,7 +17,7 @@ from configs import ConfigError, flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
-from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons
+from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons, unlike_weights
 
 from .atomic import write_atomic
 from .config import RunConfig, load_config
@@ -176,12 +176,11 @@ def check_training_state(payload: dict, path: Path) -> None:
     if isinstance(train, dict) and isinstance(train.get("ema_decay"), float) and train["ema_decay"] > 0:
         raise CheckpointError(f"'{shown(str(path))}' holds the weights' average (train.ema_decay) without the weights "
                               f"it was taken of (training_weights); it is damaged and cannot be resumed")
-    # The shapes first: a tensor of 10**12 values, expanded from one in a 2 MB file, was checked whole (4 TB)
-    if trained is not None and (not isinstance(trained, dict) or trained.keys() != weights.keys() or not all(
-            isinstance(t, torch.Tensor) and t.shape == weights[k].shape for k, t in trained.items()) or not all(
-            bool(torch.isfinite(t).all()) for t in trained.values())):
+    # Checked as the average's are: complex, integer or boolean weights were taken as numbers (booleans as 1.0) and
+    # trained on without a word, and a tensor on the meta device was a traceback from the finite check
+    if trained is not None and (problem := unlike_weights(trained, weights)) is not None:
         raise CheckpointError(f"'{shown(str(path))}' has damaged training weights (the weights its average was taken "
-                              f"of: not the model's shapes, or not all finite numbers); it cannot be resumed")
+                              f"of: {problem}); it cannot be resumed")
 
 
 # What a checkpoint that does not fit the run it describes makes torch or the code below raise.
