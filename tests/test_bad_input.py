@@ -271,6 +271,8 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
     ("resume-negative-step", "train", lambda c: c.resume(lambda p: p.update(step=-5)), "has a damaged step (-5"),
     ("resume-optimizer-not-a-mapping", "train", lambda c: c.resume(lambda p: p.update(optimizer="x")),
      "has a damaged optimizer state"),
+    ("resume-optimizer-state-not-a-mapping", "train", lambda c: c.resume(lambda p: p["optimizer"].update(state="x")),
+     "has a damaged optimizer state (not a mapping)"),
     ("resume-nan-training-weights", "train", lambda c: c.resume(_nan_training_weights), "has damaged training weights"),
     # the resume went on from the average: silently another run (val 3.4456 against 3.3467 at step 30)
     ("resume-without-training-weights", "train", lambda c: c.resume(lambda p: p.pop("training_weights")),

@@ -168,7 +168,9 @@ def check_training_state(payload: dict, path: Path) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"'{shown(str(path))}' has a damaged step ({shown(repr(step)[:40])}: not a count of "
                               f"steps); it cannot be resumed")
-    if not isinstance(payload["optimizer"], dict):
+    # its "state" too, which Optimizer.load_state_dict calls .items() of: a string there was an AttributeError
+    optimizer = payload["optimizer"]
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict):
         raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state (not a mapping); it cannot be "
                               f"resumed")
     trained, weights = payload.get("training_weights"), payload["model"]
