@@ -28,19 +28,13 @@ from .launch import Launch
 from .lock import file_identity
 from .memory import check_fits, model_need
 from .optim import schedule_note
-from .resuming import resume_target
+from .resuming import check_resume_config, config_changes, resume_target
 
 # The key under which load_run keeps the file_identity of the ckpt.pt it read, in the payload it returns; and the
 # one under which a checkpoint says that a stop cut its step's evaluation short.
 LOADED_FROM, EVAL_PENDING = "_loaded_from", "eval_pending"
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
-# Keys a resumed run may change: they steer how long and how visibly it runs, not what it learns so far.
-RESUMABLE_CHANGES = frozenset({
-    "out_dir", "train.max_iters", "train.lr_decay_iters", "train.min_lr", "train.eval_interval",
-    "train.eval_iters", "train.log_interval", "train.device", "train.dtype", "train.compile",
-    "train.threads", "train.sample_chars", "train.tensorboard", "train.backend", "data.cache_dir",
-})
 
 
 class IncompleteSave(OSError):
@@ -282,40 +276,6 @@ def restore_rng(payload: dict, gen: torch.Generator, launch: Launch, device: tor
         return True
     except DAMAGED as e:
         raise damaged(path, e) from None
-
-
-def config_changes(saved: dict, later: dict, fingerprinted: bool) -> tuple[dict, dict, list[str], list[str]]:
-    """Two run configs (as saved: nested dicts) flattened, the keys that differ, and those of them a resume refuses
-    (check_resume_config)."""
-    old, new = flatten(saved), flatten(later)
-    for flat in (old, new):
-        if flat.get("data.path") is not None and flat.get("data.dataset") is not None:
-            flat["data.dataset"] = None  # a run saved with both (as runs once were) read its data.path (see one_text)
-    # A key a saved config lacks was added since (model.type): the saved run had its default.
-    defaults = flatten(to_dict(RunConfig()))
-    for flat, other in ((old, new), (new, old)):
-        flat.update({k: defaults[k] for k in set(other) - set(flat) if k in defaults and k != "out_dir"})
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    refused = [k for k in changed if k not in RESUMABLE_CHANGES and not (fingerprinted and k == "data.path"
-                                                                          and new.get(k) is not None)]
-    return old, new, changed, refused
-
-
-def check_resume_config(saved: dict, cfg: RunConfig, fingerprinted: bool = False) -> list[str]:
-    """Keys whose change a resume accepts are returned as 'key: old -> new'; any other change is refused.
-
-    fingerprinted: the checkpoint records its text's fingerprint, which the resume compares with the text it reads
-    (runner.check_same_text): then data.path may change too, since the text may not. A run started on a relative
-    data.path and resumed from another folder needs that, to name the same file by a path that works from there."""
-    old, new, changed, refused = config_changes(saved, to_dict(cfg), fingerprinted)
-    if refused == ["data.dataset"] and new.get("data.path") is not None:  # a data.path given, not a dataset changed
-        raise UsageError(f"cannot resume on data.path={new['data.path']!r}: this run was trained on data.dataset="
-                         f"{old['data.dataset']}; start a new run in another out_dir for another text")
-    if refused:
-        shown = ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in refused[:4])
-        raise UsageError(f"cannot resume with a changed {shown}: these define the model, data or optimisation of "
-                         f"the saved run; start a new run in another out_dir instead")
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if k != "out_dir"]
 
 
 def another_run(best: Path, payload: dict) -> str | None:
