@@ -308,6 +308,13 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "its best validation loss is nan"),
     ("resume-vocabulary-out-of-order", "train",  # a ValueError traceback from the tokenizer
      lambda c: c.resume(lambda p: p.update(vocab=[p["vocab"][1], p["vocab"][0], *p["vocab"][2:]])), "out of order"),
+    # a RuntimeError traceback from bool() of the tensor; "trained on two texts", of the same text
+    ("resume-eval-pending-a-tensor", "train", lambda c: c.resume(lambda p: p.update(eval_pending=torch.zeros(3))),
+     "has a damaged eval_pending (Tensor, where a run saves bool); it cannot be resumed"),
+    ("resume-fingerprint-a-tensor", "train", lambda c: c.resume(lambda p: p.update(data_fingerprint=torch.zeros(3))),
+     "has a damaged data_fingerprint (Tensor, where a run saves str)"),
+    ("resume-saved-by-half-processes", "train", lambda c: c.resume(lambda p: p.update(world_size=2.5)),
+     "has a damaged world_size (float, where a run saves int)"),
     ("resume-saved-by-no-processes", "train", lambda c: c.resume(lambda p: p.update(world_size=0)),
      "saved by 0 processes"),
     # the run config builds the resumed model, the model config the saved one: n_head edited in one alone resumed

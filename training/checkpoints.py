@@ -35,6 +35,8 @@ from .resuming import check_resume_config, config_changes, resume_target
 LOADED_FROM, EVAL_PENDING = "_loaded_from", "eval_pending"
 # What a checkpoint needs beyond the model and vocabulary (checked by load_checkpoint) for a run to continue from it.
 TRAINING_STATE = ("config", "optimizer", "step", "best_val_loss", "rng")
+# What a run saves beside that state, each of one type (a bool is no count of processes); a checkpoint may lack them.
+BOOKKEEPING = {EVAL_PENDING: bool, "is_best": bool, "world_size": int, "engine": str, "data_fingerprint": str}
 
 
 class IncompleteSave(OSError):
@@ -146,6 +148,11 @@ def check_training_state(payload: dict, path: Path) -> None:
     rng = payload["rng"]
     if not isinstance(payload["config"], dict) or not isinstance(rng, dict) or not {"torch", "batches"} <= set(rng):
         raise CheckpointError(f"'{shown(str(path))}' has a damaged run config or RNG state; it cannot be resumed")
+    # An eval_pending tensor was a traceback from bool(); a data_fingerprint that is no string, "trained on two texts"
+    if key := next((k for k, kind in BOOKKEEPING.items() if payload.get(k) is not None and (
+            not isinstance(payload[k], kind) or isinstance(payload[k], bool) != (kind is bool))), None):
+        raise CheckpointError(f"'{shown(str(path))}' has a damaged {key} ({type(payload[key]).__name__}, where a run "
+                              f"saves {BOOKKEEPING[key].__name__}); it cannot be resumed")
     # The run config builds the resumed model, the model config the saved one: an edit to one alone (n_head, whose
     # weights are the same shapes) resumed a different model without a word
     model, built = payload["config"].get("model"), config.to_dict()
