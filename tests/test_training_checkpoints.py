@@ -682,3 +682,16 @@ def test_a_later_best_pt_is_kept_through_the_evaluations_of_an_older_ckpt_pt_cop
     assert train.main(["--resume", "--out-dir", str(run), "train.max_iters=20"], progress=False) == 0
     assert (run / "best.pt").read_bytes() == kept
     assert load_checkpoint(run / "ckpt.pt")["best_val_loss"] == best["best_val_loss"]
+
+
+def test_a_best_pt_whose_step_is_no_number_does_not_stop_a_resume_with_a_traceback(tmp_path, capsys):
+    """best.pt's step and loss were compared unchecked with the resumed checkpoint's: a step that is a string was a
+    TypeError traceback. Damaged so, best.pt is not known to be later: the run goes on, and mends it as its best."""
+    from conftest import train_small_run
+
+    run = train_small_run(tmp_path, **{"train.max_iters": 10})
+    payload = load_checkpoint(run / "best.pt")
+    torch.save({**payload, "step": "later", "best_val_loss": 0.5}, run / "best.pt")
+    code, _, err = call(train_main, ["--resume", "--out-dir", str(run), "train.max_iters=20"], capsys)
+    assert code == 0, err
+    assert load_checkpoint(run / "best.pt")["step"] in (10, 20)

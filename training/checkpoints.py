@@ -308,8 +308,10 @@ def another_run(best: Path, payload: dict) -> str | None:
     if refused:
         old, new = flatten(kept["config"]), flatten(payload["config"])
         return f"{refused[0]} is {shown(old.get(refused[0]))} in best.pt, {shown(new.get(refused[0]))} in ckpt.pt"
-    later = kept.get("best_val_loss")
-    if isinstance(later, float) and kept.get("step", 0) > payload["step"] and later < payload["best_val_loss"]:
+    # best.pt's step and loss are read unchecked: a step that is no number (a string) was a TypeError traceback
+    later, step, ours = kept.get("best_val_loss"), kept.get("step"), payload["best_val_loss"]
+    if isinstance(later, float) and isinstance(step, int) and step > payload["step"] and isinstance(ours, float) and (
+            later < ours):
         payload["best_val_loss"] = later
     return None
 
