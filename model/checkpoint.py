@@ -283,7 +283,8 @@ def unusable_weight(weights: dict) -> tuple[str, str] | None:
     """(name, what it holds, in words) of the first tensor in weights that no model tinychar builds holds, or None.
     load_state_dict would keep the real part of a complex tensor, with a warning on stderr, and take integers or
     booleans as the numbers they are (True as 1.0), without a word; a sparse or meta tensor it refused, its reason cut
-    off behind the shapes' line."""
+    off behind the shapes' line. An 8-bit float passed them all, to a NotImplementedError traceback from the finite
+    check ("isfinite" is not implemented for float8_e4m3fn in torch 2.13)."""
     for name, v in weights.items():
         if not isinstance(v, torch.Tensor):
             continue
@@ -291,7 +292,14 @@ def unusable_weight(weights: dict) -> tuple[str, str] | None:
             return name, ("complex numbers" if v.is_complex() else "booleans" if v.dtype == torch.bool
                           else "integers" if not v.is_floating_point() else "a sparse tensor"
                           if v.layout != torch.strided else "a tensor with no values (on the meta device)")
+        if v.dtype not in WEIGHT_DTYPES:
+            return name, f"{str(v.dtype).removeprefix('torch.')} numbers"
     return None
+
+
+# The floating-point types a weight may be saved in: a model's own (float32), those of a run's other dtypes, and
+# float64, which loads as exactly as they do.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def unlike_weights(weights: object, like: dict) -> str | None:

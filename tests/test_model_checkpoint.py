@@ -279,6 +279,20 @@ def test_integer_or_boolean_weights_are_refused_not_taken_as_numbers(saved, tmp_
                                   f"program")
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_weights_of_8_bit_floats_are_refused_naming_their_type(saved, tmp_path, dtype):
+    # a NotImplementedError traceback from the finite check: torch has no isfinite for them
+    model, _ = saved
+    payload = payload_for(model)
+    payload["model"] = dict(payload["model"])
+    payload["model"]["transformer.ln_f.bias"] = torch.zeros(16).to(dtype)
+    path = tmp_path / "float8.pt"
+    save_checkpoint(payload, path)
+    name = str(dtype).removeprefix("torch.")
+    assert refusal(path).endswith(f"holds {name} numbers as weights ('transformer.ln_f.bias'); it is damaged or from "
+                                  f"another program")
+
+
 @pytest.mark.parametrize(("make", "kind"), [(lambda t: t.to_sparse(), "a sparse tensor"),
                                            (lambda t: t.to("meta"), "a tensor with no values (on the meta device)")])
 def test_sparse_or_meta_weights_are_refused_saying_so(saved, tmp_path, make, kind):
