@@ -41,9 +41,13 @@ os.environ.pop("TINYCHAR_DATA_DIR", None)
 # more than they save), pay here, where each worker compiles many small graphs cold: each g++ build of a graph's code
 # spends most of its 2.5-3.5 s parsing torch's headers. Measured on a 2-core Zen 3 (torch 2.13), three 1-3 layer steps
 # compiled one after the other, each into an empty cache: 38.9, 21.2 and 35.9 s with them against 40.4, 32.5 and 45.0 s
-# without. The compiled code is the same either way; the tests of the run's own choice unset the variable. The headers
-# live in the session's temp folder, the worker's own compiles' too (_compile_into_the_session_cache).
+# without. The compiled code is the same either way; the tests of the run's own choice unset the variable. One folder
+# holds them for the whole run, made by the process that starts it and inherited by pytest-xdist's workers, so that
+# the second worker uses the headers the first made (inductor locks each while it is made), and removed at its end.
 os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "1")
+_INHERITED_HEADERS = os.environ.get("TINYCHAR_TEST_HEADERS") if _WORKER else None
+_HEADERS = _INHERITED_HEADERS or tempfile.mkdtemp(prefix="tinychar-test-headers-", dir=_TEMP)
+os.environ["TINYCHAR_TEST_HEADERS"] = _HEADERS
 
 
 _ZYGOTE = None
@@ -74,6 +78,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _ZYGOTE.close()
     if not _INHERITED_CACHE:  # the session that made it removes it
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    if not _INHERITED_HEADERS:
+        shutil.rmtree(_HEADERS, ignore_errors=True)
 
 
 def _is_local(address: object) -> bool:
@@ -154,13 +160,14 @@ def _compile_into_the_session_cache():
     from training import compile_cache
 
     compile_cache.prepare_compile()
-    # Inductor puts precompiled headers in the temp folder this process had before TMPDIR named the session's; its
-    # children put them in the session's, where this process's go too, shared and removed with it (a torch without the
-    # module's folder, older or newer, is left as it is).
-    if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
-        headers = os.path.join(os.environ["TMPDIR"], os.path.basename(os.path.dirname(codecache._HEADER_DIR)),
-                               "precompiled_headers")
-        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = headers, os.path.join(headers, "locks")
+    # Inductor puts precompiled headers in the temp folder's torchinductor_<user>/precompiled_headers: this process's
+    # and its children's go to the run's folder instead (_HEADERS; a torch without that folder is left as it is).
+    if all(hasattr(codecache, name) for name in ("_HEADER_DIR", "_HEADER_LOCK_DIR", "default_cache_dir")):
+        codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = _HEADERS, os.path.join(_HEADERS, "locks")
+        theirs = Path(os.environ["TMPDIR"]) / Path(codecache.default_cache_dir()).name / "precompiled_headers"
+        theirs.parent.mkdir(parents=True, exist_ok=True)
+        if not theirs.is_symlink():
+            theirs.symlink_to(_HEADERS, target_is_directory=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
