@@ -69,6 +69,9 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value == "":  # Path("") is the current folder: never what was meant
             raise UsageError(f"{flag} is empty; give {what}")
+        if flag == "--prompt-file" and value == "-" and not os.path.lexists(value):  # stdin, as in many tools
+            raise UsageError("--prompt-file reads a file, not standard input ('-'); save the prompt in a file and give "
+                             "its path, or give the text with --prompt")
         if value is not None:  # '~' is the home folder, as in train.py's paths (the shell leaves --out-dir=~/r)
             setattr(args, name, os.path.expanduser(value))
     if args.attention_values and args.attention_map is None:
