@@ -73,16 +73,23 @@ def parameter_count(cfg: GPTConfig) -> int:
     return L * per_layer + V * C + T * C + last_norm
 
 
-def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool) -> int:
+def activation_bytes(cfg: GPTConfig, sequences: int, *, backward: bool, device: torch.device | None = None) -> int:
     """Bytes of activations for a forward pass over `sequences` windows of block_size: with backward, what every
-    layer keeps for it (and one layer's gradients besides); without (evaluation), what one layer holds at once."""
+    layer keeps for it (and one layer's gradients besides); without (evaluation), what one layer holds at once.
+    device: where it runs (None: counted as off CUDA, the larger)."""
     C, L, V, T, nh = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.block_size, cfg.n_head
     if cfg.type == "bigram":  # its table gives the logits: no layers, attention or embeddings (it was counted as a
         return sequences * T * (5 * V * FLOAT + 6 * ID)  # GPT: refused at 211.8 GB what ran in 0.4)
-    scores = 3 * nh * T if cfg.attention == "manual" else nh  # scores, masked scores, softmax; the fused kernel none
+    # PyTorch's fused kernels take dropout on CUDA alone: elsewhere scaled_dot_product_attention with dropout_p > 0
+    # runs its math path, which keeps the scores, their softmax, the dropout mask and the dropped weights as the manual
+    # path does (shakespeare_char.yaml's model, batch 16, eager float32 on a CPU: 1.51 GB of activations at the peak
+    # with dropout 0.2 and 0.74 with none, where 0.86 was counted for both; manual attention with dropout, 1.53)
+    math_dropout = backward and cfg.dropout > 0 and (device is None or device.type != "cuda")
+    manual = cfg.attention == "manual" or math_dropout
+    scores = 3 * nh * T if manual else nh  # scores, masked scores, softmax; the fused kernel none
     if cfg.score == "additive":
         scores += 2 * T * C  # the (T, T, head_size) tanh hidden of every head, and its input
-    if cfg.dropout > 0 and cfg.attention == "manual":
+    if cfg.dropout > 0 and manual:
         scores += 2 * nh * T
     # embeddings; the logits, their log-softmax, the gradients of both and one more copy that the head's backward
     # makes (a vocabulary of 1,112,032 characters on tiny.yaml's model, batch 16, 32 and 64, peaked at 3.78, 6.01 and
@@ -100,15 +107,16 @@ def mask_bytes(cfg: GPTConfig) -> int:
     return cfg.n_layer * cfg.block_size * cfg.block_size * FLOAT if cfg.type == "gpt" else 0
 
 
-def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int, averaged: bool = False) -> MemoryNeed:
-    """The peak of a training run of model cfg (vocab_size set) with micro-batches of batch_size sequences and
-    evaluation passes of eval_sequences; averaged: it keeps the weights' moving average too (train.ema_decay), and
+def training_need(cfg: GPTConfig, batch_size: int, eval_sequences: int, averaged: bool = False,
+                  device: torch.device | None = None) -> MemoryNeed:
+    """The peak of a training run of model cfg (vocab_size set) on device with micro-batches of batch_size sequences
+    and evaluation passes of eval_sequences; averaged: it keeps the weights' moving average too (train.ema_decay), and
     while it evaluates that, a copy of the weights."""
     return MemoryNeed(
         weights=(6 if averaged else 4) * parameter_count(cfg) * FLOAT,
         masks=mask_bytes(cfg),
-        activations=max(activation_bytes(cfg, batch_size, backward=True),
-                        activation_bytes(cfg, eval_sequences, backward=False)),
+        activations=max(activation_bytes(cfg, batch_size, backward=True, device=device),
+                        activation_bytes(cfg, eval_sequences, backward=False, device=device)),
     )
 
 

@@ -179,8 +179,9 @@ def build_trainer(cfg: RunConfig, start: Start, payload: dict | None, launch: La
         model_cfg = replace(cfg.model, vocab_size=start.corpus.vocab_size)
         # Before the first allocation: a run that cannot fit is refused in one line, not killed by the kernel.
         evaluated = eval_pass_sequences(block_size, tc.batch_size, tc.eval_iters, device, start.corpus.vocab_size)
-        need = training_need(model_cfg, tc.batch_size, evaluated, averaged=tc.ema_decay > 0)
-        small = training_need(replace(model_cfg, vocab_size=2), tc.batch_size, evaluated, averaged=tc.ema_decay > 0)
+        averaged = tc.ema_decay > 0
+        need = training_need(model_cfg, tc.batch_size, evaluated, averaged, device)
+        small = training_need(replace(model_cfg, vocab_size=2), tc.batch_size, evaluated, averaged, device)
         check_fits(need, device, launch.local_world_size if device.type == "cpu" else 1,
                    advice=vocabulary_advice(model_cfg, need, small))
 
