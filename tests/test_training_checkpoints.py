@@ -102,6 +102,24 @@ def test_a_checkpoint_saved_with_copies_is_serialized_once_and_the_same_in_each_
     assert sorted(p.name for p in path.parent.iterdir()) == ["best.pt", "ckpt.pt"]
 
 
+
+def test_a_checkpoint_s_copy_is_not_held_in_memory(tmp_path):
+    # best.pt's bytes serialized into memory were a second copy of the weights and the optimizer's state, which the
+    # run's memory check does not count: a run that fitted ran out of memory at its first checkpoint
+    import tracemalloc
+
+    payload = payload_for(tiny_model(), step=9)
+    payload["optimizer"] = {"state": {0: {"exp_avg": torch.zeros(2**21)}}}  # 8 MiB
+    tracemalloc.start()
+    try:
+        save_checkpoint(payload, tmp_path / "ckpt.pt", tmp_path / "best.pt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**21, peak
+    assert (tmp_path / "ckpt.pt").read_bytes() == (tmp_path / "best.pt").read_bytes()
+
+
 # ------------------------------------------------------------------------------------------ resume
 
 
