@@ -360,10 +360,11 @@ def characters_shown(n_layer: int, n_head: int, chars: list[str], title: str | N
     return low
 
 
-def too_large(n_layer: int, n_head: int) -> str:
-    """Why no picture of n_layer x n_head heads is drawn (characters_shown is 0), for a one-line note."""
-    return (f"a picture of {n_layer:,} layers x {n_head:,} heads is over {MAX_MAP_PIXELS:,} pixels even for one "
-            f"character")
+def too_large(n_layer: int, n_head: int, limit: int | None = None) -> str:
+    """Why no picture of n_layer x n_head heads is drawn (characters_shown is 0 within limit pixels, by default
+    MAX_MAP_PIXELS), for a one-line note."""
+    limit = MAX_MAP_PIXELS if limit is None else limit
+    return f"a picture of {n_layer:,} layers x {n_head:,} heads is over {limit:,} pixels even for one character"
 
 
 def save_attention_map(

@@ -234,6 +234,26 @@ def test_the_logged_picture_is_one_pillow_can_open_again(tmp_path, monkeypatch):
     assert (picture.width, picture.height) == (layout.width, layout.height)
 
 
+def test_the_logged_picture_of_many_heads_is_bounded_below_sample_py_s(tmp_path, monkeypatch):
+    # 24 layers x 24 heads over 64 characters: 142M pixels, +1.15 GB and 10 s at every evaluation, which the run's
+    # memory check does not count (a MemoryError traceback at the first evaluation under a limit the check passed)
+    from data import CharTokenizer
+    from lab.heatmap import MAX_MAP_PIXELS, grid_layout
+    from model import GPT, GPTConfig
+
+    drawn = []
+    monkeypatch.setattr(training.logger, "render_attention_grid", lambda weights, chars, title: drawn.append(chars))
+    monkeypatch.setattr(training.logger, "log_image", lambda *args: None)
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz")
+    model = GPT(GPTConfig(vocab_size=26, block_size=64, n_layer=24, n_head=24, n_embd=24))
+    log = _picture_logger(tmp_path)
+    log.attention(3, model, [i % 26 for i in range(64)], tokenizer)
+    log.close()
+    (chars,) = drawn
+    layout = grid_layout(24, 24, chars, "step 3")
+    assert 1 <= len(chars) < 64 and layout.width * layout.height <= 2**24 < MAX_MAP_PIXELS
+
+
 def test_a_model_too_large_for_any_picture_logs_none_and_says_so_once(tmp_path, monkeypatch):
     # 500 layers x 64 heads made a 313-million-pixel picture (+2.1 GB, +21 s) at every evaluation: past the bound
     # even for one character, no picture is drawn, and one line says so in the run

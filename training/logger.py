@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import lab.heatmap
 from configs import flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
@@ -25,6 +26,14 @@ from .config import RunConfig
 from .errors import LogError
 from .events import EventWriter
 from .streams import discard_stdout, stdout_lost
+
+# The most pixels of the attention picture logged at each evaluation. Drawing and encoding one takes about 9 bytes a
+# pixel, which the run's memory check does not count, beside the training step it runs with: under sample.py's bound
+# (lab.heatmap.MAX_MAP_PIXELS) a 24-layer, 24-head model's 64 characters made 142M pixels, +1.15 GB and 10 s at every
+# evaluation (2-core EPYC), and under a limit that the run's check passed, a MemoryError traceback at the first. This
+# bound (about 150 MB, 1.2 s) still holds configs/shakespeare_char.yaml's 6 x 6 heads (9.3M pixels) and 8 x 8 heads
+# whole; more heads show fewer of the 64 characters.
+LOGGED_PIXELS = 2**24
 
 
 class Throughput:
@@ -160,11 +169,12 @@ class Logger:
         self.finish_picture()
         chars = [tokenizer.chars[i] for i in ids]
         n_layer, n_head = model.config.n_layer, model.config.n_head
-        shown = characters_shown(n_layer, n_head, chars, title=f"step {step}")
+        limit = min(LOGGED_PIXELS, lab.heatmap.MAX_MAP_PIXELS)
+        shown = characters_shown(n_layer, n_head, chars, title=f"step {step}", limit=limit)
         if shown == 0:  # not one character fits: no picture, rather than one of gigabytes at every evaluation
             if not self._no_picture_said:
                 self._no_picture_said = True
-                self.info(f"attention map: {too_large(n_layer, n_head)}; not logged to TensorBoard")
+                self.info(f"attention map: {too_large(n_layer, n_head, limit)}; not logged to TensorBoard")
             return
         ids, chars = ids[len(ids) - shown :], chars[len(chars) - shown :]  # a picture Pillow can open again
         weights = attention_weights(model, ids)  # on the CPU, as the model is now
