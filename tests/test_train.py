@@ -818,6 +818,30 @@ def test_running_out_of_memory_past_the_estimate_is_one_line_naming_what_to_lowe
         "train.eval_iters, train a smaller model, or cap a vocabulary of very many characters with data.max_vocab")
 
 
+@pytest.mark.parametrize("fails", ["MemoryError", "a save's RuntimeError"])
+def test_python_running_out_of_memory_is_the_same_one_line(tmp_path, capsys, monkeypatch, fails):
+    """Python's MemoryError (a picture's pixels, a checkpoint pickled), and torch.save's RuntimeError with one behind
+    it (it closes the file on the way out: "unexpected pos"), were tracebacks."""
+    import training.loop
+
+    def allocation_fails(self):
+        if fails == "MemoryError":
+            raise MemoryError
+        try:
+            raise MemoryError
+        except MemoryError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0") from None
+
+    monkeypatch.setattr(training.loop.Trainer, "evaluate", allocation_fails)
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    capsys.readouterr()
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 1
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: out of memory; no checkpoint was saved. Lower train.batch_size or train.eval_iters, train a smaller "
+        "model, or cap a vocabulary of very many characters with data.max_vocab")
+
+
 def test_a_resume_is_pointed_at_best_pt_only_where_best_pt_would_do(tmp_path, capsys):
     # A checkpoint a later tinychar wrote, whole, was to be replaced by best.pt (cp best.pt ckpt.pt), which lost the
     # newest steps and helped nothing where best.pt was of that version too; a damaged best.pt was offered as well.

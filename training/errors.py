@@ -128,10 +128,25 @@ def out_of_memory(e: Exception) -> str | None:
     """For an allocation that failed (the CPU's allocator, or CUDA's): ' (asking for N GB more)', or '' without the
     size; None for any other exception."""
     text = str(e)
+    if _python_ran_out(e):
+        return ""
     if not (isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in text)):
         return None
     size = re.search(r"allocate (\d+) bytes", text)
     return f" (asking for {int(size.group(1)) / 1e9:.2f} GB more)" if size else ""
+
+
+def _python_ran_out(e: BaseException | None) -> bool:
+    """Python's own MemoryError, raised or behind what was raised: torch.save of a checkpoint that ran out of memory
+    raised a RuntimeError as it closed the file ("unexpected pos"), its MemoryError only its context, and the run
+    ended in a traceback."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, MemoryError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def path_error(e: Exception) -> bool:
