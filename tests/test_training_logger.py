@@ -286,3 +286,22 @@ def test_a_sample_whose_logits_overflow_is_logged_as_none_and_the_model_left_as_
     assert text == "(no sample: the model's output is not a finite number (its weights are so large that float32 " \
                    "overflows))"
     assert model.training  # put back in training mode, as it came
+
+
+def test_a_resume_from_step_0_keeps_the_evaluation_logged_there(tmp_path, capsys):
+    """A max_iters=0 run evaluates its first weights at step 0; resumed for more steps, its new event file purged
+    from step 0, so TensorBoard lost that evaluation (loss/val began at step 10), and the resume logged the config
+    and hyperparameters a second time."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 40, encoding="utf-8")
+    out = tmp_path / "out"
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out, **{"train.max_iters": 0})], progress=False) == 0
+    first = read_events(out).Scalars("loss/val")
+    assert [e.step for e in first] == [0]
+    assert train.main(["--resume", "--out-dir", str(out), "train.max_iters=10"], progress=False) == 0
+    capsys.readouterr()
+    events = read_events(out)
+    assert [(e.step, e.value) for e in events.Scalars("loss/val")][:1] == [(0, first[0].value)]
+    assert [e.step for e in events.Scalars("loss/val")] == [0, 10]
+    assert [e.step for e in events.Images("attention/layers_x_heads")] == [0, 10]
+    assert [e.step for e in events.Tensors("config/text_summary")] == [0]

@@ -81,7 +81,7 @@ class Logger:
     Logger (every process of a torchrun launch but rank 0) shows and writes nothing."""
 
     def __init__(self, out_dir: Path, start: int, total: int, tensorboard: bool, progress: bool | None,
-                 quiet: bool = False, on_closed: Callable[[], None] | None = None) -> None:
+                 quiet: bool = False, on_closed: Callable[[], None] | None = None, resumed: bool = False) -> None:
         self.quiet = quiet
         self.on_closed = on_closed
         self._picture: threading.Thread | None = None  # the attention picture being drawn in the background
@@ -99,9 +99,10 @@ class Logger:
             # TensorBoard hides every earlier event at or after purge_step: those a killed or stopped run logged
             # past its last checkpoint, which this run logs again. Events at `start` itself were written before
             # that checkpoint (see flush) and stay (a resume logs at `start` only the evaluation a stop cut short,
-            # which logged nothing); a fresh run owns every step, so one that died before its first checkpoint
+            # which logged nothing), at step 0 too: a resume of a max_iters=0 run purged from 0 and lost its
+            # evaluation at step 0. A fresh run owns every step, so one that died before its first checkpoint
             # leaves nothing behind.
-            first = 0 if start == 0 else start + 1
+            first = start + 1 if resumed else 0
             self.out_dir = out_dir
             with self.writing():
                 self.writer = EventWriter(out_dir, purge_step=first)

@@ -98,7 +98,8 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
     if engine.kind == "blocks":  # compiled by start_engine, on one batch; DDP wraps the compiled blocks after that
         compile_blocks(trainer.model)
     log = Logger(Path(cfg.out_dir), trainer.step, cfg.train.max_iters, cfg.train.tensorboard, progress,
-                 quiet=not launch.main, on_closed=partial(trainer.stop.request, signal.SIGPIPE))
+                 quiet=not launch.main, on_closed=partial(trainer.stop.request, signal.SIGPIPE),
+                 resumed=payload is not None)
     trainer.attach(log, start.corpus.tokenizer(), started)
     # MFU: the model's FLOPs per second over what this machine's matrix multiply does in the run's dtype (measured
     # here in a fraction of a second, as in bench.py), summed over the processes.
@@ -255,7 +256,7 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
                  f"a step (train.batch_size and train.grad_accum_steps are per process), and each process draws its "
                  f"batches afresh from (seed, rank, step), so the batch order differs from that of an uninterrupted "
                  f"run")
-    if trainer.step == 0:
+    if payload is None:  # a resumed run's are in its first event file, which the purge keeps (step 0)
         log.hparams(trainer.cfg, params)
 
 
