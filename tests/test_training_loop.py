@@ -207,6 +207,7 @@ def test_a_run_that_would_evaluate_longer_than_it_trains_says_so(tmp_path, capsy
     assert evaluation_note(1000, 0, 100, 1000, 8) is None  # 8 micro-batches a step: 8,000 batches trained
     assert "at its one evaluation" in evaluation_note(25, 20, 10, 100, 1)  # resumed at 20: step 25's alone
     assert evaluation_note(20, 20, 10, 10**9, 1) is None  # nothing left to train
+    assert "(train.eval_interval=10), against 1 batch trained;" in evaluation_note(1, 0, 10, 32, 1)  # "1 batches"
     overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.max_iters": 4,
                                                                               "train.eval_iters": 50})
     code, out, err = call(train_main, ["--config", TINY, *overrides], capsys)

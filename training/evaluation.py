@@ -97,10 +97,11 @@ def evaluation_note(max_iters: int, step: int, eval_interval: int, eval_iters: i
         return None
     times = f"{ratio:,.0f}" if ratio >= 10 else f"{ratio:.1f}"
     at = "at its one evaluation" if evaluations == 1 else f"at each of its {evaluations:,} evaluations"
+    # (eval_iters is at least 2 here: the ratio of one batch is at most 2/3, evaluating at most once a step)
+    trained = f"{steps * grad_accum_steps:,} batch{'' if steps * grad_accum_steps == 1 else 'es'}"
     return (f"note: this run will spend about {times} times as long evaluating as training: train.eval_iters="
             f"{eval_iters:,} batches of each split {at} (train.eval_interval={eval_interval:,}), against "
-            f"{steps * grad_accum_steps:,} batches trained; a smaller train.eval_iters or a larger train.eval_interval "
-            f"trains sooner")
+            f"{trained} trained; a smaller train.eval_iters or a larger train.eval_interval trains sooner")
 
 
 # A step that would take longer than this at the machine's matrix-multiply ceiling gets a note (step_note).
