@@ -5,6 +5,7 @@ Every failure a person can fix raises DataError with a one-line message saying w
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import os
@@ -106,11 +107,13 @@ def _exists(p: Path) -> bool:
     return True
 
 
-def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path") -> str:
-    """The exact contents of a UTF-8 text file (newlines untouched), with at least min_chars characters.
+def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path", errors: str = "strict") -> str:
+    """The text of a UTF-8 file as training reads it (newlines untouched, a leading byte-order mark left out), with
+    at least min_chars characters.
 
     Callers pass min_chars = block_size + 1, the length of one training window. label names the setting the
-    path came from, so that the message points at what to change.
+    path came from, so that the message points at what to change. errors is data.errors: strict refuses bytes that
+    are not UTF-8, replace makes them U+FFFD, as prepare_corpus's streaming reader does.
     """
     p = Path(path)
     st = stat_path(p, label)
@@ -128,13 +131,17 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path")
         # Text has no NUL bytes; a checkpoint, an archive, an image or UTF-16 text has many. Said plainly here, as
         # the UTF-8 error below would suggest converting the file from Latin-1.
         raise not_utf8(label, path, raw[:4])
+    # A byte-order mark says how the file was saved and is no character of its text: prepare_corpus leaves it out,
+    # and so does this, or a tokenizer built from this text has U+FEFF that the run's vocabulary lacks.
+    start = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
     try:
         # Bytes decoded directly rather than a text-mode open, which would turn "\r\n" into "\n".
-        text = raw.decode("utf-8")
+        text = raw[start:].decode("utf-8", errors)
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
+        at = start + e.start  # an offset into the file, the mark included
+        line = raw.count(b"\n", 0, at) + 1
         raise DataError(
-            f"{label}: {quoted(path)} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}, line "
+            f"{label}: {quoted(path)} is not UTF-8 (byte 0x{raw[at]:02x} at offset {at}, line "
             f"{line}); convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"
         ) from e
     if len(text) < min_chars:
@@ -176,9 +183,10 @@ def _did_you_mean(p: Path) -> str:
 def load_corpus(cfg: DataConfig, min_chars: int = 2) -> tuple[str, str]:
     """The training text and where it came from (for logs); cfg.path wins over cfg.dataset."""
     if cfg.path is not None:
-        return read_text(locate(cfg.path), min_chars), cfg.path
+        return read_text(locate(cfg.path), min_chars, errors=cfg.errors), cfg.path
     if cfg.dataset == "shakespeare_char":
         path = shakespeare_path()
-        return read_text(path, min_chars, label="data.dataset=shakespeare_char"), f"tiny Shakespeare ({path})"
+        return (read_text(path, min_chars, label="data.dataset=shakespeare_char", errors=cfg.errors),
+                f"tiny Shakespeare ({path})")
     # DataConfig refuses any other dataset, so reaching this line means the two lists fell out of step.
     raise ValueError(f"data.dataset {cfg.dataset!r} is accepted by DataConfig but load_corpus cannot load it")

@@ -179,6 +179,26 @@ def test_load_corpus_prefers_path(tmp_path: Path) -> None:
     assert text == "my own text" and str(f) in source
 
 
+@pytest.mark.parametrize("errors", ["strict", "replace"])
+def test_load_corpus_gives_the_text_a_run_trains_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    errors: str) -> None:
+    # A leading byte-order mark left out and data.errors honoured, as prepare_corpus's streaming reader does: the
+    # mark was kept as U+FEFF, and replace refused a Latin-1 byte as strict does.
+    monkeypatch.setenv("TINYCHAR_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "bom.txt"
+    content = b"\xef\xbb\xbf" + MIXED.encode("utf-8") + (b" caf\xe9" if errors == "replace" else b"") + b"\xef\xbb\xbf."
+    f.write_bytes(content)
+    cfg = DataConfig(path=str(f), errors=errors)
+    text, _ = load_corpus(cfg)
+    corpus = prepare_corpus(cfg, 2, progress=False)
+    assert text == CharTokenizer(corpus.chars).decode(corpus.ids)
+    assert text == content[3:].decode("utf-8", errors) and text.endswith("\ufeff.")  # a mark further in is text
+    if errors == "strict":  # the offset still counts the mark's three bytes
+        f.write_bytes(b"\xef\xbb\xbfcaf\xe9")
+        with pytest.raises(DataError, match="byte 0xe9 at offset 6, line 1"):
+            load_corpus(cfg)
+
+
 # --- split and batches ------------------------------------------------------------------------------------------
 
 
