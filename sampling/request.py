@@ -115,6 +115,9 @@ def check_known(prompt: str, index: dict[str, int]) -> None:
         how = "remove or replace them"
         if "\r" in unseen and "\r\n" in prompt and "\n" in index:  # a file saved on Windows, the model trained on \n
             how += " (its lines end in \\r\\n, as Windows saves text: save it with \\n line endings, e.g. dos2unix)"
+        elif "\ufffd" in index:  # data.max_vocab (or data.errors=replace) trained it on U+FFFD in their place
+            how += (" (this model's vocabulary holds U+FFFD, which stood in for the characters its training text did "
+                    "not keep: U+FFFD may stand in for them here too)")
         raise UsageError(f"the prompt holds characters the model never saw in training: {listed}; {how}")
 
 

@@ -980,3 +980,15 @@ def test_a_library_an_interrupted_compile_left_empty_in_the_cache_is_removed_and
     assert (f"compile cache: '{library}' in it could not be loaded (file too short), left over from an interrupted "
             f"compile: it was removed, and is compiled again") in err
     assert "sampling step compiled in" in err and "eagerly" not in err, err
+
+
+def test_a_prompt_for_a_model_that_kept_u_fffd_in_place_of_rare_characters_is_told_so():
+    """A model trained with data.max_vocab saw its rarest characters as U+FFFD: 'never saw' alone hid the one it has."""
+    with pytest.raises(request.UsageError) as e:
+        request.check_known("café", {c: i for i, c in enumerate("acef\ufffd")})
+    assert str(e.value) == ("the prompt holds characters the model never saw in training: 'é'; remove or replace them "
+                            "(this model's vocabulary holds U+FFFD, which stood in for the characters its training "
+                            "text did not keep: U+FFFD may stand in for them here too)")
+    with pytest.raises(request.UsageError) as e:
+        request.check_known("café", {c: i for i, c in enumerate("acef")})
+    assert str(e.value).endswith("'é'; remove or replace them")

@@ -53,7 +53,8 @@ class TrainConfig:
     max_iters: int = field(default=2000, metadata={"help": "optimizer steps in the whole run"})
     learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate (after warmup)"})
     min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of the cosine decay"})
-    warmup_iters: int = field(default=100, metadata={"help": "steps of linear warmup from 0 to learning_rate"})
+    warmup_iters: int = field(default=100, metadata={
+        "help": "steps of linear warmup to learning_rate: step s (from 0) takes (s+1)/(warmup_iters+1) of it"})
     lr_decay_iters: int | None = field(default=None, metadata={
         "help": "step where the cosine decay reaches min_lr (null = max_iters)"})
     decay_lr: bool = field(default=True, metadata={"help": "cosine-decay the learning rate (false = constant)"})
