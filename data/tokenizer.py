@@ -107,15 +107,24 @@ class CharTokenizer:
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
                 raise ValueError(f"decode needs a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
-            array = ids.detach().cpu().numpy().astype(np.int64, copy=False)
+            array = ids.detach().cpu().numpy()
         else:
-            array = np.asarray(ids, dtype=np.int64)
+            # as given, not cast: int64 wrapped a uint64 id past 2**63 to a negative one, truncated 1.7 to 1, and
+            # raised OverflowError for 2**63 in a list (numpy holds it as an object)
+            array = np.asarray(ids)
             if array.ndim != 1:
                 raise ValueError(f"decode needs a flat sequence of ids, got shape {array.shape}")
+            if len(array) and array.dtype.kind not in "iu":  # what numpy made of them: floats, bools, huge ints
+                for x in ids.tolist() if isinstance(ids, np.ndarray) else ids:
+                    if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_)):
+                        raise ValueError(f"decode needs integer ids, got {x!r}")
+                    if not 0 <= x < self.vocab_size:
+                        raise ValueError(f"id {x} is outside the vocabulary (ids run from 0 to {self.vocab_size - 1})")
+                array = array.astype(np.int64)
         if len(array) and (array.min() < 0 or array.max() >= self.vocab_size):
-            bad = array[(array < 0) | (array >= self.vocab_size)][0]
+            bad = next(i for i in array.tolist() if not 0 <= i < self.vocab_size)
             raise ValueError(f"id {bad} is outside the vocabulary (ids run from 0 to {self.vocab_size - 1})")
-        return _text(self._codes[array])
+        return _text(self._codes[array.astype(np.int64, copy=False)])
 
 
 def _text(codes: np.ndarray) -> str:
