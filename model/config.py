@@ -69,6 +69,12 @@ class GPTConfig:
                 raise ValueError(f"model.{name} must be at most 2**63 - 1, got {short_int(value)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd must be divisible by model.n_head, got {self.n_embd} and {self.n_head}")
+        if self.n_embd == 1 and self.type != "bigram":  # the bigram table is vocab x vocab, whatever n_embd says
+            # A layer norm over one number subtracts it from itself: every gpt, gru and lstm sends its states through
+            # one before the head, so all its logits are the same whatever the text (trained on "abab...", the loss
+            # stayed at ln 2).
+            raise ValueError(f"model.n_embd must be >= 2 for {a_model_of(self.type)}, got 1: a layer norm over one "
+                             f"number gives the same output whatever it is, so the model could not read its text")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.attention not in ATTENTION_KINDS:

@@ -416,3 +416,22 @@ def test_a_models_size_is_said_in_millions_and_a_small_one_whole():
 
     assert parameters_text(154_752) == "0.15M parameters" and parameters_text(10_000) == "0.01M parameters"
     assert parameters_text(4_225) == "4,225 parameters"  # a bigram table read "0.00M parameters"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "gru", "lstm"])
+def test_a_model_one_number_wide_is_refused_for_its_layer_norm_reads_nothing(kind):
+    """A layer norm over one number gives its bias whatever the number, so such a model's logits were the same for
+    every text (trained on "abab...", its loss stayed at ln 2): refused, as a config that cannot learn."""
+    with pytest.raises(ValueError) as info:
+        GPTConfig(type=kind, vocab_size=5, n_head=1, n_embd=1)
+    assert str(info.value).startswith(f"model.n_embd must be >= 2 for a{'n' if kind == 'lstm' else ''} {kind} model, "
+                                      "got 1")
+    # two numbers are enough to tell texts apart (a layer norm over two keeps their order), and the bigram table
+    # takes no width at all
+    from model.baselines import build_model
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(type=kind, vocab_size=5, block_size=4, n_head=1, n_embd=2))
+    logits = model(torch.arange(5).repeat_interleave(4).view(5, 4))[0]  # (5, 4, 5): each character 4 times over
+    assert not (logits == logits[0]).all()
+    GPTConfig(type="bigram", n_head=1, n_embd=1)
