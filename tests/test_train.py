@@ -799,47 +799,49 @@ def test_a_resume_on_a_data_path_of_a_run_trained_on_a_dataset_names_both(tmp_pa
         f"start a new run in another out_dir for another text")
 
 
+LOWER = ("; no checkpoint was saved. Lower train.batch_size or train.eval_iters, train a smaller model, or cap a "
+         "vocabulary of very many characters with data.max_vocab")
+
+
+def line_when_evaluation_fails(tmp_path: Path, capsys, monkeypatch, fails) -> str:
+    """The one error line of a tiny run whose first evaluation raises what fails() raises (train.py exits 1)."""
+    import training.loop
+
+    monkeypatch.setattr(training.loop.Trainer, "evaluate", lambda self: fails())
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    capsys.readouterr()
+    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 1
+    return one_error_line(capsys.readouterr().err)
+
+
 def test_running_out_of_memory_past_the_estimate_is_one_line_naming_what_to_lower(tmp_path, capsys, monkeypatch):
     # 70,000 distinct characters under `ulimit -v 2500000`: the estimate let the run start, and the first
     # evaluation's logits failed to allocate in a traceback
-    import training.loop
-
-    def allocation_fails(self):
+    def allocation_fails():
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
                            "tried to allocate 573440000 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(training.loop.Trainer, "evaluate", allocation_fails)
-    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
-    corpus.write_text(SMALL_TEXT, encoding="utf-8")
-    capsys.readouterr()
-    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 1
-    assert one_error_line(capsys.readouterr().err) == (
-        "error: out of memory (asking for 0.57 GB more); no checkpoint was saved. Lower train.batch_size or "
-        "train.eval_iters, train a smaller model, or cap a vocabulary of very many characters with data.max_vocab")
+    assert line_when_evaluation_fails(tmp_path, capsys, monkeypatch, allocation_fails) == (
+        f"error: out of memory (asking for 0.57 GB more){LOWER}")
 
 
-@pytest.mark.parametrize("fails", ["MemoryError", "a save's RuntimeError"])
+def _save_runs_out() -> None:
+    try:
+        raise MemoryError
+    except MemoryError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0") from None
+
+
+def _python_runs_out() -> None:
+    raise MemoryError
+
+
+@pytest.mark.parametrize("fails", [_python_runs_out, _save_runs_out], ids=["MemoryError", "a save's RuntimeError"])
 def test_python_running_out_of_memory_is_the_same_one_line(tmp_path, capsys, monkeypatch, fails):
     """Python's MemoryError (a picture's pixels, a checkpoint pickled), and torch.save's RuntimeError with one behind
     it (it closes the file on the way out: "unexpected pos"), were tracebacks."""
-    import training.loop
-
-    def allocation_fails(self):
-        if fails == "MemoryError":
-            raise MemoryError
-        try:
-            raise MemoryError
-        except MemoryError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0") from None
-
-    monkeypatch.setattr(training.loop.Trainer, "evaluate", allocation_fails)
-    corpus, out = tmp_path / "corpus.txt", tmp_path / "out"
-    corpus.write_text(SMALL_TEXT, encoding="utf-8")
-    capsys.readouterr()
-    assert train.main(["--config", TINY, *tiny_overrides(corpus, out)], progress=False) == 1
-    assert one_error_line(capsys.readouterr().err) == (
-        "error: out of memory; no checkpoint was saved. Lower train.batch_size or train.eval_iters, train a smaller "
-        "model, or cap a vocabulary of very many characters with data.max_vocab")
+    assert line_when_evaluation_fails(tmp_path, capsys, monkeypatch, fails) == f"error: out of memory{LOWER}"
 
 
 def test_a_resume_is_pointed_at_best_pt_only_where_best_pt_would_do(tmp_path, capsys):
