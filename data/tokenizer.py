@@ -105,7 +105,8 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """The text of a list of ids or a 1-D integer tensor; ValueError for an id outside the vocabulary."""
         if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            # booleans too, as in a list: a mask given for ids decoded True as 1 without a word
+            if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
                 raise ValueError(f"decode needs a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
             array = ids.detach().cpu().numpy()
         else:

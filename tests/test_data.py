@@ -96,6 +96,8 @@ def test_decode_refuses_ids_outside_the_vocabulary() -> None:
         with pytest.raises(ValueError, match=re.escape(said)):
             tok.decode(bad)
     assert tok.decode(np.array([2, 0], dtype=np.uint64)) == tok.decode([2, 0]) == "ca" and tok.decode([]) == ""
+    with pytest.raises(ValueError, match=re.escape("decode needs a 1-D integer tensor, got 1-D torch.bool")):
+        tok.decode(torch.tensor([True, False]))  # a tensor of booleans as a list of them: it decoded as [1, 0]
 
 
 # --- config -----------------------------------------------------------------------------------------------------
