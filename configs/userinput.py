@@ -119,6 +119,12 @@ def _kind_of(path: str | Path) -> str | None:
         return None
 
 
+def not_stdin(what: str) -> str:
+    """The line for '-' given as the file to read: many tools read standard input for it, and "no such file '-'" did
+    not say that this one reads files alone."""
+    return f"{what} reads a file, not standard input ('-'); save the text in a file and give its path"
+
+
 def read_user_file(
     path: str | Path, what: str, max_bytes: int, error: type[Exception] = ValueError, own: bool = False
 ) -> bytes:
@@ -133,7 +139,7 @@ def read_user_file(
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO with no writer must not block
     except FileNotFoundError:
-        raise error(f"{what}: no such file '{name}'") from None
+        raise error(not_stdin(what) if str(path) == "-" else f"{what}: no such file '{name}'") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL character in the path
         kind = _kind_of(path)  # a socket cannot be opened at all ("no such device or address")
         if kind is not None:

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from configs.userinput import file_kind
+from configs.userinput import file_kind, not_stdin
 
 from .config import DataConfig
 from .paths import UTF16_MARKS, DataError, expand_home, not_utf8, open_regular, quoted, stat_path
@@ -156,6 +156,8 @@ def read_text(path: str | Path, min_chars: int = 2, *, label: str = "data.path",
 def no_such_file(label: str, given: object, p: Path) -> DataError:
     """The DataError for a path that leads nowhere: where a relative one was looked for (the current folder, and
     $TINYCHAR_DATA_DIR when set, said to be no folder when it is none), and the closest name there or what to do."""
+    if str(given) == "-":
+        return DataError(not_stdin(label))
     where = ""
     if not p.is_absolute():
         try:

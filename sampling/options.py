@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from configs.errors import UsageError
-from configs.userinput import path_kind, read_user_file, shown
+from configs.userinput import not_stdin, path_kind, read_user_file, shown
 from model.runs import check_checkpoint_path, find_checkpoint
 
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
@@ -70,8 +70,7 @@ def check_options(args: argparse.Namespace) -> None:
         if value == "":  # Path("") is the current folder: never what was meant
             raise UsageError(f"{flag} is empty; give {what}")
         if flag == "--prompt-file" and value == "-" and not os.path.lexists(value):  # stdin, as in many tools
-            raise UsageError("--prompt-file reads a file, not standard input ('-'); save the prompt in a file and give "
-                             "its path, or give the text with --prompt")
+            raise UsageError(f"{not_stdin('--prompt-file')}, or give the text with --prompt")
         if value is not None:  # '~' is the home folder, as in train.py's paths (the shell leaves --out-dir=~/r)
             setattr(args, name, os.path.expanduser(value))
     if args.attention_values and args.attention_map is None:

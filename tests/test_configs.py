@@ -229,6 +229,11 @@ def test_config_file_missing_or_a_folder(tmp_path, monkeypatch):
     (tmp_path / "runs.yaml").mkdir()
     assert refused("nope.yaml") == "config file: no such file 'nope.yaml'"
     assert refused("runs.yaml").startswith("config file: 'runs.yaml' is a folder, not a file")
+    # '-' is standard input in many tools: "no such file '-'" did not say this one reads files alone
+    assert refused("-") == ("config file reads a file, not standard input ('-'); save the text in a file and give its "
+                            "path")
+    (tmp_path / "-").write_text("train:\n  max_iters: 7\n", encoding="utf-8")  # a file of that name is read
+    assert load_config("-", []).train.max_iters == 7
 
 
 # ------------------------------------------------------------------------------------------- safe loading

@@ -352,6 +352,10 @@ def test_data_dir_is_where_relative_data_paths_are_also_looked_up(
     assert text.startswith("violets")  # the current folder comes first
     with pytest.raises(DataError, match="no such file 'nothing.txt'"):
         load_corpus(DataConfig(path="nothing.txt"))
+    with pytest.raises(DataError) as info:  # standard input in many tools; it was "no such file '-'"
+        load_corpus(DataConfig(path="-"))
+    assert str(info.value) == ("data.path reads a file, not standard input ('-'); save the text in a file and give "
+                               "its path")
     assert sorted(p.name for p in corpora.iterdir()) == ["poems.txt"]  # nothing written into it
 
 

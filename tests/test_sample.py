@@ -601,7 +601,7 @@ BAD_REQUESTS = [
     ("overflowing-weights-greedy", lambda r, t: [*_overflowing(r, t), "--temperature", "0"], "not a finite number"),
     ("missing-prompt-file", lambda r, t: ["--prompt-file", str(t / "nope.txt")], "no such file"),
     ("prompt-file-dash", lambda r, t: ["--prompt-file", "-"],  # was "no such file '-'"
-     "--prompt-file reads a file, not standard input ('-'); save the prompt in a file and give its path, or give"),
+     "--prompt-file reads a file, not standard input ('-'); save the text in a file and give its path, or give"),
     ("unknown-device", lambda r, t: ["--device", "abacus"], "unknown device 'abacus'"),
     ("empty-prompt-file", lambda r, t: ["--prompt-file", _file(t, "empty.txt", b"")],
      "empty.txt' is empty; give a file of at least one character (or leave out --prompt-file)"),
