@@ -19,12 +19,16 @@ class NotOfType(Exception):
 # the same way (train.eval_interval=0x10 was refused as no integer). Octal is not among them: YAML's 010 is 8, which
 # load_yaml refuses in a file, and 010 on the command line is 10.
 _BASED_INT = re.compile(r"([-+]?)0(?:x([0-9a-fA-F_]+)|b([01_]+))")
+# YAML 1.1's decimal integers, '_' anywhere after the first digit (Python takes one '_' between two digits alone)
+_UNDERSCORED_INT = re.compile(r"[-+]?[1-9][0-9_]*")
 
 
 def _int_text(text: str) -> int | None:
     """The integer that text spells as YAML's unquoted integers do (decimal, 0x.. or 0b..), or None."""
     based = _BASED_INT.fullmatch(text.strip())
     if based is None:
+        if _UNDERSCORED_INT.fullmatch(text.strip()):  # YAML's 1__0 and 10_ are 10; Python's int refuses both
+            return int(text.strip().replace("_", ""))
         try:  # Python refuses integer text of over 4300 digits with a ValueError, which lands here too
             return int(text, 10)
         except ValueError:

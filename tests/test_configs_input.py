@@ -402,6 +402,8 @@ def test_numbers_that_read_as_they_look_are_taken(tmp_path):
 @pytest.mark.parametrize(("key", "word", "value"), [("train.eval_interval", "0x10", 16),
                                                     ("train.eval_interval", "0b1_0", 2),
                                                     ("train.eval_interval", "0xE", 14),  # not 0 x 10**E
+                                                    ("train.eval_interval", "1__0", 10),
+                                                    ("train.eval_interval", "10_", 10),
                                                     ("seed", "-0x10", -16),
                                                     ("train.learning_rate", "0x1", 1.0),
                                                     ("train.decay_lr", "+0", False),
