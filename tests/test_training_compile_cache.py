@@ -65,6 +65,19 @@ def test_the_marker_keeps_the_step_times_measured_beside_the_compile_time(monkey
     assert compile_cache.measured_saving(key) is None and compile_cache.cached_compile_seconds(key) == 8.3
 
 
+
+def test_a_marker_holding_an_integer_too_large_for_a_float_is_no_measurement(monkeypatch, tmp_path):
+    """JSON reads 1 and 400 zeros as a Python int, which float() cannot convert: train.py and sample.py stopped in an
+    OverflowError's traceback on such a marker, before choosing their engine."""
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
+    huge = "1" + "0" * 400
+    for field in ("seconds", "eager_ms", "compiled_ms"):
+        fields = {"seconds": "8", "cold": "false", "eager_ms": "10", "compiled_ms": "5", field: huge}
+        text = "{" + ", ".join(f'"{name}": {value}' for name, value in fields.items()) + "}"
+        compile_cache._marker("step-k").write_text(text, encoding="utf-8")
+        assert compile_cache.measured_saving("step-k") is None, field
+        assert compile_cache.cached_compile_seconds("step-k") == (None if field == "seconds" else 8.0)
+
 def test_inductor_options_keep_the_cpp_wrapper_to_cpus(monkeypatch):
     """The C++ wrapper saves a CPU step's overhead; on CUDA it tripled the cold compile (H100: 102.7 s vs 29.3 s).
     On a CPU it is built at -O1 apart from the kernels, where this torch can. On CUDA, mix-order reduction is turned

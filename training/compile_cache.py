@@ -306,10 +306,15 @@ def _read_marker(key: str) -> dict:
 
 def _duration(value: object) -> float | None:
     """A marker's number of seconds or milliseconds: finite and not negative, else None (a damaged marker said a
-    compile took -5 s, or a step nan ms, and auto compiled on it)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+    compile took -5 s, or a step nan ms, and auto compiled on it; one of 1 and 400 zeros, which JSON reads as an
+    int and float() cannot convert, stopped train.py and sample.py in a traceback)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0 <= number < math.inf else None
 
 
 def _last_compile(key: str) -> tuple[float, bool] | None:
