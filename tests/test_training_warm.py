@@ -119,7 +119,7 @@ def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
     assert warm.start(tmp_path, "k", spec) is None
     job = warm.job_file(tmp_path, "k")
     assert json.loads(job.read_text()) == {"threads": 1, "key": "k", "helper": -1}
-    assert spawned[0][1:] == [str(Path(warm.__file__).resolve()), str(job), str(os.getpid())]
+    assert spawned[0][1:] == [str(Path(warm.__file__).resolve()), str(job), str(os.getpid()), warm.started(os.getpid())]
 
     try:
         job.write_text(json.dumps({"helper": helper.pid}))  # a live helper is on it
@@ -261,6 +261,31 @@ def test_a_run_started_just_after_another_finds_its_helper_warming(tmp_path, mon
         for pid in helpers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        run.kill()
+        run.wait()
+
+
+def test_a_helper_stops_waiting_once_its_runs_pid_is_another_processs(tmp_path, monkeypatch):
+    """The run ends and its pid goes to another process: reproduced in a pid namespace of its own, a sleep given the
+    run's pid kept the helper waiting as long as the sleep lasted (a daemon's pid: for good), its job file keeping
+    every later run from warming the cache. The helper goes by the pid's start time as well."""
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spawned = []
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(
+        pid=-1, poll=lambda: 0))
+    try:
+        assert warm.start(tmp_path, "k", {"threads": 1}, parent=run.pid) is None
+        job, parent, *born = spawned[0][2:]
+        assert int(parent) == run.pid
+        # the pid now another process's: the same pid, started later
+        monkeypatch.setattr(warm, "started", lambda pid: f"1{born}", raising=False)
+        compiles = []
+        monkeypatch.setattr(warm.subprocess, "run", lambda args, **kw: compiles.append(args))
+        monkeypatch.setattr(warm, "lowest_priority", lambda: None)
+        monkeypatch.setattr(warm.time, "sleep", lambda s: pytest.fail("the helper waits on another process"))
+        assert warm.main(Path(job), int(parent), *born) == 0
+        assert len(compiles) == 2 and not Path(job).exists()
+    finally:
         run.kill()
         run.wait()
 

@@ -73,6 +73,16 @@ def alive(pid: int) -> bool:
         return True
 
 
+def started(pid: int) -> str | None:
+    """When process pid started (clock ticks since boot, /proc/<pid>/stat's 22nd field), or None where that cannot be
+    read (no such process, or no /proc: macOS)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        return stat.rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def warming(pid: int, job: Path) -> bool:
     """Whether process pid is alive and is the helper of this job: after a reboot, or once the helper was killed,
     its pid may be another process's, which would keep every later run from warming the cache."""
@@ -114,7 +124,8 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
         log_path = Path(f"{job}.log")
         log_path.unlink(missing_ok=True)  # a new file, never written through a link put in its place
         with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as log:
-            command = [sys.executable, str(Path(__file__).resolve()), str(job), str(parent or os.getpid())]
+            parent = parent or os.getpid()
+            command = [sys.executable, str(Path(__file__).resolve()), str(job), str(parent), started(parent) or "-"]
             helper = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True,
                                       env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder)})
@@ -262,17 +273,19 @@ def ends_with(parent: int) -> Callable[[], None]:
     return arrange
 
 
-def main(job: Path, parent: int) -> int:
-    """The helper: wait for the run (process parent) to end, lower its priority, compile the step in a process of
-    its own (filling the cache), then again in another, as the next run will (timing that compile from the warm
-    cache, and the step eagerly and compiled), and leave the folder tidy."""
+def main(job: Path, parent: int, born: str | None = None) -> int:
+    """The helper: wait for the run (process parent, started at born: see started) to end, lower its priority,
+    compile the step in a process of its own (filling the cache), then again in another, as the next run will (timing
+    that compile from the warm cache, and the step eagerly and compiled), and leave the folder tidy."""
     def end(signum: int, frame: object) -> None:  # kill, or a shutdown: the compile under way goes too (it went on,
         raise SystemExit(128 + signum)  # an orphan, and this job's file stayed), and the job's file is removed
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, end)
     try:
-        while alive(parent):
+        # Once the run has ended its pid may go to another process (within a second in a container's small pid
+        # space): the helper then waited on a daemon's pid for good, and its job kept every later run from warming.
+        while alive(parent) and (born is None or started(parent) == born):
             time.sleep(1.0)
         lowest_priority()
         for remember in (False, True):
@@ -298,4 +311,4 @@ if __name__ == "__main__":
             seconds, source = compile_step(Path(sys.argv[2]), "--remember" in sys.argv)
         print(f"compiled in {seconds:.1f} s ({source})", flush=True)
     else:
-        sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
+        sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), None if sys.argv[3:4] in ([], ["-"]) else sys.argv[3]))
