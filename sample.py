@@ -31,7 +31,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from sampling.options import check_options, checkpoint_to_read, integer, prompt_text, real
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
-    from training.signals import STOP_SIGNALS, import_holding_signals
+    from training.signals import STOP_SIGNALS, ImportRefused, import_holding_signals
     from training.streams import (
         discard_stdout,
         leave_now,
@@ -120,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if (signum := import_holding_signals(SAMPLER_MODULES)) is not None:
+    try:
+        signum = import_holding_signals(SAMPLER_MODULES)
+    except ImportRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if signum is not None:
         print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
         return 128 + signum
     from model import NonFiniteLogits

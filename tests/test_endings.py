@@ -141,6 +141,23 @@ def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torc
     assert result.stdout == "" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.no_zygote  # torch reads TORCH_LOGS as it loads: a process forked with torch loaded never would
+@pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "lab", "notes"]],
+                         ids=["train", "sample", "lab"])
+def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_path, command):
+    """torch refuses such a TORCH_LOGS as it loads, in a ValueError listing every log it has: that was a traceback
+    of a hundred lines and exit status 1, for a documented variable given a wrong value."""
+    script = command[0]
+    args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if script == "train.py" else
+            ["--out-dir", str(run_folder(tmp_path, script))] if script == "sample.py" else [])
+    result = subprocess.run([sys.executable, *command, *args], check=False, cwd=ROOT,
+                            env={**child_env(), "TORCH_LOGS": "POSIX"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == ("error: TORCH_LOGS 'POSIX' names none of torch's logs; give comma-separated names "
+                             "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it\n")
+    assert result.stdout == "" and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.no_zygote  # among the places it lands: torch's import
 def test_a_real_ctrl_c_soon_after_launch_is_one_line_and_status_130(small_corpus, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,10 @@ def stop_signals() -> tuple[int, ...]:
 
 
 STOP_SIGNALS = stop_signals()
+
+
+class ImportRefused(Exception):
+    """torch would not load for a reason its environment gives (a TORCH_LOGS naming no log of torch's): one line."""
 
 
 class Stopped(Exception):
@@ -219,7 +224,8 @@ def import_holding_signals(names: tuple[str, ...]) -> int | None:
     """Import the modules named (torch among them: seconds); the stop signal that came meanwhile, if one did, for
     the caller to end on. The stop signals wait until the modules have loaded: raised inside an import, a
     KeyboardInterrupt can leave torch or numpy half-made (seen: an AttributeError from numpy instead) or be lost in
-    their C code (seen: the run went on to the end)."""
+    their C code (seen: the run went on to the end). ImportRefused: torch would not load, for a reason the user can
+    fix, said in its one line."""
     missing = [name for name in names if name not in sys.modules]
     if not missing:
         return None
@@ -233,6 +239,14 @@ def import_holding_signals(names: tuple[str, ...]) -> int | None:
             importlib.import_module(name)
     except KeyboardInterrupt as e:  # raised inside an import all the same
         held.append(getattr(e, "signum", signal.SIGINT))
+    except ValueError as e:  # torch reads TORCH_LOGS as it loads and refuses a value in a screenful of its names
+        if "TORCH_LOGS" not in os.environ or "Invalid log settings" not in str(e):
+            raise
+        from configs.userinput import shown
+
+        given = shown(os.environ["TORCH_LOGS"])
+        raise ImportRefused(f"TORCH_LOGS '{given}' names none of torch's logs; give comma-separated names "
+                            "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
