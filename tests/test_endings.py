@@ -158,6 +158,25 @@ def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_p
     assert result.stdout == "" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.no_zygote  # what failed was torch's loading: a process forked with torch loaded never loads it
+@pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["lab/__main__.py", "notes"]],
+                         ids=["train", "sample", "lab"])
+def test_a_current_folder_that_was_removed_is_one_line_and_status_2(small_corpus, tmp_path, command):
+    """A shell left in a folder another removed: torch's MKL ended the process as it loaded, its one line saying
+    "Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so", which named neither cause nor cure."""
+    script = str(ROOT / command[0])
+    args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if command[0] == "train.py" else
+            ["--out-dir", str(run_folder(tmp_path, "sample.py"))] if command[0] == "sample.py" else command[1:])
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    result = subprocess.run(["sh", "-c", 'rmdir "$PWD" && exec "$0" "$@"', sys.executable, script, *args],
+                            check=False, cwd=gone, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == ("error: the current folder no longer exists (it was removed while the shell was in it); "
+                             "cd into a folder that exists and run the command again\n")
+    assert result.stdout == "" and not gone.exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.no_zygote  # among the places it lands: torch's import
 def test_a_real_ctrl_c_soon_after_launch_is_one_line_and_status_130(small_corpus, tmp_path):

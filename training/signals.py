@@ -30,7 +30,8 @@ STOP_SIGNALS = stop_signals()
 
 
 class ImportRefused(Exception):
-    """torch would not load for a reason its environment gives (a TORCH_LOGS naming no log of torch's): one line."""
+    """torch would not load for a reason its environment gives (a TORCH_LOGS naming no log of torch's, a current
+    folder that was removed): one line."""
 
 
 class Stopped(Exception):
@@ -229,6 +230,11 @@ def import_holding_signals(names: tuple[str, ...]) -> int | None:
     missing = [name for name in names if name not in sys.modules]
     if not missing:
         return None
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # torch's MKL then ended the process as it loaded, in its own "FATAL ERROR" line
+        raise ImportRefused("the current folder no longer exists (it was removed while the shell was in it); cd into "
+                            "a folder that exists and run the command again") from None
     held: list[int] = []
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():  # elsewhere, signals are not this thread's to take
