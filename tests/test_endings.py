@@ -153,7 +153,7 @@ def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_p
     result = subprocess.run([sys.executable, *command, *args], check=False, cwd=ROOT,
                             env={**child_env(), "TORCH_LOGS": "POSIX"}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr == ("error: TORCH_LOGS 'POSIX' names none of torch's logs; give comma-separated names "
+    assert result.stderr == ("error: TORCH_LOGS 'POSIX' is not a list of torch's logs; give comma-separated names "
                              "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it\n")
     assert result.stdout == "" and not (tmp_path / "out").exists()
 

@@ -251,7 +251,7 @@ def import_holding_signals(names: tuple[str, ...]) -> int | None:
         from configs.userinput import shown
 
         given = shown(os.environ["TORCH_LOGS"])
-        raise ImportRefused(f"TORCH_LOGS '{given}' names none of torch's logs; give comma-separated names "
+        raise ImportRefused(f"TORCH_LOGS '{given}' is not a list of torch's logs; give comma-separated names "
                             "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it") from None
     finally:
         for sig, handler in previous.items():
