@@ -18,6 +18,11 @@ from __future__ import annotations
 import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
 
+from training.interpreter import refuse_old_python  # reads only sys and os, on any Python that parses this file
+
+if __name__ == "__main__":  # before the imports below, which fail on a Python older than tinychar needs
+    refuse_old_python(__file__)
+
 # Ctrl-C while the modules load (torch takes a second or more) waits until they have loaded, then ends the run in
 # one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an
 # AttributeError from numpy instead) or be lost in their C code (seen: the run went on to the end).

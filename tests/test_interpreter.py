@@ -1,0 +1,79 @@
+"""train.py and sample.py on a Python older than tinychar needs: one line and exit status 2, said before any of its
+modules (or its requirements) are imported, not an ImportError traceback from inside them."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from training.interpreter import OLDEST, too_old
+
+
+def old_python() -> str | None:
+    """An interpreter older than OLDEST that can parse the entry points (3.8-3.10), if this machine has one that runs
+    (a pyenv shim on PATH may name a version that is not installed, or not selected)."""
+    roots = [os.environ.get("PYENV_ROOT"), os.path.expanduser("~/.pyenv")]
+    base = Path(sys.base_prefix)  # this Python, or the one its virtual environment was made from, pyenv's own
+    if base.parent.name == "versions":
+        roots.append(str(base.parent.parent))
+    for minor in (10, 9, 8):
+        shim = shutil.which(f"python3.{minor}")
+        if shim and Path(shim).parent.name == "shims":  # pyenv's shims are in ROOT/shims
+            roots.append(str(Path(shim).parent.parent))
+    for minor in (10, 9, 8):
+        candidates = [shutil.which(f"python3.{minor}")]
+        for root in filter(None, roots):
+            candidates += sorted(glob.glob(os.path.join(root, "versions", f"3.{minor}.*", "bin", "python")))
+        for python in filter(None, candidates):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                said = subprocess.run([python, "-c", "import sys; print(sys.version_info[1])"], capture_output=True,
+                                      text=True, timeout=30)
+                if said.returncode == 0 and said.stdout.strip() == str(minor):
+                    return python
+    return None
+
+
+OLD_PYTHON = old_python()
+
+
+@pytest.mark.parametrize("version", [(3, 10, 13, "final", 0), (3, 8, 0), (2, 7, 18)])
+def test_an_older_python_is_refused_in_one_line(version: tuple) -> None:
+    line = too_old("/somewhere/train.py", version, "/usr/bin/python3.10")
+    assert line is not None and "\n" not in line
+    assert line.startswith("error: tinychar needs Python 3.11 or newer")
+    assert f"Python {'.'.join(map(str, version[:3]))};" in line and "/usr/bin/python3.10" in line
+    assert "run train.py with python3.11" in line and "pip install -r requirements.txt" in line
+
+
+@pytest.mark.parametrize("version", [OLDEST + (0,), (3, 12, 1), (3, 13, 0), (4, 0, 0), tuple(sys.version_info)])
+def test_a_recent_enough_python_is_let_through(version: tuple) -> None:
+    assert too_old("train.py", version) is None
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_the_entry_points_and_the_check_parse_on_python_3_8(script: str) -> None:
+    for path in (ROOT / script, ROOT / "training" / "interpreter.py", ROOT / "training" / "__init__.py"):
+        ast.parse(path.read_text(encoding="utf-8"), str(path), feature_version=(3, 8))
+
+
+@pytest.mark.skipif(OLD_PYTHON is None, reason="no Python 3.8-3.10 on this machine (python3.10 on PATH or pyenv)")
+@pytest.mark.parametrize("argv", [["train.py", "--help"], ["train.py"], ["sample.py"], ["sample.py", "--help"]])
+def test_an_older_python_running_an_entry_point_sees_one_line(argv: list[str], tmp_path: Path) -> None:
+    # -E -s: no PYTHON* variables and no user site-packages (not -I, which would leave out the script's folder, where
+    # the training package is found); from another folder, which the script writes nothing into
+    done = subprocess.run([OLD_PYTHON, "-E", "-s", str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: tinychar needs Python 3.11 or newer")
+    assert f"run {argv[0]} with python3.11" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # not even a runs/ folder

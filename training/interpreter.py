@@ -1,0 +1,34 @@
+"""The Python that runs train.py and sample.py, checked before anything else is imported.
+
+tinychar needs Python 3.11 or newer (its modules import typing.Self, new in 3.11): on Python 3.10 the entry points
+stopped in an ImportError traceback from inside the training package, or in a ModuleNotFoundError for requirements
+never installed for that interpreter, neither saying that the Python was too old. This module reads only sys and os,
+and runs on any Python that can parse the entry points (3.8 and later).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+OLDEST = (3, 11)
+
+
+def too_old(script: str, version_info: tuple = sys.version_info, executable: str = sys.executable) -> str | None:
+    """The line that refuses to run script (its path as given) on the Python of version_info, or None when that
+    Python is recent enough."""
+    if tuple(version_info[:2]) >= OLDEST:
+        return None
+    running = ".".join(str(part) for part in version_info[:3])
+    oldest = ".".join(str(part) for part in OLDEST)
+    return (f"error: tinychar needs Python {oldest} or newer, and {executable or 'this Python'} is Python {running}; "
+            f"run {os.path.basename(script)} with python{oldest} or newer, after "
+            f"`python{oldest} -m pip install -r requirements.txt`")
+
+
+def refuse_old_python(script: str) -> None:
+    """Leave with the one-line refusal and status 2 when this Python is too old to run script."""
+    line = too_old(script)
+    if line is not None:
+        print(line, file=sys.stderr)
+        sys.exit(2)
