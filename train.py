@@ -18,7 +18,8 @@ from __future__ import annotations
 import signal  # signal and sys are built into the interpreter: there is no moment to interrupt in importing them
 import sys
 
-from training.interpreter import refuse_old_python  # reads only sys and os, on any Python that parses this file
+# reads only sys and os, on any Python that parses this file
+from training.interpreter import missing_requirement, refuse_old_python
 
 if __name__ == "__main__":  # before the imports below, which fail on a Python older than tinychar needs
     refuse_old_python(__file__)
@@ -57,6 +58,11 @@ except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
     HELD_SIGINT.append(signal.SIGINT)
+except ModuleNotFoundError as e:  # a requirement not installed for this Python (PyYAML, imported by configs)
+    if __name__ != "__main__" or missing_requirement(e) is None:
+        raise
+    print(missing_requirement(e), file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -164,6 +170,11 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
         signum = import_holding_signals(TRAINER_MODULES)
     except ImportRefused as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # torch, above all, not installed for this Python
+        if missing_requirement(e) is None:
+            raise
+        print(missing_requirement(e), file=sys.stderr)
         return 2
     if signum is not None:
         print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)

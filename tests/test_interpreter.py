@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from training.interpreter import OLDEST, too_old
+from training.interpreter import OLDEST, missing_requirement, too_old
 
 
 def old_python() -> str | None:
@@ -77,3 +77,50 @@ def test_an_older_python_running_an_entry_point_sees_one_line(argv: list[str], t
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: tinychar needs Python 3.11 or newer")
     assert f"run {argv[0]} with python3.11" in done.stderr
     assert list(tmp_path.iterdir()) == []  # not even a runs/ folder
+
+
+@pytest.mark.parametrize(("module", "named"), [("torch", "torch"), ("yaml", "PyYAML"), ("PIL", "Pillow")])
+def test_a_requirement_not_installed_is_named_in_one_line(module: str, named: str) -> None:
+    line = missing_requirement(ModuleNotFoundError(f"No module named '{module}'", name=module), "/venv/bin/python")
+    assert line is not None and "\n" not in line
+    assert line.startswith(f"error: {named} is not installed for /venv/bin/python (Python ")
+    assert line.endswith("`/venv/bin/python -m pip install -r requirements.txt`")
+
+
+@pytest.mark.parametrize("module", ["torch._C", "training.runner", "configs", None])
+def test_other_missing_modules_keep_their_traceback(module: str | None) -> None:
+    # a requirement broken inside, or a module of tinychar's own gone (a damaged clone): not an install to suggest
+    assert missing_requirement(ModuleNotFoundError("No module", name=module)) is None
+
+
+# Runs an entry point as `python SCRIPT ARGS` would, with the imports of one top-level module failing as they do
+# where it is not installed
+WITHOUT = """import runpy, sys
+ABSENT = sys.argv[1]
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+sys.argv = sys.argv[2:]
+sys.path.insert(0, sys.argv[0].rpartition("/")[0])  # the script's folder, as `python SCRIPT` puts it first
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(("module", "named", "argv"), [
+    ("yaml", "PyYAML", ["train.py", "--help"]),
+    ("yaml", "PyYAML", ["sample.py", "--help"]),
+    ("torch", "torch", ["train.py", "--config", "configs/tiny.yaml", "out_dir=run", "train.max_iters=1"]),
+    ("torch", "torch", ["sample.py", "--checkpoint", "configs/tiny.yaml"]),
+])
+def test_an_entry_point_without_a_requirement_says_which_in_one_line(module: str, named: str, argv: list[str],
+                                                                      tmp_path: Path) -> None:
+    argv = [str(ROOT / argv[0]), *(str(ROOT / a) if a.startswith("configs/") else a for a in argv[1:])]
+    done = subprocess.run([sys.executable, "-c", WITHOUT, module, *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"error: {named} is not installed for ")  # the Python, its path as it sees it
+    assert done.stderr.endswith(" -m pip install -r requirements.txt`\n")

@@ -1,9 +1,10 @@
-"""The Python that runs train.py and sample.py, checked before anything else is imported.
+"""The Python that runs train.py and sample.py: one too old, or one without tinychar's requirements, said in one line.
 
 tinychar needs Python 3.11 or newer (its modules import typing.Self, new in 3.11): on Python 3.10 the entry points
 stopped in an ImportError traceback from inside the training package, or in a ModuleNotFoundError for requirements
 never installed for that interpreter, neither saying that the Python was too old. This module reads only sys and os,
-and runs on any Python that can parse the entry points (3.8 and later).
+and runs on any Python that can parse the entry points (3.8 and later). On a recent enough Python, a requirement not
+installed for it (torch in a fresh virtual environment) stopped them in a ModuleNotFoundError traceback too.
 """
 
 from __future__ import annotations
@@ -32,3 +33,20 @@ def refuse_old_python(script: str) -> None:
     if line is not None:
         print(line, file=sys.stderr)
         sys.exit(2)
+
+
+# The requirements the entry points import, each under the name pip installs it by
+REQUIREMENTS = {"torch": "torch", "yaml": "PyYAML", "numpy": "NumPy", "tqdm": "tqdm", "PIL": "Pillow",
+                "tensorboard": "TensorBoard"}
+
+
+def missing_requirement(error: ModuleNotFoundError, executable: str = sys.executable) -> str | None:
+    """The line that says which requirement is not installed for this Python, when error is the import of one that
+    found nothing; None for any other module (one of tinychar's own missing is a damaged clone, its traceback kept),
+    or a requirement present but broken inside (torch._C)."""
+    if error.name not in REQUIREMENTS:
+        return None
+    running = ".".join(str(part) for part in sys.version_info[:3])
+    python = executable or "python"
+    return (f"error: {REQUIREMENTS[error.name]} is not installed for {python} (Python {running}); install tinychar's "
+            f"requirements for it with `{python} -m pip install -r requirements.txt`")
