@@ -37,7 +37,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from sampling.options import check_options, checkpoint_to_read, integer, prompt_text, real
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
-    from training.signals import STOP_SIGNALS, ImportRefused, import_holding_signals
+    from training.signals import STOP_SIGNALS, start_or_status
     from training.streams import (
         discard_stdout,
         leave_now,
@@ -131,19 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        signum = import_holding_signals(SAMPLER_MODULES)
-    except ImportRefused as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as e:  # torch, above all, not installed for this Python
-        if missing_requirement(e) is None:
-            raise
-        print(missing_requirement(e), file=sys.stderr)
-        return 2
-    if signum is not None:
-        print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
-        return 128 + signum
+    if (status := start_or_status(SAMPLER_MODULES, STARTING_INTERRUPTED)) is not None:
+        return status
     from model import NonFiniteLogits
     from sampling.request import prepare
     from sampling.writing import write_samples

@@ -52,7 +52,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training.launch import Launch, LaunchError, launch_from_env
     from training.outdir import prepare_out_dir
     from training.resuming import resume_target
-    from training.signals import ImportRefused, InterruptSignals, import_holding_signals
+    from training.signals import InterruptSignals, start_or_status
     from training.streams import leave_now, say, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -166,19 +166,8 @@ def main(argv: list[str] | None = None, progress: bool | None = None) -> int:
             return 2
         except Exception:  # noqa: S110 - not the config's words: read again below, and reported as a run reports it
             pass
-    try:
-        signum = import_holding_signals(TRAINER_MODULES)
-    except ImportRefused as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as e:  # torch, above all, not installed for this Python
-        if missing_requirement(e) is None:
-            raise
-        print(missing_requirement(e), file=sys.stderr)
-        return 2
-    if signum is not None:
-        print(STARTING_INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
-        return 128 + signum
+    if (status := start_or_status(TRAINER_MODULES, STARTING_INTERRUPTED)) is not None:
+        return status
     return train(args, cfg, launch, refused, progress)
 
 

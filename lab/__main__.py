@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
 
 if not __package__:  # run as a file (python lab/__main__.py): the project's packages are one folder up
@@ -13,7 +12,7 @@ if not __package__:  # run as a file (python lab/__main__.py): the project's pac
 
 from configs.userinput import shown
 from lab import output_failed
-from training.signals import ImportRefused, import_holding_signals
+from training.signals import start_or_status
 from training.streams import stderr_kept_open, stdout_encodes_any_text
 
 # command -> (its module in lab/, what it does)
@@ -40,14 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     # Imported only when run: torch and the models are slow to load for --help. Ctrl-C or SIGTERM meanwhile waits until
     # they have loaded, then ends the command in one line (SIGTERM ended it without a word).
     module = f"lab.{COMMANDS[argv[0]][0]}"
-    try:
-        signum = import_holding_signals((module,))
-    except ImportRefused as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if signum is not None:
-        print(f"interrupted ({signal.Signals(signum).name}) while starting; nothing was done", file=sys.stderr)
-        return 128 + signum
+    if (status := start_or_status((module,), "interrupted ({}) while starting; nothing was done")) is not None:
+        return status
     command = importlib.import_module(module)
     stderr_kept_open()
     stdout_encodes_any_text()

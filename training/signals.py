@@ -221,6 +221,29 @@ def _stop_signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def start_or_status(names: tuple[str, ...], interrupted: str) -> int | None:
+    """Import the modules named (import_holding_signals): None once they have loaded, else the status the command
+    ends with, its one line said on stderr: 2 where torch cannot load for a reason the user can fix (ImportRefused; a
+    requirement not installed for this Python), 128 + the stop signal that came meanwhile (interrupted: its line, with
+    {} for the signal's name)."""
+    from .interpreter import missing_requirement
+
+    try:
+        signum = import_holding_signals(names)
+    except ImportRefused as e:
+        line, status = f"error: {e}", 2
+    except ModuleNotFoundError as e:
+        if (line := missing_requirement(e)) is None:
+            raise
+        status = 2
+    else:
+        if signum is None:
+            return None
+        line, status = interrupted.format(signal.Signals(signum).name), 128 + signum
+    print(line, file=sys.stderr)
+    return status
+
+
 def import_holding_signals(names: tuple[str, ...]) -> int | None:
     """Import the modules named (torch among them: seconds); the stop signal that came meanwhile, if one did, for
     the caller to end on. The stop signals wait until the modules have loaded: raised inside an import, a
