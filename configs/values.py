@@ -27,10 +27,10 @@ def _int_text(text: str) -> int | None:
     """The integer that text spells as YAML's unquoted integers do (decimal, 0x.. or 0b..), or None."""
     based = _BASED_INT.fullmatch(text.strip())
     if based is None:
-        if _UNDERSCORED_INT.fullmatch(text.strip()):  # YAML's 1__0 and 10_ are 10; Python's int refuses both
-            return int(text.strip().replace("_", ""))
+        # YAML's 1__0 and 10_ are 10, which Python's int refuses
+        plain = text.strip().replace("_", "") if _UNDERSCORED_INT.fullmatch(text.strip()) else text
         try:  # Python refuses integer text of over 4300 digits with a ValueError, which lands here too
-            return int(text, 10)
+            return int(plain, 10)
         except ValueError:
             return None
     sign, hexadecimal, binary = based.groups()

@@ -428,6 +428,9 @@ def test_yamls_infinity_is_named_so_on_the_command_line_too(tmp_path):
         assert "must be a finite number >= 0, got" in refused(
             write_yaml(tmp_path, f"train:\n  learning_rate: {word}\n"))
     assert "must be an integer" in refused(TINY, ["train.eval_interval=0x_"])
+    # past Python's 4,300 digits of integer text: a ValueError traceback once underscores were read as YAML's
+    assert "seed must be an integer, got '99999" in refused(TINY, [f"seed={'9' * 5000}"])
+    assert "seed must be an integer, got '1_999" in refused(TINY, [f"seed=1_{'9' * 5000}"])
     assert "must be true/false" in refused(TINY, ["train.decay_lr=0x2"])
 
 
