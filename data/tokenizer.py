@@ -116,12 +116,11 @@ class CharTokenizer:
             if array.ndim != 1:
                 raise ValueError(f"decode needs a flat sequence of ids, got shape {array.shape}")
             if len(array) and array.dtype.kind not in "iu":  # what numpy made of them: floats, bools, huge ints
-                for x in ids.tolist() if isinstance(ids, np.ndarray) else ids:
-                    if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_)):
-                        raise ValueError(f"decode needs integer ids, got {x!r}")
-                    if not 0 <= x < self.vocab_size:
-                        raise ValueError(f"id {x} is outside the vocabulary (ids run from 0 to {self.vocab_size - 1})")
-                array = array.astype(np.int64)
+                values = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+                odd = next((x for x in values if not isinstance(x, (int, np.integer)) or isinstance(x, bool)), None)
+                if odd is not None:
+                    raise ValueError(f"decode needs integer ids, got {odd!r}")
+                array = np.array(values, dtype=object)  # integers past int64, checked below as Python's
         if len(array) and (array.min() < 0 or array.max() >= self.vocab_size):
             bad = next(i for i in array.tolist() if not 0 <= i < self.vocab_size)
             raise ValueError(f"id {bad} is outside the vocabulary (ids run from 0 to {self.vocab_size - 1})")
