@@ -144,18 +144,33 @@ def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torc
 @pytest.mark.no_zygote  # torch reads TORCH_LOGS as it loads: a process forked with torch loaded never would
 @pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "lab", "notes"]],
                          ids=["train", "sample", "lab"])
-def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_path, command):
+# nothere.logs: a module whose package does not exist, which torch looks for with importlib's find_spec, and that
+# raised ModuleNotFoundError, a traceback of torch's loading
+@pytest.mark.parametrize("logs", ["POSIX", "+nothere.logs"])
+def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_path, command, logs):
     """torch refuses such a TORCH_LOGS as it loads, in a ValueError listing every log it has: that was a traceback
     of a hundred lines and exit status 1, for a documented variable given a wrong value."""
     script = command[0]
     args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if script == "train.py" else
             ["--out-dir", str(run_folder(tmp_path, script))] if script == "sample.py" else [])
     result = subprocess.run([sys.executable, *command, *args], check=False, cwd=ROOT,
-                            env={**child_env(), "TORCH_LOGS": "POSIX"}, capture_output=True, text=True, timeout=120)
+                            env={**child_env(), "TORCH_LOGS": logs}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert result.stderr == ("error: TORCH_LOGS 'POSIX' is not a list of torch's logs; give comma-separated names "
+    assert result.stderr == (f"error: TORCH_LOGS '{logs}' is not a list of torch's logs; give comma-separated names "
                              "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it\n")
     assert result.stdout == "" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.no_zygote  # torch reads TORCH_LOGS as it loads
+def test_torch_logs_help_shows_torchs_list_of_logs_without_a_traceback(small_corpus, tmp_path):
+    """The refusal above points at TORCH_LOGS=help for the names: torch lists them in the ValueError it raises as it
+    loads, which was a traceback and exit status 1. The list is what was asked for, shown as --help is."""
+    args = ["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")]
+    result = subprocess.run([sys.executable, "train.py", *args], check=False, cwd=ROOT,
+                            env={**child_env(), "TORCH_LOGS": "help"}, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("TORCH_LOGS Info\n") and "\n  dynamo\n" in result.stdout
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.no_zygote  # what failed was torch's loading: a process forked with torch loaded never loads it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,6 +33,11 @@ STOP_SIGNALS = stop_signals()
 class ImportRefused(Exception):
     """torch would not load for a reason its environment gives (a TORCH_LOGS naming no log of torch's, a current
     folder that was removed): one line."""
+
+
+class LogsHelp(Exception):
+    """TORCH_LOGS=help (or +help): torch lists its logs as it loads, in the text of a ValueError, and loads no
+    further. The command asked for that list: it is shown, as --help is, not a traceback."""
 
 
 class Stopped(Exception):
@@ -232,6 +238,14 @@ def start_or_status(names: tuple[str, ...], interrupted: str) -> int | None:
         signum = import_holding_signals(names)
     except ImportRefused as e:
         line, status = f"error: {e}", 2
+    except LogsHelp as e:
+        try:
+            print(e, flush=True)
+        except OSError:  # a reader that went away (| head) or a full disk: the list was all the command had to do
+            from .streams import discard_stdout
+
+            discard_stdout()
+        return 0
     except ModuleNotFoundError as e:
         if (line := missing_requirement(e)) is None:
             raise
@@ -269,14 +283,32 @@ def import_holding_signals(names: tuple[str, ...]) -> int | None:
     except KeyboardInterrupt as e:  # raised inside an import all the same
         held.append(getattr(e, "signum", signal.SIGINT))
     except ValueError as e:  # torch reads TORCH_LOGS as it loads and refuses a value in a screenful of its names
+        if os.environ.get("TORCH_LOGS") in ("help", "+help") and "TORCH_LOGS Info" in str(e):
+            raise LogsHelp(str(e).strip("\n")) from None  # the list the refusal below points at
         if "TORCH_LOGS" not in os.environ or "Invalid log settings" not in str(e):
             raise
-        from configs.userinput import shown
-
-        given = shown(os.environ["TORCH_LOGS"])
-        raise ImportRefused(f"TORCH_LOGS '{given}' is not a list of torch's logs; give comma-separated names "
-                            "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it") from None
+        raise _not_torch_logs() from None
+    except ModuleNotFoundError as e:
+        # A dotted name whose package does not exist (TORCH_LOGS=foo.bar): torch looks for it as a module to log,
+        # and importlib raises for it rather than say there is none, a traceback of torch's loading
+        if e.name is None or not _named_in_torch_logs(e.name):
+            raise
+        raise _not_torch_logs() from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return held[0] if held else None
+
+
+def _named_in_torch_logs(module: str) -> bool:
+    """Whether TORCH_LOGS names module or a module inside it (+foo.bar, -foo), as torch reads its names."""
+    names = re.sub(r"\s+", "", os.environ.get("TORCH_LOGS", "")).split(",")
+    return any(name.lstrip("+-") == module or name.lstrip("+-").startswith(module + ".") for name in names)
+
+
+def _not_torch_logs() -> ImportRefused:
+    from configs.userinput import shown
+
+    given = shown(os.environ["TORCH_LOGS"])
+    return ImportRefused(f"TORCH_LOGS '{given}' is not a list of torch's logs; give comma-separated names "
+                         "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it")
