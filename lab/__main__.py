@@ -10,10 +10,18 @@ import sys
 if not __package__:  # run as a file (python lab/__main__.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from configs.userinput import shown
-from lab import output_failed
-from training.signals import start_or_status
-from training.streams import stderr_kept_open, stdout_encodes_any_text
+from training.interpreter import missing_requirement  # reads only sys and os
+
+try:
+    from configs.userinput import shown
+    from lab import output_failed
+    from training.signals import start_or_status
+    from training.streams import stderr_kept_open, stdout_encodes_any_text
+except ModuleNotFoundError as e:  # a requirement not installed for this Python (PyYAML, imported by configs)
+    if __name__ != "__main__" or missing_requirement(e) is None:
+        raise
+    print(missing_requirement(e), file=sys.stderr)
+    sys.exit(2)
 
 # command -> (its module in lab/, what it does)
 COMMANDS = {"notes": ("walkthrough", "the notes' worked example of attention, step by step, computed by tinychar"),

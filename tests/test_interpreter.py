@@ -1,5 +1,6 @@
 """train.py and sample.py on a Python older than tinychar needs: one line and exit status 2, said before any of its
-modules (or its requirements) are imported, not an ImportError traceback from inside them."""
+modules (or its requirements) are imported, not an ImportError traceback from inside them; and they and python -m lab
+without a requirement installed."""
 
 from __future__ import annotations
 
@@ -113,6 +114,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     ("yaml", "PyYAML", ["sample.py", "--help"]),
     ("torch", "torch", ["train.py", "--config", "configs/tiny.yaml", "out_dir=run", "train.max_iters=1"]),
     ("torch", "torch", ["sample.py", "--checkpoint", "configs/tiny.yaml"]),
+    # python -m lab as well: configs, which its first lines import, imports PyYAML (a traceback of the import)
+    ("yaml", "PyYAML", ["lab/__main__.py", "notes"]),
+    ("yaml", "PyYAML", ["lab/__main__.py", "--help"]),
+    ("torch", "torch", ["lab/__main__.py", "notes"]),
 ])
 def test_an_entry_point_without_a_requirement_says_which_in_one_line(module: str, named: str, argv: list[str],
                                                                       tmp_path: Path) -> None:
