@@ -117,9 +117,10 @@ class CharTokenizer:
                 raise ValueError(f"decode needs a flat sequence of ids, got shape {array.shape}")
             if len(array) and array.dtype.kind not in "iu":  # what numpy made of them: floats, bools, huge ints
                 values = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
-                odd = next((x for x in values if not isinstance(x, (int, np.integer)) or isinstance(x, bool)), None)
-                if odd is not None:
-                    raise ValueError(f"decode needs integer ids, got {odd!r}")
+                # as a list, not next(..., None): an id of None is odd too (it was taken for none, a TypeError)
+                odd = [x for x in values if not isinstance(x, (int, np.integer)) or isinstance(x, bool)]
+                if odd:
+                    raise ValueError(f"decode needs integer ids, got {odd[0]!r}")
                 array = np.array(values, dtype=object)  # integers past int64, checked below as Python's
         if len(array) and (array.min() < 0 or array.max() >= self.vocab_size):
             bad = next(i for i in array.tolist() if not 0 <= i < self.vocab_size)

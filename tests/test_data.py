@@ -92,7 +92,8 @@ def test_decode_refuses_ids_outside_the_vocabulary() -> None:
             tok.decode(bad)
     # an id past int64 was an OverflowError, a uint64 one past 2**63 named as negative, and 1.7 decoded as 1
     for bad, said in (([0, 2**63], f"id {2**63} is"), (np.array([2**63 + 5], dtype=np.uint64), f"id {2**63 + 5} is"),
-                      ([1.7], "integer ids, got 1.7"), ([True], "integer ids, got True")):
+                      ([1.7], "integer ids, got 1.7"), ([True], "integer ids, got True"),
+                      ([0, None], "integer ids, got None")):  # None was taken for no odd id: a TypeError
         with pytest.raises(ValueError, match=re.escape(said)):
             tok.decode(bad)
     assert tok.decode(np.array([2, 0], dtype=np.uint64)) == tok.decode([2, 0]) == "ca" and tok.decode([]) == ""
