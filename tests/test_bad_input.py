@@ -99,9 +99,12 @@ def _optimizer_entry(payload: dict, key: str, value: object) -> None:
     next(state for state in payload["optimizer"]["state"].values() if key in state)[key] = value
 
 
+def _first_moment(payload: dict) -> torch.Tensor:
+    return next(st for st in payload["optimizer"]["state"].values() if "exp_avg" in st)["exp_avg"]
+
+
 def _nan_like_first_moment(payload: dict) -> torch.Tensor:
-    return torch.full_like(next(st for st in payload["optimizer"]["state"].values() if "exp_avg" in st)["exp_avg"],
-                           float("nan"))
+    return torch.full_like(_first_moment(payload), float("nan"))
 
 
 def _nan_training_weights(payload: dict) -> None:
@@ -298,6 +301,14 @@ BAD_INPUTS: list[tuple[str, str, Callable[[Case], list[str]], str]] = [
      "the optimizer's step of the weight of shape"),
     ("resume-optimizer-momentum-of-another-shape", "train",
      lambda c: c.resume(lambda p: _optimizer_entry(p, "momentum_buffer", torch.zeros(2, 2))), "momentum_buffer"),
+    # torch casts the moments to their weight's type as it loads them: complex ones lost their imaginary part (with
+    # its warning on stderr), booleans were taken as 1.0 and 0.0, and the run went on
+    ("resume-optimizer-complex-moment", "train",
+     lambda c: c.resume(lambda p: _optimizer_entry(p, "exp_avg", _first_moment(p).to(torch.complex64))),
+     "has a damaged optimizer state (complex numbers in its exp_avg); it cannot be resumed"),
+    ("resume-optimizer-boolean-moment", "train",
+     lambda c: c.resume(lambda p: _optimizer_entry(p, "exp_avg_sq", _first_moment(p) > 0)),
+     "has a damaged optimizer state (booleans in its exp_avg_sq)"),
     ("resume-optimizer-nan-moment", "train",
      lambda c: c.resume(lambda p: _optimizer_entry(p, "exp_avg_sq", _nan_like_first_moment(p))),
      "is not all finite numbers"),

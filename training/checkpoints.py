@@ -16,7 +16,15 @@ from configs import ConfigError, flatten, to_dict
 from configs.userinput import shown
 from data import CharTokenizer
 from model import GPT, CheckpointError, checkpoint_config, holds_later_step, load_checkpoint, model_from_checkpoint
-from model.checkpoint import FINITE_CHUNK, FORMAT, VERSION, WholeCheckpoint, error_reasons, unlike_weights
+from model.checkpoint import (
+    FINITE_CHUNK,
+    FORMAT,
+    VERSION,
+    WholeCheckpoint,
+    error_reasons,
+    unlike_weights,
+    unusable_weight,
+)
 
 from .atomic import write_atomic
 from .config import RunConfig, load_config
@@ -173,6 +181,14 @@ def check_training_state(payload: dict, path: Path) -> None:
     if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict):
         raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state (not a mapping); it cannot be "
                               f"resumed")
+    # Read before torch loads them, as the training weights are: it casts each moment to its weight's type, so that
+    # complex ones lost their imaginary part (with torch's warning on stderr) and booleans or integers were taken as
+    # the numbers they are, all trained on
+    odd = next((found for state in optimizer["state"].values() if isinstance(state, dict)
+                and (found := unusable_weight(state)) is not None), None)
+    if odd is not None:
+        raise CheckpointError(f"'{shown(str(path))}' has a damaged optimizer state ({odd[1]} in its "
+                              f"{shown(str(odd[0]))}); it cannot be resumed")
     trained, weights = payload.get("training_weights"), payload["model"]
     train = payload["config"].get("train") if trained is None else None
     if isinstance(train, dict) and isinstance(train.get("ema_decay"), float) and train["ema_decay"] > 0:
