@@ -21,6 +21,8 @@ class NotOfType(Exception):
 _BASED_INT = re.compile(r"([-+]?)0(?:x([0-9a-fA-F_]+)|b([01_]+))")
 # YAML 1.1's decimal integers, '_' anywhere after the first digit (Python takes one '_' between two digits alone)
 _UNDERSCORED_INT = re.compile(r"[-+]?[1-9][0-9_]*")
+# YAML 1.1's decimal floats as PyYAML resolves them, '_' anywhere before the exponent: a file's 1__0.5 is 10.5
+_UNDERSCORED_FLOAT = re.compile(r"[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?")
 
 
 def _int_text(text: str) -> int | None:
@@ -99,6 +101,8 @@ def _to_float(value: Any, from_text: bool) -> float:
             return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
         if _YAML_INF_NAN.fullmatch(value.strip()):  # YAML's own spellings, as a file's unquoted .inf is read
             return float(value.replace(".", "", 1))
+        if _UNDERSCORED_FLOAT.fullmatch(value.strip()):  # 1__0.5 and 1.5_, which Python's float refuses
+            return float(value.strip().replace("_", ""))
         number = _int_text(value)  # 0x10 and 0b10, which a file's YAML reads as integers
         if number is None:
             raise NotOfType

@@ -406,6 +406,11 @@ def test_numbers_that_read_as_they_look_are_taken(tmp_path):
                                                     ("train.eval_interval", "10_", 10),
                                                     ("seed", "-0x10", -16),
                                                     ("train.learning_rate", "0x1", 1.0),
+                                                    # a float's underscores as YAML reads them: Python's float
+                                                    # takes one between two digits alone
+                                                    ("train.learning_rate", "1__0.5", 10.5),
+                                                    ("train.learning_rate", "1_.5e-3", 1.5e-3),
+                                                    ("train.learning_rate", ".5_", 0.5),
                                                     ("train.decay_lr", "+0", False),
                                                     ("train.decay_lr", "0x1", True),
                                                     ("train.compile", "01", "true"),
