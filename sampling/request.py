@@ -195,6 +195,12 @@ def prepare(args: argparse.Namespace, given: str | None = None) -> tuple[GPT, to
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
             print(f"error: cannot write --attention-map '{shown(args.attention_map)}': {reason}", file=sys.stderr)
             return 2
+        except MemoryError:  # Pillow's, for the picture: about 9 bytes a pixel, which check_sampling_fits leaves out
+            # (a 24-layer, 24-head model's 64 characters under a 1.2 GB limit: a MemoryError traceback, status 1)
+            print(f"error: out of memory drawing the --attention-map of {pictured:,} characters x {config.n_layer:,} "
+                  f"layers x {config.n_head:,} heads; give a shorter --prompt, or leave --attention-map out",
+                  file=sys.stderr)
+            return 1
         print(f"attention map: {shown(str(saved), LOG_PATH)}", file=sys.stderr)
     return model, ids, prompt, vocab
 

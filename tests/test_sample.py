@@ -437,6 +437,23 @@ def test_an_attention_map_too_large_to_open_is_drawn_over_the_last_characters_an
         assert image.size[0] * image.size[1] <= whole[0] * whole[1] // 2
 
 
+def test_an_attention_map_that_runs_out_of_memory_is_one_line_and_no_picture(run, tmp_path, monkeypatch):
+    # Pillow raises MemoryError where the picture's pixels do not fit (a 24-layer, 24-head model's 64 characters
+    # under a 1.2 GB limit, from the Image.new that draws the grid): a traceback, since the memory check counts no
+    # picture
+    import lab.heatmap
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(lab.heatmap, "render_attention_grid", no_memory)
+    code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "5", "--attention-map", str(tmp_path / "map.png"))
+    assert (code, out) == (1, "") and "Traceback" not in err
+    assert err.splitlines()[-1] == ("error: out of memory drawing the --attention-map of 8 characters x 2 layers x 2 "
+                                    "heads; give a shorter --prompt, or leave --attention-map out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_attention_map_is_written_in_the_format_its_name_says(run, tmp_path):
     code, _, err = run("--prompt", PROMPT, "--max-new-tokens", "0", "--attention-map", str(tmp_path / "map.jpg"))
     assert code == 0, err
