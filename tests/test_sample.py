@@ -19,6 +19,7 @@ from conftest import ROOT, SMALL_TEXT, refused_with_imports, tiny_overrides, tra
 from PIL import Image
 
 import sample
+from configs.userinput import shown as quoted_as_said
 from model import load_checkpoint, model_from_checkpoint
 from model.checkpoint import VERSION
 from sampling import request, stops, writing
@@ -481,7 +482,8 @@ def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, ru
     os.mkfifo(tmp_path / "pipe")
     for name, says in (("model", "a file that is not a picture is there"), ("pipe", "it is not a plain file")):
         line = one_error_line(run("--checkpoint", str(tmp_path / "model"), "--attention-map", str(tmp_path / name)))
-        assert f"--attention-map '{tmp_path / name}': {says}" in line
+        # as the message quotes it: cut in its middle where tmp_path is longer than QUOTE_LIMIT allows
+        assert f"--attention-map '{quoted_as_said(str(tmp_path / name))}': {says}" in line
     assert (tmp_path / "model").read_bytes() == (run_dir / "best.pt").read_bytes() and (tmp_path / "pipe").is_fifo()
     # a link to a picture stays a link: the picture it leads to is written
     Image.new("RGB", (2, 2)).save(tmp_path / "old.png")
