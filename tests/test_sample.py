@@ -930,7 +930,8 @@ def test_a_damaged_best_pt_names_the_runs_other_checkpoint(run, run_dir, tmp_pat
     shutil.copy(run_dir / "ckpt.pt", tmp_path / "ckpt.pt")
     (tmp_path / "best.pt").write_text("junk\n", encoding="utf-8")
     assert one_error_line(run(out_dir=tmp_path)) == (
-        f"error: cannot read checkpoint '{tmp_path / 'best.pt'}' (truncated or not a checkpoint): it is not a whole "
+        f"error: cannot read checkpoint '{quoted_as_said(str(tmp_path / 'best.pt'))}' (truncated or not a checkpoint): "
+        f"it is not a whole "
         f"file that torch.save wrote; the run's latest checkpoint may be whole: --checkpoint {tmp_path / 'ckpt.pt'}")
     assert ok(run("--checkpoint", str(tmp_path / "ckpt.pt"), "--max-new-tokens", "5"))
     one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))  # chosen by name: no other is offered
