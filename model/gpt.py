@@ -311,13 +311,15 @@ def sample_next(
 
 
 def greedy_where_overflowed(scaled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """scaled (B, vocab), logits / temperature, with each row that overflowed float32 (a temperature near 0 such as
-    1e-40, or logits near float32's limit, 1e36 at temperature 1e-3) made its likeliest character alone: 0 there,
-    -inf elsewhere. Such a row's softmax would be NaN; to the precision of its logits it is greedy. The row is still
-    drawn from (a one-hot draw), so that every path moves the generator alike: the fixed-shape window draws each
-    character's noise before it knows the logits (model.sampler), and greedy rows that skipped the draw made the
-    plain path's later characters differ from its. Branch-free, for compiled code and CUDA graphs."""
-    overflowed = ~torch.isfinite(scaled).all(dim=-1, keepdim=True)  # (B, 1)
+    """scaled (B, vocab), logits / temperature, with each row whose largest value overflowed float32 (a temperature
+    near 0 such as 1e-40, or logits near float32's limit, 1e36 at temperature 1e-3) made its likeliest character
+    alone: 0 there, -inf elsewhere. Such a row's softmax would be NaN; to the precision of its logits it is greedy.
+    The row is still drawn from (a one-hot draw), so that every path moves the generator alike: the fixed-shape window
+    draws each character's noise before it knows the logits (model.sampler), and greedy rows that skipped the draw
+    made the plain path's later characters differ from its. Branch-free, for compiled code and CUDA graphs."""
+    # By the row's largest value: the softmax subtracts it, so a row whose unlikely characters alone fell to -inf
+    # (a logit of -3e38 at temperature 0.5) is drawn from as it is, with those at 0; it was made greedy too
+    overflowed = ~torch.isfinite(scaled.amax(dim=-1, keepdim=True))  # (B, 1): +inf, or every value -inf
     alone = torch.full_like(scaled, float("-inf")).scatter(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
     return torch.where(overflowed, alone, scaled)
 

@@ -13,6 +13,7 @@ from conftest import needs_cpu_compile
 
 from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
+from model.gpt import sample_next
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from sampling.writing import saved_step
 from training import step_file
@@ -290,6 +291,16 @@ def test_logits_that_overflow_only_once_divided_by_the_temperature_are_greedy_on
     got, state = windowed(sampler, prompt, 12, seed=4)
     assert torch.equal(got, greedy)
     assert torch.equal(state, expected_state)  # each character's draw taken, as the window takes it ahead
+
+
+def test_a_row_whose_unlikely_characters_alone_fall_to_minus_infinity_is_still_drawn_from():
+    # -3e38 / 0.5 is -inf, which the softmax takes as a probability of 0: the row's other characters are as likely as
+    # ever, but the row was made greedy (the second row, whose largest value overflows, is)
+    logits = torch.tensor([[-3e38, 0.0, 0.1], [3e38, 0.0, 0.1]])
+    drawn = torch.cat([sample_next(logits, 0.5, generator=torch.Generator().manual_seed(seed)) for seed in range(40)],
+                      dim=1)
+    assert set(drawn[0].tolist()) == {1, 2}
+    assert set(drawn[1].tolist()) == {0}
 
 
 @needs_cpu_compile
