@@ -16,39 +16,52 @@ programs so machine noise falls on both. The table goes to stdout (markdown), pr
 
 from __future__ import annotations
 
+import sys
+
+# reads only sys and os, on any Python that parses this file
+from training.interpreter import missing_requirement, refuse_old_python
+
+if __name__ == "__main__":  # before the imports below, which fail on a Python older than tinychar needs
+    refuse_old_python(__file__)
+
 import argparse
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmark.quality import gpu_quality_rows, quality_rows
-from benchmark.report import json_problem, markdown, plain, write_json
-from benchmark.runs import (
-    CLONE_HINT,
-    FULL,
-    ISA_LIMITS,
-    NANOGPT_FILES,
-    NANOGPT_MARKS,
-    QUICK,
-    SAMPLE_SHAPES,
-    STEP_SHAPES,
-    BenchError,
-    Plan,
-    Programs,
-    cpu_info,
-    note,
-    usable_flags,
-)
-from benchmark.speed import sample_rows, step_rows
-from configs.userinput import OneLineParser, shown
-from model.config import short_int
-from training.config import MAX_THREADS, THREADS_PER_CORE, cores_here
-from training.signals import Interrupted, InterruptSignals
-from training.streams import discard_stdout
+try:
+    from benchmark.quality import gpu_quality_rows, quality_rows
+    from benchmark.report import json_problem, markdown, plain, write_json
+    from benchmark.runs import (
+        CLONE_HINT,
+        FULL,
+        ISA_LIMITS,
+        NANOGPT_FILES,
+        NANOGPT_MARKS,
+        QUICK,
+        SAMPLE_SHAPES,
+        STEP_SHAPES,
+        BenchError,
+        Plan,
+        Programs,
+        cpu_info,
+        note,
+        usable_flags,
+    )
+    from benchmark.speed import sample_rows, step_rows
+    from configs.userinput import OneLineParser, shown
+    from model.config import short_int
+    from training.config import MAX_THREADS, THREADS_PER_CORE, cores_here
+    from training.signals import Interrupted, InterruptSignals
+    from training.streams import discard_stdout
+except ModuleNotFoundError as e:  # a requirement not installed for this Python (PyYAML, imported by configs)
+    if __name__ != "__main__" or missing_requirement(e) is None:
+        raise
+    print(missing_requirement(e), file=sys.stderr)
+    sys.exit(2)
 
 
 def measure(args: argparse.Namespace, plan: Plan, scratch: Path) -> dict:

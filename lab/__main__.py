@@ -10,7 +10,11 @@ import sys
 if not __package__:  # run as a file (python lab/__main__.py): the project's packages are one folder up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from training.interpreter import missing_requirement  # reads only sys and os
+# reads only sys and os, on any Python that parses this file
+from training.interpreter import missing_requirement, refuse_old_python
+
+if __name__ == "__main__":  # before the imports below, which fail on a Python older than tinychar needs
+    refuse_old_python("-m lab")  # (lab/sort.py and lab/walkthrough.py check before they import this module)
 
 try:
     from configs.userinput import shown
@@ -18,7 +22,9 @@ try:
     from training.signals import start_or_status
     from training.streams import stderr_kept_open, stdout_encodes_any_text
 except ModuleNotFoundError as e:  # a requirement not installed for this Python (PyYAML, imported by configs)
-    if __name__ != "__main__" or missing_requirement(e) is None:
+    # Whether run as python -m lab or imported by lab/sort.py or lab/walkthrough.py run as scripts, this module is
+    # imported only to run a command: the line is said for all of them.
+    if missing_requirement(e) is None:
         raise
     print(missing_requirement(e), file=sys.stderr)
     sys.exit(2)

@@ -21,6 +21,9 @@ if not __package__:  # run as a file (python lab/walkthrough.py): the project's 
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":  # python lab/walkthrough.py, python -m lab.walkthrough: started as python -m lab notes is,
     # before torch loads (a Ctrl-C while it loaded was a traceback; stdout was not made to take any text)
+    from training.interpreter import refuse_old_python  # reads only sys and os, on any Python that parses this
+
+    refuse_old_python(__file__)  # before the imports, which fail on a Python older than tinychar needs
     from lab.__main__ import main as lab_main
 
     raise SystemExit(lab_main(["notes", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
-"""train.py and sample.py on a Python older than tinychar needs: one line and exit status 2, said before any of its
-modules (or its requirements) are imported, not an ImportError traceback from inside them; and they and python -m lab
-without a requirement installed."""
+"""train.py, sample.py, bench.py and the lab's commands on a Python older than tinychar needs: one line and exit
+status 2, said before any of its modules (or its requirements) are imported, not an ImportError traceback from inside
+them; and each of them without a requirement installed."""
 
 from __future__ import annotations
 
@@ -60,7 +60,12 @@ def test_a_recent_enough_python_is_let_through(version: tuple) -> None:
     assert too_old("train.py", version) is None
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+# Every file a command is started from, as `python FILE` or `python -m MODULE`
+ENTRY_POINTS = ["train.py", "sample.py", "bench.py", "lab/__init__.py", "lab/__main__.py", "lab/sort.py",
+                "lab/walkthrough.py"]
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_the_entry_points_and_the_check_parse_on_python_3_8(script: str) -> None:
     for path in (ROOT / script, ROOT / "training" / "interpreter.py", ROOT / "training" / "__init__.py"):
         ast.parse(path.read_text(encoding="utf-8"), str(path), feature_version=(3, 8))
@@ -78,6 +83,29 @@ def test_an_older_python_running_an_entry_point_sees_one_line(argv: list[str], t
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: tinychar needs Python 3.11 or newer")
     assert f"run {argv[0]} with python3.11" in done.stderr
     assert list(tmp_path.iterdir()) == []  # not even a runs/ folder
+
+
+@pytest.mark.skipif(OLD_PYTHON is None, reason="no Python 3.8-3.10 on this machine (python3.10 on PATH or pyenv)")
+@pytest.mark.parametrize(("argv", "named"), [
+    (["bench.py", "--help"], "bench.py"),
+    (["bench.py", "--nanogpt", "nowhere"], "bench.py"),
+    (["lab/__main__.py", "notes"], "-m lab"),
+    (["lab/sort.py", "--help"], "sort.py"),
+    (["lab/walkthrough.py"], "walkthrough.py"),
+    (["-m", "lab", "sort", "--steps", "1"], "-m lab"),
+    (["-m", "lab", "--help"], "-m lab"),
+    (["-m", "lab.sort"], "sort.py"),
+    (["-m", "lab.walkthrough"], "walkthrough.py"),
+])
+def test_an_older_python_running_the_bench_or_the_lab_sees_one_line(argv: list[str], named: str) -> None:
+    # they stopped in a ModuleNotFoundError (PyYAML) or ImportError (typing.Self) traceback from inside the packages;
+    # from the repository's root, where python -m finds the lab
+    argv = argv if argv[0] == "-m" else [str(ROOT / argv[0]), *argv[1:]]
+    done = subprocess.run([OLD_PYTHON, "-E", "-s", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: tinychar needs Python 3.11 or newer")
+    assert f"run {named} with python3.11" in done.stderr
 
 
 @pytest.mark.parametrize(("module", "named"), [("torch", "torch"), ("yaml", "PyYAML"), ("PIL", "Pillow")])
@@ -112,11 +140,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 @pytest.mark.parametrize(("module", "named", "argv"), [
     ("yaml", "PyYAML", ["train.py", "--help"]),
     ("yaml", "PyYAML", ["sample.py", "--help"]),
+    ("yaml", "PyYAML", ["bench.py", "--help"]),
+    ("yaml", "PyYAML", ["lab/__main__.py", "--help"]),
+    ("yaml", "PyYAML", ["lab/__main__.py", "sort", "--steps", "1"]),
+    ("yaml", "PyYAML", ["lab/sort.py", "--help"]),
+    ("yaml", "PyYAML", ["lab/walkthrough.py"]),
     ("torch", "torch", ["train.py", "--config", "configs/tiny.yaml", "out_dir=run", "train.max_iters=1"]),
     ("torch", "torch", ["sample.py", "--checkpoint", "configs/tiny.yaml"]),
     # python -m lab as well: configs, which its first lines import, imports PyYAML (a traceback of the import)
     ("yaml", "PyYAML", ["lab/__main__.py", "notes"]),
-    ("yaml", "PyYAML", ["lab/__main__.py", "--help"]),
     ("torch", "torch", ["lab/__main__.py", "notes"]),
 ])
 def test_an_entry_point_without_a_requirement_says_which_in_one_line(module: str, named: str, argv: list[str],
