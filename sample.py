@@ -34,7 +34,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from configs.errors import UsageError
     from configs.userinput import OneLineParser
     from model.runs import CheckpointError
-    from sampling.options import check_options, checkpoint_to_read, integer, prompt_text, real
+    from sampling.options import check_options, checkpoint_to_read, integer, prompt_text, real, temperature
     from sampling.stops import ctrl_c_between_characters, stopped, terminated
     from training.config import COMPILE
     from training.signals import STOP_SIGNALS, start_or_status
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=integer, default=1, help="how many samples (default 1)")
     p.add_argument("--max-new-tokens", type=integer, default=500,
                    help="characters to generate per sample (default 500)")
-    p.add_argument("--temperature", type=real, default=0.8,
+    p.add_argument("--temperature", type=temperature, default=0.8,
                    help="sampling temperature; 0 = greedy (always the likeliest character) (default 0.8)")
     p.add_argument("--top-k", type=integer, default=None,
                    help="sample only from the k likeliest characters (default: all)")

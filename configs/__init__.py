@@ -20,7 +20,7 @@ from .names import nearest as nearest
 from .names import option_as_setting as option_as_setting
 from .origins import Overridden, as_typed, source
 from .userinput import path_kind, shown
-from .values import CONVERTERS, NotOfType
+from .values import CONVERTERS, NEAR_ZERO, NearZero, NotOfType
 from .yamlfile import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
 from .yamlfile import load_yaml as load_yaml
 
@@ -105,6 +105,8 @@ def coerce(value: Any, tp: Any, key: str, from_text: bool = False) -> Any:
         raise ConfigError(f"{key}: unsupported field type {shown(tp)}")
     try:
         return convert(value, from_text)
+    except NearZero as e:  # a number, but not one a float holds
+        raise ConfigError(f"{key}: {shown(e.written)} {NEAR_ZERO}") from None
     except NotOfType:
         raise _wrong_type(key, tp, value) from None
 
@@ -218,6 +220,11 @@ def text_keys(cls: type) -> frozenset[str]:
 def int_keys(cls: type) -> frozenset[str]:
     """The dotted keys of cls whose values are counts (int, or int or None)."""
     return _keys_of(cls, int)
+
+
+def float_keys(cls: type) -> frozenset[str]:
+    """The dotted keys of cls whose values are real numbers (float, or float or None)."""
+    return _keys_of(cls, float)
 
 
 def _keys_of(cls: type, kind: type) -> frozenset[str]:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from .values import NEAR_ZERO, near_zero
+
 # Characters of a value quoted in a message: enough to recognise it, never enough to flood a terminal.
 QUOTE_LIMIT = 80
 ERROR_LIMIT = 400  # the most of an argparse error line quoted (its own message, with the value it refused)
@@ -220,6 +222,19 @@ class StoreOnce(argparse._StoreAction):
                                                f"give it once{getattr(self, 'once_hint', '')}")
         given[self.dest] = values
         super().__call__(parser, namespace, values, option_string)
+
+
+def real(text: str, zero_means: str = "") -> float:
+    """A float from the command line (an argparse type), as a config's reals are read: refused with the text cut to
+    its ends, and where it spells a number nearer 0 than a float can hold (1e-400), which float() reads as 0 without
+    a word; zero_means, what 0 does for this option, is added to that refusal."""
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: '{shown(text)}'") from None
+    if near_zero(text, number):
+        raise argparse.ArgumentTypeError(f"{shown(text)} {NEAR_ZERO}{zero_means}")
+    return number
 
 
 class OneLineParser(argparse.ArgumentParser):

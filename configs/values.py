@@ -14,6 +14,31 @@ class NotOfType(Exception):
     """Raised by a converter for a value it cannot take; configs.coerce turns it into the one-line ConfigError."""
 
 
+class NearZero(NotOfType):
+    """Raised for a number written other than 0 that a float holds only as 0 (see near_zero); written is its text."""
+
+    def __init__(self, written: str) -> None:
+        super().__init__(written)
+        self.written = written
+
+
+# What is said of such a number, after its text
+NEAR_ZERO = ("is too near 0 for a float (the least above 0 is about 5e-324), so it would be read as 0; write 0 if 0 "
+             "is meant")
+
+
+def near_zero(text: str, number: float) -> bool:
+    """Whether number, what float() read from text, is 0 where text spells another number: float() reads 1e-400 (and
+    -1e-400) as 0 without a word, and a setting whose 0 means something of its own then meant that, not the tiny
+    number asked for (train.grad_clip=1e-400 was no clipping at all, train.ema_decay=1e-400 no average)."""
+    if number != 0:
+        return False
+    try:
+        return decimal.Decimal(text.strip()) != 0
+    except decimal.InvalidOperation:  # a spelling of float's that Decimal does not take
+        return False
+
+
 # YAML 1.1's integers in base 16 and base 2, as PyYAML resolves them (lower-case prefix, '_' anywhere after it): a
 # file's unquoted `eval_interval: 0x10` is 16, and the same words on the command line, or quoted in a file, are read
 # the same way (train.eval_interval=0x10 was refused as no integer). Octal is not among them: YAML's 010 is 8, which
@@ -92,13 +117,19 @@ def _to_float(value: Any, from_text: bool) -> float:
     if isinstance(value, bool):
         raise NotOfType
     if isinstance(value, (int, float)):
+        written = getattr(value, "written", None)  # a file's 1.0e-400, which YAML read as 0.0 (load_yaml's exact)
+        if written is not None and near_zero(written, value):
+            raise NearZero(written)
         try:
             return float(value)
         except OverflowError:  # an integer past float's range (YAML's 400 digits): infinite, as '1e400' is
             return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
-            return float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
+            number = float(value)  # YAML reads 3e-4 (no dot) as a string; it is a fine number here
+            if near_zero(value, number):
+                raise NearZero(value)
+            return number
         if _YAML_INF_NAN.fullmatch(value.strip()):  # YAML's own spellings, as a file's unquoted .inf is read
             return float(value.replace(".", "", 1))
         if _UNDERSCORED_FLOAT.fullmatch(value.strip()):  # 1__0.5 and 1.5_, which Python's float refuses

@@ -22,7 +22,7 @@ MAX_CONFIG_BYTES = 64 * 1024
 
 class WrittenFloat(float):
     """A float YAML read, with its text as written: a count given as 1.0000000000000000001 is not 1, though the
-    float is (see load_yaml's exact)."""
+    float is, and 1.0e-400 is not 0 (see load_yaml's exact)."""
 
     written: str
 
@@ -46,8 +46,9 @@ def load_yaml(path: str | Path, as_written: frozenset[str] = frozenset(),
     YAML reads `out_dir: 001` as the number 1 and `0123` as 83 (octal), and their text as a folder name was another
     folder's; `off` is false.
 
-    exact: dotted keys whose values are counts (int_keys): an unquoted float there is a WrittenFloat, so that the
-    count is read from its digits, as the same words on the command line are (a float keeps about 17)."""
+    exact: dotted keys whose values are counts (int_keys) or reals (float_keys): an unquoted float there is a
+    WrittenFloat, so that a count is read from its digits, as the same words on the command line are (a float keeps
+    about 17), and a real too small for a float (1.0e-400, read as 0.0) is told from 0."""
     name = shown(str(path))
     kind = path_kind(path)
     if kind is not None:

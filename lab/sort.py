@@ -31,7 +31,7 @@ if __name__ == "__main__":  # python lab/sort.py, python -m lab.sort: started as
 
 import torch
 
-from configs.userinput import OneLineParser, shell_word, shown
+from configs.userinput import OneLineParser, real, shell_word, shown
 from lab import output_failed
 from lab.pictures import write_picture
 from lab.seq2seq import SCORES, GRUSeq2Seq, Seq2SeqConfig, TransformerSeq2Seq, build
@@ -270,7 +270,7 @@ def parser() -> OneLineParser:
                    help=f"training steps (default 400 GRU, 600 transformer; at most {MAX_STEPS:,}, in all the runs of "
                         f"--bottleneck)")
     p.add_argument("--batch-size", type=int, default=128, help="sequences per training step (default 128)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
+    p.add_argument("--lr", type=real, default=None, help="peak learning rate (default 3e-3 GRU, 1e-3 transformer)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for the weights and the random sequences; the same seed gives the same run (default 0)")
     p.add_argument("--heatmap", default=None,

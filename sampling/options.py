@@ -10,6 +10,7 @@ from pathlib import Path
 
 from configs.errors import UsageError
 from configs.userinput import not_stdin, path_kind, read_user_file, shown
+from configs.userinput import real as read_real
 from model.runs import check_checkpoint_path, find_checkpoint
 
 # generate() holds the prompt and every new character in one tensor of 8-byte ids: 10 million is 80 MB, and far more
@@ -30,11 +31,15 @@ def integer(text: str) -> int:
 
 
 def real(text: str) -> float:
-    """A float from the command line; refused with the text cut to its ends."""
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: '{shown(text)}'") from None
+    """A float from the command line; refused with the text cut to its ends, or where it is nearer 0 than a float
+    can hold (configs.userinput.real)."""
+    return read_real(text)
+
+
+def temperature(text: str) -> float:
+    """--temperature: a real, whose 1e-400 (read as 0 by float) was greedy sampling without a word; refused, saying
+    that 0 is greedy (as every temperature below about 1e-38 is in effect: model.gpt.greedy_where_overflowed)."""
+    return read_real(text, ": --temperature 0 samples greedily")
 
 
 def number(n: int) -> str:

@@ -359,6 +359,34 @@ def test_an_integer_past_floats_range_for_a_number_is_refused_in_one_line(tmp_pa
     assert refused(TINY, [f"{key}=1{'0' * 400}"]).startswith(f"{key} must be")
 
 
+@pytest.mark.parametrize("key", ["train.learning_rate", "train.grad_clip", "train.ema_decay", "train.beta1",
+                                 "model.dropout", "data.val_fraction"])
+@pytest.mark.parametrize("word", ["1e-400", "-1e-400", "1.0e-400", "2.5E-999"])
+def test_a_real_too_small_for_a_float_is_refused_not_read_as_zero(tmp_path, key, word):
+    # float() reads 1e-400 as 0 without a word, in a file (YAML's 1.0e-400 is the float 0.0) and on the command line:
+    # train.grad_clip=1e-400 was no clipping at all, its 0, where 1e-300 clips the gradient to nothing;
+    # train.ema_decay=1e-400 kept no average, and train.beta1=-1e-400 was taken as 0 where -1e-300 is refused
+    section, name = key.split(".")
+    for message in (refused(TINY, [f"{key}={word}"]), refused(write_yaml(tmp_path, f"{section}:\n  {name}: {word}\n"))):
+        assert message.startswith(f"{key}: {word} is too near 0 for a float (the least above 0 is about 5e-324), "
+                                  f"so it would be read as 0; write 0 if 0 is meant"), message
+        assert len(message) < SHORT
+
+
+@pytest.mark.parametrize(("word", "value"), [("0", 0.0), ("-0", 0.0), ("0.0", 0.0), ("0e-400", 0.0), ("-0.0e+5", 0.0),
+                                             ("0x0", 0.0), ("1e-300", 1e-300), ("2.5e-324", 5e-324), ("2.4e-324", None),
+                                             ("1.0e-324", None)])
+def test_zero_and_the_smallest_floats_are_taken_and_what_rounds_to_zero_is_not(tmp_path, word, value):
+    # float() rounds what is below half the least float above 0 (about 2.47e-324) to 0, and the rest up to it
+    from_file = write_yaml(tmp_path, f"train:\n  grad_clip: {word}\n")
+    if value is None:
+        assert "is too near 0 for a float" in refused(TINY, [f"train.grad_clip={word}"])
+        assert "is too near 0 for a float" in refused(from_file)
+        return
+    from_line = load_config(TINY, [f"train.grad_clip={word}"])
+    assert from_line.train.grad_clip == load_config(str(from_file), []).train.grad_clip == value
+
+
 @pytest.mark.parametrize("key", ["train.max_iters", "train.warmup_iters", "train.lr_decay_iters", "train.eval_iters",
                                  "model.block_size", "model.n_embd"])
 def test_a_count_past_64_bits_is_refused_in_one_line(tmp_path, key):

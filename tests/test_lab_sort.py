@@ -328,6 +328,8 @@ def test_a_run_without_attention_draws_no_heatmap(tmp_path, capsys, monkeypatch)
     (["--digits", "1" + "0" * 400], "--digits must be at most 2**63 - 1"),
     (["--digits", "1"], "error: --digits must be at least 2, got 1 "),  # the option, not SortConfig's field
     (["--lr", "-1"], "error: --lr must be a finite number > 0, got -1.0 "),
+    # float() reads 1e-400 as 0: it was refused as "got 0.0", a number not given
+    (["--lr", "1e-400"], "error: argument --lr: 1e-400 is too near 0 for a float (the least above 0 is about 5e-324)"),
     (["--batch-size", "0"], "error: --batch-size must be at least 1, got 0 "),
     # quoted whole, 4,000 digits (a 440-character line); now by its power of ten, as sample.py and train.py do
     (["--steps", "9" * 4000], "take seconds), got 9.999e+3999 (see"),

@@ -757,6 +757,25 @@ def test_a_huge_value_the_parser_refuses_is_quoted_by_its_ends(capsys, args, fra
     assert fragment in err and "..." in err and len(err) < 200, err[:300]
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["--temperature", "1e-400"], "error: argument --temperature: 1e-400 is too near 0 for a float (the least above 0 "
+     "is about 5e-324), so it would be read as 0; write 0 if 0 is meant: --temperature 0 samples greedily (see "
+     "sample.py --help)"),
+    (["--temperature=-1e-400"], "error: argument --temperature: -1e-400 is too near 0 for a float (the least above 0 "
+     "is about 5e-324), so it would be read as 0; write 0 if 0 is meant: --temperature 0 samples greedily (see "
+     "sample.py --help)"),
+    (["--top-p", "1e-400"], "error: argument --top-p: 1e-400 is too near 0 for a float (the least above 0 is about "
+     "5e-324), so it would be read as 0; write 0 if 0 is meant (see sample.py --help)"),
+], ids=["temperature", "negative-temperature", "top-p"])
+def test_a_number_too_near_zero_for_a_float_is_refused_not_read_as_zero(capsys, args, line):
+    # float() reads 1e-400 as 0: --temperature 1e-400 sampled greedily without a word (the characters any temperature
+    # below about 1e-38 gives, but from a 0 nobody wrote), and --top-p 1e-400 was refused as "got 0.0"
+    with pytest.raises(SystemExit) as exited:
+        sample.main(args)
+    assert exited.value.code == 2
+    assert capsys.readouterr() == ("", line + "\n")
+
+
 def test_a_prompt_with_unseen_characters_names_them(run):
     unseen = [c for c in "Zq\u20ac" if c not in SMALL_TEXT]
     assert len(unseen) == 3  # the premise: none of these is in the training text

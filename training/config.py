@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from configs import ConfigError, apply_overrides, build, check_keys, int_keys, load_yaml, text_keys
+from configs import ConfigError, apply_overrides, build, check_keys, float_keys, int_keys, load_yaml, text_keys
 from configs.origins import as_typed
 from configs.userinput import path_word, shown
 from data import DataConfig
@@ -189,8 +189,9 @@ def load_config(config_path: str | None, overrides: list[str], base: dict | None
     path = config_path or DEFAULT_CONFIG
     if config_path is None and not Path(path).exists():  # run from another folder: the one beside this script
         path = str(_PROJECT / DEFAULT_CONFIG)
+    # The counts' numbers as written (1.0e+18 exactly), and the reals' (1.0e-400, which YAML reads as 0.0)
     mapping = base if base is not None else load_yaml(path, as_written=text_keys(RunConfig),
-                                                         exact=int_keys(RunConfig))
+                                                         exact=int_keys(RunConfig) | float_keys(RunConfig))
     where = f" (in {path})" if base is None else f" (in {origin})" if origin else ""
     # A misspelt key or a wrong type in the file is the file's, whatever the overrides: reported before them. The
     # checks that tie values together run on the merged config only, since a file may leave a value to the command
