@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import shlex
 import signal
@@ -45,7 +46,7 @@ import training.signals
 from configs.userinput import shown
 from model import GPT, load_checkpoint
 from training.config import TrainConfig
-from training.signals import Interrupted, InterruptSignals, StopSignals
+from training.signals import Interrupted, InterruptSignals, StopSignals, start_or_status
 
 
 def send(signum: int) -> None:
@@ -638,3 +639,31 @@ def test_a_newline_in_out_dir_keeps_the_done_and_stop_lines_whole_and_their_comm
     assert line.startswith(f"stopped at step 7: saved '{shown(out / 'ckpt.pt')}'; continue with: python train.py "
                            f"--out-dir $'")
     assert pasted(line.split("--out-dir ", 1)[1].removesuffix(" --resume")) == bytes(out)
+
+
+# A module that fails to import as torch does under TORCH_LOGS=help: its list of logs in a ValueError
+TORCH_LOGS_HELP_LIKE = 'raise ValueError("\\nTORCH_LOGS Info\\n\\nExamples:\\n  TORCH_LOGS=\\"+dynamo,aot\\" ...\\n")\n'
+
+
+@pytest.mark.parametrize("stdout", ["pipe", "full"])
+def test_torch_logs_help_on_a_stdout_that_cannot_take_it_is_quiet_or_one_line(stdout, tmp_path, monkeypatch,
+                                                                                capsys):
+    # `TORCH_LOGS=help python train.py | head -3` ends quietly, as --help does; `> /dev/full` says so in one line
+    (tmp_path / "logs_help_like.py").write_text(TORCH_LOGS_HELP_LIKE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TORCH_LOGS", "help")
+    if stdout == "pipe":  # a pipe whose reader has gone
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        out = open(write_end, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    else:
+        out = open("/dev/full", "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        monkeypatch.setattr(sys, "stdout", out)
+        status = start_or_status(("logs_help_like",), "interrupted ({})")
+    finally:
+        monkeypatch.undo()
+        out.close()
+    assert status == (1 if stdout == "full" else 0)
+    said = capsys.readouterr().err
+    assert said == ("error: cannot write to stdout (No space left on device)\n" if stdout == "full" else "")

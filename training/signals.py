@@ -35,9 +35,13 @@ class ImportRefused(Exception):
     folder that was removed): one line."""
 
 
-class LogsHelp(Exception):
-    """TORCH_LOGS=help (or +help): torch lists its logs as it loads, in the text of a ValueError, and loads no
-    further. The command asked for that list: it is shown, as --help is, not a traceback."""
+class TorchLogsHelp(Exception):
+    """TORCH_LOGS=help (or +help) asked torch for its list of logs, which torch gives as it loads, as the message of a
+    ValueError: text is that list."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
 
 
 class Stopped(Exception):
@@ -231,21 +235,15 @@ def start_or_status(names: tuple[str, ...], interrupted: str) -> int | None:
     """Import the modules named (import_holding_signals): None once they have loaded, else the status the command
     ends with, its one line said on stderr: 2 where torch cannot load for a reason the user can fix (ImportRefused; a
     requirement not installed for this Python), 128 + the stop signal that came meanwhile (interrupted: its line, with
-    {} for the signal's name)."""
+    {} for the signal's name). TORCH_LOGS=help: torch's list of its logs on stdout, and 0, as for --help."""
     from .interpreter import missing_requirement
 
     try:
         signum = import_holding_signals(names)
+    except TorchLogsHelp as e:  # what was asked for, not a failure: torch raised it as one, a traceback and status 1
+        return _print_help(e.text)
     except ImportRefused as e:
         line, status = f"error: {e}", 2
-    except LogsHelp as e:
-        try:
-            print(e, flush=True)
-        except OSError:  # a reader that went away (| head) or a full disk: the list was all the command had to do
-            from .streams import discard_stdout
-
-            discard_stdout()
-        return 0
     except ModuleNotFoundError as e:
         if (line := missing_requirement(e)) is None:
             raise
@@ -258,12 +256,27 @@ def start_or_status(names: tuple[str, ...], interrupted: str) -> int | None:
     return status
 
 
+def _print_help(text: str) -> int:
+    """The status of a command that prints text on stdout and ends: 0, or 1 with one line where stdout cannot be
+    written (a full disk); a reader that has gone (`| head`) ends it quietly, as it ends --help's."""
+    from .streams import discard_stdout
+
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        discard_stdout()  # nor the flush at exit fails again
+        if not isinstance(e, BrokenPipeError):
+            print(f"error: cannot write to stdout ({e.strerror or e})", file=sys.stderr)
+            return 1
+    return 0
+
+
 def import_holding_signals(names: tuple[str, ...]) -> int | None:
     """Import the modules named (torch among them: seconds); the stop signal that came meanwhile, if one did, for
     the caller to end on. The stop signals wait until the modules have loaded: raised inside an import, a
     KeyboardInterrupt can leave torch or numpy half-made (seen: an AttributeError from numpy instead) or be lost in
     their C code (seen: the run went on to the end). ImportRefused: torch would not load, for a reason the user can
-    fix, said in its one line."""
+    fix, said in its one line; TorchLogsHelp: TORCH_LOGS=help asked for torch's list of its logs instead."""
     missing = [name for name in names if name not in sys.modules]
     if not missing:
         return None
@@ -283,8 +296,8 @@ def import_holding_signals(names: tuple[str, ...]) -> int | None:
     except KeyboardInterrupt as e:  # raised inside an import all the same
         held.append(getattr(e, "signum", signal.SIGINT))
     except ValueError as e:  # torch reads TORCH_LOGS as it loads and refuses a value in a screenful of its names
-        if os.environ.get("TORCH_LOGS") in ("help", "+help") and "TORCH_LOGS Info" in str(e):
-            raise LogsHelp(str(e).strip("\n")) from None  # the list the refusal below points at
+        if "TORCH_LOGS" in os.environ and str(e).lstrip().startswith("TORCH_LOGS Info"):  # help: its list, raised
+            raise TorchLogsHelp(str(e).strip("\n")) from None
         if "TORCH_LOGS" not in os.environ or "Invalid log settings" not in str(e):
             raise
         raise _not_torch_logs() from None
