@@ -55,7 +55,7 @@ try:
     from configs.userinput import OneLineParser, shown
     from model.config import short_int
     from training.config import MAX_THREADS, THREADS_PER_CORE, cores_here
-    from training.signals import Interrupted, InterruptSignals
+    from training.signals import Interrupted, InterruptSignals, start_or_status
     from training.streams import discard_stdout
 except ModuleNotFoundError as e:  # a requirement not installed for this Python (PyYAML, imported by configs)
     if __name__ != "__main__" or missing_requirement(e) is None:
@@ -127,8 +127,17 @@ def checkout_problem(folder: Path) -> str | None:
     return None
 
 
+def load_torch() -> None:
+    """Import torch (seconds: the options are checked first), or leave with start_or_status's status: TORCH_LOGS=help
+    prints torch's list of its logs and ends with 0, a TORCH_LOGS that names no log of torch's is one line and 2 (both
+    were a traceback from inside torch's import, and 1)."""
+    if (status := start_or_status(("torch",), "interrupted ({}) while starting; nothing was measured")) is not None:
+        raise SystemExit(status)
+
+
 def cuda_available() -> bool:
-    import torch  # only for --gpu: the other options are checked before torch is imported (seconds)
+    load_torch()  # only for --gpu: the other options are checked before torch is imported
+    import torch
 
     return torch.cuda.is_available()
 
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     problem = checkout_problem(Path(args.nanogpt)) if args.nanogpt else f"--nanogpt DIR is required; {CLONE_HINT}"
     if not problem:  # TINYCHAR_ONEDNN, which the matmul ceilings read after the checkout is copied
-        from model.linear import onednn_min_macs  # imports torch: not for a refusal that can do without it
+        load_torch()  # not for a refusal that can do without it
+        from model.linear import onednn_min_macs
 
         try:
             onednn_min_macs()

@@ -334,6 +334,26 @@ def test_the_real_command_refuses_without_a_traceback(tmp_path: Path):
     assert done.stderr.startswith("error: --nanogpt DIR is required") and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("gpu", [[], ["--gpu"]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("logs", ["POSIX", "help"])
+def test_a_torch_logs_torch_will_not_load_under_is_one_line_or_its_list(tmp_path: Path, logs: str, gpu: list[str]):
+    # torch reads TORCH_LOGS as it loads: a value naming no log of torch's, and help (its list of logs, raised as an
+    # error), were a traceback from inside torch's import and status 1, as they were for train.py
+    (tmp_path / "nanoGPT").mkdir()
+    checkout = nanogpt_checkout(tmp_path / "nanoGPT")
+    done = subprocess.run([sys.executable, str(ROOT / "bench.py"), "--nanogpt", str(checkout), "--quick", *gpu],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False,
+                          env={**os.environ, "TORCH_LOGS": logs})
+    if logs == "help":
+        assert done.returncode == 0 and done.stderr == ""
+        assert done.stdout.startswith("TORCH_LOGS Info\n")
+    else:
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr == ("error: TORCH_LOGS 'POSIX' is not a list of torch's logs; give comma-separated names "
+                               "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["nanoGPT"]  # nothing written
+
+
 def test_a_closed_stdout_without_json_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     """`python bench.py --nanogpt DIR >&-` ran the whole benchmark (half an hour) and printed its table nowhere."""
     monkeypatch.setattr(bench, "measure", lambda *args: pytest.fail("measured with nowhere to print"))
