@@ -148,6 +148,12 @@ def build(cls: type, mapping: Any, where: str = "", prefix: str = "", root: type
     return _build(cls, mapping, prefix, _Origin(root or cls, mapping, _bounded_where(where)))
 
 
+def refusal(cls: type, mapping: Any, message: str, where: str = "") -> ConfigError:
+    """A check of a cls instance built from mapping (build), made outside the config classes, as build says theirs:
+    message ends with where the values it names came from."""
+    return _Origin(cls, mapping, _bounded_where(where)).refuse(message)
+
+
 def check_keys(cls: type, mapping: Any, where: str = "") -> None:
     """What build checks key by key (unknown keys, wrong types), without the config classes' own checks, which may
     need values that overrides bring: a file is checked so before its overrides are applied, and its per-key

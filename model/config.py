@@ -30,6 +30,18 @@ def parameters_text(n: int) -> str:
     parameters': a bigram table read '0.00M')."""
     return f"{n / 1e6:.2f}M parameters" if n >= 10_000 else f"{n:,} parameters"
 
+def unused_setting(config: GPTConfig) -> str | None:
+    """Why a new run's model config sets what its type does not use, or None: a model.dropout above 0 for a bigram
+    table, which has no layers to drop out of (a run asked for dropout 0.5 trained without any, and its config.yaml
+    said 0.5). Not one of GPTConfig's own checks: a checkpoint saved before may hold such a config, and still loads.
+    The sizes (model.n_layer, model.n_embd) are taken and ignored, as the README says: the configs set them for the
+    gpt."""
+    if config.type == "bigram" and config.dropout != 0:
+        return (f"model.dropout={config.dropout} means nothing for model.type=bigram, whose table has no layers to "
+                f"drop out of; leave model.dropout at 0")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Hyperparameters of the decoder-only character model.

@@ -13,7 +13,10 @@ from test_train import bitwise_equal, weights
 
 import sample
 import train
+import training.config
+from configs import ConfigError
 from model import Bigram, GPTConfig, GRUModel, LSTMModel, build_model, load_checkpoint
+from training.config import load_config
 from training.memory import parameter_count
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -85,6 +88,39 @@ def test_the_gpt_under_muon_hears_nothing_of_adamw_alone(tmp_path, capsys) -> No
     train_small_run(tmp_path, **{"train.max_iters": 2})
     out = capsys.readouterr().out
     assert "engine:" in out and "optimizer:" not in out
+
+
+def test_a_dropout_a_bigram_table_cannot_use_is_refused_in_one_line(tmp_path, capsys) -> None:
+    # A bigram table has no layers to drop out of: model.dropout=0.5 trained without any, and config.yaml said 0.5
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SMALL_TEXT, encoding="utf-8")
+    args = ["--config", TINY, *tiny_overrides(corpus, tmp_path / "out"), "model.type=bigram", "model.dropout=0.5"]
+    assert train.main(args, progress=False) == 2
+    assert capsys.readouterr().err == (
+        "error: model.dropout=0.5 means nothing for model.type=bigram, whose table has no layers to drop out of; "
+        "leave model.dropout at 0 (command line: model.dropout=0.5 model.type=bigram)\n")
+    assert not (tmp_path / "out").exists()
+    shipped = str(ROOT / "configs" / "shakespeare_char.yaml")  # its dropout: 0.2, for the gpt
+    with pytest.raises(ConfigError, match=r"^model.dropout=0.2 means nothing for model.type=bigram, .* \(command "
+                                          r"line: model.type=bigram; model.dropout in .*shakespeare_char.yaml\)$"):
+        load_config(shipped, ["model.type=bigram", "model.attention=manual"])
+    # what it does not refuse: dropout 0 (any config's sizes, as the README says), and dropout for the gru and lstm
+    assert load_config(shipped, ["model.type=bigram", "model.attention=manual", "model.dropout=0"]).model.n_layer == 6
+    assert load_config(shipped, ["model.type=gru", "model.attention=manual"]).model.dropout == 0.2
+
+
+def test_a_bigram_run_saved_with_a_dropout_still_samples_and_resumes(tmp_path, capsys, monkeypatch) -> None:
+    # saved before such a dropout was refused: nothing of it is lost
+    with monkeypatch.context() as before:
+        before.setattr(training.config, "unused_setting", lambda model: None)
+        run = train_small_run(tmp_path, **{"model.type": "bigram", "model.dropout": 0.5})
+    assert load_checkpoint(run / "ckpt.pt")["config"]["model"]["dropout"] == 0.5
+    assert sample.main(["--out-dir", str(run), "--max-new-tokens", "5"]) == 0
+    assert quiet_train(["--resume", f"out_dir={run}", "train.max_iters=22"]) == 0
+    again = ["--resume", "--config", TINY, *tiny_overrides(tmp_path / "corpus.txt", run), "model.type=bigram",
+             "model.dropout=0.5", "train.max_iters=24"]
+    assert quiet_train(again) == 0, capsys.readouterr().err
+    assert load_checkpoint(run / "ckpt.pt")["step"] == 24
 
 
 def test_options_that_mean_nothing_for_a_type_are_refused_in_one_line(tmp_path, capsys) -> None:

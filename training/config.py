@@ -8,13 +8,23 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from configs import ConfigError, apply_overrides, build, check_keys, float_keys, int_keys, load_yaml, text_keys
+from configs import (
+    ConfigError,
+    apply_overrides,
+    build,
+    check_keys,
+    float_keys,
+    int_keys,
+    load_yaml,
+    refusal,
+    text_keys,
+)
 from configs.origins import as_typed
 from configs.userinput import path_word, shown
 from data import DataConfig
 from data.paths import DataError, expand_home
 from model import GPTConfig
-from model.config import short_int
+from model.config import short_int, unused_setting
 
 # The config train.py runs without --config, found from the current folder or else beside train.py.
 DEFAULT_CONFIG = "configs/tiny.yaml"
@@ -181,9 +191,10 @@ def out_dir_problem(out_dir: str, tensorboard: bool) -> str | None:
 
 
 def load_config(config_path: str | None, overrides: list[str], base: dict | None = None,
-                origin: str | None = None) -> RunConfig:
+                origin: str | None = None, resuming: bool = False) -> RunConfig:
     """Config file (or ``base``, a saved run config, which origin names in messages) plus dotted overrides ->
-    validated RunConfig."""
+    validated RunConfig. resuming: the config of a --resume, which goes on with the settings its run was saved with
+    (a setting its model does not use among them: see unused_setting)."""
     if config_path == "":  # `--config "$CFG"` with CFG unset: not a request for the default config
         raise ConfigError(f"--config is empty; give a config file, such as {DEFAULT_CONFIG} (or leave --config out)")
     path = config_path or DEFAULT_CONFIG
@@ -199,6 +210,8 @@ def load_config(config_path: str | None, overrides: list[str], base: dict | None
     check_keys(RunConfig, mapping, where)
     merged = apply_overrides(mapping, overrides, RunConfig)
     cfg = build(RunConfig, merged, where)
+    if base is None and not resuming and (unused := unused_setting(cfg.model)) is not None:
+        raise refusal(RunConfig, merged, unused, where)
     if cfg.out_dir is None:
         cfg = replace(cfg, out_dir=str(Path("runs") / Path(path).stem))
     elif cfg.out_dir.startswith("~"):  # as data.path and data.cache_dir are: not a folder named '~' (or '~nouser')

@@ -30,7 +30,7 @@ def resume_target(config: str | None, overrides: list[str]) -> tuple[RunConfig |
     cfg = None
     located = [o for o in overrides if o.partition("=")[0].strip() == "out_dir"]
     if config is not None:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, resuming=True)
         out_dir = Path(cfg.out_dir)
         if not located and (why := copied_run(Path(config), out_dir)):
             raise UsageError(why)
