@@ -145,6 +145,34 @@ def test_one_helper_per_step_and_none_after_one_failed(tmp_path, monkeypatch):
     assert len(spawned) == 6
 
 
+def test_two_runs_that_find_one_dead_helpers_job_at_once_start_one_helper(tmp_path, monkeypatch):
+    """Two runs of one model ending together both found the job of a helper that was killed, each removed it and made
+    its own, and both started a helper: two compiles of one step. Here the second run's start() comes just as the
+    first one has found the helper gone (inside its look at the helper), as it would from another process."""
+    spawned = []
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(
+        pid=-1, poll=lambda: 0))
+    job = warm.job_file(tmp_path, "k")
+    job.write_text(json.dumps({"helper": 2**22 + 1}))  # above Linux's largest pid: a helper that was killed
+    looked, answers = warm.warming, []
+
+    def warming(pid, path):
+        if not answers:  # the first run's look: the other run's start() comes now (and looks for itself)
+            answers.append(None)
+            answers[0] = warm.start(tmp_path, "k", {"threads": 2})
+        return looked(pid, path)
+
+    monkeypatch.setattr(warm, "warming", warming)
+    assert warm.start(tmp_path, "k", {"threads": 1}) is None
+    assert answers == ["another process is warming it"] and len(spawned) == 1
+    assert json.loads(job.read_text())["threads"] == 1
+    # the lock is the kernel's, dropped with its holder: the next run finds the job as the first left it
+    monkeypatch.setattr(warm, "warming", lambda pid, path: True)
+    assert warm.start(tmp_path, "k", {"threads": 2}) == "another process is warming it"
+    monkeypatch.setattr(warm, "warming", lambda pid, path: False)
+    assert warm.start(tmp_path, "k", {"threads": 2}) is None and len(spawned) == 2
+
+
 def at_once(call, *args):
     """call(*args), which must return within seconds (a named pipe opened for reading waits for a writer forever)."""
     import threading

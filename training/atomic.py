@@ -1,13 +1,23 @@
 """Writing a file so that a crash at any moment leaves the old one or the new one whole: checkpoints, config.yaml,
-bench.py's reports. Imports no torch: training/outdir.py's checks run before train.py imports it."""
+bench.py's reports; and a lock for a file that processes read, change and write back. Imports no torch:
+training/outdir.py's checks run before train.py imports it."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): locked holds nothing
+    fcntl = None
 
 
 def _umask() -> int:
@@ -45,3 +55,44 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
             os.close(dir_fd)
     except OSError:
         pass
+
+
+@contextmanager
+def locked(path: Path, wait: float = 0.0) -> Iterator[bool]:
+    """Hold an exclusive lock (flock) on path, an empty file made if missing, for what two processes must not do at
+    once (read a file, change it and write it back; find a job abandoned and take it over); yields whether this
+    process holds it: False where another still held it after wait seconds. The kernel drops the lock when its
+    process ends, however it ends, so it is never stale; the file stays, for the next to lock. OSError where path
+    is not a regular file (a folder, a link, a named pipe put there) or cannot be made. Where there is no flock,
+    yields True and holds nothing."""
+    if fcntl is None:
+        yield True
+        return
+    with _lock_file(path) as fd:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.01)
+        yield True  # released when the file closes
+
+
+@contextmanager
+def _lock_file(path: Path) -> Iterator[int]:
+    """path opened (made if missing) as a lock file: never through a link, never waiting on a named pipe, and never
+    anything but a regular file (opening a device can do things)."""
+    with suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise OSError(errno.EINVAL, f"'{path.name}' is there and is not a lock file")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # put there meanwhile
+            raise OSError(errno.EINVAL, f"'{path.name}' is there and is not a lock file")
+        yield fd
+    finally:
+        os.close(fd)

@@ -11,6 +11,7 @@ to any run started after it; TINYCHAR_WARM_CACHE=0 turns it off.
 
 The helper is this file run as a script. Until the run ends it imports nothing but the standard library (a few MB);
 its state lives in the cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it),
+tinychar-<key>.warming.lock (locked while a run looks at the job and starts a helper: one at a time),
 tinychar-<key>.warming.log (its output) and tinychar-<key>.failed (why it could not, so no later run tries again).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -99,26 +101,31 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
     """Start a helper that compiles the step spec describes (see compile_step) into folder once process parent (this one
     by default) has ended. Returns why it did not start (another helper is on it, an earlier one failed, the folder
     is read-only), or None."""
-    from configs.userinput import read_user_file  # here: run as a script, this file finds the repository later
+    from training.atomic import locked  # here: run as a script, this file finds the repository later
 
     job, failed = job_file(folder, key), failed_file(folder, key)
     if failed.exists():
         return f"an earlier attempt failed (see {failed})"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            try:  # a regular file of a few hundred bytes: a named pipe put there waited for a writer forever
-                record = json.loads(read_user_file(job, "job file", JOB_BYTES))
-            except (OSError, ValueError):
-                record = None
-            helper = record.get("helper") if isinstance(record, dict) else None
-            starting = helper is None and time.time() - job.stat().st_mtime < 60  # another start() mid-way
-            if starting or (isinstance(helper, int) and warming(helper, job)):
+        # Held from the look at the job file to the helper's pid in it: two runs ending together that both found a
+        # dead helper's job each removed it, made their own and started a helper, and both compiled.
+        with locked(Path(f"{job}.lock")) as held:
+            if not held:  # another run's start() is on it at this moment
                 return "another process is warming it"
-            job.unlink(missing_ok=True)  # left by a helper that was killed
-            fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            return _start_helper(folder, key, spec, parent)
+    except OSError as e:
+        return f"cannot write to {folder} ({e.strerror or e})"
+
+
+def _start_helper(folder: Path, key: str, spec: dict, parent: int | None) -> str | None:
+    """start's work, with the job's lock held: the job file taken (made, or taken over from a helper that is gone),
+    the helper started and its pid written in it."""
+    job = job_file(folder, key)
+    fd = _take_job(job)
+    if fd is None:
+        return "another process is warming it"
+    try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({**spec, "key": key, "helper": None}, f)
         log_path = Path(f"{job}.log")
@@ -138,11 +145,36 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
             time.sleep(0.001)
         # Read by the helper only once this process has ended, and by another run's start() meanwhile.
         job.write_text(json.dumps({**spec, "key": key, "helper": helper.pid}), encoding="utf-8")
-    except OSError as e:
-        with contextlib.suppress(OSError):  # a folder put where the job file goes cannot be unlinked
+    except OSError:
+        with contextlib.suppress(OSError):  # this start()'s job, which no helper will take
             job.unlink(missing_ok=True)
-        return f"cannot write to {folder} ({e.strerror or e})"
+        raise
     return None
+
+
+def _take_job(job: Path) -> int | None:
+    """The job file made anew for this process (its open descriptor): where there is one, only if the helper it
+    names is gone; None where a helper, or a start() of a tinychar without the job's lock, is on it."""
+    from configs.userinput import read_user_file
+
+    try:
+        return os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    try:  # a regular file of a few hundred bytes: a named pipe put there waited for a writer forever
+        record = json.loads(read_user_file(job, "job file", JOB_BYTES))
+    except (OSError, ValueError):
+        record = None
+    helper = record.get("helper") if isinstance(record, dict) else None
+    try:
+        age = time.time() - job.stat().st_mtime
+    except FileNotFoundError:  # its helper has just ended, and removed it
+        age = math.inf
+    starting = helper is None and age < 60  # another start() mid-way
+    if starting or (isinstance(helper, int) and warming(helper, job)):
+        return None
+    job.unlink(missing_ok=True)  # left by a helper that was killed
+    return os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
 def compile_step(job: Path, remember: bool) -> tuple[float, str]:
