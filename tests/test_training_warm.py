@@ -4,6 +4,7 @@ step into the cache once the run has ended, so that the next run of the model co
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -318,11 +319,12 @@ def test_a_helper_stops_waiting_once_its_runs_pid_is_another_processs(tmp_path, 
         run.wait()
 
 
-@pytest.mark.parametrize("status", [1, -signal.SIGSEGV, -signal.SIGABRT, -signal.SIGTERM, -signal.SIGKILL],
-                         ids=["failed", "SIGSEGV", "SIGABRT", "SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("status", [1, -signal.SIGSEGV, -signal.SIGABRT, -signal.SIGTERM, -signal.SIGKILL, 75],
+                         ids=["failed", "SIGSEGV", "SIGABRT", "SIGTERM", "SIGKILL", "passing"])
 def test_only_a_compile_that_failed_and_not_one_that_was_killed_stops_later_runs_warming(tmp_path, monkeypatch,
                                                                                        status):
-    """A compile the OOM killer or a shutdown ended was written down as failed, and no later run warmed the cache."""
+    """A compile the OOM killer or a shutdown ended was written down as failed, and no later run warmed the cache;
+    so was one that failed for a cause that passes (a full disk), which its process says with status 75."""
     job = warm.job_file(tmp_path, "k")
     job.write_text(json.dumps({"helper": os.getpid()}))
     monkeypatch.setattr(warm, "alive", lambda pid: False)  # the run has ended
@@ -336,7 +338,99 @@ def test_only_a_compile_that_failed_and_not_one_that_was_killed_stops_later_runs
         warm.main(job, 2**22 + 1)
     assert not job.exists()
     # a compile that crashed (SIGSEGV, SIGABRT) would crash again: a failure, unlike one killed from outside
-    assert warm.failed_file(tmp_path, "k").exists() == (status not in (-signal.SIGTERM, -signal.SIGKILL))
+    assert warm.failed_file(tmp_path, "k").exists() == (status not in (-signal.SIGTERM, -signal.SIGKILL, 75))
+
+
+def raised(error: BaseException, cause: BaseException | None = None, handling: BaseException | None = None):
+    """error as a compile raises it: from cause, or while handling another error."""
+    try:
+        try:
+            if handling is not None:
+                raise handling
+        except BaseException:
+            raise error from cause
+        raise error from cause
+    except BaseException as e:
+        return e
+
+
+FULL = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("error, passing", [
+    (raised(FULL), True),
+    (raised(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))), True),
+    (raised(OSError(errno.EROFS, os.strerror(errno.EROFS))), True),
+    (raised(MemoryError()), True),
+    (raised(RuntimeError("backend='inductor' raised:"), FULL), True),  # dynamo's error, from the disk's
+    (raised(RuntimeError("C++ compile error\n/usr/bin/ld: final link failed: No space left on device")), True),
+    (raised(RuntimeError("C++ compile error\ng++: fatal error: Killed signal terminated program cc1plus")), True),
+    (raised(RuntimeError("C++ compile error\nc.cpp:3:5: error: 'x' was not declared in this scope")), False),
+    (raised(ZeroDivisionError("division by zero")), False),
+    (raised(OSError(errno.EISDIR, os.strerror(errno.EISDIR))), False),
+    # raised while handling a cache miss: the miss is no sign of its cause
+    (raised(RuntimeError("C++ compile error"), handling=FileNotFoundError(errno.ENOENT, "no such entry")), False),
+], ids=["ENOSPC", "EDQUOT", "EROFS", "MemoryError", "wrapped", "linker", "cc1plus-killed", "C++", "bug", "EISDIR",
+        "while-handling"])
+def test_a_compile_that_failed_for_a_cause_that_passes_leaves_it_to_a_later_run(tmp_path, monkeypatch, capsys,
+                                                                                 error, passing):
+    """A full disk, a cache folder made read-only or no memory wrote tinychar-<key>.failed, as a C++ error does, and
+    no later run warmed that cache again. The compile's process tells the helper by its exit status."""
+    def compile_step(job, remember):
+        raise error
+
+    monkeypatch.setattr(warm, "compile_step", compile_step)
+    job = warm.job_file(tmp_path, "k")
+    if passing:
+        assert warm.compile_main(job, False) == 75
+        assert "not a fault of the compile" in capsys.readouterr().out
+    else:
+        with pytest.raises(type(error)):
+            warm.compile_main(job, False)
+
+    def run(args, **kwargs):  # the compile's process, in this one
+        try:
+            status = warm.compile_main(job, False)
+        except Exception:  # noqa: BLE001 - as an exception ends a process
+            status = 1
+        if status:
+            raise subprocess.CalledProcessError(status, args)
+
+    job.write_text(json.dumps({"helper": os.getpid()}))
+    monkeypatch.setattr(warm, "alive", lambda pid: False)  # the run has ended
+    monkeypatch.setattr(warm, "lowest_priority", lambda: None)
+    monkeypatch.setattr(warm.subprocess, "run", run)
+    with pytest.raises(subprocess.CalledProcessError):
+        warm.main(job, 2**22 + 1)
+    assert warm.failed_file(tmp_path, "k").exists() is not passing
+    assert not job.exists()
+
+
+@pytest.mark.parametrize("error", [BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN)), MemoryError()])
+def test_a_helper_that_cannot_start_its_compile_for_now_leaves_it_to_a_later_run(tmp_path, monkeypatch, error):
+    """No process or memory to spare for the compile's process (fork's EAGAIN): no failure of the compile's."""
+    job = warm.job_file(tmp_path, "k")
+    job.write_text(json.dumps({"helper": os.getpid()}))
+    monkeypatch.setattr(warm, "alive", lambda pid: False)
+    monkeypatch.setattr(warm, "lowest_priority", lambda: None)
+
+    def run(args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(warm.subprocess, "run", run)
+    with pytest.raises(type(error)):
+        warm.main(job, 2**22 + 1)
+    assert not warm.failed_file(tmp_path, "k").exists() and not job.exists()
+
+
+def test_the_compiles_process_says_a_vanished_cache_folder_by_its_exit_status(tmp_path):
+    """The real process: its cache folder removed while the helper waited for the run to end."""
+    job = warm.job_file(tmp_path / "gone", "k")
+    done = subprocess.run([sys.executable, str(Path(warm.__file__)), "--compile", str(job)], capture_output=True,
+                          text=True, check=False, cwd=ROOT)
+    assert done.returncode == 75, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == ("not a fault of the compile (No such file or directory): a later "
+                                                     "run tries again")
 
 
 @needs_cpu_compile

@@ -12,12 +12,14 @@ to any run started after it; TINYCHAR_WARM_CACHE=0 turns it off.
 The helper is this file run as a script. Until the run ends it imports nothing but the standard library (a few MB);
 its state lives in the cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it),
 tinychar-<key>.warming.lock (locked while a run looks at the job and starts a helper: one at a time),
-tinychar-<key>.warming.log (its output) and tinychar-<key>.failed (why it could not, so no later run tries again).
+tinychar-<key>.warming.log (its output) and tinychar-<key>.failed (why it could not, so no later run tries again;
+written only for a fault of the compile's own, which would fail again, never for a cause that passes: passing_cause).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -25,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +43,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # The signals that end a compile from outside (kill, a shutdown, the OOM killer, a closed terminal), not by a fault of
 # its own: a crash (SIGSEGV, SIGABRT) is a failure, and would crash again.
 KILLED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGTERM)}
+# A compile that failed for a cause outside it that passes (passing_cause) ends its process with this status
+# (sysexits.h's EX_TEMPFAIL): the helper writes no failure for it, and a later run tries again.
+TEMPORARY = 75
+# The errors of the file system and the machine that pass: a full disk or quota, a cache folder made read-only,
+# removed or taken from this user meanwhile, no memory or processes to spare.
+EXHAUSTED = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.ENOMEM}  # the compiler's too
+PASSING_ERRNOS = {*EXHAUSTED, errno.ENOENT, errno.ESTALE, errno.EACCES, errno.EPERM, errno.EAGAIN, errno.EMFILE,
+                  errno.ENFILE}
+# What the C++ compiler and linker say of such causes, in the output that inductor's compile error holds (the OOM
+# killer ends cc1plus, the largest process, more often than the compile's Python): a "C++ error" that would not recur.
+PASSING_WORDS = (*sorted(os.strerror(n) for n in EXHAUSTED), "virtual memory exhausted", "out of memory allocating",
+                 "Killed signal terminated program")
 SETTINGS = ("1", "0")
 JOB_BYTES = 65536  # a job file holds the run's settings, a few hundred bytes
 
@@ -305,6 +320,46 @@ def ends_with(parent: int) -> Callable[[], None]:
     return arrange
 
 
+def passing_cause(e: BaseException) -> str | None:
+    """What in e, or the errors it was raised from, says that the compile failed for a cause outside it that passes
+    (PASSING_ERRNOS, PASSING_WORDS, no memory), in words; None where nothing does: a fault of the compile's own (a
+    C++ error, an exception in the compiler, a bug), which would fail again. Only the errors it was raised from: one
+    raised while handling another (a cache miss's FileNotFoundError, say) is no sign of that other's cause."""
+    link: BaseException | None = e
+    for _ in range(20):
+        if link is None:
+            break
+        if isinstance(link, MemoryError):
+            return "out of memory"
+        if isinstance(link, OSError) and link.errno in PASSING_ERRNOS:
+            return link.strerror or os.strerror(link.errno)
+        if said := next((words for words in PASSING_WORDS if words in str(link)), None):
+            return said
+        link = link.__cause__
+    return None
+
+
+def compile_main(job: Path, remember: bool) -> int:
+    """The helper's compiling process (--compile): compile_step, saying how it went. TEMPORARY where it failed for a
+    cause that passes (passing_cause, or no folder to write in now), said in the log first."""
+    from training.compile_cache import NoCacheFolder
+    from training.heap import memory_kept
+
+    try:
+        with memory_kept():  # as the run does, to time its steps so
+            seconds, source = compile_step(job, remember)
+    except Exception as e:
+        cause = str(e) if isinstance(e, NoCacheFolder) else passing_cause(e)
+        if cause is None:
+            raise
+        with contextlib.suppress(OSError):  # its log, on a full disk: the status says it still
+            traceback.print_exc()
+            print(f"not a fault of the compile ({cause}): a later run tries again", flush=True)
+        return TEMPORARY
+    print(f"compiled in {seconds:.1f} s ({source})", flush=True)
+    return 0
+
+
 def main(job: Path, parent: int, born: str | None = None) -> int:
     """The helper: wait for the run (process parent, started at born: see started) to end, lower its priority,
     compile the step in a process of its own (filling the cache), then again in another, as the next run will (timing
@@ -324,11 +379,15 @@ def main(job: Path, parent: int, born: str | None = None) -> int:
             subprocess.run([sys.executable, __file__, "--compile", str(job), *(["--remember"] if remember else [])],
                            cwd=ROOT, stdin=subprocess.DEVNULL, check=True, preexec_fn=ends_with(os.getpid()))
         return 0
-    except Exception as e:  # whatever went wrong: said once, where later runs look
-        if isinstance(e, subprocess.CalledProcessError) and -e.returncode in KILLED_BY:
-            raise  # the compile was killed (a shutdown, the OOM killer): no failure of its own; the next run tries
-        failed_file(job.parent, job.name.removeprefix("tinychar-").removesuffix(".warming")).write_text(
-            f"{type(e).__name__}: {e} (its output: {job}.log)\n", encoding="utf-8")
+    except Exception as e:  # a fault of the compile's: said once, where later runs look
+        if isinstance(e, subprocess.CalledProcessError):
+            # killed from outside (a shutdown, the OOM killer), or failed for a cause that passes (compile_main)
+            passing = -e.returncode in KILLED_BY or e.returncode == TEMPORARY
+        else:  # this process's own: no memory, or no process to spare, for the compile's
+            passing = passing_cause(e) is not None
+        if not passing:
+            failed_file(job.parent, job.name.removeprefix("tinychar-").removesuffix(".warming")).write_text(
+                f"{type(e).__name__}: {e} (its output: {job}.log)\n", encoding="utf-8")
         raise
     finally:
         job.unlink(missing_ok=True)
@@ -337,10 +396,5 @@ def main(job: Path, parent: int, born: str | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "--compile":
         sys.path.insert(0, str(ROOT))
-        from training.heap import memory_kept
-
-        with memory_kept():  # as the run does, to time its steps so
-            seconds, source = compile_step(Path(sys.argv[2]), "--remember" in sys.argv)
-        print(f"compiled in {seconds:.1f} s ({source})", flush=True)
-    else:
-        sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), None if sys.argv[3:4] in ([], ["-"]) else sys.argv[3]))
+        sys.exit(compile_main(Path(sys.argv[2]), "--remember" in sys.argv))
+    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), None if sys.argv[3:4] in ([], ["-"]) else sys.argv[3]))
