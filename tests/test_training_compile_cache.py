@@ -4,14 +4,17 @@ compile to take."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,6 +68,38 @@ def test_the_marker_keeps_the_step_times_measured_beside_the_compile_time(monkey
     assert compile_cache.measured_saving(key) is None and compile_cache.cached_compile_seconds(key) == 8.3
 
 
+
+def test_two_processes_noting_one_step_at_once_keep_both_notes(monkeypatch, tmp_path):
+    """The warm-cache helper wrote its step times while a run of the same step noted its compile: the run wrote back
+    the marker it had read before, without them, and no later helper times them again. Here the other writer comes
+    just as this one has read the marker, from a thread of its own (each opens the lock file itself, as another
+    process would), and this one goes on once the other has written or waits for the lock."""
+    from training import atomic
+
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
+    key = sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
+    read, other, written_or_waiting = compile_cache._read_marker, [], threading.Event()
+
+    def waiting(seconds):
+        written_or_waiting.set()
+        time.sleep(seconds)
+
+    def read_then_let_the_other_write(name):
+        last = read(name)
+        if not other:  # this process's read: the other's update comes now
+            other.append(threading.Thread(target=lambda: (compile_cache.remember_step_times(key, 54.0, 33.0),
+                                                          written_or_waiting.set())))
+            other[0].start()
+            assert written_or_waiting.wait(60)
+        return last
+
+    monkeypatch.setattr(atomic, "time", SimpleNamespace(monotonic=time.monotonic, sleep=waiting))
+    monkeypatch.setattr(compile_cache, "_read_marker", read_then_let_the_other_write)
+    compile_cache.remember_compile(key, 8.3)
+    other[0].join(60)
+    assert compile_cache.measured_saving(key) == (54.0, 33.0, 8.3)
+    assert json.loads(compile_cache._marker(key).read_text()) == {"seconds": 8.3, "cold": False, "eager_ms": 54.0,
+                                                                  "compiled_ms": 33.0}
 
 def test_a_marker_holding_an_integer_too_large_for_a_float_is_no_measurement(monkeypatch, tmp_path):
     """JSON reads 1 and 400 zeros as a Python int, which float() cannot convert: train.py and sample.py stopped in an

@@ -9,6 +9,7 @@ what tinychar compiles (compile_options) are here too, as they decide what the c
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -24,7 +25,7 @@ import torch
 from configs.userinput import private_temp_root, read_user_file, shown, temp_root
 from model.linear import cpu_flags, lower_onednn_linear
 
-from .atomic import write_atomic
+from .atomic import locked, write_atomic
 from .libraries import drop_damaged_libraries
 
 # A folder the user chose for torch's compile cache, read before torch itself may fill the variable with its default.
@@ -331,12 +332,21 @@ def cached_compile_seconds(key: str) -> float | None:
     return None if last is None else last[0]
 
 
+# Held while a process reads a marker, changes it and writes it back: the warm-cache helper's step times, written
+# while a run of the same step noted its compile, were lost to the run's write, and no later helper times them again.
+# Waited for this long at most (its holder writes a few bytes), then the marker is written regardless.
+MARKERS_LOCK, MARKERS_LOCK_WAIT = "tinychar-markers.lock", 10.0
+
+
 def _update_marker(key: str, fields: dict) -> None:
     try:
         marker = _marker(key)
         marker.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({**_read_marker(key), **fields}).encode()
-        write_atomic(marker, lambda f: f.write(text))  # a new file: never written through a link put in its place
+        with contextlib.ExitStack() as held:
+            with contextlib.suppress(OSError):  # no lock to take (a folder in its place): written as before
+                held.enter_context(locked(marker.parent / MARKERS_LOCK, MARKERS_LOCK_WAIT))
+            text = json.dumps({**_read_marker(key), **fields}).encode()
+            write_atomic(marker, lambda f: f.write(text))  # a new file: never written through a link put in its place
     except OSError:
         pass  # a read-only cache only costs the next run its estimate
 
