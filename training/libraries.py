@@ -6,7 +6,9 @@ linker wrote, a full disk) leaves a file that is not whole: dlopen of one cut an
 is no longer there, and the process died of SIGBUS (exit 135, no line) on every later compile; an empty or garbled one
 failed to load, and every later run trained eagerly, saying it could not compile. A library that is not there is
 simply built again (measured: the sampler's loop from a warm cache in 3.7 s, the same characters), so a damaged one is
-removed before compiling. Linux only: the check reads ELF, the format Linux's libraries are in.
+removed before compiling, unless another process may be building it now: inductor builds each of its libraries
+holding a lock named by it (locks/<key>.lock in the cache folder), which is taken here too before one is removed.
+Linux only: the check reads ELF, the format Linux's libraries are in.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-# A library younger than this may still be being written by another process's linker (a warm helper's, at the lowest
-# priority on a busy machine): it is left alone.
+from .atomic import locked
+
+# A library that is not where inductor puts its own (so not under a lock of inductor's), younger than this, may still
+# be being written by another process's linker (a warm helper's, at the lowest priority on a busy machine): it is left
+# alone. Inductor's own go by their lock instead: one cut short by a run killed while it linked was left for this long,
+# and every run meanwhile loaded it and died of SIGBUS.
 SETTLED_SECONDS = 600
 _PT_LOAD = 1
 
@@ -50,9 +56,9 @@ def whole_elf(path: Path) -> bool:
 
 
 def drop_damaged_libraries(folder: Path, now: float | None = None) -> int:
-    """Remove the libraries of compiled code in folder (and below) that are not whole and are older than
-    SETTLED_SECONDS, so that inductor builds them again; how many it removed. Nothing on a platform other than Linux,
-    and nothing it cannot read or remove."""
+    """Remove the libraries of compiled code in folder (and below) that are not whole and that no other process is
+    building (_remove_unless_building), so that inductor builds them again; how many it removed. Nothing on a platform
+    other than Linux, and nothing it cannot read or remove."""
     if not sys.platform.startswith("linux"):
         return 0
     now = time.time() if now is None else now
@@ -63,10 +69,34 @@ def drop_damaged_libraries(folder: Path, now: float | None = None) -> int:
                 continue
             path = Path(root) / name
             try:
-                if path.is_symlink() or now - path.stat().st_mtime < SETTLED_SECONDS or whole_elf(path):
+                if path.is_symlink() or whole_elf(path):
                     continue
-                path.unlink()
+                removed += _remove_unless_building(Path(folder), path, now)
             except OSError:
                 continue
-            removed += 1
     return removed
+
+
+def _remove_unless_building(folder: Path, path: Path, now: float) -> bool:
+    """Remove the library at path, not whole, unless another process may be building it; whether it did. One of
+    inductor's C++ cache (folder/<key[1:3]>/<key>.so or <key>.main.so) is removed while this process holds the lock
+    inductor builds it under (folder/locks/<key>.lock), and kept while another does; any other, and one whose lock
+    cannot be taken (a file where the locks' folder goes), only once older than SETTLED_SECONDS."""
+    key = path.name.split(".", 1)[0]
+    if path.parent.parent == folder and path.parent.name == key[1:3]:
+        lock = folder / "locks" / f"{key}.lock"
+        try:
+            lock.parent.mkdir(exist_ok=True)
+            with locked(lock) as free:
+                if not free:  # another process is building it now
+                    return False
+                if whole_elf(path):  # built meanwhile
+                    return False
+                path.unlink()
+                return True
+        except OSError:
+            pass
+    if now - path.stat().st_mtime < SETTLED_SECONDS:
+        return False
+    path.unlink()
+    return True
