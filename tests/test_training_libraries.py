@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, needs_cpu_compile
@@ -74,12 +76,24 @@ def test_a_library_inductor_was_cut_short_linking_is_removed_at_once_unless_anot
     assert drop_damaged_libraries(tmp_path) == 1  # its builder gone, and it not whole: cut short
     assert sorted(p.name for p in ab.iterdir()) == ["cabdone.main.so"] and elsewhere.exists()
 
-    # where the lock cannot be taken (a file in place of the locks' folder), the library's age decides
+    # where there are no locks (a file system whose flock says ENOLCK), the library's age decides
+    from training import atomic
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    cut.write_bytes(whole[:4096])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(atomic, "fcntl", SimpleNamespace(flock=refused, LOCK_EX=2, LOCK_NB=4))
+        assert drop_damaged_libraries(tmp_path) == 0 and cut.exists()
+        assert drop_damaged_libraries(tmp_path, now=time.time() + 3600) == 2  # and the one elsewhere
+        assert not cut.exists() and not elsewhere.exists()
+    # nor where the lock cannot be taken (a file in place of the locks' folder)
     shutil.rmtree(tmp_path / "locks")
     (tmp_path / "locks").write_text("")
     cut.write_bytes(whole[:4096])
     assert drop_damaged_libraries(tmp_path) == 0 and cut.exists()
-    assert drop_damaged_libraries(tmp_path, now=time.time() + 3600) == 2 and not cut.exists()
+    assert drop_damaged_libraries(tmp_path, now=time.time() + 3600) == 1 and not cut.exists()
 
 
 @needs_cpu_compile

@@ -174,6 +174,26 @@ def test_two_runs_that_find_one_dead_helpers_job_at_once_start_one_helper(tmp_pa
     assert warm.start(tmp_path, "k", {"threads": 2}) is None and len(spawned) == 2
 
 
+@pytest.mark.parametrize("flock", ["missing", "refused"])
+def test_where_there_are_no_file_locks_a_run_still_leaves_a_helper(tmp_path, monkeypatch, flock):
+    """No fcntl (another platform), or a file system whose flock says ENOLCK: start() goes on without the lock, as it
+    did before it had one, rather than saying it cannot write to the folder."""
+    from training import atomic
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(atomic, "fcntl", None if flock == "missing" else SimpleNamespace(
+        flock=refused, LOCK_EX=2, LOCK_NB=4))
+    spawned = []
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(
+        pid=-1, poll=lambda: 0))
+    assert warm.start(tmp_path, "k", {"threads": 1}) is None and len(spawned) == 1
+    assert warm.start(tmp_path, "k", {"threads": 1}) == "another process is warming it"  # the job's look still
+    monkeypatch.setattr(compile_cache, "cache_folder", lambda say=False: tmp_path)
+    compile_cache.remember_compile("k", 3.0)
+    assert compile_cache.cached_compile_seconds("k") == 3.0
+
 def at_once(call, *args):
     """call(*args), which must return within seconds (a named pipe opened for reading waits for a writer forever)."""
     import threading

@@ -57,29 +57,39 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
         pass
 
 
+# What flock says where the file system has no such locks (some network and FUSE file systems).
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
 @contextmanager
-def locked(path: Path, wait: float = 0.0) -> Iterator[bool]:
+def locked(path: Path, wait: float = 0.0) -> Iterator[bool | None]:
     """Hold an exclusive lock (flock) on path, an empty file made if missing, for what two processes must not do at
-    once (read a file, change it and write it back; find a job abandoned and take it over); yields whether this
-    process holds it: False where another still held it after wait seconds. The kernel drops the lock when its
-    process ends, however it ends, so it is never stale; the file stays, for the next to lock. OSError where path
-    is not a regular file (a folder, a link, a named pipe put there) or cannot be made. Where there is no flock,
-    yields True and holds nothing."""
+    once (read a file, change it and write it back; find a job abandoned and take it over). Yields True where this
+    process holds it, False where another still held it after wait seconds, None where there are no such locks (no
+    flock on this platform or file system), holding nothing then. The kernel drops the lock when its process ends,
+    however it ends, so it is never stale; the file stays, for the next to lock. OSError where path is not a regular
+    file (a folder, a link, a named pipe put there) or cannot be made."""
     if fcntl is None:
-        yield True
+        yield None
         return
     with _lock_file(path) as fd:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.01)
-        yield True  # released when the file closes
+        yield _flock(fd, wait)  # released when the file closes
+
+
+def _flock(fd: int, wait: float) -> bool | None:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        except OSError as e:
+            if e.errno in _NO_FLOCK:
+                return None
+            raise
+        time.sleep(0.01)
 
 
 @contextmanager

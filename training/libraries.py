@@ -81,19 +81,18 @@ def _remove_unless_building(folder: Path, path: Path, now: float) -> bool:
     """Remove the library at path, not whole, unless another process may be building it; whether it did. One of
     inductor's C++ cache (folder/<key[1:3]>/<key>.so or <key>.main.so) is removed while this process holds the lock
     inductor builds it under (folder/locks/<key>.lock), and kept while another does; any other, and one whose lock
-    cannot be taken (a file where the locks' folder goes), only once older than SETTLED_SECONDS."""
+    cannot be taken (a file where the locks' folder goes, no flock), only once older than SETTLED_SECONDS."""
     key = path.name.split(".", 1)[0]
     if path.parent.parent == folder and path.parent.name == key[1:3]:
         lock = folder / "locks" / f"{key}.lock"
         try:
             lock.parent.mkdir(exist_ok=True)
             with locked(lock) as free:
-                if not free:  # another process is building it now
-                    return False
-                if whole_elf(path):  # built meanwhile
-                    return False
-                path.unlink()
-                return True
+                if free is not None:  # None: no locks on this file system, so its age decides, as below
+                    if not free or whole_elf(path):  # another process is building it now, or has built it
+                        return False
+                    path.unlink()
+                    return True
         except OSError:
             pass
     if now - path.stat().st_mtime < SETTLED_SECONDS:

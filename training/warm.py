@@ -126,7 +126,7 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
         # Held from the look at the job file to the helper's pid in it: two runs ending together that both found a
         # dead helper's job each removed it, made their own and started a helper, and both compiled.
         with locked(Path(f"{job}.lock")) as held:
-            if not held:  # another run's start() is on it at this moment
+            if held is False:  # another run's start() is on it at this moment (None: no locks here, as before them)
                 return "another process is warming it"
             return _start_helper(folder, key, spec, parent)
     except OSError as e:
