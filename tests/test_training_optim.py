@@ -195,6 +195,32 @@ def test_muon_steps_a_matrix_as_torchs_muon_and_the_rest_exactly_as_adamw():
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_weight_decay_shrinks_matrices_and_embeddings_and_leaves_biases_and_norms_alone(optimizer):
+    """train.weight_decay is for matrices only: a step whose gradients are all zero moves nothing but the decay, which
+    takes each matrix and embedding to (1 - lr x weight_decay) of itself and leaves the biases and the layer norms'
+    weights as they were. (Every other test of the optimizers compares two paths that share its groups: one group
+    decaying everything passed them all.)"""
+    model = small_gpt()
+    with torch.no_grad():  # no zeros (the biases start at 0, which decays to 0) and no ones (the norms' weights)
+        for p in model.parameters():
+            p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())) + 0.5)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    cfg = TrainConfig(optimizer=optimizer, learning_rate=0.5, weight_decay=0.1)
+    opt = make_optimizer(model, cfg, torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    decayed = {name for name, p in model.named_parameters() if p.dim() >= 2}
+    assert "transformer.wte.weight" in decayed and "transformer.h.0.attn.c_attn.weight" in decayed
+    for name, p in model.named_parameters():
+        if name in decayed:
+            torch.testing.assert_close(p.detach(), before[name] * (1 - 0.5 * 0.1), msg=name)
+        else:  # biases, and the layer norms' weights and biases
+            assert torch.equal(p.detach(), before[name]), name
+    assert len(decayed) < len(before)  # the biases and norms were there to leave alone
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_the_compiled_steps_update_is_the_optimizers_run_as_plain_pytorch(optimizer):
     """training.compiled_step's whole step (clipping and the update on flat buffers), run here without compiling,
     against the eager step: clip_grad_norm_ and the optimizer, 5 steps. Only the order of float32 additions differs."""
