@@ -456,7 +456,7 @@ def _loop(folder: Path) -> Path:
     (lambda t: os.mkfifo(t / "fifo.png"), "it is not a plain file (a device, a pipe or a socket)"),
     (lambda t: (t / "folder.png").mkdir(), "it is a folder; give a file name such as"),
     (lambda t: _loop(t), "a loop of symbolic links is on the way there"),
-])
+], ids=["a checkpoint", "a lock file", "a pipe", "a folder", "a loop of links"])
 def test_a_picture_never_replaces_what_is_not_a_picture(tmp_path: Path, make, says):
     # The picture is renamed over its path: over a checkpoint or a run's .lock named by a slip of the command line,
     # or over /dev/null itself for a run as root, which sample.py --attention-map and lab sort --heatmap both did.
