@@ -244,3 +244,30 @@ def test_an_evaluation_split_into_passes_reads_what_one_pass_reads(monkeypatch):
     x, y = get_batch(splits["val"], 8, 30, torch.Generator().manual_seed(3), torch.device("cpu"))
     with torch.no_grad():
         assert losses[56]["val"] == pytest.approx(model(x, y)[1].item(), rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.0], ids=["clipped", "unclipped"])
+def test_the_gradients_the_optimizer_steps_with_are_clipped_to_grad_clip(tmp_path, capsys, monkeypatch, clip):
+    """train.grad_clip limits the norm of the gradients the eager step hands the optimizer (0: no limit). Nothing else
+    saw it: Adam's updates hardly change when all gradients shrink alike, so a run that never clipped trained as one
+    that did, and the compiled step's tests clip on both sides of their comparison."""
+    from training import optim
+
+    norms: list[float] = []
+    for cls in (optim.AdamW, optim.Muon):  # tiny.yaml's optimizer, and the other
+
+        def step(self, closure=None, real=cls.step):
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+            return real(self, closure)
+
+        monkeypatch.setattr(cls, "step", step)
+    keys = {"train.grad_clip": clip, "train.max_iters": 3, "train.eval_interval": 3}
+    code, _, err = call(train_main, ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), tmp_path / "out",
+                                                                       **keys)], capsys)
+    assert code == 0, err
+    assert len(norms) == 3
+    if clip:
+        assert all(n <= clip * (1 + 1e-4) for n in norms), norms
+    else:  # the control: these gradients are far above the limit the other run sets
+        assert all(n > 100 * 1e-3 for n in norms), norms
