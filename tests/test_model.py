@@ -278,6 +278,28 @@ def test_default_window_sees_the_last_block_size_characters():
     assert torch.equal(out, expected)
 
 
+def test_a_full_window_starts_again_from_its_last_keep_characters(trained):
+    """keep: once the window holds block_size characters, the next one starts a window of the last keep of them and
+    the new one, which then grows to block_size again. (The test above compares the two paths, which share the
+    rule: generate ignoring keep passed it.)"""
+    model, chars = trained
+    idx = torch.tensor([[chars.index(c) for c in "hel"]])
+    default = model.generate(idx, 20, temperature=0.0)
+    differ = []
+    for keep in (1, 2, 3, 4):
+        expected, start = idx, 0
+        for _ in range(20):
+            end = expected.size(1)
+            if end - start > 8:  # block_size
+                start = end - keep - 1
+            logits, _ = model(expected[:, start:end])
+            expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        for use_cache in (True, False):
+            assert torch.equal(model.generate(idx, 20, temperature=0.0, keep=keep, use_cache=use_cache), expected)
+        differ.append(not torch.equal(expected, default))
+    assert any(differ)  # the windows matter to this model: some keep gives other characters than the default
+
+
 def test_keep_out_of_range_is_refused():
     with pytest.raises(ValueError, match="keep"):
         tiny().generate(torch.zeros(1, 1, dtype=torch.long), 3, keep=8)
