@@ -804,9 +804,10 @@ def test_a_full_disk_names_the_partial_files_a_killed_encoding_left_there(tmp_pa
     write(folder / f".t.txt.{os.getpid()}.0123abcd.ids.part", b"\0" * (5 << 20))  # this run's own, alive
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert str(data.cache.unwritten("data.cache_dir", folder, (), full)) == (
-        f"data.cache_dir: cannot write the encoded corpus to '{folder}' (No space left on device); 1 partial file "
-        f"that an encoding killed midway left there holds 3.0 MB ('.zh.txt.{child.pid}.5e457059.ids.part'): remove it "
-        f"if no other machine is encoding into that folder, free some space, or set data.cache_dir to another folder")
+        f"data.cache_dir: cannot write the encoded corpus to {quoted(folder)} (No space left on device); 1 partial "
+        f"file that an encoding killed midway left there holds 3.0 MB ('.zh.txt.{child.pid}.5e457059.ids.part'): "
+        f"remove it if no other machine is encoding into that folder, free some space, or set data.cache_dir to "
+        f"another folder")
     (folder / f".zh.txt.{child.pid}.5e457059.ids.part").write_bytes(b"\0" * 300)
     assert "left there holds 300 bytes (" in str(data.cache.unwritten("data.cache_dir", folder, (), full))
     assert str(data.cache.unwritten("data.cache_dir", tmp_path / "empty", (), full)).endswith(

@@ -19,7 +19,7 @@ from conftest import ROOT, SMALL_TEXT, refused_with_imports, tiny_overrides, tra
 from PIL import Image
 
 import sample
-from configs.userinput import shown as quoted_as_said
+from data.paths import quoted
 from model import load_checkpoint, model_from_checkpoint
 from model.checkpoint import VERSION
 from sampling import request, stops, writing
@@ -482,8 +482,7 @@ def test_an_attention_map_never_replaces_the_checkpoint_a_pipe_or_a_link(run, ru
     os.mkfifo(tmp_path / "pipe")
     for name, says in (("model", "a file that is not a picture is there"), ("pipe", "it is not a plain file")):
         line = one_error_line(run("--checkpoint", str(tmp_path / "model"), "--attention-map", str(tmp_path / name)))
-        # as the message quotes it: cut in its middle where tmp_path is longer than QUOTE_LIMIT allows
-        assert f"--attention-map '{quoted_as_said(str(tmp_path / name))}': {says}" in line
+        assert f"--attention-map {quoted(tmp_path / name)}: {says}" in line
     assert (tmp_path / "model").read_bytes() == (run_dir / "best.pt").read_bytes() and (tmp_path / "pipe").is_fifo()
     # a link to a picture stays a link: the picture it leads to is written
     Image.new("RGB", (2, 2)).save(tmp_path / "old.png")
@@ -949,9 +948,9 @@ def test_a_damaged_best_pt_names_the_runs_other_checkpoint(run, run_dir, tmp_pat
     shutil.copy(run_dir / "ckpt.pt", tmp_path / "ckpt.pt")
     (tmp_path / "best.pt").write_text("junk\n", encoding="utf-8")
     assert one_error_line(run(out_dir=tmp_path)) == (
-        f"error: cannot read checkpoint '{quoted_as_said(str(tmp_path / 'best.pt'))}' (truncated or not a checkpoint): "
-        f"it is not a whole "
-        f"file that torch.save wrote; the run's latest checkpoint may be whole: --checkpoint {tmp_path / 'ckpt.pt'}")
+        f"error: cannot read checkpoint {quoted(tmp_path / 'best.pt')} (truncated or not a checkpoint): it is not a "
+        f"whole file that torch.save wrote; the run's latest checkpoint may be whole: --checkpoint "
+        f"{tmp_path / 'ckpt.pt'}")
     assert ok(run("--checkpoint", str(tmp_path / "ckpt.pt"), "--max-new-tokens", "5"))
     one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))  # chosen by name: no other is offered
     assert "--checkpoint" not in one_error_line(run("--checkpoint", str(tmp_path / "best.pt")))
