@@ -258,12 +258,26 @@ def test_replace_mode_puts_fffd_where_the_bytes_were_bad(tmp_path: Path, chunk_b
 def test_utf16_without_nul_bytes_is_refused_with_the_conversion(tmp_path: Path, errors: str, encoding: str) -> None:
     """Chinese saved as UTF-16 (Windows's "Unicode") has no NUL byte to call it binary: strict said 'not UTF-8 at
     byte 0; ... or set data.errors=replace', and replace trained on the bytes read as UTF-8, garbage."""
-    path = write(tmp_path / "zh.txt", ("\ufeff" + "中文文本训练数据" * 40).encode(encoding))
+    text = ("\ufeff" + "中文文本训练数据" * 40).encode(encoding)
+    path = write(tmp_path / "zh.txt", text)
     assert b"\0" not in path.read_bytes()
     with pytest.raises(DataError) as info:
         prepare(path, errors=errors)
     assert str(info.value) == f"data.path: {quoted(path)} is UTF-16 text (it starts with UTF-16's byte-order mark), " \
-        f"not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > converted.txt"
+        f"not UTF-8; convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {command_word(path)} > converted.txt"
+    # a path past QUOTE_LIMIT characters, whatever the temp folder: the command says FILE
+    long = write(tmp_path / f"{'x' * QUOTE_LIMIT}.txt", text)
+    with pytest.raises(DataError) as info:
+        prepare(long, errors=errors)
+    assert str(info.value).endswith("e.g. iconv -f UTF-16 -t UTF-8 FILE > converted.txt")
+
+
+def command_word(path: Path) -> str:
+    """The file as the conversion's command names it: its path where that fits in QUOTE_LIMIT characters, else FILE.
+    (A temp folder such as macOS's, /var/folders/.../T/, or a longer user name in pytest's, makes tmp_path too long:
+    the expected lines wrote the path there, and failed with the product unchanged.)"""
+    word = shell_word(str(path))
+    return word if len(word) <= QUOTE_LIMIT else "FILE"
 
 
 @pytest.mark.parametrize(("encoding", "name"), [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16"), ("utf-32", "UTF-32")])
@@ -275,7 +289,7 @@ def test_wide_text_with_nul_bytes_is_refused_as_what_it_is_with_the_conversion(t
                  + ("hello world " * 80).encode(encoding))
     assert b"\0" in path.read_bytes()[:100]
     expected = (f"data.path: {quoted(path)} is {name} text (it starts with {name}'s byte-order mark), not UTF-8; "
-                f"convert it to UTF-8, e.g. iconv -f {name} -t UTF-8 {path} > converted.txt")
+                f"convert it to UTF-8, e.g. iconv -f {name} -t UTF-8 {command_word(path)} > converted.txt")
     for errors in ("strict", "replace"):
         with pytest.raises(DataError) as info:
             prepare(path, errors=errors)
@@ -483,7 +497,7 @@ def test_a_file_that_grows_after_it_is_listed_is_read_no_further_and_said_at_onc
         within(prepare, f, seconds=20)
     # The command names the file where its path fits in QUOTE_LIMIT characters: a temp folder such as macOS's
     # (/var/folders/.../T/, ~50 characters) makes tmp_path too long for that, and the command says FILE instead.
-    word = str(f) if len(shell_word(str(f))) <= QUOTE_LIMIT else "FILE"
+    word = command_word(f)
     assert str(info.value) == (
         f"data.path: {quoted(f)} grew from 512 to {now:,} bytes while it was being read; a file still being written to "
         f"(a live log) changes at every run: train on a copy of it, kept out of what data.path reads (cp -- {word} "
