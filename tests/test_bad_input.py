@@ -435,7 +435,10 @@ def test_bad_input_is_one_line_exit_2_and_out_dir_is_left_as_it_was(
         return
     assert code == 2, err
     line = one_error_line(err)
-    assert fragment in line and len(line) < LINE_LIMIT, line
+    # The run's folder counts as one word: a line may name it whole (the cp command that mends a run missing its
+    # ckpt.pt names it twice), and pytest's temp folder is longer on some machines (macOS's /var/folders/...), where
+    # that line passed LINE_LIMIT with the product unchanged
+    assert fragment in line and len(line.replace(str(run), "RUN")) < LINE_LIMIT, line
     if program == "sample":
         assert out == ""
 
