@@ -371,7 +371,8 @@ def test_a_vocabulary_that_does_not_match_the_weights_is_refused(saved, tmp_path
          "cannot write"),
         (lambda p: p.update(vocab=[VOCAB[0], VOCAB[2], *VOCAB[2:]]),
          "malformed vocabulary: '!' is in it twice (characters 1 and 2)"),
-        (lambda p: p["model_config"].update(n_head=3), "unusable model config"),
+        (lambda p: p["model_config"].update(n_head=3),
+         "unusable model config: model.n_embd must be divisible by model.n_head, got 16 and 3"),
         (lambda p: p["model_config"].update(colour="blue"),
          "unusable model config: 'colour' is no setting this tinychar knows"),
         # escaped: the name's newline split the one line in two
@@ -383,6 +384,10 @@ def test_a_vocabulary_that_does_not_match_the_weights_is_refused(saved, tmp_path
          "unusable model config: it lacks block_size, n_layer"),
         (lambda p: p["model"].pop("lm_head.weight"), "weights do not match"),
     ],
+    # the changes are lambdas: pytest named them by their fragments, and the first two shared one
+    ids=["a two-character entry", "a string, not a list", "empty", "a lone surrogate", "a character twice",
+         "heads that do not divide the width", "an unknown setting", "a newline in a setting's name",
+         "no n_head", "no block_size or n_layer", "a weight missing"],
 )
 def test_a_damaged_description_is_refused(saved, tmp_path, change, fragment):
     model, _ = saved
