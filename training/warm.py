@@ -9,17 +9,17 @@ compiled (time_steps), and writes the marker that tells the next run its cache i
 here, by which `auto` decides (engine.MEASURED_MARGIN). It never competes with the run that started it, and yields
 to any run started after it; TINYCHAR_WARM_CACHE=0 turns it off.
 
-The helper is this file run as a script. Until the run ends it imports nothing but the standard library (a few MB);
-its state lives in the cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it),
-tinychar-<key>.warming.lock (locked while a run looks at the job and starts a helper: one at a time),
-tinychar-<key>.warming.log (its output) and tinychar-<key>.failed (why it could not, so no later run tries again;
-written only for a fault of the compile's own, which would fail again, never for a cause that passes: passing_cause).
+The helper is this file run as a script. Until the run ends it imports nothing but the standard library and two small
+modules of tinychar's that need no more (training.atomic, training.warm_failures): a few MB. Its state lives in the
+cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it), tinychar-<key>.warming.lock
+(locked while a run looks at the job and starts a helper: one at a time), tinychar-<key>.warming.log (its output) and
+tinychar-<key>.failed (why it could not, so no later run tries again; written only for a fault of the compile's own,
+which would fail again, never for a cause that passes: see training/warm_failures.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -32,6 +32,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+if __name__ == "__main__":  # the helper, run as a script: tinychar's packages are found from the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Imported after the path above is set (E402); failed_file is warm's name for the file too.
+from training.atomic import locked  # noqa: E402
+from training.warm_failures import (  # noqa: E402
+    TEMPORARY,
+    earlier_failure,
+    helper_failed,
+    passing_cause,
+    record_failure,
+)
+from training.warm_failures import failed_file as failed_file  # noqa: E402
+
 if TYPE_CHECKING:  # the helper imports torch only once the run has ended
     import torch
     from torch import nn
@@ -40,21 +54,6 @@ if TYPE_CHECKING:  # the helper imports torch only once the run has ended
     from training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-# The signals that end a compile from outside (kill, a shutdown, the OOM killer, a closed terminal), not by a fault of
-# its own: a crash (SIGSEGV, SIGABRT) is a failure, and would crash again.
-KILLED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGTERM)}
-# A compile that failed for a cause outside it that passes (passing_cause) ends its process with this status
-# (sysexits.h's EX_TEMPFAIL): the helper writes no failure for it, and a later run tries again.
-TEMPORARY = 75
-# The errors of the file system and the machine that pass: a full disk or quota, a cache folder made read-only,
-# removed or taken from this user meanwhile, no memory or processes to spare.
-EXHAUSTED = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.ENOMEM}  # the compiler's too
-PASSING_ERRNOS = {*EXHAUSTED, errno.ENOENT, errno.ESTALE, errno.EACCES, errno.EPERM, errno.EAGAIN, errno.EMFILE,
-                  errno.ENFILE}
-# What the C++ compiler and linker say of such causes, in the output that inductor's compile error holds (the OOM
-# killer ends cc1plus, the largest process, more often than the compile's Python): a "C++ error" that would not recur.
-PASSING_WORDS = (*sorted(os.strerror(n) for n in EXHAUSTED), "virtual memory exhausted", "out of memory allocating",
-                 "Killed signal terminated program")
 SETTINGS = ("1", "0")
 JOB_BYTES = 65536  # a job file holds the run's settings, a few hundred bytes
 
@@ -69,10 +68,6 @@ def enabled() -> bool:
 
 def job_file(folder: Path, key: str) -> Path:
     return folder / f"tinychar-{key}.warming"
-
-
-def failed_file(folder: Path, key: str) -> Path:
-    return folder / f"tinychar-{key}.failed"
 
 
 def alive(pid: int) -> bool:
@@ -116,16 +111,13 @@ def start(folder: Path, key: str, spec: dict, parent: int | None = None) -> str 
     """Start a helper that compiles the step spec describes (see compile_step) into folder once process parent (this one
     by default) has ended. Returns why it did not start (another helper is on it, an earlier one failed, the folder
     is read-only), or None."""
-    from training.atomic import locked  # here: run as a script, this file finds the repository later
-
-    job, failed = job_file(folder, key), failed_file(folder, key)
-    if failed.exists():
+    if (failed := earlier_failure(folder, key)) is not None:  # one that would fail again (an empty file: none)
         return f"an earlier attempt failed (see {failed})"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         # Held from the look at the job file to the helper's pid in it: two runs ending together that both found a
         # dead helper's job each removed it, made their own and started a helper, and both compiled.
-        with locked(Path(f"{job}.lock")) as held:
+        with locked(Path(f"{job_file(folder, key)}.lock")) as held:
             if held is False:  # another run's start() is on it at this moment (None: no locks here, as before them)
                 return "another process is warming it"
             return _start_helper(folder, key, spec, parent)
@@ -320,25 +312,6 @@ def ends_with(parent: int) -> Callable[[], None]:
     return arrange
 
 
-def passing_cause(e: BaseException) -> str | None:
-    """What in e, or the errors it was raised from, says that the compile failed for a cause outside it that passes
-    (PASSING_ERRNOS, PASSING_WORDS, no memory), in words; None where nothing does: a fault of the compile's own (a
-    C++ error, an exception in the compiler, a bug), which would fail again. Only the errors it was raised from: one
-    raised while handling another (a cache miss's FileNotFoundError, say) is no sign of that other's cause."""
-    link: BaseException | None = e
-    for _ in range(20):
-        if link is None:
-            break
-        if isinstance(link, MemoryError):
-            return "out of memory"
-        if isinstance(link, OSError) and link.errno in PASSING_ERRNOS:
-            return link.strerror or os.strerror(link.errno)
-        if said := next((words for words in PASSING_WORDS if words in str(link)), None):
-            return said
-        link = link.__cause__
-    return None
-
-
 def compile_main(job: Path, remember: bool) -> int:
     """The helper's compiling process (--compile): compile_step, saying how it went. TEMPORARY where it failed for a
     cause that passes (passing_cause, or no folder to write in now), said in the log first."""
@@ -380,14 +353,8 @@ def main(job: Path, parent: int, born: str | None = None) -> int:
                            cwd=ROOT, stdin=subprocess.DEVNULL, check=True, preexec_fn=ends_with(os.getpid()))
         return 0
     except Exception as e:  # a fault of the compile's: said once, where later runs look
-        if isinstance(e, subprocess.CalledProcessError):
-            # killed from outside (a shutdown, the OOM killer), or failed for a cause that passes (compile_main)
-            passing = -e.returncode in KILLED_BY or e.returncode == TEMPORARY
-        else:  # this process's own: no memory, or no process to spare, for the compile's
-            passing = passing_cause(e) is not None
-        if not passing:
-            failed_file(job.parent, job.name.removeprefix("tinychar-").removesuffix(".warming")).write_text(
-                f"{type(e).__name__}: {e} (its output: {job}.log)\n", encoding="utf-8")
+        if helper_failed(e):
+            record_failure(job, e)
         raise
     finally:
         job.unlink(missing_ok=True)
@@ -395,6 +362,5 @@ def main(job: Path, parent: int, born: str | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--compile":
-        sys.path.insert(0, str(ROOT))
         sys.exit(compile_main(Path(sys.argv[2]), "--remember" in sys.argv))
     sys.exit(main(Path(sys.argv[1]), int(sys.argv[2]), None if sys.argv[3:4] in ([], ["-"]) else sys.argv[3]))

@@ -1,0 +1,109 @@
+"""Why the warm-cache helper (training/warm.py) could not warm a step's cache, and whether that keeps later runs from
+trying again: a fault of the compile's own, which would fail again, is written down in tinychar-<key>.failed; a cause
+from outside that passes (a full disk, a kill, too little memory) is not, and a later run tries again.
+
+Imports only the standard library (and training.atomic, which does too): the helper loads it while it waits for its
+run to end, holding as little memory as it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+from training.atomic import write_atomic
+
+# The signals that end a compile from outside (kill, a shutdown, the OOM killer, a closed terminal), not by a fault of
+# its own: a crash (SIGSEGV, SIGABRT) is a failure, and would crash again.
+KILLED_BY = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGTERM)}
+# A compile that failed for a cause outside it that passes (passing_cause) ends its process with this status
+# (sysexits.h's EX_TEMPFAIL): the helper writes no failure for it, and a later run tries again.
+TEMPORARY = 75
+# The errors of the file system and the machine that pass: a full disk or quota, a cache folder made read-only,
+# removed or taken from this user meanwhile, no memory or processes to spare.
+EXHAUSTED = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.ENOMEM}  # the compiler's too
+PASSING_ERRNOS = {*EXHAUSTED, errno.ENOENT, errno.ESTALE, errno.EACCES, errno.EPERM, errno.EAGAIN, errno.EMFILE,
+                  errno.ENFILE}
+# What the C++ compiler and linker say of such causes, in the output that inductor's compile error holds (the OOM
+# killer ends cc1plus, the largest process, more often than the compile's Python): a "C++ error" that would not recur.
+PASSING_WORDS = (*sorted(os.strerror(n) for n in EXHAUSTED), "virtual memory exhausted", "out of memory allocating",
+                 "Killed signal terminated program")
+
+# A failure as the helper writes it (record_failure, and every tinychar before it): text that begins with the error's
+# type and ends with a line break. A file that is not one whole (empty or cut short: its write met the full disk
+# that failed the compile) records nothing.
+RECORD = re.compile(r"[A-Za-z_]\w*: .*\n", re.DOTALL)
+# The record of a compile killed from outside, which a tinychar before KILLED_BY wrote as a failure.
+KILLED_RECORD = re.compile(r"^CalledProcessError: .* died with <Signals\.(?:{})(?:: \d+)?>\. \(its output: ".format(
+    "|".join(sorted(s.name for s in KILLED_BY))), re.DOTALL)
+RECORD_BYTES = 1 << 20  # a record is a line of some hundred bytes
+
+
+def failed_file(folder: Path, key: str) -> Path:
+    return folder / f"tinychar-{key}.failed"
+
+
+def passing_cause(e: BaseException) -> str | None:
+    """What in e, or the errors it was raised from, says that the compile failed for a cause outside it that passes
+    (PASSING_ERRNOS, PASSING_WORDS, no memory), in words; None where nothing does: a fault of the compile's own (a
+    C++ error, an exception in the compiler, a bug), which would fail again. Only the errors it was raised from: one
+    raised while handling another (a cache miss's FileNotFoundError, say) is no sign of that other's cause."""
+    link: BaseException | None = e
+    for _ in range(20):
+        if link is None:
+            break
+        if isinstance(link, MemoryError):
+            return "out of memory"
+        if isinstance(link, OSError) and link.errno in PASSING_ERRNOS:
+            return link.strerror or os.strerror(link.errno)
+        if said := next((words for words in PASSING_WORDS if words in str(link)), None):
+            return said
+        link = link.__cause__
+    return None
+
+
+def helper_failed(e: Exception) -> bool:
+    """Whether e, which ended the helper, is a fault of the compile's own, which would fail again: not where its
+    compile's process was killed from outside (a shutdown, the OOM killer) or failed for a cause that passes
+    (compile_main's TEMPORARY), nor where the helper itself had no memory, or no process, to spare for it."""
+    if isinstance(e, subprocess.CalledProcessError):
+        return -e.returncode not in KILLED_BY and e.returncode != TEMPORARY
+    return passing_cause(e) is None
+
+
+def record_failure(job: Path, e: Exception) -> None:
+    """Write down why the helper of job failed, where later runs look (earlier_failure): whole or not at all."""
+    key = job.name.removeprefix("tinychar-").removesuffix(".warming")
+    text = f"{type(e).__name__}: {e} (its output: {job}.log)\n".encode()
+    write_atomic(failed_file(job.parent, key), lambda f: f.write(text))
+
+
+def earlier_failure(folder: Path, key: str) -> Path | None:
+    """The file that records a failure of an earlier helper of this step, which would fail again; None where there is
+    none. A file there that records none is removed, and later runs warm the cache again: one that is not a whole
+    record (empty or cut short, as an older tinychar left it when its write met the full disk that failed the
+    compile; garbled, unreadable, or not a regular file), or the record of a compile killed from outside, which an
+    older tinychar took for a failure."""
+    from configs.userinput import read_user_file  # not in the helper, which never reads one
+
+    path = failed_file(folder, key)
+    try:
+        found = os.lstat(path)
+    except OSError:  # none (or no folder to look in: starting the helper says why)
+        return None
+    try:
+        text = read_user_file(path, "failure record", RECORD_BYTES).decode("utf-8")
+    except ValueError:  # UnicodeDecodeError too
+        text = ""
+    if RECORD.fullmatch(text) and not KILLED_RECORD.match(text):
+        return path
+    with contextlib.suppress(OSError):  # a folder, say, or a folder this user cannot change: warmed regardless
+        now = os.lstat(path)
+        if (now.st_ino, now.st_mtime_ns) == (found.st_ino, found.st_mtime_ns):  # not a helper's record written since
+            path.unlink()
+    return None
