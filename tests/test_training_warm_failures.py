@@ -1,5 +1,6 @@
 """training.warm's failures (training/warm_failures.py): what tinychar-<key>.failed records keeps later runs from
-warming the cache only where it is the whole record of a failure that would recur."""
+warming the cache only where it is the whole record of a failure that would recur; and a library in the cache that
+cannot be loaded is removed and compiled again by the helper, as by a run, not written down as a failure."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ROOT
+from test_training_engine import load_compiled_module
 
-from training import warm
+from model import GPTConfig
+from training import compile_cache, engine, warm
+from training.compiled_step import CompiledStep
+from training.config import TrainConfig
+from training.devices import subnormals_kept
 
 # What an older tinychar's helper left, and whether a later run takes it for a failure that would recur
 RECORDED = "CalledProcessError: Command '['python', 'warm.py', '--compile']' {} (its output: {}.log)\n"
@@ -92,3 +100,53 @@ def test_a_failure_the_helper_records_is_whole_or_not_there(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == [failed.name]
     monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: pytest.fail("a helper started"))
     assert warm.start(tmp_path, "k", {"threads": 1}) == f"an earlier attempt failed (see {failed})"
+
+
+def test_the_helper_removes_a_library_in_the_cache_that_cannot_be_loaded_and_compiles_again(
+        tmp_path, monkeypatch, capsys):
+    """A library an interrupted compile left in the cache, which inductor loads rather than builds: a run removes it
+    and compiles again (training.compile_errors.compile_or_clear), where the helper failed on it ("ImportError: ...
+    main.so: file too short") and wrote tinychar-<key>.failed, so that no later run warmed the cache. Staged without
+    compiling: the warm-up loads the file while it is there, by the real loader."""
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "cache"))
+    folder = compile_cache.cache_folder()
+    monkeypatch.setattr(compile_cache, "prepare_compile", lambda: folder)
+    monkeypatch.setenv("TINYCHAR_KEEP_MEMORY", "0")  # this process's malloc left as it is
+    monkeypatch.setenv("TINYCHAR_FLUSH_DENORMALS", "0" if subnormals_kept() else "1")  # as this process has it
+    library = folder / "ab" / "main.so"
+    library.parent.mkdir(parents=True)
+    library.touch()
+    tries: list[bool] = []
+
+    def warm_up(self, xs, ys):
+        tries.append(library.exists())
+        if library.exists():
+            load_compiled_module(library)
+        return 0.0
+
+    monkeypatch.setattr(CompiledStep, "warm_up", warm_up)
+    model, tc = GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=8), TrainConfig(batch_size=2)
+    key = engine.compile_key(model, tc, torch.device("cpu"), torch.float32)
+    job = warm.job_file(folder, key)
+    job.write_text(json.dumps({"model": asdict(model), "train": asdict(tc), "dtype": "float32",
+                               "threads": torch.get_num_threads(), "key": key, "helper": os.getpid()}))
+
+    def run(args, **kwargs):  # the compile's process, in this one
+        try:
+            status = warm.compile_main(job, "--remember" in args)
+        except Exception:  # noqa: BLE001 - as an exception ends a process
+            status = 1
+        if status:
+            raise subprocess.CalledProcessError(status, args)
+
+    monkeypatch.setattr(warm, "alive", lambda pid: False)  # the run has ended
+    monkeypatch.setattr(warm, "lowest_priority", lambda: None)
+    monkeypatch.setattr(warm.subprocess, "run", run)
+    monkeypatch.setattr(warm, "time_steps", lambda *args: (2.0, 1.0))
+    assert warm.main(job, 2**22 + 1) == 0
+    assert tries == [True, False, False] and not library.exists()
+    assert not warm.failed_file(folder, key).exists() and not job.exists()
+    captured = capsys.readouterr()
+    assert (f"compile cache: '{library}' in it could not be loaded (file too short), left over from an interrupted "
+            f"compile: it was removed, and is compiled again") in captured.err
+    assert captured.out.count("compiled in") == 2

@@ -193,6 +193,7 @@ def compile_step(job: Path, remember: bool) -> tuple[float, str]:
 
     from model import GPT, GPTConfig
     from training import compile_cache, engine
+    from training.compile_errors import compile_or_clear
     from training.compiled_step import CompiledStep
     from training.config import TrainConfig
     from training.devices import flush_wanted
@@ -212,7 +213,7 @@ def compile_step(job: Path, remember: bool) -> tuple[float, str]:
     step = CompiledStep(model, make_optimizer(model, tc, device, dtype), tc, device, dtype)
     xs = torch.randint(0, model_cfg.vocab_size, (tc.grad_accum_steps, tc.batch_size, model_cfg.block_size))
     ys = xs.roll(1, -1)
-    step.warm_up(xs, ys)
+    compile_or_clear(lambda: step.warm_up(xs, ys))  # a library cut short in the cache: removed, and built again
     seconds = time.perf_counter() - begun
     if remember:  # this second compile read the cache the first one filled, as the next run will
         compile_cache.remember_compile(key, seconds, cold=False)
