@@ -1,10 +1,12 @@
-"""training/libraries.py: libraries of compiled code cut short, removed from the compile cache before compiling."""
+"""training/libraries.py: what interrupted compiles and writes left in the compile cache (libraries of compiled code cut
+short, temporary files), removed before compiling."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -123,3 +125,48 @@ def test_a_library_inductor_built_and_a_killed_run_cut_short_is_built_again_not_
                            check=False)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split()[0] == "42" and whole_elf(library)
+
+
+# A marker's write killed midway (kill -9, the OOM killer, a power cut), as training.atomic's writer is, before the
+# rename: the cache folder it wrote in on the first line
+KILLED_WRITE = """import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from training import atomic, compile_cache
+print(compile_cache.cache_folder(), flush=True)
+atomic.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+compile_cache.remember_compile("train-abc", 1.0)
+"""
+
+
+def test_the_temporary_files_of_writes_killed_midway_are_removed_from_the_cache_once_abandoned(monkeypatch, tmp_path):
+    """A marker's write, or torch's of a step saved whole, killed before its rename left its temporary file in the
+    compile cache folder (`.tinychar-<key>.json.<random>.tmp`, `tmp<random>`: the saved step's some MB), and nothing
+    ever removed it. One an hour old is removed before the next compile; a younger one may still be being written."""
+    import tempfile
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(ROOT)], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    folder = Path(done.stdout.strip())
+    left = [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert [p.name.startswith(".tinychar-train-abc.json.") for p in left] == [True]
+    with tempfile.NamedTemporaryFile(dir=folder, delete=False) as saving:  # as torch's atomic_write_binary names it
+        saving.write(b"a step, cut short")
+    (folder / "tmpabcd_123").mkdir()  # not a file: never removed
+    kept = {name: b"" for name in ("tinychar-train-abc.json", "tinychar-markers.lock", "notes.tmp", "tmp.txt")}
+    for name, data in kept.items():
+        (folder / name).write_bytes(data)
+    (folder / "ab").mkdir()
+    (folder / "ab" / ".tinychar-k.json.abcd1234.tmp").write_bytes(b"")  # below: inductor's folders, never ours
+    old = time.time() - 2 * 3600  # two hours unchanged, where their writers take a second at most
+    for path in [*folder.iterdir(), folder / "ab" / ".tinychar-k.json.abcd1234.tmp"]:
+        os.utime(path, (old, old))
+    young = folder / ".tinychar-train-xyz.json.0123abcd.tmp"  # another process's write, under way
+    young.write_bytes(b"{")
+
+    monkeypatch.setattr(compile_cache, "cache_folder", lambda say=False: folder)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "set by prepare_compile")  # put back after the test
+    assert compile_cache.prepare_compile() == folder
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*kept, "ab", "tmpabcd_123", young.name])
+    assert (folder / "ab" / ".tinychar-k.json.abcd1234.tmp").exists()

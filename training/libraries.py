@@ -9,11 +9,16 @@ simply built again (measured: the sampler's loop from a warm cache in 3.7 s, the
 removed before compiling, unless another process may be building it now: inductor builds each of its libraries
 holding a lock named by it (locks/<key>.lock in the cache folder), which is taken here too before one is removed.
 Linux only: the check reads ELF, the format Linux's libraries are in.
+
+The temporary files of writes killed midway are removed from the folder too (drop_abandoned_writes): nothing else
+ever did, and a step being saved whole leaves one of some MB.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
 import struct
 import sys
 import time
@@ -27,6 +32,13 @@ from .atomic import locked
 # and every run meanwhile loaded it and died of SIGBUS.
 SETTLED_SECONDS = 600
 _PT_LOAD = 1
+# The temporary files that a write killed midway leaves in the compile cache folder, which no one then uses or removes:
+# training.atomic's (`.tinychar-<name>.<8 characters>.tmp`: a marker's, a warm helper's failure record) and torch's
+# (`tmp<8 characters>`: a step being saved whole, by save_compiled_function). Their writers take a second at most (a
+# saved step of some MB), so one unchanged for ABANDONED_SECONDS is abandoned, even in a folder shared by machines
+# whose clocks disagree by minutes.
+ABANDONED = re.compile(r"\.tinychar-.+\.[a-z0-9_]{8}\.tmp|tmp[a-z0-9_]{8}")
+ABANDONED_SECONDS = 3600
 
 
 def whole_elf(path: Path) -> bool:
@@ -53,6 +65,37 @@ def whole_elf(path: Path) -> bool:
         if kind == _PT_LOAD and offset + filesz > size:
             return False
     return True
+
+
+def tidy(folder: Path, now: float | None = None) -> int:
+    """Remove what interrupted compiles and writes left in the compile cache folder, before a compile: libraries not
+    whole (drop_damaged_libraries) and abandoned temporary files (drop_abandoned_writes); how many files it removed."""
+    return drop_damaged_libraries(folder, now) + drop_abandoned_writes(folder, now)
+
+
+def drop_abandoned_writes(folder: Path, now: float | None = None) -> int:
+    """Remove the temporary files that writes killed midway left in folder itself (ABANDONED; inductor's, in the
+    folders below, are its own), once unchanged for ABANDONED_SECONDS; how many it removed. Only this user's regular
+    files are touched; one that cannot be removed, or that another process removes first, is passed over."""
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        if not ABANDONED.fullmatch(name):
+            continue
+        try:
+            st = os.lstat(folder / name)
+            mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+            if not stat.S_ISREG(st.st_mode) or not mine or now - st.st_mtime < ABANDONED_SECONDS:
+                continue
+            (folder / name).unlink()
+        except OSError:
+            continue
+        removed += 1
+    return removed
 
 
 def drop_damaged_libraries(folder: Path, now: float | None = None) -> int:
