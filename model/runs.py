@@ -4,6 +4,7 @@ checkpoint itself)."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 # Where --overwrite keeps the old run until the new one has a checkpoint (training.outdir), and so where a run killed
@@ -36,6 +37,16 @@ def quoted(path: str | Path) -> str:
     return f"'{text}'"
 
 
+def command_word(path: str | Path) -> str:
+    """path as one word of a command that a person pastes back into a shell: all of it (a path cut as quoted() cuts
+    it names no file), in shlex's quotes, with ./ before a leading '-', which the command would take for an option.
+    A name with a control character in it has no such word on one line: FILE stands for it there."""
+    text = str(path)
+    if not text.isprintable():
+        return "FILE"
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)
+
+
 def find_checkpoint(out_dir: str | Path) -> Path:
     """The checkpoint to sample from in a run folder: best.pt, else ckpt.pt."""
     out_dir = Path(out_dir)
@@ -52,7 +63,7 @@ def find_checkpoint(out_dir: str | Path) -> Path:
             if (out_dir / folder / name).exists():
                 raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt of its own: the run that an "
                                       f"--overwrite replaced waits in {quoted(out_dir / folder)}; sample from it with "
-                                      f"--checkpoint {quoted(out_dir / folder / name)}")
+                                      f"--checkpoint {command_word(out_dir / folder / name)}")
     raise CheckpointError(f"{quoted(out_dir)} holds no best.pt or ckpt.pt; train first with `python train.py`")
 
 

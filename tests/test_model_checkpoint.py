@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import os
 import pickle
+import shlex
 import struct
 import threading
 import warnings
@@ -426,6 +427,26 @@ def test_a_run_folders_checkpoint_that_is_a_link_leading_nowhere_is_named_not_pa
     assert find_checkpoint(run) == run / name
     with pytest.raises(CheckpointError, match="is a symbolic link that leads to no file"):
         load_checkpoint(find_checkpoint(run))
+
+
+@pytest.mark.parametrize("folder", ["r" * 90, "it's -a run", "-run", "a\nrun"])
+def test_the_command_that_samples_a_run_left_aside_names_its_checkpoint_whole(tmp_path, monkeypatch, folder):
+    # "sample from it with --checkpoint '...'" quoted the path as a message does, cut in its middle past 80
+    # characters (in a long temp folder, as on macOS, any run's), and a quote or a leading '-' in a folder's name
+    # broke the command too: the word it gives must name the checkpoint when pasted back into a shell
+    monkeypatch.chdir(tmp_path)
+    for run in (Path(folder), tmp_path / folder):
+        (run / ".replaced").mkdir(parents=True, exist_ok=True)
+        (run / ".replaced" / "best.pt").write_bytes(b"the run an --overwrite replaced")
+        with pytest.raises(CheckpointError) as e:
+            find_checkpoint(run)
+        said, command = str(e.value).split("; sample from it with ")
+        assert f"waits in {quoted(run / '.replaced')}" in said and "\n" not in command
+        if not folder.isprintable():  # no word on one line names it
+            assert command == "--checkpoint FILE"
+            continue
+        word = str(run / ".replaced" / "best.pt")
+        assert shlex.split(command) == ["--checkpoint", f"./{word}" if word.startswith("-") else word]
 
 
 def test_a_file_of_zeros_is_not_sent_to_torchs_advice_about_its_legacy_format(tmp_path):
