@@ -198,14 +198,18 @@ def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
 def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
     """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder, in tinychar's cache
     folder and in one the user names with TORCHINDUCTOR_CACHE_DIR alike."""
-    code = "from training import compile_cache; print(compile_cache.compile_cache_dir())"
+    # One process for each capability (torch reads it once), each naming both folders: tinychar's, then the one
+    # TORCHINDUCTOR_CACHE_DIR names (read when compile_cache is imported: set here as that import would have set it)
+    shared = tmp_path / "shared"
+    code = ("from training import compile_cache; print(compile_cache.compile_cache_dir()); "
+            f"compile_cache._USER_CACHE = {str(shared)!r}; print(compile_cache.compile_cache_dir())")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    for base, extra in ((tmp_path / "xdg" / "tinychar" / "compiled", {}),
-                        (tmp_path / "shared", {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared")})):
-        folders = [Path(subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=run_env,
-                                       capture_output=True, text=True, check=True).stdout.strip())
-                   for run_env in ({**env, **extra}, {**env, **extra, "ATEN_CPU_CAPABILITY": "default"})]
+    mine, lowered = ([Path(line) for line in subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=run_env, capture_output=True, text=True,
+        check=True).stdout.split("\n") if line] for run_env in (env, {**env, "ATEN_CPU_CAPABILITY": "default"}))
+    for base, folders in ((tmp_path / "xdg" / "tinychar" / "compiled", [mine[0], lowered[0]]),
+                          (shared, [mine[1], lowered[1]])):
         assert folders[0] != folders[1] and {f.parent for f in folders} == {base}
         assert folders[1].name == compile_cache.machine_tag("default", compile_cache.cpu_vector_flags())
 
