@@ -3,8 +3,6 @@ line, --help, and the learning-rate schedule a run used (the schedule itself: te
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import os
 import re
@@ -277,17 +275,11 @@ def test_a_new_run_that_cannot_start_is_said_before_torch_is_imported(tmp_path, 
 RESUME_KEYS = {"model.dropout": 0.1, "train.lr_decay_iters": 20, "train.log_interval": 1}
 
 
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory) -> tuple[Path, dict[int, str]]:
-    """20 steps in one go, with the per-step losses it logged."""
-    base = tmp_path_factory.mktemp("straight")
-    corpus = base / "corpus.txt"
-    corpus.write_text(SMALL_TEXT, encoding="utf-8")
-    out = base / "out"
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):  # capsys is per test; this fixture lives for the module
-        assert train.main(["--config", TINY, *tiny_overrides(corpus, out, **RESUME_KEYS)], progress=False) == 0
-    return out, logged_losses(stdout.getvalue())
+@pytest.fixture
+def straight_run(straight) -> tuple[Path, dict[int, str]]:
+    """20 steps in one go, with the per-step losses it logged: the session's run (conftest's straight), trained once
+    for every file of a worker that compares with it."""
+    return straight
 
 
 def half_then_resume(tmp_path: Path, capsys) -> tuple[Path, dict[int, str]]:
