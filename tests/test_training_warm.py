@@ -194,6 +194,42 @@ def test_where_there_are_no_file_locks_a_run_still_leaves_a_helper(tmp_path, mon
     compile_cache.remember_compile("k", 3.0)
     assert compile_cache.cached_compile_seconds("k") == 3.0
 
+def test_a_lock_file_another_user_made_in_a_shared_cache_folder_keeps_no_run_from_leaving_a_helper(tmp_path,
+                                                                                                   monkeypatch):
+    """In a cache folder users share, the first to start a helper makes tinychar-<key>.warming.lock, which stays: made
+    owner-writable only, and opened for writing, it was refused to every other user (Permission denied), whose runs
+    then said they could not write to the folder and never warmed the cache. flock needs no write access: the file is
+    opened for reading, and made writable as the umask allows, as the markers are. Another user's file is emulated
+    (the tests may run as root, whom the kernel lets write anything): opening a file without its write bit for writing
+    is refused here as the kernel refuses it to them."""
+    from training import atomic
+
+    real_open = os.open
+
+    def kernel_open(path, flags, mode=0o777, **kw):
+        if flags & (os.O_WRONLY | os.O_RDWR) and os.path.exists(path) and not os.stat(path).st_mode & 0o200:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(atomic.os, "open", kernel_open)
+    spawned = []
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(
+        pid=-1, poll=lambda: 0))
+    lock = Path(f"{warm.job_file(tmp_path, 'k')}.lock")
+    lock.touch()
+    lock.chmod(0o444)  # another user's, as this user sees it
+    assert warm.start(tmp_path, "k", {"threads": 1}) is None and len(spawned) == 1
+    # and one this user makes is as writable as its umask allows, as the markers are (a group's shared folder)
+    lock.unlink()
+    previous = os.umask(0o002)
+    try:
+        with atomic.locked(lock) as held:
+            assert held
+    finally:
+        os.umask(previous)
+    assert lock.stat().st_mode & 0o777 == 0o664
+
+
 def at_once(call, *args):
     """call(*args), which must return within seconds (a named pipe opened for reading waits for a writer forever)."""
     import threading

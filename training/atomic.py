@@ -99,7 +99,10 @@ def _lock_file(path: Path) -> Iterator[int]:
     with suppress(FileNotFoundError):
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise OSError(errno.EINVAL, f"'{path.name}' is there and is not a lock file")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    # Opened for reading: flock needs no more, and in a cache folder users share, the file another user made (kept
+    # for the next to lock) is theirs, which they may read but not write. Made as writable as the umask allows, as the
+    # markers are (write_atomic), for the tools that open it for writing (inductor's locks).
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # put there meanwhile
             raise OSError(errno.EINVAL, f"'{path.name}' is there and is not a lock file")
