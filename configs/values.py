@@ -133,7 +133,11 @@ def _to_float(value: Any, from_text: bool) -> float:
         if _YAML_INF_NAN.fullmatch(value.strip()):  # YAML's own spellings, as a file's unquoted .inf is read
             return float(value.replace(".", "", 1))
         if _UNDERSCORED_FLOAT.fullmatch(value.strip()):  # 1__0.5 and 1.5_, which Python's float refuses
-            return float(value.strip().replace("_", ""))
+            digits = value.strip().replace("_", "")
+            number = float(digits)
+            if near_zero(digits, number):  # 1__0.0e-400, read as 0 as 1e-400 was
+                raise NearZero(value)
+            return number
         number = _int_text(value)  # 0x10 and 0b10, which a file's YAML reads as integers
         if number is None:
             raise NotOfType

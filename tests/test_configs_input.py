@@ -361,7 +361,8 @@ def test_an_integer_past_floats_range_for_a_number_is_refused_in_one_line(tmp_pa
 
 @pytest.mark.parametrize("key", ["train.learning_rate", "train.grad_clip", "train.ema_decay", "train.beta1",
                                  "model.dropout", "data.val_fraction"])
-@pytest.mark.parametrize("word", ["1e-400", "-1e-400", "1.0e-400", "2.5E-999"])
+# 1__0.0e-400 and 1_.0e-400: YAML's underscores, which Python's float refuses and the command line reads apart
+@pytest.mark.parametrize("word", ["1e-400", "-1e-400", "1.0e-400", "2.5E-999", "1__0.0e-400", "-1_.0e-400"])
 def test_a_real_too_small_for_a_float_is_refused_not_read_as_zero(tmp_path, key, word):
     # float() reads 1e-400 as 0 without a word, in a file (YAML's 1.0e-400 is the float 0.0) and on the command line:
     # train.grad_clip=1e-400 was no clipping at all, its 0, where 1e-300 clips the gradient to nothing;
