@@ -30,7 +30,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+if __name__ == "__main__":
+    if not __package__:
+        # run as a file (python data/bench.py): Python put data/ first on the path, where its modules would shadow
+        # any of the same name (config, cache, paths) and 'data' itself cannot be imported; the project root instead
+        sys.path[0] = str(Path(__file__).resolve().parents[1])
+    # as train.py does, before the imports that fail on a Python older than tinychar needs or without a requirement
+    # (NumPy here, PyYAML in the parser's configs): reads only sys and os
+    from training.interpreter import missing_requirement, refuse_old_python
+
+    refuse_old_python(__file__)
+
+try:
+    import numpy as np
+except ModuleNotFoundError as e:
+    if __name__ != "__main__" or missing_requirement(e) is None:
+        raise
+    print(missing_requirement(e), file=sys.stderr)
+    sys.exit(2)
 
 ROOT = Path(__file__).resolve().parents[1]
 CJK_FIRST, N_CJK = 0x4E00, 6000  # CJK Unified Ideographs: 6000 distinct characters
@@ -337,9 +354,12 @@ def _train_child(script: str, report: str, overrides: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------- report
 
 
-if __name__ == "__main__":
-    if not __package__:
-        # run as a file (python data/bench.py): Python put data/ first on the path, where its modules would shadow
-        # any of the same name (config, cache, paths) and 'data' itself cannot be imported; the project root instead
-        sys.path[0] = str(ROOT)
-    sys.exit(main())
+if __name__ == "__main__":  # the project's root is on the path (see the top)
+    try:
+        status = main()
+    except ModuleNotFoundError as e:  # PyYAML, which the parser's configs import
+        if missing_requirement(e) is None:
+            raise
+        print(missing_requirement(e), file=sys.stderr)
+        status = 2
+    sys.exit(status)

@@ -62,7 +62,7 @@ def test_a_recent_enough_python_is_let_through(version: tuple) -> None:
 
 # Every file a command is started from, as `python FILE` or `python -m MODULE`
 ENTRY_POINTS = ["train.py", "sample.py", "bench.py", "lab/__init__.py", "lab/__main__.py", "lab/sort.py",
-                "lab/walkthrough.py"]
+                "lab/walkthrough.py", "data/bench.py"]
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
@@ -150,6 +150,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     # python -m lab as well: configs, which its first lines import, imports PyYAML (a traceback of the import)
     ("yaml", "PyYAML", ["lab/__main__.py", "notes"]),
     ("torch", "torch", ["lab/__main__.py", "notes"]),
+    # the pipeline's benchmark, a command of the README's too (python data/bench.py): a traceback of either import
+    ("yaml", "PyYAML", ["data/bench.py", "--help"]),
+    ("numpy", "NumPy", ["data/bench.py", "--size-mb", "1", "--no-train"]),
 ])
 def test_an_entry_point_without_a_requirement_says_which_in_one_line(module: str, named: str, argv: list[str],
                                                                       tmp_path: Path) -> None:

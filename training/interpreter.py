@@ -1,5 +1,5 @@
-"""The Python that runs tinychar's commands (train.py, sample.py, bench.py, python -m lab): one too old, or one
-without tinychar's requirements, said in one line.
+"""The Python that runs tinychar's commands (train.py, sample.py, bench.py, python -m lab, data/bench.py): one too
+old, or one without tinychar's requirements, said in one line.
 
 tinychar needs Python 3.11 or newer (its modules import typing.Self, new in 3.11): on Python 3.10 the entry points
 stopped in an ImportError traceback from inside the training package, or in a ModuleNotFoundError for requirements
