@@ -174,14 +174,16 @@ def test_two_runs_that_find_one_dead_helpers_job_at_once_start_one_helper(tmp_pa
     assert warm.start(tmp_path, "k", {"threads": 2}) is None and len(spawned) == 2
 
 
-@pytest.mark.parametrize("flock", ["missing", "refused"])
+@pytest.mark.parametrize("flock", ["missing", "refused", "nfs"])
 def test_where_there_are_no_file_locks_a_run_still_leaves_a_helper(tmp_path, monkeypatch, flock):
-    """No fcntl (another platform), or a file system whose flock says ENOLCK: start() goes on without the lock, as it
-    did before it had one, rather than saying it cannot write to the folder."""
+    """No fcntl (another platform), or a file system whose flock says ENOLCK, or NFS's EBADF for a lock file another
+    user made that this one opened for reading only: start() goes on without the lock, as it did before it had one,
+    rather than saying it cannot write to the folder."""
     from training import atomic
 
     def refused(fd, operation):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        code = errno.EBADF if flock == "nfs" else errno.ENOLCK
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(atomic, "fcntl", None if flock == "missing" else SimpleNamespace(
         flock=refused, LOCK_EX=2, LOCK_NB=4))

@@ -57,8 +57,9 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
         pass
 
 
-# What flock says where the file system has no such locks (some network and FUSE file systems).
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+# What flock says where the file system has no such locks (some network and FUSE file systems), and what NFS says of
+# an exclusive lock on a file open for reading only (_lock_file).
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
 
 
 @contextmanager
@@ -99,10 +100,16 @@ def _lock_file(path: Path) -> Iterator[int]:
     with suppress(FileNotFoundError):
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise OSError(errno.EINVAL, f"'{path.name}' is there and is not a lock file")
-    # Opened for reading: flock needs no more, and in a cache folder users share, the file another user made (kept
-    # for the next to lock) is theirs, which they may read but not write. Made as writable as the umask allows, as the
-    # markers are (write_atomic), for the tools that open it for writing (inductor's locks).
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    # Made as writable as the umask allows, as the markers are (write_atomic): in a cache folder users share, the
+    # file one user made stays for the next to lock, and a file only its maker could write was refused to the others
+    # (Permission denied). One of another user's that this user may only read is opened for reading, which flock
+    # needs no more than, except on NFS, which takes flock for a lock of the file's bytes, a write lock for LOCK_EX
+    # (EBADF, taken as no locks there: _NO_FLOCK).
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, os.O_RDWR | flags, 0o666)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY | flags, 0o666)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # put there meanwhile
             raise OSError(errno.EINVAL, f"'{path.name}' is there and is not a lock file")
