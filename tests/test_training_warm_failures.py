@@ -4,6 +4,7 @@ cannot be loaded is removed and compiled again by the helper, as by a run, not w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -150,3 +151,23 @@ def test_the_helper_removes_a_library_in_the_cache_that_cannot_be_loaded_and_com
     assert (f"compile cache: '{library}' in it could not be loaded (file too short), left over from an interrupted "
             f"compile: it was removed, and is compiled again") in captured.err
     assert captured.out.count("compiled in") == 2
+
+
+def test_a_failure_record_this_user_may_not_read_is_kept_and_keeps_the_run_from_warming(tmp_path, monkeypatch):
+    """In a cache folder users share, a record another user wrote that this one may not read was removed as if it were
+    garbled, by a user who could not know what it held, and the cache warmed again. It is kept now, and taken for the
+    failure it most likely records. Another user's file is emulated (the tests may run as root, who reads anything):
+    the kernel's refusal to open it."""
+    real_open = os.open
+    failed = warm.failed_file(tmp_path, "j")
+    failed.write_bytes(LEFT["failed"][0])
+
+    def kernel_open(path, flags, mode=0o777, **kw):
+        if os.fspath(path) == os.fspath(failed):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", kernel_open)
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: pytest.fail("a helper started"))
+    assert warm.start(tmp_path, "j", {"threads": 1}) == f"an earlier attempt failed (see {failed})"
+    assert failed.read_bytes() == LEFT["failed"][0]

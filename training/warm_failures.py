@@ -83,12 +83,24 @@ def record_failure(job: Path, e: Exception) -> None:
     write_atomic(failed_file(job.parent, key), lambda f: f.write(text))
 
 
+def _refused(path: Path) -> bool:
+    """Whether the system refuses this user the file for its permissions (another user's, in a shared folder)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))  # a named pipe must not block
+    except PermissionError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
 def earlier_failure(folder: Path, key: str) -> Path | None:
     """The file that records a failure of an earlier helper of this step, which would fail again; None where there is
-    none. A file there that records none is removed, and later runs warm the cache again: one that is not a whole
-    record (empty or cut short, as an older tinychar left it when its write met the full disk that failed the
-    compile; garbled, unreadable, or not a regular file), or the record of a compile killed from outside, which an
-    older tinychar took for a failure."""
+    none. A file there that was read and records none is removed, and later runs warm the cache again: one that is
+    not a whole record (empty or cut short, as an older tinychar left it when its write met the full disk that failed
+    the compile; garbled, or not a regular file), or the record of a compile killed from outside, which an older
+    tinychar took for a failure. One this user may not read (another user's, in a cache folder users share) is taken
+    for the failure it most likely records, and kept: it was removed as garbled, by a user who could not know."""
     from configs.userinput import read_user_file  # not in the helper, which never reads one
 
     path = failed_file(folder, key)
@@ -99,6 +111,8 @@ def earlier_failure(folder: Path, key: str) -> Path | None:
     try:
         text = read_user_file(path, "failure record", RECORD_BYTES).decode("utf-8")
     except ValueError:  # UnicodeDecodeError too
+        if _refused(path):
+            return path
         text = ""
     if RECORD.fullmatch(text) and not KILLED_RECORD.match(text):
         return path
