@@ -153,6 +153,63 @@ def test_the_helper_removes_a_library_in_the_cache_that_cannot_be_loaded_and_com
     assert captured.out.count("compiled in") == 2
 
 
+def test_a_compile_that_fails_for_a_passing_cause_every_time_is_tried_three_times_in_a_row_and_no_more(
+        tmp_path, monkeypatch):
+    """A cause that looks as if it passes may not: a file inductor needs that is missing (ENOENT) fails every compile.
+    Such a failure wrote nothing, and every later run left a helper that compiled for tens of seconds and failed
+    again, for good. They are counted now: a fourth run leaves none, and a helper that warms the cache clears the
+    count."""
+    spawned = []
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(
+        pid=-1, poll=lambda: 0))
+    monkeypatch.setattr(warm, "alive", lambda pid: False)  # the run has ended
+    monkeypatch.setattr(warm, "lowest_priority", lambda: None)
+    missing = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/usr/include/python3.11/Python.h")
+    outcome = {"error": missing}
+
+    def compile_step(job, remember):
+        if outcome["error"] is not None:
+            raise RuntimeError("backend='inductor' raised:") from outcome["error"]
+        return 1.0, "compiled"
+
+    def run(args, **kwargs):  # the compile's process, in this one
+        try:
+            status = warm.compile_main(job, "--remember" in args)
+        except Exception:  # noqa: BLE001 - as an exception ends a process
+            status = 1
+        if status:
+            raise subprocess.CalledProcessError(status, args)
+
+    monkeypatch.setattr(warm, "compile_step", compile_step)
+    monkeypatch.setattr(warm.subprocess, "run", run)
+    job = warm.job_file(tmp_path, "k")
+    counted = tmp_path / "tinychar-k.temporary"
+
+    def a_run() -> str | None:  # an eager run ends, and its helper (if it left one) compiles
+        why = warm.start(tmp_path, "k", {"threads": 1})
+        if why is None:
+            job.write_text(json.dumps({"helper": os.getpid()}))
+            if outcome["error"] is None:
+                assert warm.main(job, 2**22 + 1) == 0
+            else:
+                with pytest.raises(subprocess.CalledProcessError):
+                    warm.main(job, 2**22 + 1)
+        return why
+
+    def failures() -> int:
+        return json.loads(counted.read_text())["failures"] if counted.exists() else 0
+
+    assert a_run() is None and a_run() is None and failures() == 2
+    outcome["error"] = None  # the file is back: the cache warms, and the failures before no longer count
+    assert a_run() is None and not counted.exists()
+    outcome["error"] = missing
+    assert [a_run() for _ in range(3)] == [None] * 3 and len(spawned) == 6 and failures() == 3
+    record = json.loads(counted.read_text())
+    assert record["cause"].endswith(f"exit status 75. (its output: {job}.log)")
+    assert a_run() == f"an earlier attempt failed (see {counted})" and len(spawned) == 6
+    assert not warm.failed_file(tmp_path, "k").exists()
+
+
 def test_a_failure_record_this_user_may_not_read_is_kept_and_keeps_the_run_from_warming(tmp_path, monkeypatch):
     """In a cache folder users share, a record another user wrote that this one may not read was removed as if it were
     garbled, by a user who could not know what it held, and the cache warmed again. It is kept now, and taken for the

@@ -14,7 +14,8 @@ modules of tinychar's that need no more (training.atomic, training.warm_failures
 cache folder: tinychar-<key>.warming (what to compile; present while a helper is on it), tinychar-<key>.warming.lock
 (locked while a run looks at the job and starts a helper: one at a time), tinychar-<key>.warming.log (its output) and
 tinychar-<key>.failed (why it could not, so no later run tries again; written only for a fault of the compile's own,
-which would fail again, never for a cause that passes: see training/warm_failures.py).
+which would fail again, never for a cause that passes) and tinychar-<key>.temporary (how many helpers in a row failed
+for a cause that passes: from the third on no later run tries again either; see training/warm_failures.py).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ if __name__ == "__main__":  # the helper, run as a script: tinychar's packages a
 from training.atomic import locked  # noqa: E402
 from training.warm_failures import (  # noqa: E402
     TEMPORARY,
+    clear_temporary_failures,
     earlier_failure,
     helper_failed,
     passing_cause,
     record_failure,
+    record_temporary_failure,
 )
 from training.warm_failures import failed_file as failed_file  # noqa: E402
 
@@ -352,10 +355,15 @@ def main(job: Path, parent: int, born: str | None = None) -> int:
         for remember in (False, True):
             subprocess.run([sys.executable, __file__, "--compile", str(job), *(["--remember"] if remember else [])],
                            cwd=ROOT, stdin=subprocess.DEVNULL, check=True, preexec_fn=ends_with(os.getpid()))
+        with contextlib.suppress(OSError):  # the cache is warm regardless
+            clear_temporary_failures(job)
         return 0
     except Exception as e:  # a fault of the compile's: said once, where later runs look
         if helper_failed(e):
             record_failure(job, e)
+        else:  # counted, as a cause that looks passing may not pass; not at all where the disk that failed it is full
+            with contextlib.suppress(OSError):
+                record_temporary_failure(job, e)
         raise
     finally:
         job.unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """Why the warm-cache helper (training/warm.py) could not warm a step's cache, and whether that keeps later runs from
 trying again: a fault of the compile's own, which would fail again, is written down in tinychar-<key>.failed; a cause
-from outside that passes (a full disk, a kill, too little memory) is not, and a later run tries again.
+from outside that passes (a full disk, a kill, too little memory) is not, and a later run tries again: up to
+TEMPORARY_LIMIT times in a row (counted in tinychar-<key>.temporary), as a cause that looks passing may not pass.
 
 Imports only the standard library (and training.atomic, which does too): the helper loads it while it waits for its
 run to end, holding as little memory as it can.
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from training.atomic import write_atomic
@@ -42,10 +45,25 @@ RECORD = re.compile(r"[A-Za-z_]\w*: .*\n", re.DOTALL)
 KILLED_RECORD = re.compile(r"^CalledProcessError: .* died with <Signals\.(?:{})(?:: \d+)?>\. \(its output: ".format(
     "|".join(sorted(s.name for s in KILLED_BY))), re.DOTALL)
 RECORD_BYTES = 1 << 20  # a record is a line of some hundred bytes
+# A cause that looks as if it passes may not: a file inductor needs that is missing, or a header folder this user
+# may not read (ENOENT, EACCES) fails every compile the same way, and every later run left a helper that failed
+# again, tens of seconds of CPU after each run, for good. So the helper counts such failures in
+# tinychar-<key>.temporary (how many in a row, when the last was, and its cause); from TEMPORARY_LIMIT of them on, the
+# step is taken as failed, as for a fault of the compile's own, until the file is removed. A helper that warms the
+# cache removes it.
+TEMPORARY_LIMIT = 3
 
 
 def failed_file(folder: Path, key: str) -> Path:
     return folder / f"tinychar-{key}.failed"
+
+
+def temporary_file(folder: Path, key: str) -> Path:
+    return folder / f"tinychar-{key}.temporary"
+
+
+def _key(job: Path) -> str:
+    return job.name.removeprefix("tinychar-").removesuffix(".warming")
 
 
 def passing_cause(e: BaseException) -> str | None:
@@ -78,9 +96,46 @@ def helper_failed(e: Exception) -> bool:
 
 def record_failure(job: Path, e: Exception) -> None:
     """Write down why the helper of job failed, where later runs look (earlier_failure): whole or not at all."""
-    key = job.name.removeprefix("tinychar-").removesuffix(".warming")
     text = f"{type(e).__name__}: {e} (its output: {job}.log)\n".encode()
-    write_atomic(failed_file(job.parent, key), lambda f: f.write(text))
+    write_atomic(failed_file(job.parent, _key(job)), lambda f: f.write(text))
+
+
+def temporary_failures(folder: Path, key: str) -> int:
+    """How many helpers of this step in a row failed for a cause that passes (TEMPORARY_LIMIT); 0 where the file
+    holds no count (none there, garbled, or this user may not read it: the next such failure writes it anew)."""
+    from configs.userinput import read_user_file  # in the helper only once the run has ended
+
+    try:
+        record = json.loads(read_user_file(temporary_file(folder, key), "temporary failures", RECORD_BYTES))
+    except ValueError:  # UnicodeDecodeError and json's errors too
+        return 0
+    count = record.get("failures") if isinstance(record, dict) else None
+    return count if type(count) is int and count > 0 else 0
+
+
+def record_temporary_failure(job: Path, e: Exception) -> None:
+    """Count one more failure of job's helper for a cause that passes, with when and why: whole or not at all."""
+    folder, key = job.parent, _key(job)
+    record = {"failures": temporary_failures(folder, key) + 1, "last": round(time.time()),
+              "cause": f"{type(e).__name__}: {e} (its output: {job}.log)"}
+    text = (json.dumps(record) + "\n").encode()
+    write_atomic(temporary_file(folder, key), lambda f: f.write(text))
+
+
+def clear_temporary_failures(job: Path) -> None:
+    """The helper of job warmed the cache: failures for causes that pass no longer count against the step."""
+    temporary_file(job.parent, _key(job)).unlink(missing_ok=True)
+
+
+def earlier_failure(folder: Path, key: str) -> Path | None:
+    """The file that records why earlier helpers of this step could not warm its cache, which keeps later runs from
+    trying again: a failure that would recur (recorded_failure), or TEMPORARY_LIMIT failures in a row for causes that
+    should have passed; None where there is neither."""
+    if (path := recorded_failure(folder, key)) is not None:
+        return path
+    if temporary_failures(folder, key) >= TEMPORARY_LIMIT:
+        return temporary_file(folder, key)
+    return None
 
 
 def _refused(path: Path) -> bool:
@@ -94,7 +149,7 @@ def _refused(path: Path) -> bool:
     return False
 
 
-def earlier_failure(folder: Path, key: str) -> Path | None:
+def recorded_failure(folder: Path, key: str) -> Path | None:
     """The file that records a failure of an earlier helper of this step, which would fail again; None where there is
     none. A file there that was read and records none is removed, and later runs warm the cache again: one that is
     not a whole record (empty or cut short, as an older tinychar left it when its write met the full disk that failed
