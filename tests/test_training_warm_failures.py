@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ from conftest import ROOT
 from test_training_engine import load_compiled_module
 
 from model import GPTConfig
-from training import compile_cache, engine, warm
+from training import compile_cache, engine, warm, warm_failures
 from training.compiled_step import CompiledStep
 from training.config import TrainConfig
 from training.devices import subnormals_kept
@@ -153,12 +154,12 @@ def test_the_helper_removes_a_library_in_the_cache_that_cannot_be_loaded_and_com
     assert captured.out.count("compiled in") == 2
 
 
-def test_a_compile_that_fails_for_a_passing_cause_every_time_is_tried_three_times_in_a_row_and_no_more(
+def test_a_compile_that_fails_for_a_passing_cause_every_time_is_tried_three_times_in_a_row_then_once_a_day(
         tmp_path, monkeypatch):
     """A cause that looks as if it passes may not: a file inductor needs that is missing (ENOENT) fails every compile.
     Such a failure wrote nothing, and every later run left a helper that compiled for tens of seconds and failed
-    again, for good. They are counted now: a fourth run leaves none, and a helper that warms the cache clears the
-    count."""
+    again, for good. They are counted now: a fourth run leaves none until a day after the last, and a helper that
+    warms the cache clears the count."""
     spawned = []
     monkeypatch.setattr(warm.subprocess, "Popen", lambda args, **kw: spawned.append(args) or SimpleNamespace(
         pid=-1, poll=lambda: 0))
@@ -208,6 +209,15 @@ def test_a_compile_that_fails_for_a_passing_cause_every_time_is_tried_three_time
     assert record["cause"].endswith(f"exit status 75. (its output: {job}.log)")
     assert a_run() == f"an earlier attempt failed (see {counted})" and len(spawned) == 6
     assert not warm.failed_file(tmp_path, "k").exists()
+    # A day after the last, one more may try (a disk full three times in a row is not full for good), then a day more
+    record["last"] -= warm_failures.TEMPORARY_PAUSE + 1
+    counted.write_text(json.dumps(record))
+    assert a_run() is None and len(spawned) == 7 and failures() == 4
+    assert a_run() == f"an earlier attempt failed (see {counted})" and len(spawned) == 7
+    # a time to come (a clock set back), or none a float holds, keeps no run from trying
+    for last in (time.time() + 3600, 10**400):
+        counted.write_text(json.dumps({**record, "last": last}))
+        assert warm_failures.earlier_failure(tmp_path, "k") is None
 
 
 def test_a_failure_record_this_user_may_not_read_is_kept_and_keeps_the_run_from_warming(tmp_path, monkeypatch):

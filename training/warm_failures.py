@@ -1,7 +1,8 @@
 """Why the warm-cache helper (training/warm.py) could not warm a step's cache, and whether that keeps later runs from
 trying again: a fault of the compile's own, which would fail again, is written down in tinychar-<key>.failed; a cause
 from outside that passes (a full disk, a kill, too little memory) is not, and a later run tries again: up to
-TEMPORARY_LIMIT times in a row (counted in tinychar-<key>.temporary), as a cause that looks passing may not pass.
+TEMPORARY_LIMIT times in a row (counted in tinychar-<key>.temporary), then once a day (TEMPORARY_PAUSE), as a cause
+that looks passing may not pass.
 
 Imports only the standard library (and training.atomic, which does too): the helper loads it while it waits for its
 run to end, holding as little memory as it can.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -48,10 +50,11 @@ RECORD_BYTES = 1 << 20  # a record is a line of some hundred bytes
 # A cause that looks as if it passes may not: a file inductor needs that is missing, or a header folder this user
 # may not read (ENOENT, EACCES) fails every compile the same way, and every later run left a helper that failed
 # again, tens of seconds of CPU after each run, for good. So the helper counts such failures in
-# tinychar-<key>.temporary (how many in a row, when the last was, and its cause); from TEMPORARY_LIMIT of them on, the
-# step is taken as failed, as for a fault of the compile's own, until the file is removed. A helper that warms the
-# cache removes it.
+# tinychar-<key>.temporary (how many in a row, when the last was, and its cause); from TEMPORARY_LIMIT of them on, no
+# run starts a helper for TEMPORARY_PAUSE after the last, then one more may try (a disk full three times in a row is
+# not full for good): at most one such compile a day. A helper that warms the cache removes the file.
 TEMPORARY_LIMIT = 3
+TEMPORARY_PAUSE = 24 * 3600.0
 
 
 def failed_file(folder: Path, key: str) -> Path:
@@ -100,23 +103,33 @@ def record_failure(job: Path, e: Exception) -> None:
     write_atomic(failed_file(job.parent, _key(job)), lambda f: f.write(text))
 
 
-def temporary_failures(folder: Path, key: str) -> int:
-    """How many helpers of this step in a row failed for a cause that passes (TEMPORARY_LIMIT); 0 where the file
-    holds no count (none there, garbled, or this user may not read it: the next such failure writes it anew)."""
+def temporary_failures(folder: Path, key: str) -> tuple[int, float]:
+    """How many helpers of this step in a row failed for a cause that passes (TEMPORARY_LIMIT), and when the last did
+    (seconds since the epoch); (0, 0.0) where the file holds no count (none there, garbled, or this user may not read
+    it: the next such failure writes it anew)."""
     from configs.userinput import read_user_file  # in the helper only once the run has ended
 
     try:
         record = json.loads(read_user_file(temporary_file(folder, key), "temporary failures", RECORD_BYTES))
     except ValueError:  # UnicodeDecodeError and json's errors too
-        return 0
+        return 0, 0.0
     count = record.get("failures") if isinstance(record, dict) else None
-    return count if type(count) is int and count > 0 else 0
+    if type(count) is not int or count <= 0:
+        return 0, 0.0
+    last = record.get("last")
+    try:
+        when = float(last) if type(last) in (int, float) else 0.0
+    except OverflowError:  # an integer past a float's range
+        when = 0.0
+    # a time to come (a clock set back, a file written by hand) is none: it would keep every run from trying (the
+    # minute allows for the rounding of the time written and for clocks of machines sharing the folder)
+    return count, when if math.isfinite(when) and when <= time.time() + 60 else 0.0
 
 
 def record_temporary_failure(job: Path, e: Exception) -> None:
     """Count one more failure of job's helper for a cause that passes, with when and why: whole or not at all."""
     folder, key = job.parent, _key(job)
-    record = {"failures": temporary_failures(folder, key) + 1, "last": round(time.time()),
+    record = {"failures": temporary_failures(folder, key)[0] + 1, "last": round(time.time()),
               "cause": f"{type(e).__name__}: {e} (its output: {job}.log)"}
     text = (json.dumps(record) + "\n").encode()
     write_atomic(temporary_file(folder, key), lambda f: f.write(text))
@@ -130,10 +143,11 @@ def clear_temporary_failures(job: Path) -> None:
 def earlier_failure(folder: Path, key: str) -> Path | None:
     """The file that records why earlier helpers of this step could not warm its cache, which keeps later runs from
     trying again: a failure that would recur (recorded_failure), or TEMPORARY_LIMIT failures in a row for causes that
-    should have passed; None where there is neither."""
+    should have passed, the last of them less than TEMPORARY_PAUSE ago; None where there is neither."""
     if (path := recorded_failure(folder, key)) is not None:
         return path
-    if temporary_failures(folder, key) >= TEMPORARY_LIMIT:
+    count, last = temporary_failures(folder, key)
+    if count >= TEMPORARY_LIMIT and time.time() - last < TEMPORARY_PAUSE:
         return temporary_file(folder, key)
     return None
 
