@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,20 @@ def test_a_failure_the_helper_records_is_whole_or_not_there(tmp_path, monkeypatc
     assert warm.start(tmp_path, "k", {"threads": 1}) == f"an earlier attempt failed (see {failed})"
 
 
+def compile_in_this_process(job: Path):
+    """A stand-in for subprocess.run that runs the helper's compiling process (--compile) in this one, its exception
+    ending it with status 1 as it would end a process."""
+    def run(args, **kwargs):
+        try:
+            status = warm.compile_main(job, "--remember" in args)
+        except Exception:  # noqa: BLE001 - as an exception ends a process
+            status = 1
+        if status:
+            raise subprocess.CalledProcessError(status, args)
+
+    return run
+
+
 def test_the_helper_removes_a_library_in_the_cache_that_cannot_be_loaded_and_compiles_again(
         tmp_path, monkeypatch, capsys):
     """A library an interrupted compile left in the cache, which inductor loads rather than builds: a run removes it
@@ -132,18 +147,9 @@ def test_the_helper_removes_a_library_in_the_cache_that_cannot_be_loaded_and_com
     job = warm.job_file(folder, key)
     job.write_text(json.dumps({"model": asdict(model), "train": asdict(tc), "dtype": "float32",
                                "threads": torch.get_num_threads(), "key": key, "helper": os.getpid()}))
-
-    def run(args, **kwargs):  # the compile's process, in this one
-        try:
-            status = warm.compile_main(job, "--remember" in args)
-        except Exception:  # noqa: BLE001 - as an exception ends a process
-            status = 1
-        if status:
-            raise subprocess.CalledProcessError(status, args)
-
     monkeypatch.setattr(warm, "alive", lambda pid: False)  # the run has ended
     monkeypatch.setattr(warm, "lowest_priority", lambda: None)
-    monkeypatch.setattr(warm.subprocess, "run", run)
+    monkeypatch.setattr(warm.subprocess, "run", compile_in_this_process(job))
     monkeypatch.setattr(warm, "time_steps", lambda *args: (2.0, 1.0))
     assert warm.main(job, 2**22 + 1) == 0
     assert tries == [True, False, False] and not library.exists()
@@ -173,17 +179,9 @@ def test_a_compile_that_fails_for_a_passing_cause_every_time_is_tried_three_time
             raise RuntimeError("backend='inductor' raised:") from outcome["error"]
         return 1.0, "compiled"
 
-    def run(args, **kwargs):  # the compile's process, in this one
-        try:
-            status = warm.compile_main(job, "--remember" in args)
-        except Exception:  # noqa: BLE001 - as an exception ends a process
-            status = 1
-        if status:
-            raise subprocess.CalledProcessError(status, args)
-
-    monkeypatch.setattr(warm, "compile_step", compile_step)
-    monkeypatch.setattr(warm.subprocess, "run", run)
     job = warm.job_file(tmp_path, "k")
+    monkeypatch.setattr(warm, "compile_step", compile_step)
+    monkeypatch.setattr(warm.subprocess, "run", compile_in_this_process(job))
     counted = tmp_path / "tinychar-k.temporary"
 
     def a_run() -> str | None:  # an eager run ends, and its helper (if it left one) compiles
