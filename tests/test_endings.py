@@ -141,6 +141,15 @@ def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torc
     assert result.stdout == "" and not (tmp_path / "out").exists()
 
 
+def with_torch_logs(command: list[str], logs: str, corpus: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """command (train.py, sample.py or -m lab notes) with TORCH_LOGS=logs, on a run of its own where it needs one."""
+    script = command[0]
+    args = (["--config", TINY, *tiny_overrides(corpus, tmp_path / "out")] if script == "train.py" else
+            ["--out-dir", str(run_folder(tmp_path, script))] if script == "sample.py" else [])
+    return subprocess.run([sys.executable, *command, *args], check=False, cwd=ROOT,
+                          env={**child_env(), "TORCH_LOGS": logs}, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.no_zygote  # torch reads TORCH_LOGS as it loads: a process forked with torch loaded never would
 @pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "lab", "notes"]],
                          ids=["train", "sample", "lab"])
@@ -150,11 +159,7 @@ def test_a_signal_while_torch_loads_after_the_options_ends_the_command_once_torc
 def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_path, command, logs):
     """torch refuses such a TORCH_LOGS as it loads, in a ValueError listing every log it has: that was a traceback
     of a hundred lines and exit status 1, for a documented variable given a wrong value."""
-    script = command[0]
-    args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if script == "train.py" else
-            ["--out-dir", str(run_folder(tmp_path, script))] if script == "sample.py" else [])
-    result = subprocess.run([sys.executable, *command, *args], check=False, cwd=ROOT,
-                            env={**child_env(), "TORCH_LOGS": logs}, capture_output=True, text=True, timeout=120)
+    result = with_torch_logs(command, logs, small_corpus, tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr == (f"error: TORCH_LOGS '{logs}' is not a list of torch's logs; give comma-separated names "
                              "(dynamo,+inductor; TORCH_LOGS=help lists them) or unset it\n")
@@ -169,11 +174,7 @@ def test_torch_logs_help_prints_torchs_list_of_logs_and_ends_with_status_0(small
     """TORCH_LOGS=help asks torch for its list of logs, which torch gives as it loads, as the message of a ValueError:
     that was the list at the end of a traceback, and exit status 1. Asked for, it is printed as --help's text is (on
     stdout, status 0), and nothing else is done."""
-    script = command[0]
-    args = (["--config", TINY, *tiny_overrides(small_corpus, tmp_path / "out")] if script == "train.py" else
-            ["--out-dir", str(run_folder(tmp_path, script))] if script == "sample.py" else [])
-    result = subprocess.run([sys.executable, *command, *args], check=False, cwd=ROOT,
-                            env={**child_env(), "TORCH_LOGS": asked}, capture_output=True, text=True, timeout=120)
+    result = with_torch_logs(command, asked, small_corpus, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout.startswith("TORCH_LOGS Info\n") and "TORCH_LOGS=\"+dynamo,aot\"" in result.stdout
