@@ -102,3 +102,40 @@ def test_what_a_fork_cannot_stand_in_for_is_execd():
         assert job(train) is None  # a test marked no_zygote
     finally:
         z.off = False
+
+
+CACHE_CHECK = """
+import importlib, os, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import zygote
+path = os.path.join(sys.argv[2], "answer.py")
+zygote._compile_ahead([path])
+import answer
+seen = [answer.VALUE]
+stat = os.stat(path)
+with open(path, "w") as f:  # the same size and times: taken for the file compiled
+    f.write("VALUE = 2\\n")
+os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+seen.append(importlib.reload(answer).VALUE)
+os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: read again
+seen.append(importlib.reload(answer).VALUE)
+with open(path, "w") as f:  # another size
+    f.write("VALUE = 30\\n")
+os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+seen.append(importlib.reload(answer).VALUE)
+os.remove(path)
+seen.append(zygote.cached_code(path))
+print(seen)
+"""
+
+
+def test_a_fork_takes_the_code_compiled_ahead_only_while_its_file_is_unchanged(tmp_path):
+    (tmp_path / "answer.py").write_text("VALUE = 1\n", encoding="utf-8")
+    code = subprocess.run([sys.executable, "-c", CACHE_CHECK, str(ROOT / "tests"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert code.returncode == 0, code.stderr
+    assert code.stdout.split("\n")[0] == "[1, 1, 2, 30, None]"
+    # and what the zygote compiles is the project's own files, not the tests' or a virtual environment's
+    files = zygote._project_files()
+    assert str(ROOT / "train.py") in files and str(ROOT / "training" / "loop.py") in files
+    assert not any("/tests/" in f or "venv" in f for f in files)
