@@ -135,8 +135,8 @@ def batch_pool(accum: int, batch: int, block_size: int) -> torch.Tensor:
     return torch.randint(vocab, (accum, batch, block_size + 1), generator=torch.Generator().manual_seed(0))
 
 
-# Runs train.py in a torchrun process with get_batch replaced by fixed_batches (argv: accumulation, global batch,
-# block size, then train.py's arguments).
+# Runs train.py as a process of a two-process run with get_batch replaced by fixed_batches (argv: accumulation,
+# global batch, block size, then train.py's arguments).
 FIXED_BATCHES = """
 import os, sys
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
@@ -166,9 +166,11 @@ def test_two_processes_with_half_the_batch_take_the_same_steps_as_one_with_all_o
     script = tmp_path / "fixed_batches.py"
     script.write_text(FIXED_BATCHES, encoding="utf-8")
     two = tiny_overrides(corpus, tmp_path / "two", **EQUIVALENCE_KEYS, **{"train.batch_size": batch // 2})
-    result = torchrun(str(accum), str(batch), str(block), "--config", TINY, *two, script=str(script))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "global batch: 2 processes x 4 sequences x 2 micro-batches = 16 sequences (128 tokens)" in result.stdout
+    # two processes without torchrun's own (two_processes): the subject is their sums, not the launch
+    (code, stdout), (rank1_code, rank1_out) = two_processes(tmp_path, str(accum), str(batch), str(block), "--config",
+                                                            TINY, *two, script=str(script))
+    assert code == rank1_code == 0, stdout + rank1_out
+    assert "global batch: 2 processes x 4 sequences x 2 micro-batches = 16 sequences (128 tokens)" in stdout
 
     pool = batch_pool(accum, batch, block)
     monkeypatch.setattr(training.loop, "get_batch", fixed_batches(pool, 0, 1))
@@ -278,14 +280,15 @@ def test_a_two_process_run_resumes_exactly_and_its_checkpoint_serves_sample_py_a
     assert resumed.stdout.count(f"done: step {end}") == 1  # rank 0 alone reports
     assert "batch order differs" not in resumed.stdout
 
-    # The same run without a stop, from start to end in one go (the same configs/tiny.yaml, as a user would).
+    # The same run without a stop, from start to end in one go (the same configs/tiny.yaml, as a user would); its two
+    # processes without torchrun (two_processes), whose launch the resume above has just been.
     straight = tmp_path / "straight"
     args = ["--config", TINY, *tiny_overrides(stopped.parent / "corpus.txt", straight, **RESUME_KEYS, **{
         "train.max_iters": end, "train.log_interval": 1, "train.eval_interval": 10})]
-    result = torchrun(*args)
-    assert result.returncode == 0, result.stdout + result.stderr
+    (code, stdout), (rank1_code, rank1_out) = two_processes(tmp_path, *args)
+    assert code == rank1_code == 0, stdout + rank1_out
     global_batch = "global batch: 2 processes x 8 sequences x 1 micro-batch = 16 sequences (128 tokens) per step"
-    assert global_batch in result.stdout
+    assert global_batch in stdout
     assert bitwise_equal(weights(out / "ckpt.pt"), weights(straight / "ckpt.pt"))
 
     capsys.readouterr()
@@ -308,9 +311,11 @@ def test_two_processes_continue_a_one_process_run_and_a_bad_data_path_ends_both_
     out = tmp_path / "one"
     corpus = write_corpus(tmp_path)
     assert quiet_main(["--config", TINY, *tiny_overrides(corpus, out, **{"train.max_iters": 10})])[0] == 0
-    result = torchrun("--resume", "--out-dir", str(out), "train.max_iters=20")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "resume: the checkpoint was saved by 1 process and this run has 2" in result.stdout
+    # two processes without torchrun (two_processes): torchrun's launch is the bad data path's below
+    (code, stdout), (rank1_code, rank1_out) = two_processes(tmp_path, "--resume", "--out-dir", str(out),
+                                                            "train.max_iters=20")
+    assert code == rank1_code == 0, stdout + rank1_out
+    assert "resume: the checkpoint was saved by 1 process and this run has 2" in stdout
     raw = load_checkpoint(out / "ckpt.pt")
     assert raw["step"] == 20 and raw["world_size"] == 2
 
