@@ -113,8 +113,11 @@ def test_rectangular_map_refuses_weights_that_do_not_fit_the_labels():
 
 @pytest.mark.slow
 def test_transformer_learns_to_sort():
-    # Measured on 2026-11-23 (2-core AMD EPYC, one thread): 99.2% exact in 7.6 s; the bar leaves room for other CPUs.
-    cfg = SortConfig(model="transformer", steps=300, learning_rate=1e-3, eval_size=500)
+    # Measured on 2026-11-23 (2-core AMD EPYC, one thread): 99.2% exact in 7.6 s at 300 steps, lr 1e-3; the bar leaves
+    # room for other CPUs. 200 steps at lr 2e-3, measured on 2026-12-05 (2-core AMD EPYC (Zen 3, AVX2), one thread):
+    # 98.4% in 4.5 s of CPU, and 98.6, 97.4, 99.2 and 97.2% with seeds 1-4 (300 steps at 1e-3: 99.2% in 7.9 s, and
+    # 98.8 and 96.8% with seeds 1 and 2: as far above the bar).
+    cfg = SortConfig(model="transformer", steps=200, learning_rate=2e-3, eval_size=500)
     result = run(cfg)
     assert result.accuracy >= 0.95
     assert result.weights.shape == (8, 8)
