@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, needs_cpu_compile, tiny_overrides, train_small_run
-from test_train import child_env
+from test_train import child_env, copy_run
 
 from model import load_checkpoint
 
@@ -34,6 +34,13 @@ script, sys.argv = sys.argv[1], sys.argv[1:]
 sys.path.insert(0, ".")  # the repository, as when the script is run there: its own modules import before torch
 runpy.run_path(script, run_name="__main__")
 """
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny trained run for the sample.py tests, trained once (0.3 s each time): each test samples from a copy of
+    its own (copy_run), which its sample.py may change as it likes."""
+    return train_small_run(tmp_path_factory.mktemp("small_run"))
 
 
 def start(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
@@ -73,8 +80,8 @@ def test_train_py_whose_stdout_is_a_full_disk_trains_on_and_says_so_once(small_c
 
 
 @pytest.mark.slow
-def test_sample_py_piped_into_head_ends_quietly(tmp_path):
-    run = train_small_run(tmp_path)
+def test_sample_py_piped_into_head_ends_quietly(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
     # eager: the pipe is the subject here (the Ctrl-C test below ends a compiled stream)
     proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "200000", "--stream", "--compile", "false")
     assert len(proc.stdout.read(10)) == 10  # `| head -c 10`
@@ -234,8 +241,8 @@ runpy.run_path(script, run_name="__main__")
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_sample_py_loads_the_checkpoint_is_one_line_and_status_130(tmp_path):
-    run = train_small_run(tmp_path)
+def test_ctrl_c_while_sample_py_loads_the_checkpoint_is_one_line_and_status_130(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
     hook = tmp_path / "ctrl_c.py"
     hook.write_text(CTRL_C_WHILE_THE_CHECKPOINT_LOADS, encoding="utf-8")
     result = subprocess.run([sys.executable, str(hook), "sample.py", "--out-dir", str(run)], check=False, cwd=ROOT,
@@ -245,10 +252,10 @@ def test_ctrl_c_while_sample_py_loads_the_checkpoint_is_one_line_and_status_130(
 
 
 @pytest.mark.slow
-def test_a_stop_while_sample_py_samples_writes_the_text_so_far(tmp_path):
+def test_a_stop_while_sample_py_samples_writes_the_text_so_far(small_run, tmp_path):
     """Without --stream the samples are written at the end: `timeout 60 python sample.py ... > out.txt` wrote
     nothing of the minute it sampled. Now a stop between characters writes each sample as far as it got."""
-    run = train_small_run(tmp_path)
+    run = copy_run(small_run, tmp_path)
     # on the CPU: on a GPU, CUDA's start and the graph's capture can outlast the second below, and the stop comes
     # before the first character (nothing drawn, nothing written)
     proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "10000000", "--prompt", "F",
@@ -267,10 +274,10 @@ def test_a_stop_while_sample_py_samples_writes_the_text_so_far(tmp_path):
 @needs_cpu_compile
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_stop_while_sample_py_compiles_ends_it_without_waiting_for_the_compiler(tmp_path, signum):
+def test_a_stop_while_sample_py_compiles_ends_it_without_waiting_for_the_compiler(small_run, tmp_path, signum):
     """A Ctrl-C while the sampler compiled (seconds with a cold cache) was only noted: the compile ran to its end, and
     the run stopped after the first character. Now it stops the compile, as in train.py."""
-    run = train_small_run(tmp_path)
+    run = copy_run(small_run, tmp_path)
     cache = tmp_path / "cache"  # cold: seconds of compiling
     proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "1000000", "--compile", "true",
                  env={**child_env(), "XDG_CACHE_HOME": str(cache), "TINYCHAR_CACHE_DIR": str(cache)})
@@ -304,9 +311,9 @@ def loading_torch(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.no_zygote  # its signal must land while torch loads
-def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(tmp_path):
+def test_sigterm_while_sample_py_starts_is_one_line_and_status_143(small_run, tmp_path):
     """kill or timeout while torch loads (a second or more) ended sample.py without a word."""
-    run = train_small_run(tmp_path)
+    run = copy_run(small_run, tmp_path)
     proc = start("sample.py", "--out-dir", str(run))
     loading_torch(proc)
     proc.send_signal(signal.SIGTERM)
@@ -338,9 +345,11 @@ def test_a_stop_signal_while_sample_py_imports_its_first_modules_is_one_line(tmp
 
 
 @pytest.mark.slow
-def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_path):
-    run = train_small_run(tmp_path)
-    args = [sys.executable, "sample.py", "--out-dir", str(run), "--max-new-tokens", "2000"]
+def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
+    # 200 characters, eager (--compile auto compiles from 10,000): written at the end, or each flushed as it comes with
+    # --stream, the first write to fail is the same as with 2,000 (0.5 s more of sampling a run)
+    args = [sys.executable, "sample.py", "--out-dir", str(run), "--max-new-tokens", "200"]
     for extra in ([], ["--stream"]):
         with open("/dev/full", "w") as full:  # every write fails with ENOSPC
             result = subprocess.run([*args, *extra], check=False, cwd=ROOT, env=child_env(), stdout=full,
@@ -362,10 +371,10 @@ def test_sample_py_writing_to_a_full_disk_or_a_closed_stdout_is_one_line(tmp_pat
 
 
 @pytest.mark.slow
-def test_one_sigterm_ends_sample_py_streaming_into_a_reader_that_does_not_read(tmp_path):
+def test_one_sigterm_ends_sample_py_streaming_into_a_reader_that_does_not_read(small_run, tmp_path):
     """`timeout 60 python sample.py --stream ... | less`: one SIGTERM, while a streamed write waited on a full pipe,
     was noted for after the write, which waited as long as the reader did."""
-    run = train_small_run(tmp_path)
+    run = copy_run(small_run, tmp_path)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("a" * 200_000, encoding="utf-8")  # more than a pipe holds: the first write waits
     proc = start("sample.py", "--out-dir", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "1000000",
@@ -386,9 +395,9 @@ def test_one_sigterm_ends_sample_py_streaming_into_a_reader_that_does_not_read(t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_ctrl_c_or_sigterm_while_sample_py_streams_keeps_what_was_printed(tmp_path, signum):
+def test_ctrl_c_or_sigterm_while_sample_py_streams_keeps_what_was_printed(small_run, tmp_path, signum):
     """SIGTERM (kill, timeout) ended sample.py without a word; it now ends as a Ctrl-C does, with 128 + 15."""
-    run = train_small_run(tmp_path)
+    run = copy_run(small_run, tmp_path)
     # Eager: the signal is acted on between characters whichever path draws them (10 million would compile first)
     proc = start("sample.py", "--out-dir", str(run), "--max-new-tokens", "10000000", "--stream", "--prompt", "F",
                  "--compile", "false")
