@@ -157,12 +157,16 @@ def with_torch_logs(command: list[str], logs: str, corpus: Path, tmp_path: Path)
                           env={**child_env(), "TORCH_LOGS": logs}, capture_output=True, text=True, timeout=120)
 
 
+# Each command, and each of torch's two refusals, once: every command loads torch through the same start_or_status,
+# whose handling of each refusal is the same whichever command calls it, and each process costs an import of torch
+# (1.5 s of CPU; the whole matrix of six was 10 s). A command that loaded torch any other way fails here whichever
+# refusal it meets; a refusal handled wrongly fails whichever command meets it.
 @pytest.mark.no_zygote  # torch reads TORCH_LOGS as it loads: a process forked with torch loaded never would
-@pytest.mark.parametrize("command", [["train.py"], ["sample.py"], ["-m", "lab", "notes"]],
-                         ids=["train", "sample", "lab"])
 # nothere.logs: a module whose package does not exist, which torch looks for with importlib's find_spec, and that
 # raised ModuleNotFoundError, a traceback of torch's loading
-@pytest.mark.parametrize("logs", ["POSIX", "+nothere.logs"])
+@pytest.mark.parametrize(("command", "logs"), [(["train.py"], "POSIX"), (["sample.py"], "+nothere.logs"),
+                                               (["-m", "lab", "notes"], "POSIX")],
+                         ids=["POSIX-train", "+nothere.logs-sample", "POSIX-lab"])
 def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_path, command, logs):
     """torch refuses such a TORCH_LOGS as it loads, in a ValueError listing every log it has: that was a traceback
     of a hundred lines and exit status 1, for a documented variable given a wrong value."""
@@ -174,9 +178,10 @@ def test_a_torch_logs_naming_no_log_is_one_line_and_status_2(small_corpus, tmp_p
 
 
 @pytest.mark.no_zygote  # torch reads TORCH_LOGS as it loads: a process forked with torch loaded never would
-@pytest.mark.parametrize(("command", "asked"), [(["train.py"], "help"), (["train.py"], "+help"),
-                                                (["sample.py"], "help"), (["-m", "lab", "notes"], "help")],
-                         ids=["train", "train-all", "sample", "lab"])
+# each command once, +help (torch's full list) on one of them: as above, the list is printed by the same code for all
+@pytest.mark.parametrize(("command", "asked"), [(["train.py"], "help"), (["sample.py"], "+help"),
+                                                (["-m", "lab", "notes"], "help")],
+                         ids=["train", "sample-all", "lab"])
 def test_torch_logs_help_prints_torchs_list_of_logs_and_ends_with_status_0(small_corpus, tmp_path, command, asked):
     """TORCH_LOGS=help asks torch for its list of logs, which torch gives as it loads, as the message of a ValueError:
     that was the list at the end of a traceback, and exit status 1. Asked for, it is printed as --help's text is (on
