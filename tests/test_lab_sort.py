@@ -569,9 +569,13 @@ def test_a_lab_command_run_as_its_file_or_module_is_stopped_while_starting_in_on
     assert done.stdout == ""
 
 
-@pytest.mark.parametrize("command", [["lab/sort.py"], ["-m", "lab.sort"]], ids=" ".join)
+@pytest.mark.parametrize("command", [["lab/sort.py"]], ids=" ".join)
 def test_a_heatmap_name_stdout_cannot_encode_is_written_and_said_when_run_as_a_file(command, tmp_path):
-    # PYTHONIOENCODING=latin-1 python lab/sort.py --heatmap .../中.png: a UnicodeEncodeError traceback, exit 1
+    # PYTHONIOENCODING=latin-1 python lab/sort.py --heatmap .../中.png: a UnicodeEncodeError traceback, exit 1. Run
+    # as the file only: python -m lab.sort runs the same __main__ block into lab_main, which makes stdout take any
+    # text once its start is over, whatever the way in; that -m lab.sort goes through that start, the test of a stop
+    # while starting checks. A second run here (3.4 s of CPU: torch, and its compiler for the optimiser) checked the
+    # same block again.
     path = tmp_path / "中.png"
     done = subprocess.run([sys.executable, *command, "--steps", "1", "--batch-size", "4", "--heatmap", str(path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
