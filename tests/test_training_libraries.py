@@ -103,29 +103,37 @@ def test_a_library_inductor_was_cut_short_linking_is_removed_at_once_unless_anot
 def test_a_library_inductor_built_and_a_killed_run_cut_short_is_built_again_not_loaded(tmp_path):
     """The same with inductor's own C++ cache, which builds a library where the check looks for it and under the
     lock it takes: cut short a moment ago, it was loaded (the process died of SIGBUS, exit 135, no line)."""
+    from torch._inductor.codecache import CppCodeCache
+
     from training.libraries import whole_elf
 
+    # A source of this test's own (the comment): inductor keeps what it loaded in memory, by the source's key, and
+    # this process must build it anew, into the test's folder.
+    source = f'extern "C" int answer() {{ return 41 + 1; }}  // {tmp_path}'
     probe = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
              "from pathlib import Path\n"
              "from torch._inductor.codecache import CppCodeCache\n"
              "from training.libraries import drop_damaged_libraries\n"
              "drop_damaged_libraries(Path(sys.argv[1]))\n"
-             "lib = CppCodeCache.load('extern \"C\" int answer() { return 41 + 1; }')\n"
+             "lib = CppCodeCache.load(sys.argv[2])\n"
              "print(lib.answer(), lib._name)\n")
-    # Told, as prepare_compile tells inductor, that the CPU's vector instruction sets need no test programs: each
-    # process would otherwise build and run one per set into the empty cache first (2026-12-05, 2-core AMD EPYC (Zen 3,
-    # AVX2): 6.5 -> 3.7 s of CPU a process).
+    # The process that loads the library cut short, below, is one of its own: it may die. Told, as prepare_compile
+    # tells inductor, that the CPU's vector instruction sets need no test programs, which it would otherwise build and
+    # run into the empty cache first (2026-12-05, 2-core AMD EPYC (Zen 3, AVX2): 6.5 -> 3.7 s of CPU).
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_VEC_ISA_OK": "1"}
-    built = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env,
-                           check=False)
-    assert built.returncode == 0, built.stderr
-    answer, library = built.stdout.split()
-    library = Path(library)
-    assert answer == "42" and library.parent.parent == tmp_path
+    # The library is built here, in this process, where prepare_compile has readied inductor: a process to build it
+    # took 3.4 s more CPU (torch's import).
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        lib = CppCodeCache.load(source)
+    library = Path(lib._name)
+    assert lib.answer() == 42 and library.parent.parent == tmp_path
     whole = library.read_bytes()
-    library.write_bytes(whole[:len(whole) // 6])  # cut in its code: what dlopen maps is not there
-    again = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env,
-                           check=False)
+    # cut in its code, what dlopen maps is not there: a file of its own, as this process keeps the whole one mapped
+    library.unlink()
+    library.write_bytes(whole[:len(whole) // 6])
+    again = subprocess.run([sys.executable, "-c", probe, str(tmp_path), source], capture_output=True, text=True,
+                           env=env, check=False)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split()[0] == "42" and whole_elf(library)
 
