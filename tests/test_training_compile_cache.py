@@ -195,19 +195,25 @@ def test_code_built_for_one_instruction_set_is_cached_apart_from_anothers():
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
                     reason="this CPU has no vector unit torch uses")
-def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path):
+def test_lowering_the_vector_capability_moves_the_compile_cache(tmp_path, monkeypatch):
     """ATEN_CPU_CAPABILITY (read once, when torch starts) takes a process to another cache folder, in tinychar's cache
     folder and in one the user names with TORCHINDUCTOR_CACHE_DIR alike."""
-    # One process for each capability (torch reads it once), each naming both folders: tinychar's, then the one
-    # TORCHINDUCTOR_CACHE_DIR names (read when compile_cache is imported: set here as that import would have set it)
+    # A process of its own for the lowered capability (torch reads it once), naming both folders: tinychar's, then the
+    # one TORCHINDUCTOR_CACHE_DIR names (read when compile_cache is imported: set here as that import would have set
+    # it). This process, at the capability it started with (not DEFAULT: above), names them for the CPU's own.
     shared = tmp_path / "shared"
     code = ("from training import compile_cache; print(compile_cache.compile_cache_dir()); "
             f"compile_cache._USER_CACHE = {str(shared)!r}; print(compile_cache.compile_cache_dir())")
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    mine, lowered = ([Path(line) for line in subprocess.run(
-        [sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=run_env, capture_output=True, text=True,
-        check=True).stdout.split("\n") if line] for run_env in (env, {**env, "ATEN_CPU_CAPABILITY": "default"}))
+    lowered = [Path(line) for line in subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parents[1], env={**env, "ATEN_CPU_CAPABILITY": "default"},
+        capture_output=True, text=True, check=True).stdout.split("\n") if line]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", None)
+    mine = [compile_cache.compile_cache_dir()]
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(shared))
+    mine.append(compile_cache.compile_cache_dir())
     for base, folders in ((tmp_path / "xdg" / "tinychar" / "compiled", [mine[0], lowered[0]]),
                           (shared, [mine[1], lowered[1]])):
         assert folders[0] != folders[1] and {f.parent for f in folders} == {base}
