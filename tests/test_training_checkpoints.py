@@ -49,6 +49,12 @@ from training.launch import Launch
 from training.optim import lr_at
 
 
+def copy_of_straight(straight: tuple[Path, dict[int, str]], tmp_path: Path) -> Path:
+    """A run for a test to change: a copy of conftest's straight run, in tmp_path/out. The tests that use it read its
+    checkpoints or replace the run, whichever run it is; training one of their own took 0.3 s of CPU each."""
+    return Path(shutil.copytree(straight[0], tmp_path / "out"))
+
+
 @pytest.fixture
 def saved(tmp_path) -> tuple[GPT, Path]:
     """As in test_model_checkpoint: a tiny model saved at step 7."""
@@ -375,12 +381,10 @@ def test_a_save_that_fails_is_one_line_and_the_previous_checkpoint_stays_whole(t
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new-run", "overwrite"])
 def test_a_best_pt_that_cannot_be_written_is_named_and_the_line_says_what_out_dir_holds(tmp_path, capsys, monkeypatch,
-                                                                                        overwrite):
+                                                                                        straight, overwrite):
     """ckpt.pt is written before best.pt: when best.pt fails, ckpt.pt is already this step's, and the line says so;
     an --overwrite whose first save fails so keeps nothing of itself and gives the old run back."""
-    from conftest import train_small_run
-
-    out = train_small_run(tmp_path) if overwrite else tmp_path / "out"
+    out = copy_of_straight(straight, tmp_path) if overwrite else tmp_path / "out"
     before = snapshot(out) if overwrite else {}
     real_write = training.checkpoints.write_atomic
 
@@ -442,12 +446,10 @@ def test_a_best_pt_that_holds_its_checkpoint_is_left_alone(tmp_path, monkeypatch
     assert (out / "best.pt").read_bytes() == b"the same bytes"
 
 
-def test_a_best_pt_of_a_later_step_than_a_checkpoint_copied_back_is_kept(tmp_path):
+def test_a_best_pt_of_a_later_step_than_a_checkpoint_copied_back_is_kept(straight, tmp_path):
     """An older ckpt.pt (the best at its step) copied back over the newer one, to go on from there: the resume copied
     it over the newer, better best.pt, saying "the save that wrote ckpt.pt could not write best.pt"."""
-    from conftest import train_small_run
-
-    run = train_small_run(tmp_path)
+    run = copy_of_straight(straight, tmp_path)
     payload = load_checkpoint(run / "ckpt.pt")
     later = {**payload, "step": payload["step"] + 20}
     torch.save(later, run / "best.pt")
@@ -459,16 +461,14 @@ def test_a_best_pt_of_a_later_step_than_a_checkpoint_copied_back_is_kept(tmp_pat
     assert (run / "best.pt").read_bytes() == (run / "ckpt.pt").read_bytes()
 
 
-def test_a_best_pt_that_is_whole_but_unreadable_here_is_kept(tmp_path, monkeypatch):
+def test_a_best_pt_that_is_whole_but_unreadable_here_is_kept(straight, tmp_path, monkeypatch):
     """A best.pt that this process cannot load though it is whole (a later tinychar's format; too little memory left
     to load it beside the resumed checkpoint) read as "no checkpoint", and the resume copied its older ckpt.pt over
     it."""
-    from conftest import train_small_run
-
     import model.checkpoint
     from model.checkpoint import NoMemoryToLoad
 
-    run = train_small_run(tmp_path)
+    run = copy_of_straight(straight, tmp_path)
     payload = load_checkpoint(run / "ckpt.pt")
     later = {k: v for k, v in payload.items() if k != "format"}
     torch.save({"format": "tinychar-checkpoint", **later, "version": 99}, run / "best.pt")
@@ -501,16 +501,14 @@ def unreadable(monkeypatch: pytest.MonkeyPatch, *paths: Path) -> None:
     monkeypatch.setattr(builtins, "open", guarded)
 
 
-def test_checkpoints_this_user_may_not_read_are_not_called_damaged(tmp_path, monkeypatch, capsys):
+def test_checkpoints_this_user_may_not_read_are_not_called_damaged(straight, tmp_path, monkeypatch, capsys):
     """ckpt.pt made unreadable was "truncated or not a checkpoint", with the advice to copy best.pt over it, which
     throws away every step since the best; an unreadable best.pt stopped a resume with "give another path" (a
     traceback's OSError, said in one line) once the resume had rewritten config.yaml."""
-    from conftest import train_small_run
-
     from model.checkpoint import Unreadable
     from model.runs import quoted
 
-    run = train_small_run(tmp_path)
+    run = copy_of_straight(straight, tmp_path)
     saved = {p.name: p.read_bytes() for p in run.iterdir() if p.suffix == ".pt"}
     unreadable(monkeypatch, run / "ckpt.pt")
     with pytest.raises(Unreadable) as e:
