@@ -40,6 +40,7 @@ from lab.sort_outputs import check_heatmap, default_heatmap, describe, heatmap_o
 from lab.sort_task import Batch, PaddingCheck, decode, padding_check, sorting_batch, sorting_loss
 from model.config import short_int
 from training.memory import allocatable_bytes, whose_memory
+from training.optim import AdamW
 from training.signals import Interrupted, InterruptSignals
 
 MODELS = ("gru", "transformer")
@@ -155,7 +156,8 @@ def train(model: GRUSeq2Seq | TransformerSeq2Seq, cfg: SortConfig, writer: objec
     """Teacher-forced cross-entropy on fresh batches; returns the loss of every step. Diverged at the first step whose
     loss is not finite, or when the last step's update leaves a weight that is not."""
     generator = torch.Generator().manual_seed(cfg.seed)
-    optimiser = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
+    # Adam's steps to the bit; torch.optim.Adam's first imports torch's compiler (1.35 s of `python -m lab sort`)
+    optimiser = AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     model.train()
     losses = []
     for step in range(cfg.steps):
@@ -193,9 +195,8 @@ def memory_need(cfg: SortConfig) -> int:
     floats += 2 * B * T * D + 2 * E * D + 20 * (B + E) * T * C
     if cfg.model == "transformer":
         heads = cfg.seq2seq().n_head
-        # the encoder's and decoder's activations kept for the backward pass: about 45 x n_embd floats a training
-        # position in all (peak memory 2.2, 4.1 and 7.7 GB at --batch-size 20,000, 40,000 and 80,000, length 8, where
-        # the 20 above made 1.1, 2.0 and 3.9 GB of it)
+        # the encoder's and decoder's activations kept for the backward pass, about 45 x n_embd floats a position (peak
+        # 2.2, 4.1 and 7.7 GB at --batch-size 20,000, 40,000 and 80,000, length 8; the 20 above made 1.1, 2.0 and 3.9)
         floats += 28 * B * T * C
         floats += 12 * B * heads * T * T + 10 * E * heads * T * T  # attention weights: training, then greedy decoding
         # greedy decoding takes the logits of the whole prefix at each step: (E, T, D) at the last, two alive at
