@@ -340,7 +340,7 @@ if __name__ == "__main__":
     _code = cached_code(_job["script"])
     if _code is None:
         with open(_job["script"], "rb") as _file:
-            _code = compile(_file.read(), _job["script"], "exec")
+            _code = compile(_file.read(), _job["script"], "exec", dont_inherit=True)  # as the interpreter does
         del _file
     del _job, _fds
     exec(_code, _namespace)
