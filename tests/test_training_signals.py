@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -521,6 +522,36 @@ def test_autograd_warning_of_the_interrupt_on_its_way_up_is_not_shown():
             warnings.warn("after the signal", UserWarning, stacklevel=1)
         warnings.warn("once the work it guarded is over", UserWarning, stacklevel=1)
     assert shown_warnings == ["before any signal", "once the work it guarded is over"]
+
+
+def test_an_interrupt_raised_where_python_cannot_raise_it_is_not_reported(monkeypatch):
+    """A signal that lands in a callback Python runs on its own (a weak reference's, as torch.compile's caches keep)
+    cannot stop anything there: Python hands the exception to sys.unraisablehook, which prints "Exception ignored in"
+    and a traceback above the run's one line. Inside InterruptSignals an Interrupted goes unreported (the signal is in
+    `received`), any other exception is still reported, and the hook is the one before once it ends."""
+    reported: list[str] = []
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        reported.append(type(unraisable.exc_value).__name__)
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+
+    class Cached:
+        pass
+
+    def dropped_while(callback: Callable[[weakref.ref], None]) -> None:
+        held = Cached()
+        ref = weakref.ref(held, callback)
+        del held  # the callback runs here, and what it raises goes to sys.unraisablehook
+        assert ref() is None
+
+    with InterruptSignals():
+        dropped_while(lambda ref: send(signal.SIGTERM))
+        assert InterruptSignals.received == signal.SIGTERM
+        dropped_while(lambda ref: 1 / 0)
+    assert sys.unraisablehook is hook
+    dropped_while(lambda ref: 1 / 0)
+    assert reported == ["ZeroDivisionError", "ZeroDivisionError"]
 
 
 @pytest.mark.slow
