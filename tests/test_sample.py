@@ -884,6 +884,22 @@ def test_stderr_open_only_for_reading_is_taken_for_a_closed_one(run_dir):
     assert done.stdout.startswith("the") and len(done.stdout) == len("the") + 30 + 1
 
 
+def test_stderr_open_only_for_reading_is_replaced_by_dev_null_for_writing():
+    # The test above passes as long as either half works: sys.stderr's failed writes going quiet, or descriptor 2
+    # itself replaced. The descriptor must be, for what libraries write to it in C (torch's warnings). No torch here.
+    script = ("import fcntl, os; from training.streams import stderr_kept_open; stderr_kept_open(); "
+              "st, null = os.fstat(2), os.stat(os.devnull); "
+              "print(fcntl.fcntl(2, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY, "
+              "(st.st_dev, st.st_ino) == (null.st_dev, null.st_ino))")
+    read_only = os.open(os.devnull, os.O_RDONLY)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              stderr=read_only, timeout=60, check=False)
+    finally:
+        os.close(read_only)
+    assert (done.returncode, done.stdout) == (0, "True True\n")
+
+
 def test_a_reader_of_stderr_that_goes_away_loses_nothing_else(run_dir, tmp_path):
     # `2>&1 >out.txt | head -c 5`: the checkpoint's line met a closed pipe, a BrokenPipeError ended the run with
     # status 1, and the samples bound for the file were never written
