@@ -7,6 +7,7 @@ The masked multi-head step (scores, triangular mask, softmax, dropout, weighted 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,11 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention under the triangular mask, with one fused q/k/v projection."""
 
+    # The compiled training step's own kernel for the masked attention, qkv (B, T, 3C) -> (B, T, C), and a digest of
+    # its code: set by training/attention_kernel.py where it applies (a CPU, float32), None where the notes' code runs.
+    kernel: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    kernel_source = ""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
@@ -152,6 +158,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         offset = cache.length if cache is not None else 0
         qkv = self.c_attn(x) if qkv is None else qkv
+        if self.takes_kernel(qkv, cache, need_weights):
+            return self.resid_dropout(self.c_proj(self.kernel(qkv, self.n_head))), None
         q, k, v = (self.heads(t) for t in qkv.split(C, dim=2))  # (B, nh, T, hs) each
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, offset + T, hs)
@@ -169,6 +177,12 @@ class CausalSelfAttention(nn.Module):
             y, weights = masked_attention(scores, v, visible, self.attn_dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y)), weights
+
+    def takes_kernel(self, qkv: torch.Tensor, cache: KVCache | None, need_weights: bool) -> bool:
+        """Whether this pass runs the compiled training step's kernel (see kernel): only where the step is traced,
+        computing gradients, in float32 on the CPU, over the whole window (no cache), keeping no weights."""
+        return (self.kernel is not None and cache is None and not need_weights and torch.compiler.is_compiling()
+                and torch.is_grad_enabled() and qkv.dtype == torch.float32 and qkv.device.type == "cpu")
 
     def takes_fused_kernel(self, need_weights: bool = False) -> bool:
         """Whether this pass runs PyTorch's fused kernel: always with attention=fused, and with manual for eager
