@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,11 @@ class NonFiniteLogits(ArithmeticError):
 class MLP(nn.Module):
     """The feed-forward layer: widen 4x, GELU, project back."""
 
+    # The compiled training step's own GELU (training/gelu_kernel.py) and a digest of its code, where it applies (a
+    # CPU, float32); None where torch's runs.
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+    kernel_source = ""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
@@ -34,7 +39,14 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)
+        return self.dropout(self.c_proj(self.kernel(h) if self.takes_kernel(h) else self.gelu(h)))
+
+    def takes_kernel(self, h: torch.Tensor) -> bool:
+        """Whether this pass runs the compiled training step's GELU (see kernel): only where the step is traced,
+        computing gradients, in float32 on the CPU."""
+        return (self.kernel is not None and torch.compiler.is_compiling() and torch.is_grad_enabled()
+                and h.dtype == torch.float32 and h.device.type == "cpu")
 
 
 class Block(nn.Module):

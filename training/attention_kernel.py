@@ -7,15 +7,17 @@ batched product (48 of 64 x 32 x 64) runs at a fraction of the BLAS's rate and s
 kernel below does one (batch, head) pair at a time, start to end, in the core's own cache: the scores and the softmax
 of the positions each query may see, the weighted sum of values, and in the backward the four products, reading q, k
 and v where the projection wrote them and writing the output and the gradients where the next layer reads them.
-Measured there (torch 2.13, 2 threads, float32): 0.53 ms a layer against 1.0, and the whole compiled step of that
-config 35.9 ms against 37.9 (medians of 12 rounds of 20 steps, interleaved in one process), the same losses to 1e-6.
+Measured there (torch 2.13, 2 threads, float32): 0.46-0.53 ms a layer against 1.0, and the whole compiled step of
+that config 36.16 ms against 37.11 (medians of 16 rounds of 20 steps, interleaved in one process), the same losses
+to 1e-6; with training/gelu_kernel.py as well, 35.05.
 
 The same arithmetic as the notes' (scores scaled by 1/sqrt(head_size), the triangular mask, softmax, weighted sum),
 in another order of additions, with exp computed by a polynomial to float32's precision. Deterministic: each pair is
 one thread's, so a resumed run equals a straight one. Built once per shape by the C compiler torch.compile uses, kept
 in the compile cache, and called by the compiled step only (CompiledStep attaches it): eager training, evaluation,
 sampling and the attention maps keep the notes' code. Where it cannot be built or does not apply (another dtype,
-dropout, additive scores, a head size not a multiple of 16, blocks over MAX_BLOCK), the notes' code runs.
+dropout, additive scores, a head size not a multiple of 16, blocks over MAX_BLOCK), the notes' code runs. How it is
+built, loaded and called: training/c_kernels.py.
 """
 
 from __future__ import annotations
@@ -23,52 +25,24 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+from subprocess import SubprocessError
 
 import torch
 from torch import nn
 
 from model.attention import CausalSelfAttention
 
-from .compile_cache import cache_folder  # read TORCHINDUCTOR_CACHE_DIR before importing dynamo sets its default
+from .c_kernels import PRELUDE, build
 
 # Longest block the kernel takes: its buffers for one (batch, head) pair live on the thread's stack (under 200 KB).
 MAX_BLOCK = 128
 VECTOR = 16  # the head size must be a multiple of this: the products' tiles are two vectors of 8 wide
 
-SOURCE = r"""
-#include <string.h>
+SOURCE = PRELUDE + r"""
 #define C (NH * HS)
 #define C3 (3 * C)
 #define TP ((T + 15) / 16 * 16)
-typedef float v8 __attribute__((vector_size(32)));
-typedef int v8i __attribute__((vector_size(32)));
-#define LD(p) ({ v8 v_; __builtin_memcpy(&v_, (p), 32); v_; })
-#define ST(p, v) do { v8 w_ = (v); __builtin_memcpy((p), &w_, 32); } while (0)
-static inline v8 BC(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-static inline v8 sel(v8i m, v8 a, v8 b) { /* a where m, else b */
-    v8i ai, bi, r; v8 o; __builtin_memcpy(&ai, &a, 32); __builtin_memcpy(&bi, &b, 32);
-    r = (ai & m) | (bi & ~m); __builtin_memcpy(&o, &r, 32); return o;
-}
-static inline v8 vexp(v8 x) { /* e^x for x <= 0: 2^n e^r, |r| <= ln2/2, Cephes' polynomial */
-    x = sel(x < BC(-87.0f), BC(-87.0f), x);
-    v8 n = (x * BC(1.44269504f) + BC(12582912.0f)) - BC(12582912.0f);
-    v8 r = x - n * BC(0.693359375f) + n * BC(2.12194440e-4f);
-    v8 p = BC(1.9875691500e-4f);
-    p = p * r + BC(1.3981999507e-3f); p = p * r + BC(8.3334519073e-3f); p = p * r + BC(4.1665795894e-2f);
-    p = p * r + BC(1.6666665459e-1f); p = p * r + BC(5.0000001201e-1f);
-    p = p * r * r + r + BC(1.0f);
-    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23; v8 s; __builtin_memcpy(&s, &e, 32);
-    return p * s;
-}
-static inline float hsum(v8 v) { float s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
-static inline float hmax(v8 v) { float m = v[0]; for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m; return m; }
-
 /* out[i][0:n) = sum over k of A(i, k) b[k][0:n), rows i in [0, m), n a multiple of 16, four rows by 16 columns at a
    time. mode 0: k in [0, K), A(i, k) = a[i][k]; 1: k in [0, i]; 2: k in [i, K), A(i, k) = a[k][i] (a transposed).
    causal_n: only the columns up to the last row's diagonal. */
@@ -197,52 +171,19 @@ def eligible(module: CausalSelfAttention, block_size: int) -> bool:
             and 0 < block_size <= MAX_BLOCK)
 
 
-def _flags() -> list[str]:
-    """The compiler's flags: AVX2 and FMA where PyTorch runs its own AVX2 (or AVX-512) kernels, else the compiler's
-    defaults for the machine (its vector extension lowered to what the target has)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and capability in ("AVX2", "AVX512") else []
-    return ["-x", "c", "-std=gnu11", "-O3", "-fPIC", "-shared", "-fopenmp", *isa]
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
 _LIBRARIES: dict[tuple[int, int, int], ctypes.CDLL] = {}
 
 
-def library(block_size: int, head_size: int, n_head: int, folder: Path) -> ctypes.CDLL:
-    """The kernel built for this shape, from folder (the compile cache) or compiled into it now (about a second);
-    an OSError or subprocess.CalledProcessError where it cannot be."""
+def library(block_size: int, head_size: int, n_head: int, folder: Path | None = None) -> ctypes.CDLL:
+    """The kernel for this shape (c_kernels.build: an OSError or subprocess.SubprocessError where it cannot be)."""
     shape = (block_size, head_size, n_head)
-    if shape in _LIBRARIES:
-        return _LIBRARIES[shape]
-    compiler = _compiler()
-    if compiler is None:
-        raise OSError("no C compiler")
-    macros = [f"-DT={block_size}", f"-DHS={head_size}", f"-DNH={n_head}"]
-    digest = hashlib.sha256("\0".join([SOURCE, compiler, *_flags(), *macros]).encode()).hexdigest()[:24]
-    path = folder / f"tinychar-attention-{digest}.so"
-    if not path.is_file():
-        fd, scratch = tempfile.mkstemp(prefix=".tinychar-attention-", suffix=".so.tmp", dir=folder)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *_flags(), *macros, "-", "-o", scratch], input=SOURCE, text=True, check=True,
-                           capture_output=True, timeout=120)
-            os.replace(scratch, path)  # whole or not at all: another process may be loading it
-        finally:
-            if os.path.exists(scratch):
-                os.remove(scratch)
-    lib = ctypes.CDLL(str(path))
-    pointer = ctypes.c_void_p
-    lib.attention_forward.argtypes = [pointer, pointer, pointer, ctypes.c_int, ctypes.c_float]
-    lib.attention_backward.argtypes = [pointer, pointer, pointer, pointer, ctypes.c_int, ctypes.c_float]
-    _LIBRARIES[shape] = lib
-    return lib
+    if shape not in _LIBRARIES:
+        lib = build("attention", SOURCE, [f"-DT={block_size}", f"-DHS={head_size}", f"-DNH={n_head}"], folder)
+        pointer = ctypes.c_void_p
+        lib.attention_forward.argtypes = [pointer, pointer, pointer, ctypes.c_int, ctypes.c_float]
+        lib.attention_backward.argtypes = [pointer, pointer, pointer, pointer, ctypes.c_int, ctypes.c_float]
+        _LIBRARIES[shape] = lib
+    return _LIBRARIES[shape]
 
 
 def _padded(block_size: int) -> int:
@@ -252,10 +193,8 @@ def _padded(block_size: int) -> int:
 def _loaded(qkv: torch.Tensor, n_head: int) -> tuple[ctypes.CDLL, float]:
     B, T, C3 = qkv.shape
     head = C3 // 3 // n_head
-    shape = (T, head, n_head)
-    if shape not in _LIBRARIES:  # a step loaded whole from the cache, in a process that has not attached the kernel
-        library(T, head, n_head, cache_folder())
-    return _LIBRARIES[shape], 1.0 / math.sqrt(head)
+    # (built here for a step loaded whole from the cache, in a process that has not attached the kernel)
+    return library(T, head, n_head), 1.0 / math.sqrt(head)
 
 
 @torch.library.custom_op("tinychar::causal_attention", mutates_args=())
@@ -326,8 +265,8 @@ def attach(model: nn.Module, folder: Path | None = None) -> bool:
     if not layers:
         return False
     try:
-        library(block_size, layers[0].n_embd // layers[0].n_head, layers[0].n_head, folder or cache_folder())
-    except (OSError, subprocess.SubprocessError):
+        library(block_size, layers[0].n_embd // layers[0].n_head, layers[0].n_head, folder)
+    except (OSError, SubprocessError):
         return False
     for layer in layers:
         layer.kernel = attend
@@ -335,4 +274,3 @@ def attach(model: nn.Module, folder: Path | None = None) -> bool:
     return True
 
 
-__all__ = ["MAX_BLOCK", "attach", "attend", "causal_attention", "causal_attention_backward", "eligible", "library"]

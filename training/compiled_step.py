@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import attention_kernel, step_file
+from . import attention_kernel, gelu_kernel, step_file
 from .compile_cache import compile_options
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
@@ -244,8 +244,9 @@ class CompiledStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.AdamW, tc: TrainConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.model, self.tc, self.device, self.dtype = model, tc, device, dtype
-        if device.type == "cpu" and dtype == torch.float32:  # the attention's own kernel, where it applies
+        if device.type == "cpu" and dtype == torch.float32:  # kernels of our own, where they apply
             attention_kernel.attach(model)
+            gelu_kernel.attach(model)
         named = {id(p): name for name, p in model.named_parameters()}  # a tied weight once, under its first name
         params: list[torch.Tensor] = []
         states: list[dict[str, torch.Tensor]] = []

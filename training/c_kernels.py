@@ -1,0 +1,94 @@
+"""C kernels of tinychar's own for the compiled training step on a CPU (training/attention_kernel.py,
+training/gelu_kernel.py): built by the C compiler torch.compile uses, with OpenMP (PyTorch's own threads: the loader
+finds its libgomp already in the process), once per kernel and shape, kept in the compile cache beside inductor's
+code, and called through ctypes from custom operators, which the compiled step's C++ wrapper calls back into Python
+for. They are written with GCC's vector extension (eight floats, what AVX2 holds), which GCC and Clang compile for any
+CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP) runs PyTorch's code instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .compile_cache import cache_folder  # read TORCHINDUCTOR_CACHE_DIR before importing dynamo sets its default
+
+# What every kernel starts from: eight floats as one value, loads, stores, broadcasts, a select, exp and two
+# horizontal reductions.
+PRELUDE = r"""
+#include <string.h>
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+#define LD(p) ({ v8 v_; __builtin_memcpy(&v_, (p), 32); v_; })
+#define ST(p, v) do { v8 w_ = (v); __builtin_memcpy((p), &w_, 32); } while (0)
+static inline v8 BC(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 sel(v8i m, v8 a, v8 b) { /* a where m, else b */
+    v8i ai, bi, r; v8 o; __builtin_memcpy(&ai, &a, 32); __builtin_memcpy(&bi, &b, 32);
+    r = (ai & m) | (bi & ~m); __builtin_memcpy(&o, &r, 32); return o;
+}
+static inline v8 vexp(v8 x) { /* e^x for x <= 0 (e^-87 below), as 2^n e^r, |r| <= ln2/2: Cephes' polynomial */
+    x = sel(x < BC(-87.0f), BC(-87.0f), x);
+    v8 n = (x * BC(1.44269504f) + BC(12582912.0f)) - BC(12582912.0f);
+    v8 r = x - n * BC(0.693359375f) + n * BC(2.12194440e-4f);
+    v8 p = BC(1.9875691500e-4f);
+    p = p * r + BC(1.3981999507e-3f); p = p * r + BC(8.3334519073e-3f); p = p * r + BC(4.1665795894e-2f);
+    p = p * r + BC(1.6666665459e-1f); p = p * r + BC(5.0000001201e-1f);
+    p = p * r * r + r + BC(1.0f);
+    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23; v8 s; __builtin_memcpy(&s, &e, 32);
+    return p * s;
+}
+static inline float hsum(v8 v) { float s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
+static inline float hmax(v8 v) { float m = v[0]; for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m; return m; }
+"""
+
+
+def compiler() -> str | None:
+    """The C compiler: torch.compile's (CXX, else g++, c++ or clang++), which also compiles C."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def flags() -> list[str]:
+    """The compiler's flags: AVX2 and FMA where PyTorch runs its own AVX2 (or AVX-512) kernels, else the compiler's
+    defaults for the machine (the vector extension lowered to what the target has)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and capability in ("AVX2", "AVX512") else []
+    return ["-x", "c", "-std=gnu11", "-O3", "-fPIC", "-shared", "-fopenmp", *isa]
+
+
+_BUILT: dict[str, ctypes.CDLL] = {}
+
+
+def build(name: str, source: str, macros: list[str], folder: Path | None = None) -> ctypes.CDLL:
+    """The library of source compiled with macros: loaded already, from folder (by default the compile cache), or
+    compiled into it now (about a second). OSError or subprocess.SubprocessError where it cannot be."""
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler")
+    digest = hashlib.sha256("\\0".join([source, cc, *flags(), *macros]).encode()).hexdigest()[:24]
+    if digest in _BUILT:
+        return _BUILT[digest]
+    folder = folder or cache_folder()
+    path = folder / f"tinychar-{name}-{digest}.so"
+    if not path.is_file():
+        fd, scratch = tempfile.mkstemp(prefix=f".tinychar-{name}-", suffix=".so.tmp", dir=folder)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *flags(), *macros, "-", "-o", scratch], input=source, text=True, check=True,
+                           capture_output=True, timeout=120)
+            os.replace(scratch, path)  # whole or not at all: another process may be loading it
+        finally:
+            if os.path.exists(scratch):
+                os.remove(scratch)
+    _BUILT[digest] = library = ctypes.CDLL(str(path))
+    return library
