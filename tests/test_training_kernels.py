@@ -99,6 +99,31 @@ def test_the_layers_the_kernel_computes_take_it_and_no_others():
         assert not layers_with_kernel(model)
 
 
+@needs_cpu_compile
+def test_the_kernels_go_only_to_steps_big_enough_to_win_their_calls_back():
+    """Each call of a kernel goes through Python: the compiled step takes them where a micro-batch (rows: batch times
+    block) is big enough, as measured (nanoGPT's CPU config, 768 rows of block 64, takes both; tiny.yaml's model, 1,024
+    rows of block 8, the attention's only; bench.py's block-8 step, 256 rows, neither)."""
+    def taken(rows: int, block: int, width: int, heads: int) -> tuple[bool, bool]:
+        model = GPT(GPTConfig(vocab_size=65, block_size=block, n_layer=1, n_head=heads, n_embd=width, dropout=0.0))
+        return attention_kernel.attach(model, rows=rows), gelu_kernel.attach(model, rows=rows)
+
+    assert taken(12 * 64, 64, 128, 4) == (True, True)
+    assert taken(128 * 8, 8, 64, 4) == (True, False)
+    assert taken(32 * 8, 8, 64, 4) == (False, False)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=1, n_head=4, n_embd=128, dropout=0.0))
+    tc = replace(TrainConfig(), batch_size=12, grad_accum_steps=1)
+    CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)  # attaches what applies
+    assert layers_with_kernel(model) and model.transformer.h[0].mlp.kernel is not None
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=1, n_head=4, n_embd=128, dropout=0.0))
+    CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.bfloat16)  # float32 only
+    assert not layers_with_kernel(model) and model.transformer.h[0].mlp.kernel is None
+    model = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=4, n_embd=64, dropout=0.0))
+    tc = replace(tc, batch_size=32)
+    CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)  # a micro-batch of 256 rows
+    assert not layers_with_kernel(model) and model.transformer.h[0].mlp.kernel is None
+
+
 def test_a_machine_that_cannot_build_the_kernels_keeps_the_notes_attention_and_torchs_gelu(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_kernel, "_LIBRARIES", {})
     monkeypatch.setattr(c_kernels, "_BUILT", {})
@@ -128,6 +153,8 @@ def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(mo
     few weights within 1e-6. AdamW's first steps move each weight by about the learning rate, 1e-2, whatever the size
     of its gradient, so where a gradient is near zero the order of additions can tip that weight's step: measured,
     1.3e-5 at most and 13 of the 3,760 weights beyond 1e-6. And both kernels ran, forward and backward."""
+    monkeypatch.setattr(attention_kernel, "MIN_WORK", 0)  # a step this small takes them only here
+    monkeypatch.setattr(gelu_kernel, "MIN_VALUES", 0)
     calls, gelu_calls = [], []
     loaded, gelu_library = attention_kernel._loaded, gelu_kernel.library
     monkeypatch.setattr(attention_kernel, "_loaded", lambda *a: calls.append(1) or loaded(*a))

@@ -37,6 +37,11 @@ from .c_kernels import PRELUDE, build
 
 # Longest block the kernel takes: its buffers for one (batch, head) pair live on the thread's stack (under 200 KB).
 MAX_BLOCK = 128
+# Least work (rows of a micro-batch times the block) for which the kernel is attached: each of its two calls a layer
+# goes through Python (about 50 us), which small steps do not win back. Measured on the 2-core Zen 3 (interleaved in
+# one process, medians of 12 rounds): the kernel gained 2.6% at 768 rows of block 64 (49,152) and 1.1% at 1,024 rows of
+# block 8 (8,192, tiny.yaml's model), within the noise there.
+MIN_WORK = 8192
 VECTOR = 16  # the head size must be a multiple of this: the products' tiles are two vectors of 8 wide
 
 SOURCE = PRELUDE + r"""
@@ -256,13 +261,14 @@ def attend(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     return _CausalAttention.apply(qkv.contiguous(), n_head)[0]
 
 
-def attach(model: nn.Module, folder: Path | None = None) -> bool:
+def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
     """Give each of model's attention layers that the kernel applies to the kernel (built into folder, by default the
-    compile cache, if it is not there), for its compiled training forward; False where none could take it or it
-    cannot be built (the notes' attention runs then, as before)."""
+    compile cache, if it is not there), for its compiled training forward; False where none could take it, it cannot
+    be built, or rows (a micro-batch's: batch size times block; None: any) are too few to win its calls back (the
+    notes' attention runs then, as before)."""
     block_size = getattr(getattr(model, "config", None), "block_size", 0)
     layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention) and eligible(m, block_size)]
-    if not layers:
+    if not layers or rows is not None and rows * block_size < MIN_WORK:
         return False
     try:
         library(block_size, layers[0].n_embd // layers[0].n_head, layers[0].n_head, folder)

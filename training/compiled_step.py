@@ -244,9 +244,10 @@ class CompiledStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.AdamW, tc: TrainConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.model, self.tc, self.device, self.dtype = model, tc, device, dtype
-        if device.type == "cpu" and dtype == torch.float32:  # kernels of our own, where they apply
-            attention_kernel.attach(model)
-            gelu_kernel.attach(model)
+        if device.type == "cpu" and dtype == torch.float32:  # kernels of our own, where they apply and pay
+            rows = tc.batch_size * getattr(getattr(model, "config", None), "block_size", 0)
+            attention_kernel.attach(model, rows=rows)
+            gelu_kernel.attach(model, rows=rows)
         named = {id(p): name for name, p in model.named_parameters()}  # a tied weight once, under its first name
         params: list[torch.Tensor] = []
         states: list[dict[str, torch.Tensor]] = []

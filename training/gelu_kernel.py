@@ -68,6 +68,12 @@ void gelu_backward(const float* x, const float* g, float* dx, long n) {
 }
 """
 
+# Fewest values a call for which the kernel is attached: each call goes through Python (about 50 us, two a layer),
+# which small steps do not win back. Measured on the 2-core Zen 3 (interleaved in one process, medians of 12-16
+# rounds): the step 3.4% faster at 393,216 values (nanoGPT's CPU config, 768 rows of 512), 2.5% slower at 262,144
+# (tiny.yaml's model, 1,024 rows of 256) and 15% slower at 32,768 (bench.py's block-8 step, 256 rows of 128).
+MIN_VALUES = 300_000
+
 _LIBRARY: list[ctypes.CDLL] = []
 
 
@@ -132,10 +138,12 @@ def activate(x: torch.Tensor) -> torch.Tensor:
     return _GELU.apply(x)
 
 
-def attach(model: nn.Module, folder: Path | None = None) -> bool:
+def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
     """Give each of model's feed-forward layers the kernel for its compiled training forward (built into folder, by
-    default the compile cache, if it is not there); False where there are none or it cannot be built."""
-    layers = [m for m in model.modules() if isinstance(m, MLP) and m.gelu.approximate == "none"]
+    default the compile cache, if it is not there); False where there are none, it cannot be built, or rows (a
+    micro-batch's: batch size times block; None: any) give too few values a call to win its calls back."""
+    layers = [m for m in model.modules() if isinstance(m, MLP) and m.gelu.approximate == "none"
+              and (rows is None or rows * m.c_fc.out_features >= MIN_VALUES)]
     if not layers:
         return False
     try:
