@@ -23,17 +23,15 @@ built, loaded and called: training/c_kernels.py.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 from pathlib import Path
-from subprocess import SubprocessError
 
 import torch
 from torch import nn
 
 from model.attention import CausalSelfAttention
 
-from .c_kernels import PRELUDE, build
+from .c_kernels import PRELUDE, build, give
 
 # Longest block the kernel takes: its buffers for one (batch, head) pair live on the thread's stack (under 200 KB).
 MAX_BLOCK = 128
@@ -268,15 +266,9 @@ def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None
     notes' attention runs then, as before)."""
     block_size = getattr(getattr(model, "config", None), "block_size", 0)
     layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention) and eligible(m, block_size)]
-    if not layers or rows is not None and rows * block_size < MIN_WORK:
+    if rows is not None and rows * block_size < MIN_WORK:
         return False
-    try:
-        library(block_size, layers[0].n_embd // layers[0].n_head, layers[0].n_head, folder)
-    except (OSError, SubprocessError):
-        return False
-    for layer in layers:
-        layer.kernel = attend
-        layer.kernel_source = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]  # a setting: the compiled step's key
-    return True
+    head = layers[0].n_embd // layers[0].n_head if layers else 0
+    return give(layers, lambda: library(block_size, head, layers[0].n_head, folder), attend, SOURCE)
 
 

@@ -15,9 +15,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .compile_cache import cache_folder  # read TORCHINDUCTOR_CACHE_DIR before importing dynamo sets its default
 
@@ -92,3 +94,19 @@ def build(name: str, source: str, macros: list[str], folder: Path | None = None)
                 os.remove(scratch)
     _BUILT[digest] = library = ctypes.CDLL(str(path))
     return library
+
+
+def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, source: str) -> bool:
+    """Build a kernel (make), then give it to each of layers, with a digest of its source (a setting of the layer, so
+    that a compiled step is keyed apart from one compiled without it); False, and nothing given, where there are no
+    layers or it cannot be built."""
+    if not layers:
+        return False
+    try:
+        make()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    for layer in layers:
+        layer.kernel, layer.kernel_source = kernel, digest
+    return True

@@ -13,16 +13,14 @@ attaches it); eager training and everything else keep torch's GELU.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from pathlib import Path
-from subprocess import SubprocessError
 
 import torch
 from torch import nn
 
 from model.gpt import MLP
 
-from .c_kernels import PRELUDE, build
+from .c_kernels import PRELUDE, build, give
 
 SOURCE = PRELUDE + r"""
 /* erf(z) for z >= 0, given e = exp(-z^2): Abramowitz and Stegun 7.1.26, as ATen computes it */
@@ -144,13 +142,4 @@ def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None
     micro-batch's: batch size times block; None: any) give too few values a call to win its calls back."""
     layers = [m for m in model.modules() if isinstance(m, MLP) and m.gelu.approximate == "none"
               and (rows is None or rows * m.c_fc.out_features >= MIN_VALUES)]
-    if not layers:
-        return False
-    try:
-        library(folder)
-    except (OSError, SubprocessError):
-        return False
-    for layer in layers:
-        layer.kernel = activate
-        layer.kernel_source = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]  # a setting: the compiled step's key
-    return True
+    return give(layers, lambda: library(folder), activate, SOURCE)
