@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import subprocess
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import needs_cpu_compile
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from model import GPT, GPTConfig
 from model.attention import CausalSelfAttention, causal_bias
@@ -100,17 +102,25 @@ def test_the_layers_the_kernel_computes_take_it_and_no_others():
 
 
 @needs_cpu_compile
-def test_the_kernels_go_only_to_steps_big_enough_to_win_their_calls_back():
-    """Each call of a kernel goes through Python: the compiled step takes them where a micro-batch (rows: batch times
-    block) is big enough, as measured (nanoGPT's CPU config, 768 rows of block 64, takes both; tiny.yaml's model, 1,024
-    rows of block 8, the attention's only; bench.py's block-8 step, 256 rows, neither)."""
+def test_the_kernels_go_only_to_steps_big_enough_to_win_their_calls_back(monkeypatch):
+    """Each call of a kernel costs more than inductor's own code, and far more where it goes through Python: the
+    compiled step takes them where a micro-batch (rows: batch times block) gives them enough work, as measured
+    (nanoGPT's CPU config, 768 rows of block 64 and width 128, takes both; tiny.yaml's model, 1,024 rows of block 8 and
+    width 64, both, and only the attention's through Python; bench.py's block-8 rows, 256, only the attention's)."""
     def taken(rows: int, block: int, width: int, heads: int) -> tuple[bool, bool]:
         model = GPT(GPTConfig(vocab_size=65, block_size=block, n_layer=1, n_head=heads, n_embd=width, dropout=0.0))
         return attention_kernel.attach(model, rows=rows), gelu_kernel.attach(model, rows=rows)
 
     assert taken(12 * 64, 64, 128, 4) == (True, True)
+    assert taken(128 * 8, 8, 64, 4) == (True, True)
+    assert taken(32 * 8, 8, 64, 4) == (True, False)
+    assert taken(4 * 16, 16, 16, 1) == (False, False)  # 15% slower with the attention's, measured
+    monkeypatch.setattr(attention_kernel, "_operators", lambda folder=None: None)  # a torch before 2.10, say
+    monkeypatch.setattr(gelu_kernel, "_operators", lambda folder=None: None)
+    assert taken(12 * 64, 64, 128, 4) == (True, True)
     assert taken(128 * 8, 8, 64, 4) == (True, False)
     assert taken(32 * 8, 8, 64, 4) == (False, False)
+    monkeypatch.undo()
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=1, n_head=4, n_embd=128, dropout=0.0))
     tc = replace(TrainConfig(), batch_size=12, grad_accum_steps=1)
     CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)  # attaches what applies
@@ -121,12 +131,58 @@ def test_the_kernels_go_only_to_steps_big_enough_to_win_their_calls_back():
     model = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=4, n_embd=64, dropout=0.0))
     tc = replace(tc, batch_size=32)
     CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)  # a micro-batch of 256 rows
-    assert not layers_with_kernel(model) and model.transformer.h[0].mlp.kernel is None
+    assert layers_with_kernel(model) and model.transformer.h[0].mlp.kernel is None
+
+
+def loaded_operators() -> None:
+    """Load the operators' C++ kernels, or skip where this torch has no stable C++ interface for them (before 2.10:
+    their Python kernels run there, as every test of them above checks wherever the C++ ones are not loaded yet)."""
+    cpp = attention_kernel._operators() is not None and gelu_kernel._operators() is not None
+    if TorchVersion(torch.__version__) < "2.10":
+        assert not cpp
+        pytest.skip("the operators' kernels are C++ from torch 2.10")
+    assert cpp
+
+
+@needs_cpu_compile
+def test_the_operators_run_their_cpp_kernels_which_give_what_the_python_ones_give(monkeypatch):
+    """Loaded, the operators' kernels for CPU tensors are C++: the compiled step calls them without a round trip
+    through Python, so the Python kernels do not run, and each gives what its Python one gives, to the bit. A shape
+    the attention's has not met is built once, through Python; a tensor not laid out row by row is copied first."""
+    loaded_operators()
+    python_calls = []
+    loaded, library = attention_kernel._loaded, gelu_kernel.library
+    monkeypatch.setattr(attention_kernel, "_loaded", lambda *a: python_calls.append(a) or loaded(*a))
+    monkeypatch.setattr(gelu_kernel, "library", lambda *a: python_calls.append(a) or library(*a))
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 24, 3 * 2 * 32, generator=gen)  # block 24, 2 heads of 32: no other test's shape
+    dy = torch.randn(2, 24, 2 * 32, generator=gen)
+    y, weights = torch.ops.tinychar.causal_attention(qkv, 2)
+    dqkv = torch.ops.tinychar.causal_attention_backward(qkv, weights, dy, 2)
+    x, g = torch.randn(40, 30, generator=gen).t(), torch.randn(30, 40, generator=gen)
+    h, dx = torch.ops.tinychar.gelu(x), torch.ops.tinychar.gelu_backward(x, g)
+    assert python_calls == [] and (24, 32, 2) in attention_kernel._LIBRARIES  # built for the operator on meeting it
+    expected_y, expected_weights = attention_kernel.causal_attention_in_python(qkv, 2)
+    assert torch.equal(y, expected_y) and torch.equal(weights[..., :24].tril(), expected_weights[..., :24].tril())
+    assert torch.equal(dqkv, attention_kernel.causal_attention_backward_in_python(qkv, weights, dy, 2))
+    assert torch.equal(h, gelu_kernel.gelu_in_python(x)) and h.is_contiguous()
+    assert torch.equal(dx, gelu_kernel.gelu_backward_in_python(x, g))
+
+
+@needs_cpu_compile
+def test_an_attention_operator_whose_kernel_cannot_be_built_raises_naming_its_shape(monkeypatch):
+    loaded_operators()
+    monkeypatch.setattr(attention_kernel, "_LIBRARIES", {})
+    monkeypatch.setattr(c_kernels, "_BUILT", {})
+    monkeypatch.setattr(c_kernels, "compiler", lambda: "false")
+    with pytest.raises(RuntimeError, match="no attention kernel for block 7, heads 1 of 16"):
+        torch.ops.tinychar.causal_attention(torch.randn(1, 7, 48), 1)
 
 
 def test_a_machine_that_cannot_build_the_kernels_keeps_the_notes_attention_and_torchs_gelu(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_kernel, "_LIBRARIES", {})
     monkeypatch.setattr(c_kernels, "_BUILT", {})
+    monkeypatch.setattr(c_kernels, "_OPERATORS", {})  # (this process's operators stay loaded, whatever fails here)
     model = GPT(GPTConfig(vocab_size=12, block_size=16, n_layer=1, n_head=1, n_embd=16, dropout=0.0))
     monkeypatch.setattr(c_kernels, "compiler", lambda: None)  # no compiler at all
     assert not attention_kernel.attach(model, tmp_path)
@@ -146,6 +202,12 @@ def test_a_failed_build_raises_what_the_compiler_said(monkeypatch, tmp_path):
         attention_kernel.library(16, 16, 1, tmp_path)
 
 
+def operators_run(profile: torch.profiler.profile) -> dict[str, int]:
+    """How many times each of tinychar's operators ran, as the profiler saw the dispatcher call them."""
+    return dict(Counter(e.name.removeprefix("tinychar::") for e in profile.events()
+                        if e.name.startswith("tinychar::")))
+
+
 @needs_cpu_compile
 def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(monkeypatch):
     """Three compiled steps of a model the kernels take, against the same steps run as plain PyTorch (the notes'
@@ -153,12 +215,8 @@ def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(mo
     few weights within 1e-6. AdamW's first steps move each weight by about the learning rate, 1e-2, whatever the size
     of its gradient, so where a gradient is near zero the order of additions can tip that weight's step: measured,
     1.3e-5 at most and 13 of the 3,760 weights beyond 1e-6. And both kernels ran, forward and backward."""
-    monkeypatch.setattr(attention_kernel, "MIN_WORK", 0)  # a step this small takes them only here
-    monkeypatch.setattr(gelu_kernel, "MIN_VALUES", 0)
-    calls, gelu_calls = [], []
-    loaded, gelu_library = attention_kernel._loaded, gelu_kernel.library
-    monkeypatch.setattr(attention_kernel, "_loaded", lambda *a: calls.append(1) or loaded(*a))
-    monkeypatch.setattr(gelu_kernel, "library", lambda *a: gelu_calls.append(1) or gelu_library(*a))
+    monkeypatch.setattr(attention_kernel, "MIN_WORK", (0, 0))  # a step this small takes them only here
+    monkeypatch.setattr(gelu_kernel, "MIN_VALUES", (0, 0))
     tc = replace(TrainConfig(), grad_accum_steps=1)
     cfg = GPTConfig(vocab_size=12, block_size=16, n_layer=1, n_head=1, n_embd=16, dropout=0.0)
     xs = torch.randint(0, 12, (1, 4, 16), generator=torch.Generator().manual_seed(0))
@@ -179,11 +237,14 @@ def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(mo
                     losses.append(compiled_step._whole_step(model, *step.buffers(), *args)[0].item())
         return losses, step.flat.clone()
 
-    eager_losses, eager_weights = three_steps(compiled=False)
-    assert calls == [] and len(gelu_calls) <= 2  # attach's build, once each
-    gelu_calls.clear()
-    compiled_losses, compiled_weights = three_steps(compiled=True)
-    assert len(calls) >= 2 * 3 and len(gelu_calls) >= 2 * 3  # forward and backward of each step (and the warm-up's)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as eager:
+        eager_losses, eager_weights = three_steps(compiled=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as compiled:
+        compiled_losses, compiled_weights = three_steps(compiled=True)
+    assert operators_run(eager) == {}
+    ran = operators_run(compiled)  # forward and backward of each step (and the warm-up's)
+    assert set(ran) == {"causal_attention", "causal_attention_backward", "gelu", "gelu_backward"}
+    assert min(ran.values()) >= 3
     assert compiled_losses == pytest.approx(eager_losses, abs=2e-6)
     apart = (compiled_weights - eager_weights).abs()
     assert int((apart > 1e-6).sum()) <= apart.numel() // 100 and apart.max() < 1e-3

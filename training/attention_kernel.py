@@ -31,15 +31,17 @@ from torch import nn
 
 from model.attention import CausalSelfAttention
 
-from .c_kernels import PRELUDE, build, give
+from .c_kernels import PRELUDE, build, give, operators, worth_it
 
 # Longest block the kernel takes: its buffers for one (batch, head) pair live on the thread's stack (under 200 KB).
 MAX_BLOCK = 128
-# Least work (rows of a micro-batch times the block) for which the kernel is attached: each of its two calls a layer
-# goes through Python (about 50 us), which small steps do not win back. Measured on the 2-core Zen 3 (interleaved in
-# one process, medians of 12 rounds): the kernel gained 2.6% at 768 rows of block 64 (49,152) and 1.1% at 1,024 rows of
-# block 8 (8,192, tiny.yaml's model), within the noise there.
-MIN_WORK = 8192
+# Least work (a micro-batch's rows times block times width: the attention's multiply-adds scale so) for which the
+# kernel is attached: with the operators in C++, then where its two calls a layer go through Python (about 50 us each:
+# a torch before 2.10). Measured on the 2-core Zen 3, interleaved in one process, medians of 12 rounds, width 64 at
+# block 8: in C++, 4.2% faster at 131,072 (bench.py's rows), 1.5% at 32,768, 15% slower at 16,384 (64 rows of block 16,
+# one head of 16); through Python, 1.1% faster at 524,288 (tiny.yaml's model); nanoGPT's CPU config, 6.3 million,
+# gains most.
+MIN_WORK = (65_536, 524_288)
 VECTOR = 16  # the head size must be a multiple of this: the products' tiles are two vectors of 8 wide
 
 SOURCE = PRELUDE + r"""
@@ -165,6 +167,65 @@ void attention_backward(const float* qkv, const float* P, const float* dy, float
 }
 """
 
+# The two operators' kernels for CPU tensors in C++ (c_kernels.operators), calling the kernel of the tensors' shape.
+# That kernel's functions are given to them by Python the first time they meet the shape (find), through add.
+OPERATORS = r"""
+typedef void (*forward_fn)(const float*, float*, float*, int, float);
+typedef void (*backward_fn)(const float*, const float*, const float*, float*, int, float);
+typedef int (*finder_fn)(long block, long head, long heads);
+struct Kernel { long block, head, heads; forward_fn forward; backward_fn backward; };
+static std::mutex kernels_lock;
+static std::vector<Kernel> kernels;
+static finder_fn finder = nullptr;
+
+extern "C" void tinychar_attention_finder(finder_fn f) { finder = f; }
+extern "C" void tinychar_attention_add(long block, long head, long heads, void* forward, void* backward) {
+    std::lock_guard<std::mutex> hold(kernels_lock);
+    kernels.push_back({block, head, heads, (forward_fn)forward, (backward_fn)backward});
+}
+
+static Kernel kernel_for(long block, long head, long heads) {
+    for (int asked = 0;; asked++) {
+        {
+            std::lock_guard<std::mutex> hold(kernels_lock);
+            for (const Kernel& k : kernels)
+                if (k.block == block && k.head == head && k.heads == heads) return k;
+        }
+        /* not under the lock: Python takes the GIL, which another thread may hold while it waits for the lock */
+        STD_TORCH_CHECK(asked == 0 && finder != nullptr && finder(block, head, heads) == 0,
+                        "tinychar: no attention kernel for block ", block, ", heads ", heads, " of ", head);
+    }
+}
+
+static double scale_of(long head) { return 1.0 / std::sqrt((double)head); }  /* as Python's 1.0 / math.sqrt */
+
+std::tuple<Tensor, Tensor> causal_attention(Tensor qkv, int64_t n_head) {
+    Tensor x = torch::stable::contiguous(qkv);
+    long B = x.size(0), T = x.size(1), C = x.size(2) / 3, head = C / n_head;
+    Kernel k = kernel_for(T, head, n_head);
+    Tensor y = torch::stable::new_empty(x, {B, T, C});
+    Tensor weights = torch::stable::new_empty(x, {B, n_head, T, (T + 15) / 16 * 16});
+    k.forward((const float*)x.data_ptr(), (float*)y.data_ptr(), (float*)weights.data_ptr(), (int)B,
+              (float)scale_of(head));
+    return std::make_tuple(y, weights);
+}
+
+Tensor causal_attention_backward(Tensor qkv, Tensor weights, Tensor dy, int64_t n_head) {
+    Tensor x = torch::stable::contiguous(qkv), g = torch::stable::contiguous(dy);
+    long B = x.size(0), T = x.size(1), head = x.size(2) / 3 / n_head;
+    Kernel k = kernel_for(T, head, n_head);
+    Tensor dx = torch::stable::empty_like(x);
+    k.backward((const float*)x.data_ptr(), (const float*)weights.data_ptr(), (const float*)g.data_ptr(),
+               (float*)dx.data_ptr(), (int)B, (float)scale_of(head));
+    return dx;
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tinychar, CPU, m) {
+    m.impl("causal_attention", TORCH_BOX(&causal_attention));
+    m.impl("causal_attention_backward", TORCH_BOX(&causal_attention_backward));
+}
+"""
+
 
 def eligible(module: CausalSelfAttention, block_size: int) -> bool:
     """Whether the kernel computes what module's training forward does: dot-product scores, the notes' explicit
@@ -189,6 +250,32 @@ def library(block_size: int, head_size: int, n_head: int, folder: Path | None = 
     return _LIBRARIES[shape]
 
 
+@ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long)
+def _find(block_size: int, head_size: int, n_head: int) -> int:
+    """For the C++ operators, the first time they meet a shape: its kernel's functions, given to them; 0, or 1 where
+    it cannot be built (they raise then)."""
+    try:
+        lib = library(block_size, head_size, n_head)
+    except Exception:  # noqa: BLE001 - whatever stops the build, the operator raises, naming the shape
+        return 1
+    address = ctypes.cast(lib.attention_forward, ctypes.c_void_p), ctypes.cast(lib.attention_backward, ctypes.c_void_p)
+    _operators().tinychar_attention_add(block_size, head_size, n_head, *address)
+    return 0
+
+
+def _operators(folder: Path | None = None) -> ctypes.CDLL | None:
+    """The operators' C++ kernels, loaded (c_kernels.operators), or None: the Python ones below run then."""
+    ops = operators("attention-operators", OPERATORS, folder)
+    if ops is not None and not _FINDING:
+        ops.tinychar_attention_add.argtypes = [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
+        ops.tinychar_attention_finder(_find)
+        _FINDING.append(ops)
+    return ops
+
+
+_FINDING: list[ctypes.CDLL] = []
+
+
 def _padded(block_size: int) -> int:
     return (block_size + 15) // 16 * 16
 
@@ -200,10 +287,9 @@ def _loaded(qkv: torch.Tensor, n_head: int) -> tuple[ctypes.CDLL, float]:
     return library(T, head, n_head), 1.0 / math.sqrt(head)
 
 
-@torch.library.custom_op("tinychar::causal_attention", mutates_args=())
-def causal_attention(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_attention_in_python(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv (B, T, 3C) float32, contiguous -> (the attention's output (B, T, C), its softmax (B, n_head, T, T padded to
-    a multiple of 16), which the backward reads)."""
+    a multiple of 16), which the backward reads): the operator's kernel where its C++ one (OPERATORS) is not loaded."""
     B, T, C3 = qkv.shape
     lib, scale = _loaded(qkv, n_head)
     y = qkv.new_empty(B, T, C3 // 3)
@@ -212,21 +298,28 @@ def causal_attention(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torc
     return y, weights
 
 
+causal_attention = torch.library.custom_op("tinychar::causal_attention", causal_attention_in_python, mutates_args=())
+
+
 @causal_attention.register_fake
 def _(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, C3 = qkv.shape
     return qkv.new_empty(B, T, C3 // 3), qkv.new_empty(B, n_head, T, _padded(T))
 
 
-@torch.library.custom_op("tinychar::causal_attention_backward", mutates_args=())
-def causal_attention_backward(qkv: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor, n_head: int
-                              ) -> torch.Tensor:
-    """The gradient of qkv (B, T, 3C), from the gradient dy (B, T, C) of causal_attention's output."""
+def causal_attention_backward_in_python(qkv: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor, n_head: int
+                                        ) -> torch.Tensor:
+    """The gradient of qkv (B, T, 3C), from the gradient dy (B, T, C) of causal_attention's output: the operator's
+    kernel where its C++ one is not loaded."""
     lib, scale = _loaded(qkv, n_head)
     dy = dy.contiguous()
     dqkv = torch.empty_like(qkv)
     lib.attention_backward(qkv.data_ptr(), weights.data_ptr(), dy.data_ptr(), dqkv.data_ptr(), qkv.size(0), scale)
     return dqkv
+
+
+causal_attention_backward = torch.library.custom_op("tinychar::causal_attention_backward",
+                                                    causal_attention_backward_in_python, mutates_args=())
 
 
 @causal_attention_backward.register_fake
@@ -262,13 +355,15 @@ def attend(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
 def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
     """Give each of model's attention layers that the kernel applies to the kernel (built into folder, by default the
     compile cache, if it is not there), for its compiled training forward; False where none could take it, it cannot
-    be built, or rows (a micro-batch's: batch size times block; None: any) are too few to win its calls back (the
-    notes' attention runs then, as before)."""
+    be built, or rows (a micro-batch's: batch size times block; None: any) give too little work to win its calls back
+    (MIN_WORK; the notes' attention runs then, as before)."""
     block_size = getattr(getattr(model, "config", None), "block_size", 0)
     layers = [m for m in model.modules() if isinstance(m, CausalSelfAttention) and eligible(m, block_size)]
-    if rows is not None and rows * block_size < MIN_WORK:
+    if not layers or rows is not None and not worth_it(rows * block_size * layers[0].n_embd, MIN_WORK,
+                                                       lambda: _operators(folder)):
         return False
-    head = layers[0].n_embd // layers[0].n_head if layers else 0
-    return give(layers, lambda: library(block_size, head, layers[0].n_head, folder), attend, SOURCE)
+    head = layers[0].n_embd // layers[0].n_head
+    return give(layers, lambda: (library(block_size, head, layers[0].n_head, folder), _operators(folder)), attend,
+                SOURCE)
 
 

@@ -1,9 +1,11 @@
 """C kernels of tinychar's own for the compiled training step on a CPU (training/attention_kernel.py,
 training/gelu_kernel.py): built by the C compiler torch.compile uses, with OpenMP (PyTorch's own threads: the loader
 finds its libgomp already in the process), once per kernel and shape, kept in the compile cache beside inductor's
-code, and called through ctypes from custom operators, which the compiled step's C++ wrapper calls back into Python
-for. They are written with GCC's vector extension (eight floats, what AVX2 holds), which GCC and Clang compile for any
-CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP) runs PyTorch's code instead.
+code. Each is called by a custom operator, whose kernel for CPU tensors is C++ of ours where torch has its stable C++
+interface (2.10 and later; see operators), which the compiled step's C++ wrapper calls with no Python between, and
+otherwise Python, through ctypes (each call then a round trip through Python, about 50 us). They are written with
+GCC's vector extension (eight floats, what AVX2 holds), which GCC and Clang compile for any CPU; on x86 with AVX2 and
+FMA. A machine that cannot build one (no compiler, no OpenMP) runs PyTorch's code instead.
 """
 
 from __future__ import annotations
@@ -71,29 +73,84 @@ def flags() -> list[str]:
 _BUILT: dict[str, ctypes.CDLL] = {}
 
 
-def build(name: str, source: str, macros: list[str], folder: Path | None = None) -> ctypes.CDLL:
-    """The library of source compiled with macros: loaded already, from folder (by default the compile cache), or
-    compiled into it now (about a second). OSError or subprocess.SubprocessError where it cannot be."""
-    cc = compiler()
-    if cc is None:
-        raise OSError("no C compiler")
-    digest = hashlib.sha256("\\0".join([source, cc, *flags(), *macros]).encode()).hexdigest()[:24]
-    if digest in _BUILT:
-        return _BUILT[digest]
+def _compiled(name: str, command: list[str], source: str, folder: Path | None, link: tuple[str, ...] = ()) -> Path:
+    """The library that command (the compiler and its flags) makes of source, linked with link: in folder (by
+    default the compile cache) already, or compiled into it now, whole or not at all."""
+    digest = hashlib.sha256("\\0".join([source, *command, *link]).encode()).hexdigest()[:24]
     folder = folder or cache_folder()
     path = folder / f"tinychar-{name}-{digest}.so"
     if not path.is_file():
         fd, scratch = tempfile.mkstemp(prefix=f".tinychar-{name}-", suffix=".so.tmp", dir=folder)
         os.close(fd)
         try:
-            subprocess.run([cc, *flags(), *macros, "-", "-o", scratch], input=source, text=True, check=True,
+            subprocess.run([*command, "-", "-o", scratch, *link], input=source, text=True, check=True,
                            capture_output=True, timeout=120)
             os.replace(scratch, path)  # whole or not at all: another process may be loading it
         finally:
             if os.path.exists(scratch):
                 os.remove(scratch)
-    _BUILT[digest] = library = ctypes.CDLL(str(path))
+    return path
+
+
+def build(name: str, source: str, macros: list[str], folder: Path | None = None) -> ctypes.CDLL:
+    """The library of source compiled with macros: loaded already, from folder (by default the compile cache), or
+    compiled into it now (about a second). OSError or subprocess.SubprocessError where it cannot be."""
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler")
+    command = [cc, *flags(), *macros]
+    key = "\\0".join([source, *command])
+    if key not in _BUILT:
+        _BUILT[key] = ctypes.CDLL(str(_compiled(name, command, source, folder)))
+    return _BUILT[key]
+
+
+# What the operators' C++ starts from: PyTorch's stable C++ interface (2.10 and later), whose calls cross into
+# libtorch through its C functions only, so one library serves any build of torch of that version and the compile
+# reads none of libtorch's own C++ headers (about 2 s).
+OPERATORS_PRELUDE = r"""
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <cmath>
+#include <mutex>
+#include <tuple>
+#include <vector>
+using torch::stable::Tensor;
+"""
+
+_OPERATORS: dict[str, ctypes.CDLL | None] = {}
+
+
+def operators(name: str, source: str, folder: Path | None = None) -> ctypes.CDLL | None:
+    """Operators' kernels in C++ (source, OPERATORS_PRELUDE first), registered with PyTorch's dispatcher for CPU
+    tensors when loaded, in place of the operators' Python kernels (torch.library.custom_op's, registered for any
+    device), so that the compiled step's C++ wrapper calls them without a round trip through Python: about 35 us a call
+    less, measured, and 3.9% of the step of nanoGPT's CPU config (see training/attention_kernel.py). Built into folder
+    (by default the compile cache) once, loaded once a process; None where they cannot be (a torch before 2.10, its
+    headers missing, no compiler): the Python kernels run then, as they do for every call before this one."""
+    if name in _OPERATORS:  # loaded, or failed: a second copy's registrations would clash with the first's
+        return _OPERATORS[name]
+    library = None
+    cc = compiler()
+    if cc is not None and torch.torch_version.TorchVersion(torch.__version__) >= "2.10":
+        root = Path(torch.__file__).resolve().parent
+        command = [cc, "-x", "c++", "-std=c++17", "-O2", "-fPIC", "-shared", f"-I{root / 'include'}"]
+        link = (f"-L{root / 'lib'}", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}")
+        try:
+            code = f"// for torch {torch.__version__}\n{OPERATORS_PRELUDE}{source}"
+            library = ctypes.CDLL(str(_compiled(name, command, code, folder, link)))
+        except (OSError, subprocess.SubprocessError):
+            library = None
+    _OPERATORS[name] = library
     return library
+
+
+def worth_it(work: int, least: tuple[int, int], loaded: Callable[[], object]) -> bool:
+    """Whether a kernel's calls win back what they cost on work: least is the least work that does where its operators
+    are in C++ (loaded, which builds them if need be: not None) and where they are not, each call a round trip through
+    Python."""
+    return work >= least[1] or work >= least[0] and loaded() is not None
 
 
 def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, source: str) -> bool:

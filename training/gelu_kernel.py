@@ -20,7 +20,7 @@ from torch import nn
 
 from model.gpt import MLP
 
-from .c_kernels import PRELUDE, build, give
+from .c_kernels import PRELUDE, build, give, operators, worth_it
 
 SOURCE = PRELUDE + r"""
 /* erf(z) for z >= 0, given e = exp(-z^2): Abramowitz and Stegun 7.1.26, as ATen computes it */
@@ -66,33 +66,82 @@ void gelu_backward(const float* x, const float* g, float* dx, long n) {
 }
 """
 
-# Fewest values a call for which the kernel is attached: each call goes through Python (about 50 us, two a layer),
-# which small steps do not win back. Measured on the 2-core Zen 3 (interleaved in one process, medians of 12-16
-# rounds): the step 3.4% faster at 393,216 values (nanoGPT's CPU config, 768 rows of 512), 2.5% slower at 262,144
-# (tiny.yaml's model, 1,024 rows of 256) and 15% slower at 32,768 (bench.py's block-8 step, 256 rows of 128).
-MIN_VALUES = 300_000
+# Fewest values a call for which the kernel is attached: with the operators in C++, then where each call goes through
+# Python (about 50 us, two a layer: a torch before 2.10). Measured on the 2-core Zen 3 (interleaved in one process,
+# medians of 12-16 rounds), in C++: 6.8% faster at 262,144 values (tiny.yaml's model, 1,024 rows of 256), 2.4% at
+# 131,072, 2.4% slower at 65,536 and 3.2% at 32,768 (bench.py's block-8 step, 256 rows of 128); through Python: 3.4%
+# faster at 393,216 (nanoGPT's CPU config, 768 rows of 512), 2.5% slower at 262,144, 15% slower at 32,768.
+MIN_VALUES = (100_000, 300_000)
+
+# The two operators' kernels for CPU tensors in C++ (c_kernels.operators), loaded once the kernel is (library), whose
+# functions they are given then.
+OPERATORS = r"""
+typedef void (*forward_fn)(const float*, float*, long);
+typedef void (*backward_fn)(const float*, const float*, float*, long);
+static forward_fn forward = nullptr;
+static backward_fn backward = nullptr;
+
+extern "C" void tinychar_gelu_set(void* f, void* b) { forward = (forward_fn)f; backward = (backward_fn)b; }
+
+Tensor gelu(Tensor x) {
+    Tensor c = torch::stable::contiguous(x);
+    Tensor y = torch::stable::empty_like(c);
+    STD_TORCH_CHECK(forward != nullptr, "tinychar: the GELU kernel is not loaded");
+    forward((const float*)c.data_ptr(), (float*)y.data_ptr(), c.numel());
+    return y;
+}
+
+Tensor gelu_backward(Tensor x, Tensor g) {
+    Tensor c = torch::stable::contiguous(x), d = torch::stable::contiguous(g);
+    Tensor dx = torch::stable::empty_like(c);
+    STD_TORCH_CHECK(backward != nullptr, "tinychar: the GELU kernel is not loaded");
+    backward((const float*)c.data_ptr(), (const float*)d.data_ptr(), (float*)dx.data_ptr(), c.numel());
+    return dx;
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tinychar, CPU, m) {
+    m.impl("gelu", TORCH_BOX(&gelu));
+    m.impl("gelu_backward", TORCH_BOX(&gelu_backward));
+}
+"""
 
 _LIBRARY: list[ctypes.CDLL] = []
 
 
 def library(folder: Path | None = None) -> ctypes.CDLL:
-    """The kernel (c_kernels.build: an OSError or subprocess.SubprocessError where it cannot be built)."""
+    """The kernel (c_kernels.build: an OSError or subprocess.SubprocessError where it cannot be built), given to the
+    operators' C++ kernels where they load."""
     if not _LIBRARY:
         lib = build("gelu", SOURCE, [], folder)
         pointer = ctypes.c_void_p
         lib.gelu_forward.argtypes = [pointer, pointer, ctypes.c_long]
         lib.gelu_backward.argtypes = [pointer, pointer, pointer, ctypes.c_long]
         _LIBRARY.append(lib)
+        _operators(folder)
     return _LIBRARY[0]
 
 
-@torch.library.custom_op("tinychar::gelu", mutates_args=())
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact GELU, x Phi(x), of a float32 tensor."""
+def _operators(folder: Path | None = None) -> ctypes.CDLL | None:
+    """The operators' C++ kernels, loaded (c_kernels.operators) and given the kernel once it is built, or None: the
+    Python ones below run then."""
+    ops = operators("gelu-operators", OPERATORS, folder)
+    if ops is not None and _LIBRARY:
+        pointer = ctypes.c_void_p
+        ops.tinychar_gelu_set(ctypes.cast(_LIBRARY[0].gelu_forward, pointer),
+                              ctypes.cast(_LIBRARY[0].gelu_backward, pointer))
+    return ops
+
+
+def gelu_in_python(x: torch.Tensor) -> torch.Tensor:
+    """Exact GELU, x Phi(x), of a float32 tensor: the operator's kernel where its C++ one (OPERATORS) is not
+    loaded."""
     x = x.contiguous()
     y = torch.empty_like(x)
     library().gelu_forward(x.data_ptr(), y.data_ptr(), x.numel())
     return y
+
+
+gelu = torch.library.custom_op("tinychar::gelu", gelu_in_python, mutates_args=())
 
 
 @gelu.register_fake
@@ -100,13 +149,15 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("tinychar::gelu_backward", mutates_args=())
-def gelu_backward(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """GELU's gradient: g (Phi(x) + x phi(x))."""
+def gelu_backward_in_python(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """GELU's gradient: g (Phi(x) + x phi(x)); the operator's kernel where its C++ one is not loaded."""
     x, g = x.contiguous(), g.contiguous()
     dx = torch.empty_like(x)
     library().gelu_backward(x.data_ptr(), g.data_ptr(), dx.data_ptr(), x.numel())
     return dx
+
+
+gelu_backward = torch.library.custom_op("tinychar::gelu_backward", gelu_backward_in_python, mutates_args=())
 
 
 @gelu_backward.register_fake
@@ -141,5 +192,5 @@ def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None
     default the compile cache, if it is not there); False where there are none, it cannot be built, or rows (a
     micro-batch's: batch size times block; None: any) give too few values a call to win its calls back."""
     layers = [m for m in model.modules() if isinstance(m, MLP) and m.gelu.approximate == "none"
-              and (rows is None or rows * m.c_fc.out_features >= MIN_VALUES)]
+              and (rows is None or worth_it(rows * m.c_fc.out_features, MIN_VALUES, lambda: _operators(folder)))]
     return give(layers, lambda: library(folder), activate, SOURCE)
