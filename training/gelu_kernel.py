@@ -34,7 +34,8 @@ static inline v8 erf_positive(v8 z, v8 e) {
 /* Phi(x) = (1 + erf(x / sqrt 2)) / 2, the standard normal's distribution, and *density = its density phi(x) */
 static inline v8 cdf(v8 x, v8* density) {
     v8 half_square = BC(0.5f) * x * x;
-    v8 e = sel(half_square < BC(87.0f), vexp(-half_square), BC(0.0f));
+    v8i inside = half_square < BC(87.0f);  /* e^-87 is float32's least normal number: 0 beyond */
+    v8 e = sel(inside, vexp_within(-sel(inside, half_square, BC(87.0f))), BC(0.0f));
     v8 a = sel(x < BC(0.0f), -x, x);
     v8 f = erf_positive(a * BC(0.70710678118654752f), e);
     *density = e * BC(0.3989422804014327f);
