@@ -179,6 +179,17 @@ def test_an_attention_operator_whose_kernel_cannot_be_built_raises_naming_its_sh
         torch.ops.tinychar.causal_attention(torch.randn(1, 7, 48), 1)
 
 
+def test_operators_that_cannot_be_built_leave_the_python_kernels_and_nothing_behind(monkeypatch, tmp_path):
+    """Their C++ that does not compile (headers of another torch, say) is no error: None, once a process, the
+    operators' Python kernels running as before, and nothing half-built in the cache."""
+    monkeypatch.setattr(c_kernels, "_OPERATORS", {})
+    monkeypatch.setattr(c_kernels, "OPERATORS_PRELUDE", "#include <torch/csrc/no_such_header.h>\n")
+    assert c_kernels.operators("gelu-operators", gelu_kernel.OPERATORS, tmp_path) is None
+    monkeypatch.setattr(c_kernels, "compiler", lambda: pytest.fail("a failed build is not tried again"))
+    assert c_kernels.operators("gelu-operators", gelu_kernel.OPERATORS, tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_machine_that_cannot_build_the_kernels_keeps_the_notes_attention_and_torchs_gelu(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_kernel, "_LIBRARIES", {})
     monkeypatch.setattr(c_kernels, "_BUILT", {})
