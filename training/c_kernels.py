@@ -130,7 +130,7 @@ def operators(name: str, source: str, folder: Path | None = None) -> ctypes.CDLL
     """Operators' kernels in C++ (source, OPERATORS_PRELUDE first), registered with PyTorch's dispatcher for CPU
     tensors when loaded, in place of the operators' Python kernels (torch.library.custom_op's, registered for any
     device), so that the compiled step's C++ wrapper calls them without a round trip through Python: about 35 us a call
-    less, measured, and 3.9% of the step of nanoGPT's CPU config (see training/attention_kernel.py). Built into folder
+    less, measured, and 2.7% of the step of nanoGPT's CPU config (docs/engine-record.md). Built into folder
     (by default the compile cache) once, loaded once a process; None where they cannot be (a torch before 2.10, its
     headers missing, no compiler): the Python kernels run then, as they do for every call before this one."""
     if name in _OPERATORS:  # loaded, or failed: a second copy's registrations would clash with the first's
