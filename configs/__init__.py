@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import re
 import types
@@ -29,6 +30,13 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The field types of a config class, resolved once a process: a run's config took 120 calls of
+    typing.get_type_hints, half of loading it (13.3 -> 6.7 ms, 2-core Zen 2 EPYC, 2026-12-06). Read, never changed."""
+    return typing.get_type_hints(cls)
+
+
 def _user_fields(cls: type) -> list[dataclasses.Field]:
     """Fields a user may set (``derived`` ones, such as vocab_size, come from the data)."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("derived")]
@@ -36,7 +44,7 @@ def _user_fields(cls: type) -> list[dataclasses.Field]:
 
 def valid_keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted key of a config class, sections expanded: ['seed', 'train.batch_size', ...]."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     keys = []
     for f in _user_fields(cls):
         if _is_section(hints[f.name]):
@@ -48,7 +56,7 @@ def valid_keys(cls: type, prefix: str = "") -> list[str]:
 
 def path_keys(cls: type, prefix: str = "") -> frozenset[str]:
     """The dotted keys whose values name files or folders (their fields' metadata says ``path``)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     keys: set[str] = set()
     for f in _user_fields(cls):
         if _is_section(hints[f.name]):
@@ -60,7 +68,7 @@ def path_keys(cls: type, prefix: str = "") -> frozenset[str]:
 
 def _section_keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted section name of a config class: ['data', 'model', 'train']."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     keys = []
     for f in _user_fields(cls):
         if _is_section(hints[f.name]):
@@ -177,7 +185,7 @@ def _build(cls: type, mapping: Any, prefix: str, origin: _Origin, construct: boo
     if not isinstance(mapping, dict):
         what = f"section '{prefix[:-1]}'" if prefix else "a config"
         raise ConfigError(f"{what}{origin.where} must be a mapping of keys to values, got {type(mapping).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in _user_fields(cls)}
     kwargs = {}
     for key, value in mapping.items():
@@ -284,7 +292,7 @@ def apply_overrides(mapping: dict, overrides: list[str], cls: type) -> dict:
 
 
 def _flat_hints(cls: type, prefix: str = "") -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     flat = {}
     for f in _user_fields(cls):
         if _is_section(hints[f.name]):
@@ -296,7 +304,7 @@ def _flat_hints(cls: type, prefix: str = "") -> dict[str, Any]:
 
 def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted key, default, one-line meaning) for every key, for --help."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     rows = []
     for f in _user_fields(cls):
         if _is_section(hints[f.name]):
@@ -309,7 +317,7 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
 
 def to_dict(config: Any) -> dict:
     """A config instance as plain nested data (what config.yaml and checkpoints store)."""
-    hints = typing.get_type_hints(type(config))
+    hints = _hints(type(config))
     out = {}
     for f in _user_fields(type(config)):
         value = getattr(config, f.name)

@@ -51,9 +51,13 @@ def colour_at(value: float) -> tuple[int, int, int]:
 
 
 def colour_scale(draw: ImageDraw.ImageDraw, x0: int, y0: int, h: int, font: ImageFont.ImageFont) -> None:
-    """The colour bar, h pixels tall with its top-left corner at (x0, y0): 1 at the top, 0 at the bottom."""
-    for dy in range(h):
-        draw.line([(x0, y0 + dy), (x0 + CBAR_W - 1, y0 + dy)], fill=colour_at(1.0 - dy / (h - 1)))
+    """The colour bar, h pixels tall with its top-left corner at (x0, y0): 1 at the top, 0 at the bottom. Its colours
+    in one call of colourise, not one a row: with the squares' ink (heatmap._write_values) taken the same way, a
+    two-layer grid of 8 x 8 maps with its values drew in 31 ms against 98 (2-core Zen 2 EPYC, 2026-12-06), the same
+    pixels."""
+    colours = colourise(torch.tensor([1.0 - dy / (h - 1) for dy in range(h)])).tolist()
+    for dy, (r, g, b) in enumerate(colours):
+        draw.line([(x0, y0 + dy), (x0 + CBAR_W - 1, y0 + dy)], fill=(r, g, b))
     draw.rectangle((x0 - 1, y0 - 1, x0 + CBAR_W, y0 + h), outline=FRAME)
     _, top, _, bottom = font.getbbox("0.5")
     for value, text in ((1.0, "1"), (0.5, "0.5"), (0.0, "0")):

@@ -239,7 +239,11 @@ def render_attention_grid(weights: list[torch.Tensor], chars: list[str], title: 
 
 def value_ink(value: float) -> tuple[int, int, int]:
     """The colour a weight is written in on its square: INK where the map is light (from about 0.6 up), else white."""
-    r, g, b = colour_at(value)
+    return ink_on(*colour_at(value))
+
+
+def ink_on(r: int, g: int, b: int) -> tuple[int, int, int]:
+    """value_ink's colour on a square of colour (r, g, b)."""
     return INK if 0.299 * r + 0.587 * g + 0.114 * b > 140 else BACKGROUND
 
 
@@ -248,12 +252,12 @@ def _write_values(draw: ImageDraw.ImageDraw, w: torch.Tensor, first: tuple[int, 
     """Each weight of one head's (T, T) w on or below the diagonal, with two decimals, centred on its square (the
     square of [0, 0] centred at first)."""
     _, top, _, bottom = font.getbbox("0.00")
-    for q, row in enumerate(w.tolist()):
-        for k, value in enumerate(row[: q + 1]):
+    for q, (row, colours) in enumerate(zip(w.tolist(), colourise(w).tolist(), strict=True)):
+        for k, (value, colour) in enumerate(zip(row[: q + 1], colours, strict=False)):
             text = f"{value:.2f}"
             left, _, right, _ = font.getbbox(text)
             x, y = first[0] + k * px - (left + right) / 2, first[1] + q * px - (top + bottom) / 2
-            draw.text((x, y), text, font=font, fill=value_ink(value))
+            draw.text((x, y), text, font=font, fill=ink_on(*colour))
 
 
 def _draw_colour_bar(draw: ImageDraw.ImageDraw, layout: GridLayout, font: ImageFont.ImageFont,
