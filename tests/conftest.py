@@ -55,7 +55,7 @@ os.environ["TINYCHAR_TEST_HEADERS"] = _HEADERS
 # their bytecode once, where Python writes it on a first import when the variable is not set (the clone's
 # __pycache__ folders, which git ignores), and removes at its end the folders it made.
 _BYTECODE_MADE: list[Path] = []
-if not _WORKER and sys.dont_write_bytecode:
+if not _WORKER and not _INHERITED_CACHE and sys.dont_write_bytecode:  # not in a process a test starts
     for _package in sorted(p for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"):
         _BYTECODE_MADE += [d / "__pycache__" for d in (_package, *_package.rglob("*"))
                            if d.is_dir() and d.name != "__pycache__" and not (d / "__pycache__").exists()]
