@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -104,25 +105,54 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.size(0), weight.size(0))
 
 
+# oneDNN's linear as a C function of PyTorch's library, which inductor's own lowering of it calls (declared in
+# torch/csrc/inductor/aoti_torch/c/shim_cpu.h).
+LINEAR_SHIM = "aoti_torch_cpu__linear_pointwise"
+LINEAR_SHIM_DECLARATION = (
+    f"AOTITorchError {LINEAR_SHIM}(AtenTensorHandle X, AtenTensorHandle W, AtenTensorHandle* B, const char* attr, "
+    "const double** scalars, int64_t scalars_len_, const char** algorithm, AtenTensorHandle* ret0)")
+
+
 def lower_onednn_linear() -> None:
-    """Have inductor's generated code call oneDNN's linear for onednn_linear itself, through PyTorch's dispatcher, not
-    through the operator's Python (with inductor's C++ wrapper, a call back into Python for each product). Inductor's
-    own lowering of oneDNN's linear takes only weights frozen into constants, so this makes the call one of its
-    fallback kernels. Measured on a 2-core Zen 5 EPYC (torch 2.13, 2 threads, 2026-12-04), the compiled sampling step
-    of nanoGPT's CPU config, eight such products a character, each compiled into a cache of its own: 448-545 us a
-    character against 524-781, four interleaved pairs, every pair faster, the same characters. Imports inductor:
-    called before compiling (training.compile_cache.prepare_compile). Inductor's cache does not key on lowerings, so
-    code it compiled before keeps the Python call (as fast as it was)."""
-    from torch._inductor import lowering
+    """Have inductor's generated code call oneDNN's linear for onednn_linear itself, not through the operator's Python
+    (with inductor's C++ wrapper, a call back into Python for each product). Inductor's own lowering of oneDNN's
+    linear takes only weights frozen into constants, so this makes the call one of its fallback kernels. Measured on a
+    2-core Zen 5 EPYC (torch 2.13, 2 threads, 2026-12-04), the compiled sampling step of nanoGPT's CPU config, eight
+    such products a character, each compiled into a cache of its own: 448-545 us a character against 524-781, four
+    interleaved pairs, every pair faster, the same characters. Imports inductor: called before compiling
+    (training.compile_cache.prepare_compile). Inductor's cache does not key on lowerings, so code it compiled before
+    keeps the Python call (as fast as it was).
+
+    The C++ wrapper calls oneDNN's linear as a C function of PyTorch's (LINEAR_SHIM), where this torch has one, rather
+    than through PyTorch's dispatcher, whose headers took most of g++'s time for the wrapper. Measured on a 2-core Zen
+    2 EPYC (torch 2.13, 2026-12-06), tests/test_training_engine.py's one-layer step (Muon, two micro-batches) with
+    every product through oneDNN, from an empty cache: the wrapper's g++ 9.7 -> 2.2 s, the whole compile 35.8 -> 28.0
+    s."""
+    from torch._inductor import config, lowering
 
     op = torch.ops.tinychar.onednn_linear.default
     if op in lowering.lowerings:
         return
-    fallback = lowering.fallback_handler(torch.ops.mkldnn._linear_pointwise.default, add_to_fallback_set=False)
+    linear = torch.ops.mkldnn._linear_pointwise.default
+    if has_linear_shim():
+        config.aot_inductor.custom_ops_to_c_shims.setdefault(linear, [LINEAR_SHIM_DECLARATION])
+    fallback = lowering.fallback_handler(linear, add_to_fallback_set=False)
 
     @lowering.register_lowering(op, type_promotion_kind=None)
     def _(x: object, weight: object, bias: object) -> object:
         return fallback(x, weight, bias, "none", [], "")
+
+
+def has_linear_shim() -> bool:
+    """Whether PyTorch's CPU library here exports LINEAR_SHIM (a torch before 2.6, or another platform's, may not)."""
+    import ctypes
+
+    names = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib", "win32": "torch_cpu.dll"}
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", names.get(sys.platform, "libtorch_cpu.so"))
+    try:
+        return hasattr(ctypes.CDLL(path), LINEAR_SHIM)
+    except OSError:
+        return False
 
 
 def _linear_pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -200,9 +200,11 @@ def test_a_part_goes_to_onednn_at_the_whole_layers_multiply_adds(monkeypatch):
 @needs_onednn
 @needs_cpu_compile
 @pytest.mark.slow
-def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch):
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python wrapper", "C++ wrapper"])
+def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch, cpp_wrapper):
     """lower_onednn_linear: inductor's code calls oneDNN's linear for the custom operator, forward and backward, with
-    the eager results (it once called back into the operator's Python for every product)."""
+    the eager results (it once called back into the operator's Python for every product); the C++ wrapper (a run's,
+    training.compile_cache.COMPILE_OPTIONS) calls PyTorch's C function for it, not the dispatcher, where there is one."""
     from torch._inductor.utils import run_and_get_code
 
     forced(monkeypatch)
@@ -219,7 +221,7 @@ def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch)
     x.grad = layer.weight.grad = layer.bias.grad = None
     linear_module.lower_onednn_linear()
     # compiled now, with the lowering (inductor's cache would not know code compiled without it)
-    compiled = torch.compile(loss, fullgraph=True, options={"cpp_wrapper": False, "fx_graph_cache": False})
+    compiled = torch.compile(loss, fullgraph=True, options={"cpp_wrapper": cpp_wrapper, "fx_graph_cache": False})
 
     def step() -> torch.Tensor:
         out = compiled(x)
@@ -231,5 +233,10 @@ def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip((x.grad, layer.weight.grad,
                                                                            layer.bias.grad), grads, strict=True))
     code = "\n".join(code)
-    calls = code.count("= torch.ops.mkldnn._linear_pointwise.default(")
-    assert calls == 3 and "= torch.ops.tinychar.onednn_linear.default(" not in code, code  # y, dx and dW
+    if not cpp_wrapper:
+        calls = code.count("= torch.ops.mkldnn._linear_pointwise.default(")
+        assert calls == 3 and "= torch.ops.tinychar.onednn_linear.default(" not in code, code  # y, dx and dW
+    elif linear_module.has_linear_shim():
+        assert code.count(f"CHECK({linear_module.LINEAR_SHIM}(") == 3 and "findSchemaOrThrow" not in code, code
+    else:
+        assert code.count('findSchemaOrThrow("mkldnn::_linear_pointwise"') == 3, code
