@@ -105,12 +105,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.size(0), weight.size(0))
 
 
-# oneDNN's linear as a C function of PyTorch's library, which inductor's own lowering of it calls (declared in
-# torch/csrc/inductor/aoti_torch/c/shim_cpu.h).
+# oneDNN's linear as a C function of PyTorch's library, which inductor's own lowering of it calls, and its header.
 LINEAR_SHIM = "aoti_torch_cpu__linear_pointwise"
-LINEAR_SHIM_DECLARATION = (
-    f"AOTITorchError {LINEAR_SHIM}(AtenTensorHandle X, AtenTensorHandle W, AtenTensorHandle* B, const char* attr, "
-    "const double** scalars, int64_t scalars_len_, const char** algorithm, AtenTensorHandle* ret0)")
+LINEAR_SHIM_HEADER = "torch/csrc/inductor/aoti_torch/c/shim_cpu.h"
 
 
 def lower_onednn_linear() -> None:
@@ -123,34 +120,50 @@ def lower_onednn_linear() -> None:
     (training.compile_cache.prepare_compile). Inductor's cache does not key on lowerings, so code it compiled before
     keeps the Python call (as fast as it was).
 
-    The C++ wrapper calls oneDNN's linear as a C function of PyTorch's (LINEAR_SHIM), where this torch has one, rather
-    than through PyTorch's dispatcher, whose headers took most of g++'s time for the wrapper. Measured on a 2-core Zen
-    2 EPYC (torch 2.13, 2026-12-06), tests/test_training_engine.py's one-layer step (Muon, two micro-batches) with
-    every product through oneDNN, from an empty cache: the wrapper's g++ 9.7 -> 2.2 s, the whole compile 35.8 -> 28.0
-    s."""
-    from torch._inductor import config, lowering
+    The C++ wrapper calls oneDNN's linear as PyTorch's C function (LINEAR_SHIM), where this torch has one, rather than
+    through PyTorch's dispatcher, whose headers took most of g++'s time for the wrapper. Measured on a 2-core Zen 2
+    EPYC (torch 2.13, 2026-12-06), tests/test_training_engine.py's one-layer step (Muon, two micro-batches) with every
+    product through oneDNN, from an empty cache: the wrapper's g++ 9.7 -> 2.2 s, the whole compile 35.8 -> 28.0 s.
+    Inductor makes that call for an operator its settings name (aot_inductor.custom_ops_to_c_shims), but an operator
+    in its settings keeps every compile out of its cache (it cannot key on one): so the setting is made only while
+    the call is written, after the cache has taken its key."""
+    from torch._inductor import config, ir, lowering
+    from torch._inductor.virtualized import V
 
     op = torch.ops.tinychar.onednn_linear.default
     if op in lowering.lowerings:
         return
     linear = torch.ops.mkldnn._linear_pointwise.default
-    if has_linear_shim():
-        config.aot_inductor.custom_ops_to_c_shims.setdefault(linear, [LINEAR_SHIM_DECLARATION])
     fallback = lowering.fallback_handler(linear, add_to_fallback_set=False)
+
+    class ThroughShim(ir.FallbackKernel):
+        def codegen(self, wrapper: object) -> None:
+            if not V.graph.cpp_wrapper:
+                super().codegen(wrapper)
+                return
+            wrapper.include_extra_header(LINEAR_SHIM_HEADER)
+            with config.patch({"aot_inductor.custom_ops_to_c_shims": {linear: []}}):
+                super().codegen(wrapper)
+
+    shim = has_linear_shim()
 
     @lowering.register_lowering(op, type_promotion_kind=None)
     def _(x: object, weight: object, bias: object) -> object:
-        return fallback(x, weight, bias, "none", [], "")
+        if not shim:
+            return fallback(x, weight, bias, "none", [], "")
+        return ThroughShim.create(linear, x, weight, bias, "none", [], "").wrap_for_lowering()
 
 
 def has_linear_shim() -> bool:
-    """Whether PyTorch's CPU library here exports LINEAR_SHIM (a torch before 2.6, or another platform's, may not)."""
+    """Whether this torch has LINEAR_SHIM: declared in its headers and exported by its CPU library."""
     import ctypes
 
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    if not os.path.isfile(os.path.join(os.path.dirname(lib), "include", LINEAR_SHIM_HEADER)):
+        return False
     names = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib", "win32": "torch_cpu.dll"}
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", names.get(sys.platform, "libtorch_cpu.so"))
     try:
-        return hasattr(ctypes.CDLL(path), LINEAR_SHIM)
+        return hasattr(ctypes.CDLL(os.path.join(lib, names.get(sys.platform, "libtorch_cpu.so"))), LINEAR_SHIM)
     except OSError:
         return False
 
