@@ -12,6 +12,7 @@ from torch import nn
 from model import GPT, GPTConfig
 from model import linear as linear_module
 from model.linear import ONEDNN_MIN_MACS, Linear, onednn_min_macs, onednn_outruns_blas
+from training.compile_cache import compile_options
 from training.devices import DeviceError, resolve_device
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -203,8 +204,9 @@ def test_a_part_goes_to_onednn_at_the_whole_layers_multiply_adds(monkeypatch):
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python wrapper", "C++ wrapper"])
 def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch, cpp_wrapper):
     """lower_onednn_linear: inductor's code calls oneDNN's linear for the custom operator, forward and backward, with
-    the eager results (it once called back into the operator's Python for every product); the C++ wrapper (a run's,
-    training.compile_cache.COMPILE_OPTIONS) calls PyTorch's C function for it, not the dispatcher, where there is one."""
+    the eager results (it once called back into the operator's Python for every product); a run's C++ wrapper
+    (training.compile_cache.COMPILE_OPTIONS) calls PyTorch's C function for it, not the dispatcher, where there is
+    one."""
     from torch._inductor.utils import run_and_get_code
 
     forced(monkeypatch)
@@ -221,7 +223,9 @@ def test_compiled_code_calls_onednn_itself_not_the_operators_python(monkeypatch,
     x.grad = layer.weight.grad = layer.bias.grad = None
     linear_module.lower_onednn_linear()
     # compiled now, with the lowering (inductor's cache would not know code compiled without it)
-    compiled = torch.compile(loss, fullgraph=True, options={"cpp_wrapper": cpp_wrapper, "fx_graph_cache": False})
+    # the C++ wrapper as a run builds it (and so with the precompiled headers of the suite's other compiles)
+    options = compile_options(torch.device("cpu")) if cpp_wrapper else {"cpp_wrapper": False}
+    compiled = torch.compile(loss, fullgraph=True, options={**options, "fx_graph_cache": False})
 
     def step() -> torch.Tensor:
         out = compiled(x)
