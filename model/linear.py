@@ -145,7 +145,7 @@ def lower_onednn_linear() -> None:
             with config.patch({"aot_inductor.custom_ops_to_c_shims": {linear: []}}):
                 super().codegen(wrapper)
 
-    shim = has_linear_shim()
+    shim = has_linear_shim() and hasattr(ir.IRNode, "wrap_for_lowering")  # how torch 2.13 wraps a fallback
 
     @lowering.register_lowering(op, type_promotion_kind=None)
     def _(x: object, weight: object, bias: object) -> object:

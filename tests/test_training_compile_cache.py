@@ -441,14 +441,16 @@ def test_a_torchinductor_cache_dir_of_an_unknown_users_home_is_one_line_before_o
 
 
 def cache_events(fresh_functions: list, args: tuple) -> list[tuple[set[str], torch.Tensor]]:
-    """Compile each function in turn, with prepare_compile's settings and a cache of the test's own, and call it on
-    args: what AOTAutograd's cache did for each (hit, miss, saved, bypass) and what it returned."""
+    """Compile each function in turn, with prepare_compile's settings, a run's options (and so the precompiled headers
+    of the suite's other compiles) and a cache of the test's own, and call it on args: what AOTAutograd's cache did
+    for each (hit, miss, saved, bypass) and what it returned."""
     from torch._dynamo.utils import counters
 
     seen = []
+    options = compile_options(torch.device("cpu"))
     for f in fresh_functions:
         before = dict(counters["aot_autograd"])
-        y = torch.compile(f, fullgraph=True, dynamic=False)(*args)
+        y = torch.compile(f, fullgraph=True, dynamic=False, options=options)(*args)
         seen.append(({k for k, v in counters["aot_autograd"].items() if v != before.get(k, 0)} - {"total", "ok"}, y))
     return seen
 

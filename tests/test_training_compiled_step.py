@@ -171,7 +171,7 @@ def test_the_update_reads_the_step_count_once_when_every_parameter_shares_it(tmp
             step = CompiledStep(model, optimizer, cfg.train, CPU, torch.float32)  # as a resume would build it
         if same is not None:
             step.setup = step.setup._replace(same_steps=same)
-        lr = torch.tensor(1e-2, dtype=torch.float64)
+        lr = compiled_step.lr_argument(1e-2, CPU)
         with torch.no_grad():  # what CompiledStep.__call__ compiles, run as plain PyTorch
             compiled_step._whole_step(model, *step.buffers(), step.decay, step.owner, xs, xs.roll(1, -1), lr,
                                       step.layout, step.setup)

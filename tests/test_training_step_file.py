@@ -20,7 +20,7 @@ from test_training_compiled_step import DropoutBigram
 
 from model.sampler import run_steps
 from training import TrainConfig, step_file
-from training.compiled_step import CompiledStep, _whole_step, deterministic_kernels
+from training.compiled_step import CompiledStep, _whole_step, deterministic_kernels, lr_argument
 from training.optim import make_optimizer
 
 CPU = torch.device("cpu")
@@ -47,7 +47,7 @@ def name_of(step: CompiledStep, xs: torch.Tensor, ys: torch.Tensor) -> str:
 
 def args_of(step: CompiledStep, xs: torch.Tensor, ys: torch.Tensor) -> tuple:
     """The arguments a CompiledStep calls its compiled function with (CompiledStep._run)."""
-    lr = torch.tensor(1e-3, dtype=torch.float64)
+    lr = lr_argument(1e-3, CPU)
     return (step.model, *step.buffers(), step.decay, step.owner, xs, ys, lr, step.layout, step.constants())
 
 
@@ -77,9 +77,15 @@ def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_t
     # back by setting it; a monkeypatch of torch's config once left it hidden for a later test in CI)
     off = (torch._dynamo.config.patch(enable_aot_compile=False)
            if hasattr(torch._dynamo.config, "enable_aot_compile") else contextlib.nullcontext())
+    import torch._dynamo.aot_compile as aot_compile
+
+    traced = []
+    trace = aot_compile.aot_compile_fullgraph
+    monkeypatch.setattr(aot_compile, "aot_compile_fullgraph", lambda *a, **k: traced.append(1) or trace(*a, **k))
     with off:
         first.warm_up(xs, ys)
     assert first.source == "compiled" and saved.stat().st_size > 100_000
+    assert len(traced) == 1  # traced once: the learning rate is no float for dynamo to restart on (lr_argument)
     compiled = trained(first)
 
     monkeypatch.setattr(step_file, "_STEPS", {})  # as a new process finds it
