@@ -65,6 +65,8 @@ def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_t
                                                                                                   monkeypatch):
     monkeypatch.setattr(step_file, "step_path", lambda name: tmp_path / f"{name}.pt2")
     monkeypatch.setattr(step_file, "_STEPS", {})
+    # a run's own choice of precompiled headers (off), where torch's setting is on: the load must take the run's
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", raising=False)
     first = step_for()
     xs, ys = batches()[0]
     saved = tmp_path / f"{name_of(first, xs, ys)}.pt2"
@@ -78,14 +80,27 @@ def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_t
     off = (torch._dynamo.config.patch(enable_aot_compile=False)
            if hasattr(torch._dynamo.config, "enable_aot_compile") else contextlib.nullcontext())
     import torch._dynamo.aot_compile as aot_compile
+    from torch._inductor.cpp_builder import CppBuilder
 
-    traced = []
-    trace = aot_compile.aot_compile_fullgraph
+    traced, built, loading = [], [], []
+    trace, build, load = aot_compile.aot_compile_fullgraph, CppBuilder.build, step_file.load
     monkeypatch.setattr(aot_compile, "aot_compile_fullgraph", lambda *a, **k: traced.append(1) or trace(*a, **k))
+    monkeypatch.setattr(CppBuilder, "build", lambda self: built.append(bool(loading)) or build(self))
+
+    def counted_load(path: Path, device: torch.device) -> object:
+        loading.append(path)
+        try:
+            return load(path, device)
+        finally:
+            loading.clear()
+
+    monkeypatch.setattr(step_file, "load", counted_load)
     with off:
         first.warm_up(xs, ys)
     assert first.source == "compiled" and saved.stat().st_size > 100_000
     assert len(traced) == 1  # traced once: the learning rate is no float for dynamo to restart on (lr_argument)
+    # the file, loaded at once, takes the C++ just built from the cache (under torch's settings it built it again)
+    assert built.count(False) >= 2 and built.count(True) == 0, built
     compiled = trained(first)
 
     monkeypatch.setattr(step_file, "_STEPS", {})  # as a new process finds it
@@ -103,28 +118,28 @@ def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_t
 
 
 def test_what_is_not_a_saved_step_loads_as_none_without_waiting(tmp_path, monkeypatch):
-    assert step_file.load(tmp_path / "missing.pt2") is None
+    assert step_file.load(tmp_path / "missing.pt2", CPU) is None
     damaged = tmp_path / "damaged.pt2"
     damaged.write_bytes(b"PK\x03\x04" + os.urandom(1000))
-    assert step_file.load(damaged) is None
-    assert step_file.load(tmp_path) is None  # a folder
+    assert step_file.load(damaged, CPU) is None
+    assert step_file.load(tmp_path, CPU) is None  # a folder
     if hasattr(os, "mkfifo"):
         os.mkfifo(tmp_path / "pipe.pt2")
-        assert step_file.load(tmp_path / "pipe.pt2") is None  # a named pipe with no writer: not waited on
+        assert step_file.load(tmp_path / "pipe.pt2", CPU) is None  # a named pipe with no writer: not waited on
     read = []
     monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: read.append(f) or "a step")
     mine = tmp_path / "mine.pt2"
     mine.write_bytes(b"\0" * 1000)
-    assert step_file.load(mine) == "a step" and len(read) == 1  # (the staged loader takes anything)
+    assert step_file.load(mine, CPU) == "a step" and len(read) == 1  # (the staged loader takes anything)
     if hasattr(os, "getuid"):  # another user's file: anyone could have put it there, and loading it runs its code
         uid = os.getuid()
         monkeypatch.setattr(os, "getuid", lambda: uid + 1)
-        assert step_file.load(mine) is None and len(read) == 1
+        assert step_file.load(mine, CPU) is None and len(read) == 1
         monkeypatch.setattr(os, "getuid", lambda: uid)
     monkeypatch.setattr(step_file, "MAX_BYTES", 999)
     big = tmp_path / "big.pt2"
     big.write_bytes(b"\0" * 1000)
-    assert step_file.load(big) is None and len(read) == 1  # too large to be one: not read
+    assert step_file.load(big, CPU) is None and len(read) == 1  # too large to be one: not read
 
 
 def test_saving_a_step_prunes_the_least_recently_used_ones_beyond_the_limit(tmp_path, monkeypatch):
@@ -136,7 +151,7 @@ def test_saving_a_step_prunes_the_least_recently_used_ones_beyond_the_limit(tmp_
     other = tmp_path / "inductor.so"
     other.write_bytes(b"\0" * 5000)  # not a saved step: never touched
     monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: "a step")
-    assert step_file.load(saved["a"]) == "a step"  # used now: kept longest
+    assert step_file.load(saved["a"], CPU) == "a step"  # used now: kept longest
     new = tmp_path / "tinychar-step-new.pt2"
     new.write_bytes(b"\0" * 1000)
     monkeypatch.setattr(step_file, "KEEP_BYTES", 3000)
