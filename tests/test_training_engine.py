@@ -25,7 +25,7 @@ from training_runs import call, train_main, write_corpus
 from benchmark.runs import engine_of
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
-from training import compile_cache, compile_errors, engine, load_config
+from training import c_kernels, compile_cache, compile_errors, engine, load_config
 from training.compiled_step import CompiledStep
 from training.engine import (
     COLD_MIN_STEPS,
@@ -184,7 +184,7 @@ def test_sampling_compiles_once_the_time_it_saves_here_was_measured_wins_the_com
 
 
 def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: None)
+    monkeypatch.setattr(c_kernels.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     overrides = tiny_overrides(write_corpus(tmp_path), tmp_path / "out", **{"train.compile": "true",
                                                                             "train.max_iters": 2})

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import sys
 from pathlib import Path
 
@@ -272,8 +271,9 @@ def cannot_compile(device: torch.device) -> str | None:
         return f"torch.compile is not supported by tinychar on {sys.platform}"
     if device.type not in ("cpu", "cuda"):
         return f"torch.compile is not used on {device.type}"
-    compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-    if not any(c and shutil.which(c) for c in compilers):
+    from .c_kernels import compiler  # which imports this module
+
+    if compiler() is None:
         return "no C++ compiler found (install g++ or clang++)"
     try:
         cache_folder()
