@@ -28,8 +28,9 @@ from torch import nn
 # 1024 x 64 x 256 (16.8M) 170 -> 86 us, but 256 x 32 x 128 (1.0M) 14 -> 17 us. Kept to AVX2 (ATEN_CPU_CAPABILITY,
 # MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA at AVX2), oneDNN alone gained 8-13% on 1024-row products, but whole
 # steps lost: nanoGPT's CPU config 36 -> 41 ms/step eager (the transposed products of the backward pass, the autograd
-# function), and bench.py's block-64 and tiny.yaml rows fell by 15-20%; so AVX2 keeps MKL. Other capabilities (ARM,
-# no vector unit) keep their BLAS: not measured.
+# function), and bench.py's block-64 and tiny.yaml rows fell by 15-20%; so AVX2 keeps MKL. So too on AVX2 hardware (a
+# Zen 2, 2026-12-06: warm products alone 1.1-1.3x faster, nanoGPT's CPU config's compiled step 40.4 -> 42.5 ms; see
+# docs/engine-record.md). Other capabilities (ARM, no vector unit) keep their BLAS: not measured.
 ONEDNN_MIN_MACS = {"AVX512": 2**21}
 ONEDNN_SETTINGS = ("auto", "0", "1")
 # AMD's first family whose AVX-512 multiplies 512 bits at once (Zen 5); Zen 4 (25) splits them into two halves.
