@@ -22,7 +22,7 @@ from conftest import ROOT, needs_cpu_compile, train_small_run
 
 from configs.userinput import shown
 from model import GPTConfig
-from training import compile_cache
+from training import c_kernels, compile_cache
 from training.compile_cache import cannot_compile, compile_options
 from training.config import TrainConfig
 from training.engine import compile_key, sampling_key
@@ -152,7 +152,7 @@ def test_code_compiled_under_other_inductor_options_is_not_taken_for_cached(monk
 
 def test_cannot_compile_names_what_is_missing(monkeypatch):
     assert "mps" in cannot_compile(torch.device("mps"))
-    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: None)
+    monkeypatch.setattr(c_kernels.shutil, "which", lambda name: None)
     assert "C++ compiler" in cannot_compile(CPU)
 
 
@@ -354,7 +354,7 @@ def test_with_no_folder_to_write_in_compiling_is_said_to_be_impossible_and_marke
     (tmp_path / "temp").rename(tmp_path / "old")
     (tmp_path / "temp").mkdir()
     (tmp_path / "temp" / f"tinychar-{os.getuid()}").write_text("a file where its stand-in goes", encoding="utf-8")
-    monkeypatch.setattr(compile_cache.shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler, whatever is here
+    monkeypatch.setattr(c_kernels.shutil, "which", lambda name: f"/usr/bin/{name}")  # a compiler, whatever is here
     wanted = compile_cache.compile_cache_dir()
     assert compile_cache.cannot_compile(torch.device("cpu")) == (
         f"no folder for compiled code: cannot use '{shown(str(wanted))}' (Not a directory) nor '{shown(str(moved))}' "
