@@ -60,6 +60,36 @@ def test_inside_in_model_the_model_holds_the_average_and_afterwards_its_own_weig
                for p, part in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()]), strict=True))
 
 
+def test_over_parameters_in_one_buffer_an_update_is_one_lerp_and_the_same_average_to_the_bit(monkeypatch):
+    """The compiled engine lays the parameters end to end in one buffer, in the optimizer's order: the average follows
+    that layout and folds a step in with one lerp, with the bits of one lerp a parameter."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    plain, laid_out = GPT(config), GPT(config)
+    laid_out.load_state_dict(plain.state_dict())
+    params = list(laid_out.parameters())
+    order = params[1::2] + params[::2]  # not the model's order
+    flat = torch.cat([p.detach().reshape(-1) for p in order])
+    for p, part in zip(order, flat.split([p.numel() for p in order]), strict=True):
+        p.data = part.view_as(p)
+    averages = WeightAverage(plain, 0.9), WeightAverage(laid_out, 0.9)
+    lerps = []
+    foreach_lerp = torch._foreach_lerp_
+    monkeypatch.setattr(torch, "_foreach_lerp_", lambda *a: lerps.append(len(a[0])) or foreach_lerp(*a))
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p, q in zip(plain.parameters(), laid_out.parameters(), strict=True):
+                p.copy_(torch.randn_like(p))
+                q.copy_(p)
+        for average in averages:
+            average.update(step)
+    assert lerps == [len(params)] * 5  # the plain model's, one per parameter; none for the laid-out one
+    assert all(torch.equal(a, b) for a, b in zip(averages[0].average, averages[1].average, strict=True))
+    assert len({a.untyped_storage().data_ptr() for a in averages[1].average}) == 1
+    assert all(torch.equal(a, b) for a, b in zip(averages[0].state_dict().values(), averages[1].state_dict().values(),
+                                                  strict=True))
+
+
 def test_the_state_dict_gives_a_tied_weight_under_both_names_and_loads_back():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))

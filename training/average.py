@@ -28,6 +28,13 @@ class WeightAverage:
         self.model, self.decay = model, decay
         self.params = list(model.parameters())  # a tied weight once; the same objects for the whole run
         self.average = [p.detach().clone() for p in self.params]
+        # Where the parameters are slices of one buffer end to end (the compiled step's, training/compiled_step.py):
+        # that buffer and the average laid out as it is, so that an update is one lerp instead of one a parameter
+        # (measured on a 2-core Zen 2, bench.py's block-8 step with the average folded in after each, 20 interleaved
+        # rounds of 500 steps: 2.489 -> 2.429 ms a step, 19 faster, the same bits). Looked for at the first update
+        # and whenever the first parameter has moved since: the compiled step moves them all at once.
+        self.flat: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.first: int | None = None
 
     @torch.no_grad()
     def update(self, step: int) -> None:
@@ -35,7 +42,39 @@ class WeightAverage:
         the average of t steps weighs step s by (1 - decay) decay^(t - s) / (1 - decay^t), as if it had begun from
         zeros and been divided by the weight it gathered; so step 1 replaces whatever the average held."""
         weight = (1.0 - self.decay) / (1.0 - self.decay**step)
-        torch._foreach_lerp_(self.average, self.params, weight)
+        if self.params and self.params[0].data_ptr() != self.first:
+            self.first = self.params[0].data_ptr()
+            self.flat = self._one_buffer()
+        if self.flat is not None:
+            self.flat[1].lerp_(self.flat[0], weight)
+        else:
+            torch._foreach_lerp_(self.average, self.params, weight)
+
+    def _one_buffer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the buffer the parameters are slices of, end to end, and the average laid out alike, its slices now
+        self.average's), or None where they are not."""
+        p0 = self.params[0]
+        storage = p0.untyped_storage()
+        buffer = p0.new_empty(0).set_(storage)  # the whole of it, one dimension
+        spans = []
+        for p in self.params:
+            if (p.dtype != p0.dtype or p.device != p0.device or not p.is_contiguous()
+                    or p.untyped_storage().data_ptr() != storage.data_ptr()):
+                return None
+            spans.append(p.storage_offset())
+        end = 0
+        for start, p in sorted(zip(spans, self.params, strict=True), key=lambda sp: sp[0]):
+            if start != end:
+                return None
+            end += p.numel()
+        if end != buffer.numel():
+            return None
+        average = torch.empty_like(buffer)
+        for i, (start, p) in enumerate(zip(spans, self.params, strict=True)):
+            part = average[start:start + p.numel()].view_as(p)
+            part.copy_(self.average[i])
+            self.average[i] = part
+        return buffer, average
 
     @contextmanager
     def in_model(self) -> Iterator[None]:
