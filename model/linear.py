@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +58,8 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     return set()
 
 
-def onednn_outruns_blas(cpuinfo: str | None = None) -> bool:
-    """Whether oneDNN multiplies float32 faster than PyTorch's BLAS here: on AMD processors of full-width AVX-512
-    (family AMD_FULL_WIDTH_AVX512_FAMILY on), where MKL takes its AVX2 code. cpuinfo is /proc/cpuinfo's text."""
+def first_processor(cpuinfo: str | None = None) -> dict[str, str]:
+    """The fields of the first processor in cpuinfo (/proc/cpuinfo's text; read here when None)."""
     fields: dict[str, str] = {}
     for line in (read_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         name, sep, value = line.partition(":")
@@ -68,11 +68,39 @@ def onednn_outruns_blas(cpuinfo: str | None = None) -> bool:
                 break  # the first processor's block is enough
             continue
         fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def onednn_outruns_blas(cpuinfo: str | None = None) -> bool:
+    """Whether oneDNN multiplies float32 faster than PyTorch's BLAS here: on AMD processors of full-width AVX-512
+    (family AMD_FULL_WIDTH_AVX512_FAMILY on), where MKL takes its AVX2 code. cpuinfo is /proc/cpuinfo's text."""
+    fields = first_processor(cpuinfo)
     try:
         family = int(fields.get("cpu family", ""))
     except ValueError:
         return False
     return fields.get("vendor_id") == "AuthenticAMD" and family >= AMD_FULL_WIDTH_AVX512_FAMILY
+
+
+GEMM_SETTINGS = ("auto", "0", "1")
+
+
+def gemm_setting() -> str:
+    """TINYCHAR_GEMM: whether the compiled training step multiplies its linear layers with tinychar's own kernel
+    (training/linear_kernel.py): 0 never, 1 wherever it applies, auto (or unset) where it was measured faster
+    (own_gemm_outruns_blas). ValueError for another value."""
+    setting = os.environ.get("TINYCHAR_GEMM", "auto").strip().lower() or "auto"
+    if setting not in GEMM_SETTINGS:
+        raise ValueError(f"TINYCHAR_GEMM must be one of {', '.join(GEMM_SETTINGS)}, got {setting!r}")
+    return setting
+
+
+def own_gemm_outruns_blas(cpuinfo: str | None = None) -> bool:
+    """Whether training/linear_kernel.py's products outrun PyTorch's here: on AMD processors where PyTorch runs its
+    AVX2 code (no AVX-512), whose products go through MKL's AVX2 code for AMD, as measured on a Zen 2. On Intel's
+    CPUs MKL has code of its own for each; AMD's with AVX-512 are not measured. cpuinfo is /proc/cpuinfo's text."""
+    return (first_processor(cpuinfo).get("vendor_id") == "AuthenticAMD"
+            and torch.backends.cpu.get_cpu_capability() == "AVX2")
 
 
 def onednn_min_macs() -> int | None:
@@ -229,6 +257,11 @@ class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state-dict names and initialisation) whose float32 CPU products of at
     least ``onednn_min_macs()`` multiply-adds run through oneDNN; see the module's docstring."""
 
+    # The compiled training step's own product, x (M, in) and the weight -> x @ weight^T (training/linear_kernel.py),
+    # and a digest of its code, where it applies (a CPU, float32); None where the products above run.
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    kernel_source = ""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         min_macs = onednn_min_macs()
@@ -237,7 +270,17 @@ class Linear(nn.Linear):
         self.onednn_min_rows = None if min_macs is None else -(-min_macs // (in_features * out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_kernel(x):
+            y = self.kernel(x.reshape(-1, self.in_features), self.weight)
+            y = y if self.bias is None else y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
         return self._product(x, self.weight, self.bias, self.onednn_min_rows)
+
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        """Whether this pass runs the compiled training step's product (see kernel): only where the step is traced,
+        computing gradients, in float32 on the CPU."""
+        return (self.kernel is not None and torch.compiler.is_compiling() and torch.is_grad_enabled()
+                and x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu")
 
     def part(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Output features start..stop-1 of forward(x) alone (..., stop - start), from those rows of the weight: for

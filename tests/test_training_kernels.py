@@ -19,7 +19,7 @@ from torch.torch_version import TorchVersion
 from model import GPT, GPTConfig
 from model.attention import CausalSelfAttention, causal_bias
 from model.gpt import MLP
-from training import TrainConfig, attention_kernel, c_kernels, compiled_step, gelu_kernel
+from training import TrainConfig, attention_kernel, c_kernels, compiled_step, gelu_kernel, linear_kernel
 from training.compiled_step import CompiledStep
 from training.optim import make_optimizer
 
@@ -225,9 +225,12 @@ def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(mo
     attention and torch's GELU: the kernels are for the compiled step only): the losses within 2e-6, and all but a
     few weights within 1e-6. AdamW's first steps move each weight by about the learning rate, 1e-2, whatever the size
     of its gradient, so where a gradient is near zero the order of additions can tip that weight's step: measured,
-    1.3e-5 at most and 13 of the 3,760 weights beyond 1e-6. And both kernels ran, forward and backward."""
+    1.3e-5 at most and 13 of the 3,760 weights beyond 1e-6. And the three kernels ran, forward and backward (the
+    linear layers' on any CPU, with TINYCHAR_GEMM=1)."""
     monkeypatch.setattr(attention_kernel, "MIN_WORK", (0, 0))  # a step this small takes them only here
     monkeypatch.setattr(gelu_kernel, "MIN_VALUES", (0, 0))
+    monkeypatch.setattr(linear_kernel, "MIN_MACS", (0, 0))
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")  # on any CPU
     tc = replace(TrainConfig(), grad_accum_steps=1)
     cfg = GPTConfig(vocab_size=12, block_size=16, n_layer=1, n_head=1, n_embd=16, dropout=0.0)
     xs = torch.randint(0, 12, (1, 4, 16), generator=torch.Generator().manual_seed(0))
@@ -238,6 +241,7 @@ def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(mo
         model = GPT(cfg)
         step = CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)
         assert layers_with_kernel(model) and model.transformer.h[0].mlp.kernel is not None
+        assert model.transformer.h[0].mlp.c_fc.kernel is not None
         losses = []
         for _ in range(3):
             if compiled:
@@ -254,7 +258,8 @@ def test_the_compiled_step_runs_the_kernels_with_the_losses_of_the_notes_code(mo
         compiled_losses, compiled_weights = three_steps(compiled=True)
     assert operators_run(eager) == {}
     ran = operators_run(compiled)  # forward and backward of each step (and the warm-up's)
-    assert set(ran) == {"causal_attention", "causal_attention_backward", "gelu", "gelu_backward"}
+    assert set(ran) == {"causal_attention", "causal_attention_backward", "gelu", "gelu_backward", "linear",
+                        "linear_backward"}
     assert min(ran.values()) >= 3
     assert compiled_losses == pytest.approx(eager_losses, abs=2e-6)
     apart = (compiled_weights - eager_weights).abs()

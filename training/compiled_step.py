@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import attention_kernel, gelu_kernel, step_file
+from . import attention_kernel, gelu_kernel, linear_kernel, step_file
 from .compile_cache import compile_options
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
@@ -267,6 +267,7 @@ class CompiledStep:
             rows = tc.batch_size * getattr(getattr(model, "config", None), "block_size", 0)
             attention_kernel.attach(model, rows=rows)
             gelu_kernel.attach(model, rows=rows)
+            linear_kernel.attach(model, rows=rows)
         named = {id(p): name for name, p in model.named_parameters()}  # a tied weight once, under its first name
         params: list[torch.Tensor] = []
         states: list[dict[str, torch.Tensor]] = []

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-from model.linear import cpu_flags, onednn_min_macs
+from model.linear import cpu_flags, gemm_setting, onednn_min_macs
 
 
 class DeviceError(ValueError):
@@ -103,9 +103,10 @@ def random_kept(device: torch.device) -> Iterator[None]:
 def resolve_device(name: str, any_index: bool = False) -> torch.device:
     """'auto' picks cuda, then mps, then cpu; an explicit device must exist here (cuda:N, a GPU this machine has,
     unless any_index: under torchrun each process takes the GPU of its local rank). TINYCHAR_ONEDNN, which decides
-    how the model multiplies on a CPU, must be a value model/linear.py knows."""
+    how the model multiplies on a CPU, and TINYCHAR_GEMM must be values model/linear.py knows."""
     try:
         onednn_min_macs()
+        gemm_setting()
     except ValueError as e:
         raise DeviceError(str(e)) from None
     if name == "auto":

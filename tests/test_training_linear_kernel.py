@@ -1,0 +1,116 @@
+"""training.linear_kernel: the linear layers' products by a kernel of tinychar's own in the compiled training step,
+where it applies (sizes multiples of 16, float32 on a CPU) and was measured faster (AMD without AVX-512)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import needs_cpu_compile
+
+from model import GPT, GPTConfig
+from model import linear as linear_module
+from model.linear import Linear, gemm_setting, own_gemm_outruns_blas
+from training import linear_kernel
+from training.devices import DeviceError, resolve_device
+
+AMD = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\n\nprocessor\t: 1\nvendor_id\t: GenuineIntel\n"
+INTEL = AMD.replace("AuthenticAMD", "GenuineIntel", 1)
+
+
+@needs_cpu_compile  # a C compiler, which builds the kernel
+@pytest.mark.parametrize(("rows", "fan_in", "fan_out"),
+                         [(768, 128, 384), (7, 32, 48), (13, 512, 128), (1, 16, 16), (300, 48, 80), (700, 272, 16)])
+def test_the_kernel_multiplies_as_torch_does_forward_and_backward(tmp_path: Path, rows, fan_in, fan_out):
+    """x W^T, dy W and dy^T x against float64 products, on shapes that leave partial tiles of six rows and, for the
+    weight's gradient, a partial block of its sum over rows (700 = 2 x 256 + 188): within float32's rounding of sums
+    of up to 700 terms. The C++ operators and the Python ones give the same bits."""
+    torch.manual_seed(0)
+    linear_kernel.library(tmp_path)
+    x = torch.randn(rows, fan_in, requires_grad=True)
+    w = torch.randn(fan_out, fan_in, requires_grad=True)
+    y = linear_kernel.multiply(x, w)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+    for got, want in [(y, x64 @ w64.T), (x.grad, dy64 @ w64), (w.grad, dy64.T @ x64)]:
+        torch.testing.assert_close(got.detach().double(), want, rtol=0, atol=2e-6 * want.abs().max().item() + 1e-6)
+    assert torch.equal(linear_kernel.linear_in_python(x.detach(), w.detach()), y.detach())
+    dx, dw = linear_kernel.linear_backward_in_python(x.detach(), w.detach(), dy)
+    assert torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
+
+
+@needs_cpu_compile
+def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_two(tmp_path: Path):
+    """Each output value is one thread's sum in one order: the number of threads changes nothing (a resumed run on
+    another thread count equals a straight one)."""
+    torch.manual_seed(1)
+    linear_kernel.library(tmp_path)
+    x, w, dy = torch.randn(301, 64), torch.randn(96, 64), torch.randn(301, 96)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append((linear_kernel.linear(x, w), *linear_kernel.linear_backward(x, w, dy)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_auto_takes_the_kernel_on_amd_processors_without_avx512(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert own_gemm_outruns_blas(AMD)
+    assert not own_gemm_outruns_blas(INTEL)  # MKL's own AVX2 code, not measured against
+    assert not own_gemm_outruns_blas("")  # no /proc/cpuinfo
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not own_gemm_outruns_blas(AMD)
+
+
+def model(width: int = 128, vocab: int = 65) -> GPT:
+    return GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=1, n_head=4, n_embd=width, dropout=0.0))
+
+
+def taken(m: GPT) -> list[str]:
+    return [name for name, layer in m.named_modules() if isinstance(layer, Linear) and layer.kernel is not None]
+
+
+@needs_cpu_compile
+def test_the_layers_that_take_the_kernel(monkeypatch):
+    """With TINYCHAR_GEMM=1: every linear layer of sizes multiples of 16 whose products on a micro-batch's rows reach
+    MIN_MACS (nanoGPT's CPU config, 768 rows of 128 wide: all four of a block's); not the head over 65 characters,
+    nor bench.py's block-8 step (256 rows of 32 wide, measured slower). 0 gives it to none, and auto to none where it
+    was not measured faster. Only the compiled step's traced forward runs it: eager passes keep PyTorch's."""
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    block = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+             "transformer.h.0.mlp.c_proj"]
+    m = model()
+    assert linear_kernel.attach(m, rows=12 * 64) and taken(m) == block
+    assert m.transformer.h[0].mlp.c_fc.kernel_source  # a setting of the layer: the step compiles apart
+    m = model(vocab=96)  # the tied head's sizes are multiples of 16 too (768 x 128 x 96 = 9.4 million)
+    assert linear_kernel.attach(m, rows=12 * 64) and taken(m) == [*block, "lm_head"]
+    m = model(width=32)
+    assert not linear_kernel.attach(m, rows=32 * 8) and not taken(m)
+    m = model()
+    x = torch.randn(2, 64, 128)
+    linear_kernel.attach(m)
+    layer = m.transformer.h[0].mlp.c_fc
+    assert not layer.takes_kernel(x) and torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    monkeypatch.setenv("TINYCHAR_GEMM", "0")
+    m = model()
+    assert not linear_kernel.attach(m, rows=12 * 64) and not taken(m)
+    monkeypatch.setenv("TINYCHAR_GEMM", "auto")
+    monkeypatch.setattr(linear_module, "read_cpuinfo", lambda: INTEL)
+    m = model()
+    assert not linear_kernel.attach(m, rows=12 * 64) and not taken(m)
+
+
+def test_a_bad_gemm_setting_is_one_line_for_a_person(monkeypatch):
+    monkeypatch.setenv("TINYCHAR_GEMM", " AUTO ")
+    assert gemm_setting() == "auto"
+    monkeypatch.setenv("TINYCHAR_GEMM", "fast")
+    with pytest.raises(ValueError, match="TINYCHAR_GEMM must be one of auto, 0, 1, got 'fast'"):
+        gemm_setting()
+    with pytest.raises(DeviceError, match="TINYCHAR_GEMM must be one of"):
+        resolve_device("cpu")

@@ -1,0 +1,285 @@
+"""The linear layers' matrix products as a kernel of tinychar's own, for the compiled training step on AMD CPUs
+without AVX-512.
+
+PyTorch multiplies float32 matrices on a CPU through MKL, whose AVX2 code on AMD processors spends a good part of each
+product copying its operands into blocks (packing), into blocks of each thread's own. On the products of nanoGPT's
+CPU config (768 rows, 128 wide) on a 2-core Zen 2 EPYC, the step's linear layers took 25.9 ms a step through MKL when
+timed alone, 29 ms inside the step (the rest of it: 11 ms), so that its step could not reach 1.5x nanoGPT's. Here
+each product is tiles of six rows by sixteen columns held in twelve vector registers; the right operand is copied
+into sixteen-column panels by each thread for itself (a panel shared between the two cores cost 10-20%), and the left
+one is read where it lies, except in the weight gradient, whose left operand (the output gradient, transposed) is
+copied six rows at a time. Deterministic: each value of the output is one thread's, summed in one order whatever the
+number of threads, so a resumed run equals a straight one. The same arithmetic as PyTorch's (float32 products and
+sums, fused multiply-adds), in another order of additions.
+
+Called by the compiled step only (CompiledStep attaches it) for layers whose sizes are multiples of 16, on AMD CPUs
+where PyTorch runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are not
+matched here): eager training, evaluation and sampling keep PyTorch's products. TINYCHAR_GEMM=0 keeps MKL, 1 takes the
+kernel wherever it applies. How it is built, loaded and called: training/c_kernels.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model.linear import Linear, gemm_setting, own_gemm_outruns_blas
+
+from .c_kernels import PRELUDE, build, give, operators, worth_it
+
+# Fewest multiply-adds of a layer's product (rows x in x out) for which the layer takes the kernel: with the operators
+# in C++, then where each call goes through Python (a torch before 2.10: not measured, so never). Measured on a
+# 2-core Zen 2 EPYC through train.py (runs of two lengths differenced, interleaved, a compile cache each): nanoGPT's
+# CPU config (12.6-50.3 million a product) 41.0 -> 37.5 ms a step, tiny.yaml (4.2-16.8 million) level at 16.8 and
+# 16.6 ms, bench.py's block-8 step (0.3-1.0 million) 2.69 -> 3.25 ms.
+MIN_MACS = (2**23, math.inf)
+
+SOURCE = PRELUDE + r"""
+#include <stdlib.h>
+#define KC 256  /* the weight gradient's sum over rows, in blocks: a block of a panel is 16 KB, in the core's cache */
+/* c[r][0:16) = (add ? c[r][0:16) : 0) + sum over k of A(r, k) b[k][0:16), rows r < R, A(r, k) = a[r*si + k*sk] */
+#define TILE(R) \
+static inline void tile##R(long K, const float* __restrict__ a, long si, long sk, const float* __restrict__ b, \
+                           float* c, long ldc, int add) { \
+    v8 acc[R][2]; \
+    for (int r = 0; r < R; r++) { acc[r][0] = BC(0.0f); acc[r][1] = BC(0.0f); } \
+    for (long k = 0; k < K; k++) { \
+        v8 b0 = LD(b + k * 16), b1 = LD(b + k * 16 + 8); \
+        for (int r = 0; r < R; r++) { v8 x = BC(a[r * si + k * sk]); acc[r][0] += x * b0; acc[r][1] += x * b1; } \
+    } \
+    for (int r = 0; r < R; r++) { \
+        if (add) { acc[r][0] += LD(c + r * ldc); acc[r][1] += LD(c + r * ldc + 8); } \
+        ST(c + r * ldc, acc[r][0]); ST(c + r * ldc + 8, acc[r][1]); \
+    } \
+}
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+
+static void tile(long R, long K, const float* a, long si, long sk, const float* b, float* c, long ldc, int add) {
+    switch (R) {
+        case 6: tile6(K, a, si, sk, b, c, ldc, add); break;
+        case 5: tile5(K, a, si, sk, b, c, ldc, add); break;
+        case 4: tile4(K, a, si, sk, b, c, ldc, add); break;
+        case 3: tile3(K, a, si, sk, b, c, ldc, add); break;
+        case 2: tile2(K, a, si, sk, b, c, ldc, add); break;
+        default: tile1(K, a, si, sk, b, c, ldc, add);
+    }
+}
+
+/* The calling thread's own buffer of at least n floats, kept for its next call (NULL where memory runs out). */
+static float* scratch(long n) {
+    static __thread float* buffer = NULL;
+    static __thread long size = 0;
+    if (size < n) {
+        free(buffer);
+        size = (n + 15) / 16 * 16;
+        buffer = aligned_alloc(64, sizeof(float) * size);
+        if (buffer == NULL) size = 0;
+    }
+    return buffer;
+}
+
+/* C (M x N, rows ldc apart) = A B, A(i, k) = a[i*asi + k*ask], B(k, j) = b[k*bsk + j*bsj], N a multiple of 16. Where
+   A's rows are contiguous (ask 1) they are read in place and B is packed whole; otherwise K goes in blocks of KC and
+   A is packed six rows at a time. Returns 0, or -1 where a thread's buffer could not be had. */
+static int gemm(long M, long N, long K, const float* a, long asi, long ask, const float* b, long bsk, long bsj,
+                float* c, long ldc) {
+    long panels = N / 16, kc = ask == 1 ? K : KC;
+    int failed = 0;
+#pragma omp parallel shared(failed)
+    {
+        float* bp = scratch(kc * N);  /* each thread packs all of B for itself */
+        float ap[KC * 6] __attribute__((aligned(64)));
+        if (bp == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int stop;
+#pragma omp atomic read
+        stop = failed;
+        for (long k0 = 0; k0 < K && !stop; k0 += kc) {  /* every thread stops, or none */
+            long kn = K - k0 < kc ? K - k0 : kc;
+            for (long p = 0; p < panels; p++) {
+                float* panel = bp + p * kn * 16;
+                if (bsj == 1)
+                    for (long k = 0; k < kn; k++) memcpy(panel + k * 16, b + (k0 + k) * bsk + p * 16, 64);
+                else
+                    for (long k = 0; k < kn; k++)
+                        for (int j = 0; j < 16; j++) panel[k * 16 + j] = b[(k0 + k) * bsk + (p * 16 + j) * bsj];
+            }
+#pragma omp for schedule(static)
+            for (long i = 0; i < M; i += 6) {
+                long R = M - i < 6 ? M - i : 6, si = asi, sk = 1;
+                const float* at = a + i * asi + k0;
+                if (ask != 1) {
+                    for (long k = 0; k < kn; k++)
+                        for (long r = 0; r < R; r++) ap[k * 6 + r] = a[(i + r) * asi + (k0 + k) * ask];
+                    at = ap; si = 1; sk = 6;
+                }
+                for (long p = 0; p < panels; p++)
+                    tile(R, kn, at, si, sk, bp + p * kn * 16, c + i * ldc + p * 16, ldc, k0 > 0);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* y (M x N) = x (M x K) w^T, w (N x K); N a multiple of 16. */
+int linear_forward(const float* x, const float* w, float* y, long M, long N, long K) {
+    return gemm(M, N, K, x, K, 1, w, 1, K, y, N);
+}
+
+/* dx (M x K) = dy (M x N) w and dw (N x K) = dy^T x; K a multiple of 16. */
+int linear_backward(const float* x, const float* w, const float* dy, float* dx, float* dw, long M, long N, long K) {
+    if (gemm(M, K, N, dy, N, 1, w, K, 1, dx, K) != 0) return -1;
+    return gemm(N, K, M, dy, 1, N, x, K, 1, dw, K);
+}
+"""
+
+# The two operators' kernels for CPU tensors in C++ (c_kernels.operators), loaded once the kernel is (library), whose
+# functions they are given then.
+OPERATORS = r"""
+typedef int (*forward_fn)(const float*, const float*, float*, long, long, long);
+typedef int (*backward_fn)(const float*, const float*, const float*, float*, float*, long, long, long);
+static forward_fn forward = nullptr;
+static backward_fn backward = nullptr;
+
+extern "C" void tinychar_linear_set(void* f, void* b) { forward = (forward_fn)f; backward = (backward_fn)b; }
+
+Tensor linear(Tensor x, Tensor weight) {
+    Tensor a = torch::stable::contiguous(x), w = torch::stable::contiguous(weight);
+    long M = a.size(0), K = a.size(1), N = w.size(0);
+    Tensor y = torch::stable::new_empty(a, {M, N});
+    STD_TORCH_CHECK(forward != nullptr, "tinychar: the linear kernel is not loaded");
+    STD_TORCH_CHECK(forward((const float*)a.data_ptr(), (const float*)w.data_ptr(), (float*)y.data_ptr(), M, N, K) == 0,
+                    "tinychar: the linear kernel ran out of memory");
+    return y;
+}
+
+std::tuple<Tensor, Tensor> linear_backward(Tensor x, Tensor weight, Tensor dy) {
+    Tensor a = torch::stable::contiguous(x), w = torch::stable::contiguous(weight), g = torch::stable::contiguous(dy);
+    long M = a.size(0), K = a.size(1), N = w.size(0);
+    Tensor dx = torch::stable::empty_like(a);
+    Tensor dw = torch::stable::empty_like(w);
+    STD_TORCH_CHECK(backward != nullptr, "tinychar: the linear kernel is not loaded");
+    STD_TORCH_CHECK(backward((const float*)a.data_ptr(), (const float*)w.data_ptr(), (const float*)g.data_ptr(),
+                             (float*)dx.data_ptr(), (float*)dw.data_ptr(), M, N, K) == 0,
+                    "tinychar: the linear kernel ran out of memory");
+    return std::make_tuple(dx, dw);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(tinychar, CPU, m) {
+    m.impl("linear", TORCH_BOX(&linear));
+    m.impl("linear_backward", TORCH_BOX(&linear_backward));
+}
+"""
+
+_LIBRARY: list[ctypes.CDLL] = []
+
+
+def library(folder: Path | None = None) -> ctypes.CDLL:
+    """The kernel (c_kernels.build: an OSError or subprocess.SubprocessError where it cannot be built), given to the
+    operators' C++ kernels where they load."""
+    if not _LIBRARY:
+        lib = build("linear", SOURCE, [], folder)
+        pointer, size = ctypes.c_void_p, ctypes.c_long
+        lib.linear_forward.argtypes = [pointer, pointer, pointer, size, size, size]
+        lib.linear_backward.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size]
+        _LIBRARY.append(lib)
+        _operators(folder)
+    return _LIBRARY[0]
+
+
+def _operators(folder: Path | None = None) -> ctypes.CDLL | None:
+    """The operators' C++ kernels, loaded (c_kernels.operators) and given the kernel once it is built, or None: the
+    Python ones below run then."""
+    ops = operators("linear-operators", OPERATORS, folder)
+    if ops is not None and _LIBRARY:
+        pointer = ctypes.c_void_p
+        ops.tinychar_linear_set(ctypes.cast(_LIBRARY[0].linear_forward, pointer),
+                                ctypes.cast(_LIBRARY[0].linear_backward, pointer))
+    return ops
+
+
+def _ran(status: int) -> None:
+    if status != 0:
+        raise MemoryError("tinychar: the linear kernel ran out of memory")
+
+
+def linear_in_python(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, in) @ weight (out, in)^T, float32: the operator's kernel where its C++ one (OPERATORS) is not loaded."""
+    x, weight = x.contiguous(), weight.contiguous()
+    y = x.new_empty(x.size(0), weight.size(0))
+    _ran(library().linear_forward(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.size(0), weight.size(0),
+                                  x.size(1)))
+    return y
+
+
+linear = torch.library.custom_op("tinychar::linear", linear_in_python, mutates_args=())
+
+
+@linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.size(0), weight.size(0))
+
+
+def linear_backward_in_python(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of x and weight from dy (M, out), the gradient of linear's output: the operator's kernel where
+    its C++ one is not loaded."""
+    x, weight, dy = x.contiguous(), weight.contiguous(), dy.contiguous()
+    dx, dw = torch.empty_like(x), torch.empty_like(weight)
+    _ran(library().linear_backward(x.data_ptr(), weight.data_ptr(), dy.data_ptr(), dx.data_ptr(), dw.data_ptr(),
+                                   x.size(0), weight.size(0), x.size(1)))
+    return dx, dw
+
+
+linear_backward = torch.library.custom_op("tinychar::linear_backward", linear_backward_in_python, mutates_args=())
+
+
+@linear_backward.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format))
+
+
+class _Linear(torch.autograd.Function):
+    """The two operators as one differentiable function, in the form torch.func's transforms take."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(x, weight)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_backward(*ctx.saved_tensors, dy)
+
+
+def multiply(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, in) @ weight (out, in)^T, differentiable, through the kernel."""
+    return _Linear.apply(x.contiguous(), weight)
+
+
+
+def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
+    """Give each of model's linear layers that the kernel applies to the kernel (built into folder, by default the
+    compile cache, if it is not there), for its compiled training forward; False where none could take it, it cannot
+    be built, or TINYCHAR_GEMM keeps PyTorch's products (model.linear.gemm_setting). It applies to layers whose sizes
+    are multiples of 16, multiplying by PyTorch's BLAS (not oneDNN, where that was chosen: model/linear.py), and
+    whose products on rows (a micro-batch's: batch size times block; None: any) are worth its calls (MIN_MACS)."""
+    setting = gemm_setting()
+    if setting == "0" or setting == "auto" and not own_gemm_outruns_blas():
+        return False
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.in_features % 16 == 0
+              and m.out_features % 16 == 0 and (setting == "1" or m.onednn_min_rows is None)
+              and (rows is None or worth_it(rows * m.in_features * m.out_features, MIN_MACS,
+                                            lambda: _operators(folder)))]
+    return give(layers, lambda: library(folder), multiply, SOURCE)
