@@ -2,15 +2,16 @@
 without AVX-512.
 
 PyTorch multiplies float32 matrices on a CPU through MKL, whose AVX2 code on AMD processors spends a good part of each
-product copying its operands into blocks (packing), into blocks of each thread's own. On the products of nanoGPT's
-CPU config (768 rows, 128 wide) on a 2-core Zen 2 EPYC, the step's linear layers took 25.9 ms a step through MKL when
-timed alone, 29 ms inside the step (the rest of it: 11 ms), so that its step could not reach 1.5x nanoGPT's. Here
-each product is tiles of six rows by sixteen columns held in twelve vector registers; the right operand is copied
-into sixteen-column panels by each thread for itself (a panel shared between the two cores cost 10-20%), and the left
-one is read where it lies, except in the weight gradient, whose left operand (the output gradient, transposed) is
-copied six rows at a time. Deterministic: each value of the output is one thread's, summed in one order whatever the
-number of threads, so a resumed run equals a straight one. The same arithmetic as PyTorch's (float32 products and
-sums, fused multiply-adds), in another order of additions.
+product copying its operands into blocks (packing). On the products of nanoGPT's CPU config (768 rows, 128 wide) on a
+2-core Zen 2 EPYC, the step's linear layers took 25.8 ms a step through MKL when timed alone, 29 ms inside the step
+(the rest of it: 11 ms), so that its step could not reach 1.5x nanoGPT's. Here each product is tiles of six rows by
+sixteen columns held in twelve vector registers; the right operand is copied into sixteen-column panels by each
+thread for itself (a panel shared between the two cores cost 10-20%), and the left one is read where it lies, except
+in the weight gradient, whose left operand (the output gradient, transposed) is copied six rows at a time, and whose
+sum over the rows is split in two halves, one a thread, so that neither copies the other's rows. Timed alone, 20.6 ms
+a step against MKL's 25.8; in the step 35.0 ms against 41.0 (docs/engine-record.md). Deterministic: each value of the
+output is summed in one order whatever the number of threads, so a resumed run equals a straight one. The same
+arithmetic as PyTorch's (float32 products and sums, fused multiply-adds), in another order of additions.
 
 Called by the compiled step only (CompiledStep attaches it) for layers whose sizes are multiples of 16, on AMD CPUs
 where PyTorch runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are not
@@ -34,11 +35,12 @@ from .c_kernels import PRELUDE, build, give, operators, worth_it
 # Fewest multiply-adds of a layer's product (rows x in x out) for which the layer takes the kernel: with the operators
 # in C++, then where each call goes through Python (a torch before 2.10: not measured, so never). Measured on a
 # 2-core Zen 2 EPYC through train.py (runs of two lengths differenced, interleaved, a compile cache each): nanoGPT's
-# CPU config (12.6-50.3 million a product) 41.0 -> 37.5 ms a step, tiny.yaml (4.2-16.8 million) level at 16.8 and
-# 16.6 ms, bench.py's block-8 step (0.3-1.0 million) 2.69 -> 3.25 ms.
+# CPU config (12.6-50.3 million a product) 41.0 -> 35.0 ms a step, tiny.yaml (4.2-16.8 million; three layers of four
+# take it) 16.6 -> 16.05 ms, bench.py's block-8 step (0.3-1.0 million; every layer) 2.69 -> 3.25 ms.
 MIN_MACS = (2**23, math.inf)
 
 SOURCE = PRELUDE + r"""
+#include <omp.h>
 #include <stdlib.h>
 #define KC 256  /* the weight gradient's sum over rows, in blocks: a block of a panel is 16 KB, in the core's cache */
 /* c[r][0:16) = (add ? c[r][0:16) : 0) + sum over k of A(r, k) b[k][0:16), rows r < R, A(r, k) = a[r*si + k*sk] */
@@ -69,61 +71,65 @@ static void tile(long R, long K, const float* a, long si, long sk, const float* 
     }
 }
 
-/* The calling thread's own buffer of at least n floats, kept for its next call (NULL where memory runs out). */
-static float* scratch(long n) {
-    static __thread float* buffer = NULL;
-    static __thread long size = 0;
-    if (size < n) {
-        free(buffer);
-        size = (n + 15) / 16 * 16;
-        buffer = aligned_alloc(64, sizeof(float) * size);
-        if (buffer == NULL) size = 0;
+/* The calling thread's own buffer number slot (0 or 1) of at least n floats, kept for its next call (NULL where memory
+   runs out). */
+static float* scratch(int slot, long n) {
+    static __thread float* buffers[2] = {NULL, NULL};
+    static __thread long sizes[2] = {0, 0};
+    if (sizes[slot] < n) {
+        free(buffers[slot]);
+        sizes[slot] = (n + 15) / 16 * 16;
+        buffers[slot] = aligned_alloc(64, sizeof(float) * sizes[slot]);
+        if (buffers[slot] == NULL) sizes[slot] = 0;
     }
-    return buffer;
+    return buffers[slot];
 }
 
-/* C (M x N, rows ldc apart) = A B, A(i, k) = a[i*asi + k*ask], B(k, j) = b[k*bsk + j*bsj], N a multiple of 16. Where
-   A's rows are contiguous (ask 1) they are read in place and B is packed whole; otherwise K goes in blocks of KC and
-   A is packed six rows at a time. Returns 0, or -1 where a thread's buffer could not be had. */
+/* Rows t0 * 6 up to t1 * 6 of C (M x N, rows ldc apart) = A B, by the calling thread alone: A(i, k) = a[i*asi + k*ask],
+   B(k, j) = b[k*bsk + j*bsj], N a multiple of 16. Where A's rows are contiguous (ask 1) they are read in place and B
+   is packed whole; otherwise K goes in blocks of KC and A is packed six rows at a time. 0, or -1 out of memory. */
+static int gemm_rows(long t0, long t1, long M, long N, long K, const float* a, long asi, long ask, const float* b,
+                     long bsk, long bsj, float* c, long ldc) {
+    long panels = N / 16, kc = ask == 1 || K < KC ? K : KC;
+    float* bp = scratch(0, kc * N);  /* each thread packs all of B for itself: a panel crossing cores cost 10-20% */
+    float ap[KC * 6] __attribute__((aligned(64)));
+    if (bp == NULL) return -1;
+    if (K == 0)
+        for (long i = t0 * 6; i < t1 * 6 && i < M; i++) memset(c + i * ldc, 0, sizeof(float) * N);
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long kn = K - k0 < kc ? K - k0 : kc;
+        for (long p = 0; p < panels; p++) {
+            float* panel = bp + p * kn * 16;
+            if (bsj == 1)
+                for (long k = 0; k < kn; k++) memcpy(panel + k * 16, b + (k0 + k) * bsk + p * 16, 64);
+            else
+                for (long k = 0; k < kn; k++)
+                    for (int j = 0; j < 16; j++) panel[k * 16 + j] = b[(k0 + k) * bsk + (p * 16 + j) * bsj];
+        }
+        for (long t = t0; t < t1; t++) {
+            long i = t * 6, R = M - i < 6 ? M - i : 6, si = asi, sk = 1;
+            const float* at = a + i * asi + k0;
+            if (ask != 1) {
+                for (long k = 0; k < kn; k++)
+                    for (long r = 0; r < R; r++) ap[k * 6 + r] = a[(i + r) * asi + (k0 + k) * ask];
+                at = ap; si = 1; sk = 6;
+            }
+            for (long p = 0; p < panels; p++)
+                tile(R, kn, at, si, sk, bp + p * kn * 16, c + i * ldc + p * 16, ldc, k0 > 0);
+        }
+    }
+    return 0;
+}
+
+/* C = A B as gemm_rows, the threads taking C's rows in equal shares, each with no wait on the others. */
 static int gemm(long M, long N, long K, const float* a, long asi, long ask, const float* b, long bsk, long bsj,
                 float* c, long ldc) {
-    long panels = N / 16, kc = ask == 1 ? K : KC;
+    long tiles = (M + 5) / 6;
     int failed = 0;
-#pragma omp parallel shared(failed)
+#pragma omp parallel reduction(|: failed)
     {
-        float* bp = scratch(kc * N);  /* each thread packs all of B for itself */
-        float ap[KC * 6] __attribute__((aligned(64)));
-        if (bp == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        int stop;
-#pragma omp atomic read
-        stop = failed;
-        for (long k0 = 0; k0 < K && !stop; k0 += kc) {  /* every thread stops, or none */
-            long kn = K - k0 < kc ? K - k0 : kc;
-            for (long p = 0; p < panels; p++) {
-                float* panel = bp + p * kn * 16;
-                if (bsj == 1)
-                    for (long k = 0; k < kn; k++) memcpy(panel + k * 16, b + (k0 + k) * bsk + p * 16, 64);
-                else
-                    for (long k = 0; k < kn; k++)
-                        for (int j = 0; j < 16; j++) panel[k * 16 + j] = b[(k0 + k) * bsk + (p * 16 + j) * bsj];
-            }
-#pragma omp for schedule(static)
-            for (long i = 0; i < M; i += 6) {
-                long R = M - i < 6 ? M - i : 6, si = asi, sk = 1;
-                const float* at = a + i * asi + k0;
-                if (ask != 1) {
-                    for (long k = 0; k < kn; k++)
-                        for (long r = 0; r < R; r++) ap[k * 6 + r] = a[(i + r) * asi + (k0 + k) * ask];
-                    at = ap; si = 1; sk = 6;
-                }
-                for (long p = 0; p < panels; p++)
-                    tile(R, kn, at, si, sk, bp + p * kn * 16, c + i * ldc + p * 16, ldc, k0 > 0);
-            }
-        }
+        long n = omp_get_num_threads(), id = omp_get_thread_num();
+        failed |= gemm_rows(tiles * id / n, tiles * (id + 1) / n, M, N, K, a, asi, ask, b, bsk, bsj, c, ldc);
     }
     return failed ? -1 : 0;
 }
@@ -133,10 +139,22 @@ int linear_forward(const float* x, const float* w, float* y, long M, long N, lon
     return gemm(M, N, K, x, K, 1, w, 1, K, y, N);
 }
 
-/* dx (M x K) = dy (M x N) w and dw (N x K) = dy^T x; K a multiple of 16. */
+/* dx (M x K) = dy (M x N) w and dw (N x K) = dy^T x; K a multiple of 16. The weight gradient's sum over the M rows
+   is taken in two halves, each by one thread that copies only its own rows of x and dy, and the halves are added in
+   one order: the same bits on any number of threads. */
 int linear_backward(const float* x, const float* w, const float* dy, float* dx, float* dw, long M, long N, long K) {
-    if (gemm(M, K, N, dy, N, 1, w, K, 1, dx, K) != 0) return -1;
-    return gemm(N, K, M, dy, 1, N, x, K, 1, dw, K);
+    float* second = scratch(1, N * K);
+    if (second == NULL || gemm(M, K, N, dy, N, 1, w, K, 1, dx, K) != 0) return -1;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(|: failed)
+    for (int half = 0; half < 2; half++) {
+        long m0 = M * half / 2, m1 = M * (half + 1) / 2;
+        failed |= gemm_rows(0, (N + 5) / 6, N, K, m1 - m0, dy + m0 * N, 1, N, x + m0 * K, K, 1, half ? second : dw, K);
+    }
+    if (failed) return -1;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < N * K; i++) dw[i] += second[i];
+    return 0;
 }
 """
 
