@@ -19,6 +19,7 @@ from torch.torch_version import TorchVersion
 from model import GPT, GPTConfig
 from model.attention import CausalSelfAttention, causal_bias
 from model.gpt import MLP
+from model.linear import Linear
 from training import TrainConfig, attention_kernel, c_kernels, compiled_step, gelu_kernel, linear_kernel
 from training.compiled_step import CompiledStep
 from training.optim import make_optimizer
@@ -190,7 +191,7 @@ def test_operators_that_cannot_be_built_leave_the_python_kernels_and_nothing_beh
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_machine_that_cannot_build_the_kernels_keeps_the_notes_attention_and_torchs_gelu(monkeypatch, tmp_path):
+def test_a_machine_that_cannot_build_the_kernels_keeps_the_notes_attention_and_torchs_code(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_kernel, "_LIBRARIES", {})
     monkeypatch.setattr(c_kernels, "_BUILT", {})
     monkeypatch.setattr(c_kernels, "_OPERATORS", {})  # (this process's operators stay loaded, whatever fails here)
@@ -199,9 +200,13 @@ def test_a_machine_that_cannot_build_the_kernels_keeps_the_notes_attention_and_t
     assert not attention_kernel.attach(model, tmp_path)
     monkeypatch.setattr(c_kernels, "compiler", lambda: "false")  # one that fails
     assert not attention_kernel.attach(model, tmp_path)
-    monkeypatch.setattr(gelu_kernel, "_LIBRARY", [])
+    monkeypatch.setattr(gelu_kernel._KERNEL, "loaded", [])
     assert not gelu_kernel.attach(model, tmp_path)
+    monkeypatch.setattr(linear_kernel._KERNEL, "loaded", [])
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    assert not linear_kernel.attach(model, tmp_path)
     assert not layers_with_kernel(model) and all(m.kernel is None for m in model.modules() if isinstance(m, MLP))
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, Linear))  # PyTorch's products
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
 
 

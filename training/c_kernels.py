@@ -1,11 +1,12 @@
 """C kernels of tinychar's own for the compiled training step on a CPU (training/attention_kernel.py,
-training/gelu_kernel.py): built by the C compiler torch.compile uses, with OpenMP (PyTorch's own threads: the loader
-finds its libgomp already in the process), once per kernel and shape, kept in the compile cache beside inductor's
-code. Each is called by a custom operator, whose kernel for CPU tensors is C++ of ours where torch has its stable C++
-interface (2.10 and later; see operators), which the compiled step's C++ wrapper calls with no Python between, and
-otherwise Python, through ctypes (each call then a round trip through Python, about 50 us). They are written with
-GCC's vector extension (eight floats, what AVX2 holds), which GCC and Clang compile for any CPU; on x86 with AVX2 and
-FMA. A machine that cannot build one (no compiler, no OpenMP) runs PyTorch's code instead.
+training/gelu_kernel.py, training/linear_kernel.py): built by the C compiler torch.compile uses, with OpenMP
+(PyTorch's own threads: the loader finds its libgomp already in the process), once per kernel and shape, kept in the
+compile cache beside inductor's code. Each is called by a custom operator, whose kernel for CPU tensors is C++ of ours
+where torch has its stable C++ interface (2.10 and later; see operators), which the compiled step's C++ wrapper calls
+with no Python between, and otherwise Python, through ctypes (each call then a round trip through Python, about
+50 us). They are written with GCC's vector extension (eight floats, what AVX2 holds), which GCC and Clang compile for
+any CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP) runs PyTorch's code
+instead.
 """
 
 from __future__ import annotations
@@ -148,6 +149,36 @@ def operators(name: str, source: str, folder: Path | None = None) -> ctypes.CDLL
             library = None
     _OPERATORS[name] = library
     return library
+
+
+class PairedKernel:
+    """A kernel's library of C functions, a forward and a backward, built once a process (build), and the C++ kernels
+    of the operators that call them (operators), given the functions' addresses (through their library's
+    tinychar_<name>_set) once both are loaded: training/gelu_kernel.py's and training/linear_kernel.py's."""
+
+    def __init__(self, name: str, source: str, operators_source: str, argtypes: dict[str, list]) -> None:
+        self.name, self.source, self.operators_source, self.argtypes = name, source, operators_source, argtypes
+        self.loaded: list[ctypes.CDLL] = []
+
+    def library(self, folder: Path | None = None) -> ctypes.CDLL:
+        """The kernel (build: an OSError or subprocess.SubprocessError where it cannot be built), given to the
+        operators' C++ kernels where they load."""
+        if not self.loaded:
+            lib = build(self.name, self.source, [], folder)
+            for function, types in self.argtypes.items():
+                getattr(lib, function).argtypes = types
+            self.loaded.append(lib)
+            self.operators(folder)
+        return self.loaded[0]
+
+    def operators(self, folder: Path | None = None) -> ctypes.CDLL | None:
+        """The operators' C++ kernels, loaded (operators) and given the kernel once it is built, or None: their
+        Python kernels run then."""
+        ops = operators(f"{self.name}-operators", self.operators_source, folder)
+        if ops is not None and self.loaded:
+            addresses = [ctypes.cast(getattr(self.loaded[0], f), ctypes.c_void_p) for f in self.argtypes]
+            getattr(ops, f"tinychar_{self.name}_set")(*addresses)
+        return ops
 
 
 def worth_it(work: int, least: tuple[int, int], loaded: Callable[[], object]) -> bool:

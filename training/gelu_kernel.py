@@ -20,7 +20,7 @@ from torch import nn
 
 from model.gpt import MLP
 
-from .c_kernels import PRELUDE, build, give, operators, worth_it
+from .c_kernels import PRELUDE, PairedKernel, give, worth_it
 
 SOURCE = PRELUDE + r"""
 /* erf(z) for z >= 0, given e = exp(-z^2): Abramowitz and Stegun 7.1.26, as ATen computes it */
@@ -106,31 +106,12 @@ STABLE_TORCH_LIBRARY_IMPL(tinychar, CPU, m) {
 }
 """
 
-_LIBRARY: list[ctypes.CDLL] = []
+_KERNEL = PairedKernel("gelu", SOURCE, OPERATORS, {"gelu_forward": [ctypes.c_void_p] * 2 + [ctypes.c_long],
+                                                 "gelu_backward": [ctypes.c_void_p] * 3 + [ctypes.c_long]})
 
-
-def library(folder: Path | None = None) -> ctypes.CDLL:
-    """The kernel (c_kernels.build: an OSError or subprocess.SubprocessError where it cannot be built), given to the
-    operators' C++ kernels where they load."""
-    if not _LIBRARY:
-        lib = build("gelu", SOURCE, [], folder)
-        pointer = ctypes.c_void_p
-        lib.gelu_forward.argtypes = [pointer, pointer, ctypes.c_long]
-        lib.gelu_backward.argtypes = [pointer, pointer, pointer, ctypes.c_long]
-        _LIBRARY.append(lib)
-        _operators(folder)
-    return _LIBRARY[0]
-
-
-def _operators(folder: Path | None = None) -> ctypes.CDLL | None:
-    """The operators' C++ kernels, loaded (c_kernels.operators) and given the kernel once it is built, or None: the
-    Python ones below run then."""
-    ops = operators("gelu-operators", OPERATORS, folder)
-    if ops is not None and _LIBRARY:
-        pointer = ctypes.c_void_p
-        ops.tinychar_gelu_set(ctypes.cast(_LIBRARY[0].gelu_forward, pointer),
-                              ctypes.cast(_LIBRARY[0].gelu_backward, pointer))
-    return ops
+# The kernel (an OSError or subprocess.SubprocessError where it cannot be built), and its operators' C++ kernels
+# (None where they cannot be: the Python ones below run then).
+library, _operators = _KERNEL.library, _KERNEL.operators
 
 
 def gelu_in_python(x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 
 from model.linear import Linear, gemm_setting, own_gemm_outruns_blas
 
-from .c_kernels import PRELUDE, build, give, operators, worth_it
+from .c_kernels import PRELUDE, PairedKernel, give, worth_it
 
 # Fewest multiply-adds of a layer's product (rows x in x out) for which the layer takes the kernel: with the operators
 # in C++, then where each call goes through Python (a torch before 2.10: not measured, so never). Measured on a
@@ -196,31 +196,12 @@ STABLE_TORCH_LIBRARY_IMPL(tinychar, CPU, m) {
 }
 """
 
-_LIBRARY: list[ctypes.CDLL] = []
+_KERNEL = PairedKernel("linear", SOURCE, OPERATORS, {"linear_forward": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
+                                                   "linear_backward": [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3})
 
-
-def library(folder: Path | None = None) -> ctypes.CDLL:
-    """The kernel (c_kernels.build: an OSError or subprocess.SubprocessError where it cannot be built), given to the
-    operators' C++ kernels where they load."""
-    if not _LIBRARY:
-        lib = build("linear", SOURCE, [], folder)
-        pointer, size = ctypes.c_void_p, ctypes.c_long
-        lib.linear_forward.argtypes = [pointer, pointer, pointer, size, size, size]
-        lib.linear_backward.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size]
-        _LIBRARY.append(lib)
-        _operators(folder)
-    return _LIBRARY[0]
-
-
-def _operators(folder: Path | None = None) -> ctypes.CDLL | None:
-    """The operators' C++ kernels, loaded (c_kernels.operators) and given the kernel once it is built, or None: the
-    Python ones below run then."""
-    ops = operators("linear-operators", OPERATORS, folder)
-    if ops is not None and _LIBRARY:
-        pointer = ctypes.c_void_p
-        ops.tinychar_linear_set(ctypes.cast(_LIBRARY[0].linear_forward, pointer),
-                                ctypes.cast(_LIBRARY[0].linear_backward, pointer))
-    return ops
+# The kernel (an OSError or subprocess.SubprocessError where it cannot be built), and its operators' C++ kernels
+# (None where they cannot be: the Python ones below run then).
+library, _operators = _KERNEL.library, _KERNEL.operators
 
 
 def _ran(status: int) -> None:
