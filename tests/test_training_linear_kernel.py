@@ -92,6 +92,9 @@ def test_the_layers_that_take_the_kernel(monkeypatch):
     assert linear_kernel.attach(m, rows=12 * 64) and taken(m) == [*block, "lm_head"]
     m = model(width=32)
     assert not linear_kernel.attach(m, rows=32 * 8) and not taken(m)
+    m = model(width=512)  # c_fc's and the MLP's c_proj's weights have 2^20 values: over this limit, they keep MKL
+    monkeypatch.setattr(linear_kernel, "MAX_WEIGHTS", 2**20 - 1)
+    assert linear_kernel.attach(m, rows=12 * 64) and taken(m) == block[:2]
     m = model()
     x = torch.randn(2, 64, 128)
     linear_kernel.attach(m)

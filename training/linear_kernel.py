@@ -38,6 +38,11 @@ from .c_kernels import PRELUDE, PairedKernel, give, worth_it
 # CPU config (12.6-50.3 million a product) 41.0 -> 35.0 ms a step, tiny.yaml (4.2-16.8 million; three layers of four
 # take it) 16.6 -> 16.05 ms, bench.py's block-8 step (0.3-1.0 million; every layer) 2.69 -> 3.25 ms.
 MIN_MACS = (2**23, math.inf)
+# Most values a layer's weight may have to take the kernel: each thread copies all of it for the forward product.
+# Measured alone (forward and both gradients, 2 threads, Zen 2): 768 rows of 256 -> 768 and 1,024 -> 256, 1.27-1.37x
+# MKL's speed; the baby GPT's shapes (4,096 rows of 384 -> 1,152 and 1,536, 1,536 -> 384), 1.27-1.29x. Larger weights
+# are not measured, and keep MKL.
+MAX_WEIGHTS = 2**20
 
 SOURCE = PRELUDE + r"""
 #include <omp.h>
@@ -272,13 +277,15 @@ def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None
     """Give each of model's linear layers that the kernel applies to the kernel (built into folder, by default the
     compile cache, if it is not there), for its compiled training forward; False where none could take it, it cannot
     be built, or TINYCHAR_GEMM keeps PyTorch's products (model.linear.gemm_setting). It applies to layers whose sizes
-    are multiples of 16, multiplying by PyTorch's BLAS (not oneDNN, where that was chosen: model/linear.py), and
-    whose products on rows (a micro-batch's: batch size times block; None: any) are worth its calls (MIN_MACS)."""
+    are multiples of 16, whose weights have at most MAX_WEIGHTS values, multiplying by PyTorch's BLAS (not oneDNN,
+    where that was chosen: model/linear.py), and whose products on rows (a micro-batch's: batch size times block; None:
+    any) are worth its calls (MIN_MACS)."""
     setting = gemm_setting()
     if setting == "0" or setting == "auto" and not own_gemm_outruns_blas():
         return False
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.in_features % 16 == 0
-              and m.out_features % 16 == 0 and (setting == "1" or m.onednn_min_rows is None)
+              and m.out_features % 16 == 0 and m.in_features * m.out_features <= MAX_WEIGHTS
+              and (setting == "1" or m.onednn_min_rows is None)
               and (rows is None or worth_it(rows * m.in_features * m.out_features, MIN_MACS,
                                             lambda: _operators(folder)))]
     return give(layers, lambda: library(folder), multiply, SOURCE)
