@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_cpu_compile
+from conftest import needs_cpu_compile, tiny_overrides
+from test_train import bitwise_equal, logged_losses
+from training_runs import call, train_main, write_corpus
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, load_checkpoint
 from model import linear as linear_module
 from model.linear import Linear, gemm_setting, own_gemm_outruns_blas
 from training import linear_kernel
@@ -117,3 +119,35 @@ def test_a_bad_gemm_setting_is_one_line_for_a_person(monkeypatch):
         gemm_setting()
     with pytest.raises(DeviceError, match="TINYCHAR_GEMM must be one of"):
         resolve_device("cpu")
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+def test_a_compiled_run_with_the_kernel_resumes_exactly(tmp_path: Path, capsys, monkeypatch):
+    """train.py compiled with the kernel on every linear layer (tiny.yaml's optimizers, biases and two micro-batches a
+    step): stopped at step 10 and resumed, it ends bit for bit where the straight run did, weights and optimizer
+    state; and the kernel was traced into the step."""
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    monkeypatch.setattr(linear_kernel, "MIN_MACS", (0, 0))  # this model's products are far under the threshold
+    traced = []
+    multiply = linear_kernel.multiply
+    monkeypatch.setattr(linear_kernel, "multiply", lambda x, w: traced.append(w.shape) or multiply(x, w))
+    corpus = write_corpus(tmp_path)
+    keys = {"model.n_layer": 1, "train.lr_decay_iters": 20, "train.log_interval": 1, "train.grad_accum_steps": 2,
+            "train.sample_chars": 0, "train.tensorboard": "false", "train.compile": "true"}
+
+    def run(out: str, *extra: str, **more: object) -> dict[int, str]:
+        code, stdout, err = call(train_main, [*tiny_overrides(corpus, tmp_path / out, **{**keys, **more}), *extra],
+                                 capsys)
+        assert code == 0, err
+        return logged_losses(stdout)
+
+    straight = run("straight")
+    assert {torch.Size([48, 16]), torch.Size([64, 16]), torch.Size([16, 64])} <= set(traced)
+    run("resumed", **{"train.max_iters": 10})
+    resumed = run("resumed", "--resume")
+    assert {s: resumed[s] for s in range(11, 21)} == {s: straight[s] for s in range(11, 21)}
+    final, expected = (load_checkpoint(tmp_path / name / "ckpt.pt") for name in ("resumed", "straight"))
+    assert bitwise_equal(final["model"], expected["model"])
+    assert all(bitwise_equal(final["optimizer"]["state"][i], state)
+               for i, state in expected["optimizer"]["state"].items())
