@@ -231,14 +231,16 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
         assert exited.value.code == 2 and err.count("\n") == 1 and says in err and "99999" not in err
 
 
-def test_a_bad_onednn_setting_is_one_line_before_anything_runs(tmp_path: Path, capsys, monkeypatch):
-    # read first by the matmul ceilings, once the run had begun: a ValueError traceback
+@pytest.mark.parametrize("variable", ["TINYCHAR_ONEDNN", "TINYCHAR_GEMM"])
+def test_a_bad_multiply_setting_is_one_line_before_anything_runs(tmp_path: Path, capsys, monkeypatch, variable):
+    # read first by the matmul ceilings (TINYCHAR_ONEDNN) or the compiled step (TINYCHAR_GEMM), once the run had
+    # begun: a ValueError traceback
     nanogpt_checkout(tmp_path)
-    monkeypatch.setenv("TINYCHAR_ONEDNN", "garbage")
-    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured with a bad TINYCHAR_ONEDNN"))
+    monkeypatch.setenv(variable, "garbage")
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail(f"measured with a bad {variable}"))
     assert bench.main(["--nanogpt", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: TINYCHAR_ONEDNN must be one of auto, 0, 1")
+    assert err.count("\n") == 1 and err.startswith(f"error: {variable} must be one of auto, 0, 1")
 
 
 def test_a_json_file_that_cannot_be_written_is_one_line_beside_the_table(tmp_path: Path, capsys, monkeypatch):
