@@ -261,6 +261,11 @@ class Linear(nn.Linear):
     # and a digest of its code, where it applies (a CPU, float32); None where the products above run.
     kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     kernel_source = ""
+    # Compiled code's product without gradients (the compiled sampler's) from the weight packed ahead, x (M, in) and
+    # packed -> x @ weight^T (training/linear_kernel.py's linear_packed, which packs the weight into the buffer
+    # ``packed`` when it attaches), and a digest of its code; None where the products above run.
+    packed_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    packed_kernel_source = ""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -268,13 +273,28 @@ class Linear(nn.Linear):
         # The fewest rows a product needs to go to oneDNN (None: never): fixed when the layer is built, so that
         # torch.compile sees a constant.
         self.onednn_min_rows = None if min_macs is None else -(-min_macs // (in_features * out_features))
+        self.register_buffer("packed", None, persistent=False)  # not in checkpoints: made from the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_kernel(x):
-            y = self.kernel(x.reshape(-1, self.in_features), self.weight)
-            y = y if self.bias is None else y + self.bias
-            return y.view(*x.shape[:-1], self.out_features)
+            return self._through(self.kernel, x, self.weight, self.bias)
+        if self.takes_packed(x):
+            return self._through(self.packed_kernel, x, self.packed, self.bias)
         return self._product(x, self.weight, self.bias, self.onednn_min_rows)
+
+    @staticmethod
+    def _through(kernel: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """kernel's product of x's rows (..., in) and weight (as that kernel takes it), plus bias: (..., out)."""
+        y = kernel(x.reshape(-1, x.size(-1)), weight)
+        y = y if bias is None else y + bias
+        return y.view(*x.shape[:-1], y.size(-1))
+
+    def takes_packed(self, x: torch.Tensor) -> bool:
+        """Whether this pass runs the product from the packed weight (see packed_kernel): only in traced code without
+        gradients, in float32 on the CPU."""
+        return (self.packed_kernel is not None and torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and x.dtype == torch.float32 and self.packed.dtype == torch.float32 and x.device.type == "cpu"
+                and self.packed.device.type == "cpu")
 
     def takes_kernel(self, x: torch.Tensor) -> bool:
         """Whether this pass runs the compiled training step's product (see kernel): only where the step is traced,
@@ -287,6 +307,8 @@ class Linear(nn.Linear):
         a caller that needs only some of them at some positions (sampling's last layer: keys and values everywhere,
         the query at one position)."""
         bias = None if self.bias is None else self.bias[start:stop]
+        if start % 16 == 0 and stop % 16 == 0 and self.takes_packed(x):  # whole panels of the packed weight
+            return self._through(self.packed_kernel, x, self.packed[start // 16 : stop // 16], bias)
         min_rows = self.onednn_min_rows
         if min_rows is not None:  # the same multiply-adds as the whole layer's threshold
             min_rows = -(-min_rows * self.out_features // (stop - start))

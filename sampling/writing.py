@@ -142,6 +142,10 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     begun = time.perf_counter()
     if compiled:  # before torch.compile is first called: it makes the cache folder torch is told of, or fails there
         compile_cache.prepare_compile()
+        if device.type == "cpu":  # the linear layers' products from weights packed once, where the kernel applies
+            from training import linear_kernel
+
+            linear_kernel.attach_packed(model)
     # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import here)
     options = compile_cache.compile_options(device) if compiled else None
     source: list[str] = []  # where the step saved whole came from, if it was (step_file.step_function)

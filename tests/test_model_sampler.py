@@ -10,13 +10,14 @@ import gc
 import pytest
 import torch
 from conftest import needs_cpu_compile
+from test_training_kernels import operators_run
 
 from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
 from model.gpt import sample_next
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from sampling.writing import saved_step
-from training import step_file
+from training import linear_kernel, step_file
 from training.compile_cache import COMPILE_OPTIONS
 from training.compile_errors import one_line
 from training.engine import SAMPLE_CHUNK
@@ -316,16 +317,22 @@ def test_a_row_whose_unlikely_characters_alone_fall_to_minus_infinity_is_still_d
 
 @needs_cpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize("span", [1, 2])
+@pytest.mark.parametrize(("span", "gemm"), [(1, "0"), (2, "1")])
 def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_saved_step(one_layer, tmp_path,
-                                                                                          monkeypatch, span):
+                                                                                          monkeypatch, span, gemm):
     # Compiled code fuses and reorders float32 sums, so its logits may differ from eager ones in the last bits; a
     # character could differ only where two candidates tie to ~1e-7. Measured on 2,000 characters of a block-8
     # model and 400 of a block-64 one: identical. Here: 300 characters (9 calls of the loop over 32 and one of 12),
     # a batch of 2, prompt past the window. Compiled as sample.py compiles on a CPU: the step saved whole
-    # (training.step_file), then loaded as a later run loads it.
+    # (training.step_file), then loaded as a later run loads it; with a span of 2, with the linear layers' products
+    # from their weights packed (training.linear_kernel.attach_packed, TINYCHAR_GEMM=1: sample.py's on AMD without
+    # AVX-512), on a copy of the model.
     monkeypatch.setattr(step_file, "step_path", lambda name: tmp_path / f"tinychar-step-{name}.pt2")
     monkeypatch.setattr(step_file, "_STEPS", {})
+    monkeypatch.setenv("TINYCHAR_GEMM", gemm)
+    if gemm == "1":
+        one_layer = copy.deepcopy(one_layer)
+        assert linear_kernel.attach_packed(one_layer)
     source: list[str] = []
     ahead = saved_step(torch.device("cpu"), source) if step_file.AHEAD else None
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -348,10 +355,12 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
         loaded.warm_up(2, torch.device("cpu"))
         assert source == ["compiled", "loaded"]
         assert torch.equal(windowed(loaded, prompt, 300, seed=3)[0], plain(one_layer, prompt, 300, 0.9, 6, None, 3)[0])
-    got, state = windowed(sampler, prompt, 300, seed=3)
+    with torch.profiler.profile() as profile:
+        got, state = windowed(sampler, prompt, 300, seed=3)
     expected, expected_state = plain(one_layer, prompt, 300, 0.9, 6, None, seed=3)
     assert torch.equal(got, expected)
     assert torch.equal(state, expected_state)
+    assert ("linear_packed" in operators_run(profile)) == (gemm == "1")
     # a short prompt: the window fills inside the compiled loop
     got, _ = windowed(sampler, prompt[:, :2], 50, seed=4)
     assert torch.equal(got, plain(one_layer, prompt[:, :2], 50, 0.9, 6, None, seed=4)[0])

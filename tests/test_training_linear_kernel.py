@@ -3,6 +3,7 @@ where it applies (sizes multiples of 16, float32 on a CPU) and was measured fast
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,35 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_two(tmp_path: Path)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+@needs_cpu_compile
+@pytest.mark.parametrize(("rows", "fan_in", "fan_out"),
+                         [(1, 128, 384), (5, 32, 48), (11, 100, 64), (13, 512, 128), (128, 128, 512), (0, 16, 16)])
+def test_the_product_from_a_packed_weight_is_torchs_on_any_number_of_threads(tmp_path: Path, rows, fan_in, fan_out):
+    """x W^T from W packed ahead (the compiled sampler's), against a float64 product: rows split between the threads
+    (128), panels split (5, 11: fewer than two tiles of six rows a thread), one thread (1 x 128 x 384, under 2^16
+    multiply-adds), a width that is no multiple of 16, no rows at all. The same bits on one thread and two, through
+    the C++ operator and the Python one, and for a slice of the packed panels (Linear.part)."""
+    torch.manual_seed(2)
+    linear_kernel.library(tmp_path)
+    x, w = torch.randn(rows, fan_in), torch.randn(fan_out, fan_in)
+    packed = linear_kernel.pack(w)
+    assert packed.shape == (fan_out // 16, fan_in, 16) and torch.equal(packed[-1, :, 3], w[-13])
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(linear_kernel.linear_packed(x, packed))
+    finally:
+        torch.set_num_threads(threads)
+    want = x.double() @ w.double().T
+    scale = want.abs().max().item() if rows else 0.0
+    torch.testing.assert_close(results[0].double(), want, rtol=0, atol=2e-6 * scale + 1e-6)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(linear_kernel.linear_packed_in_python(x, packed), results[0])
+    assert torch.equal(linear_kernel.linear_packed(x, packed[-1:]), results[0][:, -16:])
+
+
 def test_auto_takes_the_kernel_on_amd_processors_without_avx512(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert own_gemm_outruns_blas(AMD)
@@ -109,6 +139,29 @@ def test_the_layers_that_take_the_kernel(monkeypatch):
     monkeypatch.setattr(linear_module, "read_cpuinfo", lambda: INTEL)
     m = model()
     assert not linear_kernel.attach(m, rows=12 * 64) and not taken(m)
+
+
+@needs_cpu_compile
+def test_the_layers_that_take_the_packed_weights_and_only_compiled_code_without_gradients_reads_them(monkeypatch):
+    """attach_packed (the compiled sampler's): every layer the kernel applies to, whatever its rows (a window's are
+    few), gets its weight packed, as a buffer that no checkpoint holds; not the head over 65 characters. Eager passes,
+    and any with gradients, keep PyTorch's products."""
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    m = model(width=32).eval()
+    assert linear_kernel.attach_packed(m)
+    packed = [name for name, layer in m.named_modules() if isinstance(layer, Linear) and layer.packed is not None]
+    assert packed == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                      "transformer.h.0.mlp.c_proj"]
+    layer = m.transformer.h[0].mlp.c_fc
+    assert torch.equal(layer.packed, linear_kernel.pack(layer.weight)) and layer.packed_kernel_source
+    assert not any("packed" in key for key in m.state_dict())
+    assert torch.equal(copy.deepcopy(m).transformer.h[0].mlp.c_fc.packed, layer.packed)  # copied with its model
+    x = torch.randn(2, 64, 32)
+    with torch.no_grad():
+        assert not layer.takes_packed(x) and torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    monkeypatch.setenv("TINYCHAR_GEMM", "0")
+    m = model(width=32).eval()
+    assert not linear_kernel.attach_packed(m) and m.transformer.h[0].mlp.c_fc.packed is None
 
 
 def test_a_bad_gemm_setting_is_one_line_for_a_person(monkeypatch):

@@ -188,10 +188,11 @@ def worth_it(work: int, least: tuple[int, int], loaded: Callable[[], object]) ->
     return work >= least[1] or work >= least[0] and loaded() is not None
 
 
-def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, source: str) -> bool:
-    """Build a kernel (make), then give it to each of layers, with a digest of its source (a setting of the layer, so
-    that a compiled step is keyed apart from one compiled without it); False, and nothing given, where there are no
-    layers or it cannot be built."""
+def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, source: str, name: str = "kernel"
+         ) -> bool:
+    """Build a kernel (make), then give it to each of layers as its attribute name, with a digest of its source as
+    name_source (a setting of the layer, so that a compiled step is keyed apart from one compiled without it); False,
+    and nothing given, where there are no layers or it cannot be built."""
     if not layers:
         return False
     try:
@@ -200,5 +201,6 @@ def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, 
         return False
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     for layer in layers:
-        layer.kernel, layer.kernel_source = kernel, digest
+        setattr(layer, name, kernel)
+        setattr(layer, f"{name}_source", digest)
     return True

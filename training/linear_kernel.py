@@ -1,5 +1,5 @@
-"""The linear layers' matrix products as a kernel of tinychar's own, for the compiled training step on AMD CPUs
-without AVX-512.
+"""The linear layers' matrix products as a kernel of tinychar's own, for the compiled training step and the compiled
+sampler on AMD CPUs without AVX-512.
 
 PyTorch multiplies float32 matrices on a CPU through MKL, whose AVX2 code on AMD processors spends a good part of each
 product copying its operands into blocks (packing). On the products of nanoGPT's CPU config (768 rows, 128 wide) on a
@@ -13,10 +13,14 @@ a step against MKL's 25.8; in the step 35.0 ms against 41.0 (docs/engine-record.
 output is summed in one order whatever the number of threads, so a resumed run equals a straight one. The same
 arithmetic as PyTorch's (float32 products and sums, fused multiply-adds), in another order of additions.
 
-Called by the compiled step only (CompiledStep attaches it) for layers whose sizes are multiples of 16, on AMD CPUs
-where PyTorch runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are not
-matched here): eager training, evaluation and sampling keep PyTorch's products. TINYCHAR_GEMM=0 keeps MKL, 1 takes the
-kernel wherever it applies. How it is built, loaded and called: training/c_kernels.py.
+The compiled sampler's weights do not change while it runs, so there each weight is packed into panels once
+(attach_packed) and every product reads them as they lie, copying nothing: on the 64 and 128 rows of a block-64
+window, 1.4-2x MKL's speed, alone, and a block-64 character 1.2 ms -> 0.93 (sampling/writing.py attaches it).
+
+Called by compiled code only (CompiledStep attaches it, and sample.py) for layers whose sizes are multiples of 16, on
+AMD CPUs where PyTorch runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are
+not matched here): eager training, evaluation and sampling keep PyTorch's products. TINYCHAR_GEMM=0 keeps MKL, 1
+takes the kernel wherever it applies. How it is built, loaded and called: training/c_kernels.py.
 """
 
 from __future__ import annotations
@@ -161,6 +165,26 @@ int linear_backward(const float* x, const float* w, const float* dy, float* dx, 
     for (long i = 0; i < N * K; i++) dw[i] += second[i];
     return 0;
 }
+
+/* y (M x N) = x (M x K) w^T with w packed ahead (pack): panel q holds w's rows 16q..16q+15 as K rows of sixteen,
+   p[(q K + k) 16 + j] = w[16q + j][k]. Nothing is copied: the threads take y's rows in equal shares where there are
+   two tiles or more for each, else its panels; a product under PACKED_SHARED multiply-adds runs on the calling
+   thread alone. */
+#define PACKED_SHARED (1L << 16)
+int linear_packed(const float* x, const float* p, float* y, long M, long N, long K) {
+    long tiles = (M + 5) / 6, panels = N / 16;
+#pragma omp parallel if (M * N * K >= PACKED_SHARED)
+    {
+        long n = omp_get_num_threads(), id = omp_get_thread_num(), t0 = 0, t1 = tiles, q0 = 0, q1 = panels;
+        if (tiles >= 2 * n) { t0 = tiles * id / n; t1 = tiles * (id + 1) / n; }
+        else { q0 = panels * id / n; q1 = panels * (id + 1) / n; }
+        for (long t = t0; t < t1; t++) {
+            long i = t * 6, R = M - i < 6 ? M - i : 6;
+            for (long q = q0; q < q1; q++) tile(R, K, x + i * K, K, 1, p + q * K * 16, y + i * N + q * 16, N, 0);
+        }
+    }
+    return 0;
+}
 """
 
 # The two operators' kernels for CPU tensors in C++ (c_kernels.operators), loaded once the kernel is (library), whose
@@ -168,10 +192,12 @@ int linear_backward(const float* x, const float* w, const float* dy, float* dx, 
 OPERATORS = r"""
 typedef int (*forward_fn)(const float*, const float*, float*, long, long, long);
 typedef int (*backward_fn)(const float*, const float*, const float*, float*, float*, long, long, long);
-static forward_fn forward = nullptr;
+static forward_fn forward = nullptr, packed_forward = nullptr;
 static backward_fn backward = nullptr;
 
-extern "C" void tinychar_linear_set(void* f, void* b) { forward = (forward_fn)f; backward = (backward_fn)b; }
+extern "C" void tinychar_linear_set(void* f, void* b, void* p) {
+    forward = (forward_fn)f; backward = (backward_fn)b; packed_forward = (forward_fn)p;
+}
 
 Tensor linear(Tensor x, Tensor weight) {
     Tensor a = torch::stable::contiguous(x), w = torch::stable::contiguous(weight);
@@ -195,14 +221,26 @@ std::tuple<Tensor, Tensor> linear_backward(Tensor x, Tensor weight, Tensor dy) {
     return std::make_tuple(dx, dw);
 }
 
+Tensor linear_packed(Tensor x, Tensor packed) {
+    Tensor a = torch::stable::contiguous(x), p = torch::stable::contiguous(packed);
+    long M = a.size(0), K = a.size(1), N = p.size(0) * 16;
+    STD_TORCH_CHECK(p.size(1) == K, "tinychar: a packed weight of another width");
+    Tensor y = torch::stable::new_empty(a, {M, N});
+    STD_TORCH_CHECK(packed_forward != nullptr, "tinychar: the linear kernel is not loaded");
+    packed_forward((const float*)a.data_ptr(), (const float*)p.data_ptr(), (float*)y.data_ptr(), M, N, K);
+    return y;
+}
+
 STABLE_TORCH_LIBRARY_IMPL(tinychar, CPU, m) {
     m.impl("linear", TORCH_BOX(&linear));
     m.impl("linear_backward", TORCH_BOX(&linear_backward));
+    m.impl("linear_packed", TORCH_BOX(&linear_packed));
 }
 """
 
 _KERNEL = PairedKernel("linear", SOURCE, OPERATORS, {"linear_forward": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3,
-                                                   "linear_backward": [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3})
+                                                   "linear_backward": [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3,
+                                                   "linear_packed": [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3})
 
 # The kernel (an OSError or subprocess.SubprocessError where it cannot be built), and its operators' C++ kernels
 # (None where they cannot be: the Python ones below run then).
@@ -272,20 +310,63 @@ def multiply(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _Linear.apply(x.contiguous(), weight)
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out, in), out a multiple of 16, as linear_packed reads it: (out / 16, in, 16), panel q holding rows
+    16q..16q+15 as columns."""
+    out_features, in_features = weight.shape
+    return weight.detach().reshape(out_features // 16, 16, in_features).transpose(1, 2).contiguous()
 
-def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
-    """Give each of model's linear layers that the kernel applies to the kernel (built into folder, by default the
-    compile cache, if it is not there), for its compiled training forward; False where none could take it, it cannot
-    be built, or TINYCHAR_GEMM keeps PyTorch's products (model.linear.gemm_setting). It applies to layers whose sizes
-    are multiples of 16, whose weights have at most MAX_WEIGHTS values, multiplying by PyTorch's BLAS (not oneDNN,
-    where that was chosen: model/linear.py), and whose products on rows (a micro-batch's: batch size times block; None:
-    any) are worth its calls (MIN_MACS)."""
+
+def linear_packed_in_python(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x (M, in) @ weight^T, the weight packed (pack): the operator's kernel where its C++ one is not loaded."""
+    x, packed = x.contiguous(), packed.contiguous()
+    y = x.new_empty(x.size(0), packed.size(0) * 16)
+    _ran(library().linear_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.size(0), y.size(1), x.size(1)))
+    return y
+
+
+linear_packed = torch.library.custom_op("tinychar::linear_packed", linear_packed_in_python, mutates_args=())
+
+
+@linear_packed.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.size(0), packed.size(0) * 16)
+
+
+def layers_taking(model: nn.Module) -> list[Linear]:
+    """model's linear layers that the kernel applies to, whatever their rows: none where TINYCHAR_GEMM keeps PyTorch's
+    products (model.linear.gemm_setting); else those whose sizes are multiples of 16, whose weights have at most
+    MAX_WEIGHTS values, multiplying by PyTorch's BLAS (not oneDNN, where that was chosen: model/linear.py)."""
     setting = gemm_setting()
     if setting == "0" or setting == "auto" and not own_gemm_outruns_blas():
-        return False
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.in_features % 16 == 0
-              and m.out_features % 16 == 0 and m.in_features * m.out_features <= MAX_WEIGHTS
-              and (setting == "1" or m.onednn_min_rows is None)
-              and (rows is None or worth_it(rows * m.in_features * m.out_features, MIN_MACS,
-                                            lambda: _operators(folder)))]
+        return []
+    return [m for m in model.modules() if isinstance(m, Linear) and m.in_features % 16 == 0
+            and m.out_features % 16 == 0 and m.in_features * m.out_features <= MAX_WEIGHTS
+            and (setting == "1" or m.onednn_min_rows is None)]
+
+
+def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
+    """Give each of model's linear layers that the kernel applies to (layers_taking) the kernel (built into folder,
+    by default the compile cache, if it is not there), for its compiled training forward, where its products on rows
+    (a micro-batch's: batch size times block; None: any) are worth its calls (MIN_MACS); False where none could take
+    it or it cannot be built."""
+    layers = [m for m in layers_taking(model)
+              if rows is None or worth_it(rows * m.in_features * m.out_features, MIN_MACS, lambda: _operators(folder))]
     return give(layers, lambda: library(folder), multiply, SOURCE)
+
+
+def attach_packed(model: nn.Module, folder: Path | None = None) -> bool:
+    """Give each of model's linear layers that the kernel applies to (layers_taking) its weight packed now
+    (``Linear.packed``) and the product from it (``Linear.packed_kernel``), for compiled code without gradients: the
+    compiled sampler (sampling/writing.py). A weight changed afterwards is not seen: attach again. False where none
+    could take it, or the kernel or its operators in C++ cannot be built (through Python each call would cost more
+    than most of these products)."""
+    layers = layers_taking(model)
+    if not layers or _operators(folder) is None:
+        return False
+    # the operator's overload, not the custom_op object, which copy.deepcopy cannot copy (a layer copied with its model)
+    if not give(layers, lambda: library(folder), torch.ops.tinychar.linear_packed.default, SOURCE, "packed_kernel"):
+        return False
+    for m in layers:
+        m.packed = pack(m.weight)
+    return True
