@@ -355,6 +355,19 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
         loaded.warm_up(2, torch.device("cpu"))
         assert source == ["compiled", "loaded"]
         assert torch.equal(windowed(loaded, prompt, 300, seed=3)[0], plain(one_layer, prompt, 300, 0.9, 6, None, 3)[0])
+        if gemm == "1":  # a model of the same shape, other weights packed: the saved step reads them, none of its own
+            other = copy.deepcopy(one_layer)
+            with torch.no_grad():
+                other.transformer.h[0].mlp.c_fc.weight.mul_(3)
+            assert linear_kernel.attach_packed(other)
+            monkeypatch.setattr(step_file, "_STEPS", {})
+            theirs = WindowSampler(other, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
+                                   ahead=ahead, span=span)
+            theirs.warm_up(2, torch.device("cpu"))
+            assert source == ["compiled", "loaded", "loaded"]
+            got, expected = windowed(theirs, prompt, 300, seed=3)[0], plain(other, prompt, 300, 0.9, 6, None, 3)[0]
+            assert torch.equal(got, expected)
+            assert not torch.equal(expected, plain(one_layer, prompt, 300, 0.9, 6, None, 3)[0])
     with torch.profiler.profile() as profile:
         got, state = windowed(sampler, prompt, 300, seed=3)
     expected, expected_state = plain(one_layer, prompt, 300, 0.9, 6, None, seed=3)
