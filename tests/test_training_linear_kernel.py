@@ -164,6 +164,21 @@ def test_the_layers_that_take_the_packed_weights_and_only_compiled_code_without_
     assert not linear_kernel.attach_packed(m) and m.transformer.h[0].mlp.c_fc.packed is None
 
 
+@needs_cpu_compile
+def test_packed_copies_that_would_crowd_the_memory_left_are_not_made(monkeypatch):
+    """A model that barely fits samples through PyTorch's products: attach_packed packs nothing where the copies would
+    take more than half of what the process may still allocate, and packs where they take half exactly."""
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    m = model(width=32).eval()
+    copies = sum(layer.weight.numel() * 4 for layer in linear_kernel.layers_taking(m))
+    assert copies == (96 + 32 + 128 + 32 * 4) * 32 * 4
+    monkeypatch.setattr(linear_kernel, "allocatable_bytes", lambda device: 2 * copies - 1)
+    assert not linear_kernel.attach_packed(m)
+    assert all(layer.packed is None for layer in m.modules() if isinstance(layer, Linear))
+    monkeypatch.setattr(linear_kernel, "allocatable_bytes", lambda device: 2 * copies)
+    assert linear_kernel.attach_packed(m) and m.transformer.h[0].mlp.c_fc.packed is not None
+
+
 def test_a_bad_gemm_setting_is_one_line_for_a_person(monkeypatch):
     monkeypatch.setenv("TINYCHAR_GEMM", " AUTO ")
     assert gemm_setting() == "auto"

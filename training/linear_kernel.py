@@ -35,6 +35,7 @@ from torch import nn
 from model.linear import Linear, gemm_setting, own_gemm_outruns_blas
 
 from .c_kernels import PRELUDE, PairedKernel, give, worth_it
+from .memory import allocatable_bytes
 
 # Fewest multiply-adds of a layer's product (rows x in x out) for which the layer takes the kernel: with the operators
 # in C++, then where each call goes through Python (a torch before 2.10: not measured, so never). Measured on a
@@ -355,14 +356,22 @@ def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None
     return give(layers, lambda: library(folder), multiply, SOURCE)
 
 
+def packed_copies_fit(layers: list[Linear]) -> bool:
+    """Whether the layers' packed weights (one more copy of each) take at most half of what this process may still
+    allocate on the CPU; True where that cannot be told."""
+    free = allocatable_bytes(torch.device("cpu"))
+    return free is None or 2 * sum(m.weight.numel() * m.weight.element_size() for m in layers) <= free
+
+
 def attach_packed(model: nn.Module, folder: Path | None = None) -> bool:
     """Give each of model's linear layers that the kernel applies to (layers_taking) its weight packed now
     (``Linear.packed``) and the product from it (``Linear.packed_kernel``), for compiled code without gradients: the
     compiled sampler (sampling/writing.py). A weight changed afterwards is not seen: attach again. False where none
     could take it, or the kernel or its operators in C++ cannot be built (through Python each call would cost more
-    than most of these products)."""
+    than most of these products), or where the packed copies would take more than half of the memory the process
+    may still allocate (allocatable_bytes: a model that barely fits samples through PyTorch's products instead)."""
     layers = layers_taking(model)
-    if not layers or _operators(folder) is None:
+    if not layers or not packed_copies_fit(layers) or _operators(folder) is None:
         return False
     # the operator's overload, not the custom_op object, which copy.deepcopy cannot copy (a layer copied with its model)
     if not give(layers, lambda: library(folder), torch.ops.tinychar.linear_packed.default, SOURCE, "packed_kernel"):
