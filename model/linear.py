@@ -103,6 +103,13 @@ def own_gemm_outruns_blas(cpuinfo: str | None = None) -> bool:
             and torch.backends.cpu.get_cpu_capability() == "AVX2")
 
 
+def own_gemm_wanted() -> bool:
+    """Whether TINYCHAR_GEMM asks for training/linear_kernel.py's products here: 1, or auto where they outrun the
+    BLAS (own_gemm_outruns_blas). Which layers take them is the kernel's rule (linear_kernel.layers_taking)."""
+    setting = gemm_setting()
+    return setting == "1" or setting == "auto" and own_gemm_outruns_blas()
+
+
 def onednn_min_macs() -> int | None:
     """The smallest float32 CPU product (multiply-adds) that a Linear sends to oneDNN here, or None for none.
 

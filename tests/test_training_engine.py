@@ -27,6 +27,7 @@ from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
 from training import c_kernels, compile_cache, compile_errors, engine, load_config
 from training.compiled_step import CompiledStep
+from training.config import TrainConfig
 from training.engine import (
     COLD_MIN_STEPS,
     CUDA_MIN_STEPS,
@@ -157,6 +158,23 @@ def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compi
     assert sampling_compiles("auto", 10**9, engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, cuda),
                              cuda) == (False, "")
     assert sampling_compiles("true", 1, key, cuda) == (True, "")
+
+
+def test_the_compiled_steps_are_timed_apart_with_and_without_the_own_gemm(monkeypatch):
+    """A step compiled with training/linear_kernel.py's products runs at another speed than one through the BLAS, so
+    --compile auto's timings of each (kept under these keys) are kept apart on a CPU; on CUDA the setting changes
+    nothing."""
+    tc, cfg, cuda = TrainConfig(), GPTConfig(vocab_size=5), torch.device("cuda")
+
+    def keys(setting: str, device: torch.device) -> tuple[str, str]:
+        monkeypatch.setenv("TINYCHAR_GEMM", setting)
+        return (engine.compile_key(cfg, tc, device, torch.float32),
+                engine.sampling_key(cfg, 1, 0.8, None, None, device))
+
+    own, blas = keys("1", CPU), keys("0", CPU)
+    assert own[0] != blas[0] and own[1] != blas[1]
+    assert keys("auto", CPU) == (own if linear.own_gemm_wanted() else blas)
+    assert keys("1", cuda) == keys("0", cuda)
 
 
 def test_sampling_compiles_once_the_time_it_saves_here_was_measured_wins_the_compile_back(a_compiler, monkeypatch,
@@ -546,8 +564,6 @@ def test_a_compile_is_timed_with_the_compilers_imports(monkeypatch, tmp_path):
     """What train.compile=auto weighs a later compile by includes importing the compiler (about 1.2 s on a Zen 5),
     which only a compile needs: timed from the step's warm-up alone, a load of the step saved whole looked 1.2 s
     cheaper than it was. Staged without compiling: the imports take 0.2 s here, the warm-up nothing."""
-    from training.config import TrainConfig
-
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
     model = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=8))
     tc = TrainConfig(batch_size=2)
@@ -580,8 +596,6 @@ def load_compiled_module(path: Path) -> None:
 
 def engine_trainer(tmp_path: Path, monkeypatch) -> tuple[SimpleNamespace, Path]:
     """A trainer of one small GPT for start_engine and warm_blocks, and its compile cache folder (in tmp_path)."""
-    from training.config import TrainConfig
-
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path / "cache"))
     folder = compile_cache.cache_folder()
     monkeypatch.setattr(engine, "prepare_compile", lambda: folder)

@@ -24,7 +24,7 @@ from torch import nn
 
 from data import get_batch
 from model import GPTConfig, span_for
-from model.linear import Linear, onednn_min_macs
+from model.linear import Linear, onednn_min_macs, own_gemm_wanted
 
 from . import step_file, warm
 from .compile_cache import (
@@ -99,6 +99,8 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "batch": [tc.grad_accum_steps, tc.batch_size], "clip": tc.grad_clip > 0,
              "adamw": [tc.weight_decay, tc.beta1, tc.beta2], "kernels": "deterministic",
              "options": wanted_options(device)}
+    if device.type == "cpu" and own_gemm_wanted():  # timed with training/linear_kernel.py's products (TINYCHAR_GEMM)
+        parts["gemm"] = "own"
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
         parts["newton_schulz"] = "gram"  # Muon's float32 iteration on the Gram matrices (optim.gram_newton_schulz)
@@ -114,6 +116,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
              "batch": batch, "sampling": [temperature, top_k, top_p],
              "chunk": [SAMPLE_CHUNK, span_for(batch, model_cfg)], "checks": "finite",
              "options": wanted_options(device)}
+    if device.type == "cpu" and own_gemm_wanted():  # a step with linear_kernel's packed products times apart
+        parts["gemm"] = "own"
     return cache_key("sample", parts)
 
 

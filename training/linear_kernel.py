@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.linear import Linear, gemm_setting, own_gemm_outruns_blas
+from model.linear import Linear, gemm_setting, own_gemm_wanted
 
 from .c_kernels import PRELUDE, PairedKernel, give, worth_it
 from .memory import allocatable_bytes
@@ -338,12 +338,12 @@ def layers_taking(model: nn.Module) -> list[Linear]:
     """model's linear layers that the kernel applies to, whatever their rows: none where TINYCHAR_GEMM keeps PyTorch's
     products (model.linear.gemm_setting); else those whose sizes are multiples of 16, whose weights have at most
     MAX_WEIGHTS values, multiplying by PyTorch's BLAS (not oneDNN, where that was chosen: model/linear.py)."""
-    setting = gemm_setting()
-    if setting == "0" or setting == "auto" and not own_gemm_outruns_blas():
+    if not own_gemm_wanted():
         return []
+    forced = gemm_setting() == "1"
     return [m for m in model.modules() if isinstance(m, Linear) and m.in_features % 16 == 0
             and m.out_features % 16 == 0 and m.in_features * m.out_features <= MAX_WEIGHTS
-            and (setting == "1" or m.onednn_min_rows is None)]
+            and (forced or m.onednn_min_rows is None)]
 
 
 def attach(model: nn.Module, folder: Path | None = None, rows: int | None = None) -> bool:
