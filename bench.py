@@ -184,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
               "--json FILE", file=sys.stderr)
         return 2
     problem = checkout_problem(Path(args.nanogpt)) if args.nanogpt else f"--nanogpt DIR is required; {CLONE_HINT}"
-    if not problem:  # TINYCHAR_ONEDNN and TINYCHAR_GEMM, read by the runs after the checkout is copied
+    if not problem:  # TINYCHAR_ONEDNN, _GEMM and _SPLIT_STEP, read by the runs after the checkout is copied
         load_torch()  # not for a refusal that can do without it
         from model.linear import gemm_setting, onednn_min_macs
+        from training.paired_step import split_setting
 
         try:
             onednn_min_macs()
             gemm_setting()
+            split_setting()
         except ValueError as e:
             problem = str(e)
     if problem:

@@ -73,8 +73,8 @@ if __name__ == "__main__":
 
 # The environment variables train.py reads (the data, the caches, the engine, the numerics), for --help.
 ENVIRONMENT = ("TINYCHAR_DATA_DIR", "TINYCHAR_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME",
-               "TINYCHAR_WARM_CACHE", "TINYCHAR_ONEDNN", "TINYCHAR_GEMM", "TINYCHAR_FLUSH_DENORMALS",
-               "TINYCHAR_KEEP_MEMORY")
+               "TINYCHAR_WARM_CACHE", "TINYCHAR_ONEDNN", "TINYCHAR_GEMM", "TINYCHAR_SPLIT_STEP",
+               "TINYCHAR_FLUSH_DENORMALS", "TINYCHAR_KEEP_MEMORY")
 
 
 def help_epilog() -> str:

@@ -11,6 +11,7 @@ MEANINGS = {
     "TINYCHAR_WARM_CACHE": "1 (default) or 0: warm the compile cache after a run that trained eagerly",
     "TINYCHAR_ONEDNN": "auto (default), 0 or 1: float32 CPU products through oneDNN where faster, never, always",
     "TINYCHAR_GEMM": "auto (default), 0 or 1: the compiled CPU step's linear layers by tinychar's kernel where faster",
+    "TINYCHAR_SPLIT_STEP": "auto (default), 0 or 1: a small model's compiled CPU step in two halves, one a core",
     "TINYCHAR_FLUSH_DENORMALS": "1 (default) or 0: treat denormal numbers as zero while training",
     "TINYCHAR_KEEP_MEMORY": "1 (default) or 0: keep the memory a training step frees for the next",
 }

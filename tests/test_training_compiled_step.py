@@ -65,7 +65,8 @@ def test_the_compiled_step_is_traced_and_run_under_deterministic_kernels(tmp_pat
         return compiled, "compiled"
 
     monkeypatch.setattr(step_file, "step_function", step_function)  # the step compiled ahead of time
-    monkeypatch.setattr(compiled_step, "_COMPILED_STEP", compiled)  # torch.compile's own, where that cannot be
+    # torch.compile's own, where that cannot be
+    monkeypatch.setattr(compiled_step, "_COMPILED", {compiled_step._whole_step: compiled})
     for ahead in (True, False):
         monkeypatch.setattr(step_file, "AHEAD", ahead)
         seen.clear()
@@ -210,7 +211,7 @@ def test_the_warm_up_keeps_the_random_streams_of_the_steps_device(tmp_path, monk
         return torch.zeros(()), torch.zeros(())
 
     monkeypatch.setattr(step_file, "AHEAD", False)
-    monkeypatch.setattr(compiled_step, "_COMPILED_STEP", compiled)
+    monkeypatch.setattr(compiled_step, "_COMPILED", {compiled_step._whole_step: compiled})
     monkeypatch.setattr(compiled_step, "random_kept", recording)
     _, _, step, xs = step_of_the_runs(tmp_path)
     before = torch.get_rng_state()

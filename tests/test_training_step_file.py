@@ -19,7 +19,7 @@ from conftest import needs_cpu_compile
 from test_training_compiled_step import DropoutBigram
 
 from model.sampler import run_steps
-from training import TrainConfig, step_file
+from training import TrainConfig, compiled_step, step_file
 from training.compiled_step import CompiledStep, _whole_step, deterministic_kernels, lr_argument
 from training.optim import make_optimizer
 
@@ -108,7 +108,7 @@ def test_the_step_saved_whole_replaces_a_damaged_file_and_loaded_computes_what_t
     second.warm_up(xs, ys)
     assert second.source == "loaded"
     # called without dynamo's check of its guards, which binds the arguments and checks none (all were left out)
-    function, checked = second._last[1], []
+    function, checked = second._last[1][compiled_step._whole_step], []
     monkeypatch.setattr(type(function), "guard_check", lambda self, *a, **k: checked.append(a) or True)
     loaded = trained(second)
     assert not checked or not hasattr(function, "disable_guard_check")
@@ -265,7 +265,7 @@ def test_a_failure_to_compile_ahead_of_time_falls_back_to_torch_compiles_own_ste
 
     monkeypatch.setattr(step_file, "AHEAD", True)
     monkeypatch.setattr(step_file, "step_function", failing)
-    monkeypatch.setattr("training.compiled_step._COMPILED_STEP", guarded)
+    monkeypatch.setattr(compiled_step, "_COMPILED", {compiled_step._whole_step: guarded})
     step = step_for()
     step.warm_up(*batches()[0])
     assert step.source == "compiled with guards" and calls == [13]
@@ -300,8 +300,8 @@ def test_a_model_defined_outside_tinychar_names_its_file_and_one_with_hooks_is_n
     assert name_of(step, xs, ys) != before
 
     calls = []
-    monkeypatch.setattr("training.compiled_step._COMPILED_STEP", lambda *args: calls.append(args) or (
-        torch.zeros(()), torch.zeros(())))
+    monkeypatch.setattr(compiled_step, "_COMPILED", {compiled_step._whole_step: lambda *args: calls.append(args) or (
+        torch.zeros(()), torch.zeros(()))})
     monkeypatch.setattr(step_file, "compile_ahead", lambda *args: pytest.fail("a model with hooks was compiled "
                                                                              "to be saved"))
     hooked = step_for()

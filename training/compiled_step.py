@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import attention_kernel, gelu_kernel, linear_kernel, step_file
+from . import attention_kernel, gelu_kernel, linear_kernel, paired_step, step_file
 from .compile_cache import compile_options
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
@@ -44,6 +44,7 @@ class Setup(NamedTuple):
     matrix_decay: float = 0.0  # their weight decay
     module: str = ""  # module_settings of the model: what its traced code reads of it besides its parameters
     training: bool = True  # the model's mode when called
+    parts: int = 1  # the batch's parts, each a thread's (training/paired_step.py)
 
 
 def module_settings(model: nn.Module) -> str:
@@ -117,24 +118,50 @@ def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp
                 steps: torch.Tensor, momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, xs: torch.Tensor,
                 ys: torch.Tensor, lr: torch.Tensor, layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of every micro-batch, clipping, and the optimizer's update in place on the flat buffers:
-    what CompiledStep compiles. AdamW updates the first exp_avg.numel() values of flat: steps holds a value per
-    AdamW parameter, decay one per such value, and owner the parameter each belongs to. Muon updates the rest (the
-    layout's last `matrices` parameters), whose momentum buffers lie end to end in momentum."""
+    what CompiledStep compiles (see _gradients and _update)."""
+    grad, loss_sum = _gradients(model, flat, xs, ys, layout, setup)
+    return _update(flat, exp_avg, exp_avg_sq, steps, momentum, decay, owner, grad, loss_sum, lr, layout, setup)
+
+
+def _gradients(model: nn.Module, flat: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor, layout: Layout,
+               setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of the flat weights and the loss, summed over the micro-batches xs, ys (accum, rows, T): of the
+    whole batch, or of one of its setup.parts (training/paired_step.py), each part's share of the mean."""
     # Read here so that dynamo checks them before each call, in place of the model's attributes (see step_guards).
     if not setup.module or setup.training != model.training:
         raise ValueError("the compiled step's setup does not describe its model (see CompiledStep.constants)")
-    lr = lr.reshape(())  # see lr_argument
 
     def loss_of(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast_context(torch.device(setup.device_type), setup.dtype):
             _, loss = torch.func.functional_call(model, layout.unflatten(flat), (x, y))
-        return loss / setup.accum
+        return loss / (setup.accum * setup.parts)
 
     grad, loss_sum = None, None
     for micro in range(setup.accum):
         g, loss = torch.func.grad_and_value(loss_of)(flat, xs[micro], ys[micro])
         grad = g if grad is None else grad + g
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    return grad, loss_sum
+
+
+def _paired_update(flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: torch.Tensor,
+                   momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, grad_a: torch.Tensor,
+                   loss_a: torch.Tensor, grad_b: torch.Tensor, loss_b: torch.Tensor, lr: torch.Tensor, layout: Layout,
+                   setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update from the two halves' gradients and losses (_gradients of each), added in one order."""
+    return _update(flat, exp_avg, exp_avg_sq, steps, momentum, decay, owner, grad_a + grad_b, loss_a + loss_b, lr,
+                   layout, setup)
+
+
+def _update(flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: torch.Tensor,
+            momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, grad: torch.Tensor,
+            loss_sum: torch.Tensor, lr: torch.Tensor, layout: Layout,
+            setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipping and the optimizer's update in place on the flat buffers; (loss_sum, the gradient's norm). AdamW
+    updates the first exp_avg.numel() values of flat: steps holds a value per AdamW parameter, decay one per such
+    value, and owner the parameter each belongs to. Muon updates the rest (the layout's last `matrices` parameters),
+    whose momentum buffers lie end to end in momentum."""
+    lr = lr.reshape(())  # see lr_argument
     norm = torch.linalg.vector_norm(grad.float())
     scale = torch.ones((), device=norm.device)
     if setup.clip > 0:  # as clip_grad_norm_ does it
@@ -202,7 +229,7 @@ def lr_argument(lr: float, device: torch.device) -> torch.Tensor:
     return torch.tensor([lr], dtype=torch.float64, device=device)
 
 
-_COMPILED_STEP: Callable | None = None
+_COMPILED: dict[Callable, Callable] = {}
 
 
 class deterministic_kernels:  # lower case: a context, used as torch.no_grad is
@@ -263,8 +290,10 @@ class CompiledStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.AdamW, tc: TrainConfig, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.model, self.tc, self.device, self.dtype = model, tc, device, dtype
+        parts = paired_step.paired_rule(model, tc.batch_size, device, dtype,
+                                        muon=any(group.get("muon") for group in optimizer.param_groups))
         if device.type == "cpu" and dtype == torch.float32:  # kernels of our own, where they apply and pay
-            rows = tc.batch_size * getattr(getattr(model, "config", None), "block_size", 0)
+            rows = tc.batch_size // parts * getattr(getattr(model, "config", None), "block_size", 0)
             attention_kernel.attach(model, rows=rows)
             gelu_kernel.attach(model, rows=rows)
             linear_kernel.attach(model, rows=rows)
@@ -315,9 +344,10 @@ class CompiledStep:
         same_steps = bool((self.steps == self.steps[0]).all())
         self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps,
                            optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay,
-                           module_settings(model))
+                           module_settings(model), parts=parts)
         self.lr = lr_argument(0.0, device)  # the learning rate's argument, refilled at each call
-        self._last: tuple[tuple, Callable] | None = None  # the last call's shapes and mode, and its function
+        self._last: tuple[tuple, dict[Callable, Callable]] | None = None  # the last call's shapes and mode, and
+        # the functions compiled for them
         self.source = ""  # where the compiled function came from (step_file.step_function): said in the log
 
     @staticmethod
@@ -327,16 +357,19 @@ class CompiledStep:
             s[key] = view
         return flat
 
+    def compiled(self, fn: Callable) -> Callable:
+        """torch.compile's own fn (a step function of this module), with its guards: where step_file cannot compile
+        the step ahead of time (a torch before 2.10, or a failure of that API). One compiled function for every
+        CompiledStep of the process: a model of the same shapes (a resumed run, a second run in one process) reuses
+        its compiled code."""
+        if fn not in _COMPILED:
+            _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False, options=step_options(self.device))
+        return _COMPILED[fn]
+
     @property
-    def compiled(self) -> Callable:
-        """torch.compile's own step, with its guards: where step_file cannot compile the step ahead of time (a torch
-        before 2.10, or a failure of that API). One compiled function for every CompiledStep of the process: a model
-        of the same shapes (a resumed run, a second run in one process) reuses its compiled code."""
-        global _COMPILED_STEP
-        if _COMPILED_STEP is None:
-            _COMPILED_STEP = torch.compile(_whole_step, fullgraph=True, dynamic=False,
-                                           options=step_options(self.device))
-        return _COMPILED_STEP
+    def parts(self) -> int:
+        """The parts each micro-batch is split into, each a thread's (training/paired_step.py)."""
+        return self.setup.parts
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.flat, self.exp_avg, self.exp_avg_sq, self.steps, self.momentum
@@ -348,29 +381,46 @@ class CompiledStep:
     def _run(self, buffers: tuple[torch.Tensor, ...], xs: torch.Tensor, ys: torch.Tensor,
              lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.lr.fill_(lr)  # into the same tensor each step: one fewer to make (see deterministic_kernels)
+        setup = self.constants()
         # the gradients are taken inside; the updates are in place
         with torch.no_grad(), deterministic_kernels(self.device):
-            args = (self.model, *buffers, self.decay, self.owner, xs, ys, self.lr, self.layout, self.constants())
-            return self._function(args)(*args)
+            if setup.parts == 1:
+                args = (self.model, *buffers, self.decay, self.owner, xs, ys, self.lr, self.layout, setup)
+                return self._function(_whole_step, args, xs, ys)(*args)
+            flat, exp_avg, exp_avg_sq, steps, momentum = buffers
+            half = xs.size(1) // 2
+            first, second = ((self.model, flat, x, y, self.layout, setup)
+                             for x, y in ((xs[:, :half], ys[:, :half]), (xs[:, half:], ys[:, half:])))
+            with paired_step.one_thread():  # each half's code compiled for one thread, and run on one
+                gradients = self._function(_gradients, first, xs, ys)
+                if gradients is _COMPILED.get(_gradients):  # dynamo's guards are not for two threads at once
+                    (grad_a, loss_a), (grad_b, loss_b) = gradients(*first), gradients(*second)
+                else:
+                    (grad_a, loss_a), (grad_b, loss_b) = paired_step.both(gradients, first, second)
+                args = (flat, exp_avg, exp_avg_sq, steps, momentum, self.decay, self.owner, grad_a, loss_a, grad_b,
+                        loss_b, self.lr, self.layout, setup)
+                return self._function(_paired_update, args, xs, ys)(*args)
 
-    def _function(self, args: tuple) -> Callable:
-        """The compiled function for args: the last call's where the batch's shape and the model's mode are the same
-        (the step saved whole has no guards to tell them apart: see training/step_file.py), else step_file's, else
+    def _function(self, fn: Callable, args: tuple, xs: torch.Tensor, ys: torch.Tensor) -> Callable:
+        """The compiled fn for args: the last call's where the batch's shape and the model's mode are the same (the
+        step saved whole has no guards to tell them apart: see training/step_file.py), else step_file's, else
         torch.compile's own (self.compiled)."""
-        xs, ys = args[8], args[9]
         call = (xs.shape, xs.stride(), xs.dtype, ys.shape, ys.stride(), ys.dtype, self.model.training)
-        if self._last is not None and self._last[0] == call:
-            return self._last[1]
+        if self._last is None or self._last[0] != call:
+            self._last = (call, {})
+        functions = self._last[1]
+        if fn in functions:
+            return functions[fn]
         function = None
         if step_file.used_on(self.device):
             try:
-                function, self.source = step_file.step_function(_whole_step, args, self.device)
+                function, self.source = step_file.step_function(fn, args, self.device)
             except Exception as e:  # noqa: BLE001 - torch.compile's own compile follows, and says what fails
                 if (stop := interrupting(e)) is not None:
                     raise stop from None
         if function is None:
-            function, self.source = self.compiled, "compiled with guards"
-        self._last = (call, function)
+            function, self.source = self.compiled(fn), "compiled with guards"
+        functions[fn] = function
         return function
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,10 +103,14 @@ def random_kept(device: torch.device) -> Iterator[None]:
 def resolve_device(name: str, any_index: bool = False) -> torch.device:
     """'auto' picks cuda, then mps, then cpu; an explicit device must exist here (cuda:N, a GPU this machine has,
     unless any_index: under torchrun each process takes the GPU of its local rank). TINYCHAR_ONEDNN, which decides
-    how the model multiplies on a CPU, and TINYCHAR_GEMM must be values model/linear.py knows."""
+    how the model multiplies on a CPU, and TINYCHAR_GEMM must be values model/linear.py knows, TINYCHAR_SPLIT_STEP
+    one training/paired_step.py knows."""
+    from .paired_step import split_setting
+
     try:
         onednn_min_macs()
         gemm_setting()
+        split_setting()
     except ValueError as e:
         raise DeviceError(str(e)) from None
     if name == "auto":

@@ -44,6 +44,7 @@ from .compiled_step import CompiledStep
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
 from .errors import UsageError
+from .paired_step import parts_for
 from .signals import insist_on_stop, interrupting
 
 if TYPE_CHECKING:
@@ -101,6 +102,9 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "options": wanted_options(device)}
     if device.type == "cpu" and own_gemm_wanted():  # timed with training/linear_kernel.py's products (TINYCHAR_GEMM)
         parts["gemm"] = "own"
+    split = parts_for(model_cfg.n_embd, model_cfg.dropout > 0, tc.optimizer == "muon", tc.batch_size, device, dtype)
+    if split > 1:  # the batch's halves each a thread's (training/paired_step.py)
+        parts["split"] = split
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
         parts["newton_schulz"] = "gram"  # Muon's float32 iteration on the Gram matrices (optim.gram_newton_schulz)
@@ -401,4 +405,5 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     remember_compile(key, seconds, cold=before is None)
     trainer.compiled_step, trainer.engine = step, "compiled"
     whole = "the step saved whole, loaded from " if step.source == "loaded" else ""
-    say(f"engine: compiled in {seconds:.1f} s ({whole}compile cache: {folder})")
+    halves = "; each batch in two halves, one a core" if step.parts > 1 else ""  # training/paired_step.py
+    say(f"engine: compiled in {seconds:.1f} s ({whole}compile cache: {folder}){halves}")

@@ -19,7 +19,7 @@ from configs.userinput import shown
 from data import CharTokenizer, get_batch
 from model import GPT
 
-from . import distributed
+from . import distributed, paired_step
 from .average import WeightAverage
 from .checkpoints import (
     DAMAGED,
@@ -215,13 +215,16 @@ class Trainer:
     def compiled_train_step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         """train_step through the compiled engine: forward, backward, clipping and AdamW in one call, which updates
         nothing when the loss or gradient norm is not finite."""
-        xs, ys = self.micro_batches()
-        loss_sum, grad_norm = self.compiled_step(xs, ys, lr)
-        if not (math.isfinite(float(loss_sum)) and math.isfinite(float(grad_norm))):  # 1 us; torch.isfinite's 27
-            raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step, compiled=True,
-                           dtype=self.dtype_name)
-        self.step += 1
-        self.fold_into_average()
+        # A step in halves (training/paired_step.py) has the cores to itself: drawing the batch and folding the weights
+        # into their average on one thread too, as a team of two left its second thread spinning into the next halves.
+        with paired_step.one_thread() if getattr(self.compiled_step, "parts", 1) > 1 else nullcontext():
+            xs, ys = self.micro_batches()
+            loss_sum, grad_norm = self.compiled_step(xs, ys, lr)
+            if not (math.isfinite(float(loss_sum)) and math.isfinite(float(grad_norm))):  # 1 us; torch.isfinite's 27
+                raise Diverged(self.step + 1, float(loss_sum), float(grad_norm), self.saved_step, compiled=True,
+                               dtype=self.dtype_name)
+            self.step += 1
+            self.fold_into_average()
         return loss_sum, grad_norm, lr
 
     # ------------------------------------------------------------------------------------ the whole run

@@ -1,0 +1,140 @@
+"""The compiled CPU step with its batch in two halves, one a thread (training/paired_step.py): where it applies, and
+that a split run is the whole batch's run to float32's rounding, with the halves at once on two threads (the same
+bits as one after the other), and resumes exactly."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import needs_cpu_compile, tiny_overrides
+from test_train import bitwise_equal, logged_losses
+from test_training_engine import LOSS_TOLERANCE, WEIGHT_TOLERANCE
+from training_runs import call, train_main, write_corpus
+
+from model import GPT, GPTConfig, load_checkpoint
+from training import TrainConfig, paired_step, step_file
+from training.compiled_step import CompiledStep
+from training.devices import DeviceError, resolve_device
+from training.optim import make_optimizer
+
+CPU = torch.device("cpu")
+
+
+def test_a_bad_split_setting_is_one_line_for_a_person(monkeypatch):
+    monkeypatch.setenv("TINYCHAR_SPLIT_STEP", " Auto ")
+    assert paired_step.split_setting() == "auto"
+    monkeypatch.setenv("TINYCHAR_SPLIT_STEP", "yes")
+    with pytest.raises(ValueError, match="TINYCHAR_SPLIT_STEP must be one of auto, 0, 1, got 'yes'"):
+        paired_step.split_setting()
+    with pytest.raises(DeviceError, match="TINYCHAR_SPLIT_STEP must be one of"):
+        resolve_device("cpu")
+
+
+def test_auto_splits_small_adamw_steps_on_two_threads_only(monkeypatch):
+    monkeypatch.setattr(step_file, "AHEAD", True)
+    monkeypatch.delenv("TINYCHAR_SPLIT_STEP", raising=False)
+    threads = torch.get_num_threads()
+
+    def parts(width: int | None = 32, dropout: bool = False, muon: bool = False, batch: int = 32, device: str = "cpu",
+              dtype: torch.dtype = torch.float32, on: int = 2) -> int:
+        torch.set_num_threads(on)
+        try:
+            return paired_step.parts_for(width, dropout, muon, batch, torch.device(device), dtype)
+        finally:
+            torch.set_num_threads(threads)
+
+    assert parts() == 2 and parts(width=paired_step.SPLIT_MAX_WIDTH) == 2
+    # the products of wider models share out; Muon's update; one thread or more than two (not measured)
+    assert parts(width=128) == parts(width=None) == parts(muon=True) == parts(on=1) == parts(on=4) == 1
+    # never: dropout, an odd batch, another device or dtype, a torch without the step saved whole
+    assert parts(dropout=True) == parts(batch=31) == parts(device="cuda") == parts(dtype=torch.bfloat16) == 1
+    monkeypatch.setattr(step_file, "AHEAD", False)
+    assert parts() == 1
+    monkeypatch.setattr(step_file, "AHEAD", True)
+    monkeypatch.setenv("TINYCHAR_SPLIT_STEP", "1")  # wherever it can
+    assert parts(width=128, muon=True, on=1) == 2 and parts(dropout=True) == parts(batch=31) == 1
+    monkeypatch.setenv("TINYCHAR_SPLIT_STEP", "0")
+    assert parts() == 1
+
+
+def steps_of(split: str, monkeypatch, dropout: float = 0.0, optimizer: str = "adamw") -> CompiledStep:
+    monkeypatch.setenv("TINYCHAR_SPLIT_STEP", split)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=dropout))
+    tc = replace(TrainConfig(), batch_size=6, grad_accum_steps=2, optimizer=optimizer, grad_clip=1.0)
+    return CompiledStep(model, make_optimizer(model, tc, CPU), tc, CPU, torch.float32)
+
+
+def test_a_model_with_dropout_keeps_the_whole_batch_and_muon_splits_where_asked(monkeypatch):
+    assert steps_of("1", monkeypatch, dropout=0.1).setup.parts == 1  # each half would draw random numbers at once
+    assert steps_of("1", monkeypatch, optimizer="muon").setup.parts == 2
+    assert steps_of("0", monkeypatch).setup.parts == 1
+
+
+def test_an_error_in_either_half_reaches_the_caller_and_the_worker_serves_again():
+    def half(n: int) -> int:
+        if n < 0:
+            raise ValueError(f"half {n}")
+        return n * 2
+
+    assert paired_step.both(half, (1,), (2,)) == (2, 4)
+    with pytest.raises(ValueError, match="half -2"):
+        paired_step.both(half, (1,), (-2,))
+    with pytest.raises(ValueError, match="half -1"):
+        paired_step.both(half, (-1,), (-2,))  # the caller's own, after the worker's half ended
+    assert paired_step.both(half, (3,), (4,)) == (6, 8)
+
+
+@needs_cpu_compile
+@pytest.mark.slow
+def test_a_split_compiled_run_is_the_whole_batchs_run_and_resumes_exactly(tmp_path: Path, capsys, monkeypatch):
+    """train.py compiled with the batch in halves (two micro-batches a step, AdamW, clipping): each step ran the
+    halves at once, on the worker and the caller's thread, with the same bits as the two one after the other; its
+    losses and weights are the eager whole batch's to float32's rounding; stopped at step 10 and resumed, it ends bit
+    for bit where the straight run did, weights and optimizer state."""
+    corpus = write_corpus(tmp_path)
+    keys = {"model.n_layer": 1, "train.lr_decay_iters": 20, "train.log_interval": 1, "train.grad_accum_steps": 2,
+            "train.sample_chars": 0, "train.tensorboard": "false", "train.compile": "true",
+            "train.optimizer": "adamw", "model.dropout": 0.0}
+
+    logs = {}
+
+    def run(out: str, *extra: str, **more: object) -> dict[int, str]:
+        code, stdout, err = call(train_main, [*tiny_overrides(corpus, tmp_path / out, **{**keys, **more}), *extra],
+                                 capsys)
+        assert code == 0, err
+        logs[out] = stdout
+        return logged_losses(stdout)
+
+    eager = run("eager", **{"train.compile": "false"})
+    monkeypatch.setenv("TINYCHAR_SPLIT_STEP", "1")
+    threads = []
+    both = paired_step.both
+    monkeypatch.setattr(paired_step, "both", lambda fn, first, second: threads.append(
+        (threading.get_ident(), torch.get_num_threads())) or both(fn, first, second))
+    straight = run("straight")
+    assert "; each batch in two halves, one a core" in logs["straight"]
+    assert "halves" not in logs["eager"]
+    assert len(threads) >= 20 and paired_step._WORKER is not None  # every step (and the warm-up) split
+    assert set(threads) == {(threading.get_ident(), 1)} and torch.get_num_threads() == 1  # the tests' one thread
+    assert max(abs(float(eager[s]) - float(straight[s])) for s in eager) < LOSS_TOLERANCE
+    expected = load_checkpoint(tmp_path / "straight" / "ckpt.pt")
+    eager_w = load_checkpoint(tmp_path / "eager" / "ckpt.pt")["model"]
+    assert max((eager_w[k] - expected["model"][k]).abs().max().item() for k in eager_w) < WEIGHT_TOLERANCE
+    assert not bitwise_equal(eager_w, expected["model"])  # another order of additions
+
+    run("resumed", **{"train.max_iters": 10})
+    resumed = run("resumed", "--resume")
+    assert {s: resumed[s] for s in range(11, 21)} == {s: straight[s] for s in range(11, 21)}
+    final = load_checkpoint(tmp_path / "resumed" / "ckpt.pt")
+    assert bitwise_equal(final["model"], expected["model"])
+    assert all(bitwise_equal(final["optimizer"]["state"][i], state)
+               for i, state in expected["optimizer"]["state"].items())
+
+    monkeypatch.setattr(paired_step, "both", lambda fn, first, second: (fn(*first), fn(*second)))
+    assert run("in-turn") == straight  # the halves one after the other
+    assert bitwise_equal(load_checkpoint(tmp_path / "in-turn" / "ckpt.pt")["model"], expected["model"])
