@@ -231,10 +231,10 @@ def test_without_a_nanogpt_checkout_one_line_and_status_2(tmp_path: Path, capsys
         assert exited.value.code == 2 and err.count("\n") == 1 and says in err and "99999" not in err
 
 
-@pytest.mark.parametrize("variable", ["TINYCHAR_ONEDNN", "TINYCHAR_GEMM"])
+@pytest.mark.parametrize("variable", ["TINYCHAR_ONEDNN", "TINYCHAR_GEMM", "TINYCHAR_SPLIT_STEP"])
 def test_a_bad_multiply_setting_is_one_line_before_anything_runs(tmp_path: Path, capsys, monkeypatch, variable):
-    # read first by the matmul ceilings (TINYCHAR_ONEDNN) or the compiled step (TINYCHAR_GEMM), once the run had
-    # begun: a ValueError traceback
+    # read first by the matmul ceilings (TINYCHAR_ONEDNN) or the compiled step (TINYCHAR_GEMM, _SPLIT_STEP), once the
+    # run had begun: a ValueError traceback
     nanogpt_checkout(tmp_path)
     monkeypatch.setenv(variable, "garbage")
     monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail(f"measured with a bad {variable}"))
