@@ -4,6 +4,9 @@ bits as one after the other), and resumes exactly."""
 
 from __future__ import annotations
 
+import os
+import select
+import signal
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -138,3 +141,23 @@ def test_a_split_compiled_run_is_the_whole_batchs_run_and_resumes_exactly(tmp_pa
     monkeypatch.setattr(paired_step, "both", lambda fn, first, second: (fn(*first), fn(*second)))
     assert run("in-turn") == straight  # the halves one after the other
     assert bitwise_equal(load_checkpoint(tmp_path / "in-turn" / "ckpt.pt")["model"], expected["model"])
+
+
+def test_a_forked_child_starts_a_worker_of_its_own():
+    """Only the forking thread lives on in a child (tests/zygote.py forks test processes, and a run may): a worker
+    kept from the parent would never answer."""
+    assert paired_step.both(abs, (-1,), (-2,)) == (1, 2)  # the parent's worker, started
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own worker, or it waits forever (the parent's timeout below ends it)
+        try:
+            os.write(write, repr(paired_step.both(abs, (-3,), (-4,))).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 30)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert ready and os.read(read, 100) == b"(3, 4)"
+    os.close(read)

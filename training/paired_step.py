@@ -141,6 +141,15 @@ _WORKER: _Worker | None = None
 _WORKER_LOCK = threading.Lock()
 
 
+def _forget_the_worker() -> None:
+    """In a forked child: the worker thread was not copied (only the forking thread is), so both() starts another."""
+    global _WORKER, _WORKER_LOCK
+    _WORKER, _WORKER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_the_worker)
+
+
 def both(fn: Callable, first: tuple, second: tuple) -> tuple[object, object]:
     """fn(*first) on this thread and fn(*second) on the worker, at once; both results, or the first error (after
     the other call has ended)."""
