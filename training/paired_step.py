@@ -5,16 +5,19 @@ Why: a small model's step is the time of many small operators, and each one that
 from core to core and waits for the slower thread at its end. Measured on a 2-core Zen 2 EPYC (AVX2, torch 2.13,
 float32, compiled, the step loaded whole): bench.py's block-8 step (3 layers of 32, batch 32, AdamW) took 2.3-2.4 ms
 on two threads and 2.35-2.44 ms on one, so the second core bought nothing; two halves of 16 on one thread each ran
-at once in 1.4 ms. Split, the step took 1.61-1.71 ms in eight processes, where the whole batch took 2.29-2.43 in six
-and 1.54 in two (the fast and slow spells of the machine, docs/engine-record.md, which the halves do not see: they
-meet once a step). Wider models share their products out well, and keep the whole batch (parts_for).
+at once in 1.4 ms. Split, the step took 1.61-1.71 ms (medians of four processes in turn with four of the whole
+batch, which took 2.29-2.43 in three and 1.54 in one: the machine's fast and slow spells, docs/engine-record.md,
+which the halves do not see, as they meet once a step); whole train.py runs, 1.77-1.83 ms against 2.41-2.62. Wider
+models share their products out well, and keep the whole batch (parts_for).
 
 The halves run one compiled function (compiled_step._gradients, each loss divided by two), the second on this
 module's worker thread while the caller's computes the first; code from the step saved whole (training/step_file.py)
-lets go of Python's lock while it runs. Both threads, and the update after them, have one OpenMP thread: a team of
-two for the update left its second thread spinning into the next step's halves (bench.py's block-8 step 2.88 ms
-split, against 1.68 with the update on one thread). The update adds the two gradients in one order and steps as for
-the whole batch: the same sums in another order, deterministic, so a resumed run equals a straight one.
+lets go of Python's lock while it runs. Both threads, the update after them, and the trainer's drawing of the batch
+and its weights' average around the step (training/loop.py) have one OpenMP thread: a team of two for the update left
+its second thread spinning into the next step's halves (bench.py's block-8 step 2.88 ms split, against 1.68 with the
+update on one thread; in train.py the average did the same, 2.83-2.95 ms). The update adds the two gradients in one
+order and steps as for the whole batch: the same sums in another order, deterministic, so a resumed run equals a
+straight one.
 
 TINYCHAR_SPLIT_STEP: auto (or unset) splits where parts_for says it pays, 0 never, 1 wherever it can.
 """
