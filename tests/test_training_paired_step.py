@@ -19,7 +19,7 @@ from test_training_engine import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training_runs import call, train_main, write_corpus
 
 from model import GPT, GPTConfig, load_checkpoint
-from training import TrainConfig, paired_step, step_file
+from training import TrainConfig, compiled_step, paired_step, step_file
 from training.compiled_step import CompiledStep
 from training.devices import DeviceError, resolve_device
 from training.optim import make_optimizer
@@ -161,3 +161,31 @@ def test_a_forked_child_starts_a_worker_of_its_own():
     os.waitpid(pid, 0)
     assert ready and os.read(read, 100) == b"(3, 4)"
     os.close(read)
+
+
+def test_halves_compiled_with_guards_run_one_after_the_other_on_the_callers_thread(monkeypatch):
+    """Where the step cannot be saved whole (a failure of that API), torch.compile's own code with dynamo's guards
+    takes the halves, which are not for two threads at once: both on this thread, in turn, then the update."""
+    calls = []
+
+    def failing(fn: object, args: tuple, device: torch.device) -> tuple[object, str]:
+        raise RuntimeError("aot_compile is not supported here")
+
+    def gradients(model, flat, xs, ys, layout, setup):
+        calls.append(("half", threading.get_ident(), xs.shape[1], torch.get_num_threads()))
+        return torch.zeros_like(flat), torch.zeros(())
+
+    def update(*args):
+        calls.append(("update", threading.get_ident()))
+        return torch.zeros(()), torch.zeros(())
+
+    monkeypatch.setattr(step_file, "AHEAD", True)
+    monkeypatch.setattr(step_file, "step_function", failing)
+    monkeypatch.setattr(compiled_step, "_COMPILED", {compiled_step._gradients: gradients,
+                                                     compiled_step._paired_update: update})
+    monkeypatch.setattr(paired_step, "both", lambda *a: pytest.fail("guarded code on two threads"))
+    step = steps_of("1", monkeypatch)
+    assert step.parts == 2
+    step(torch.zeros(2, 6, 8, dtype=torch.long), torch.zeros(2, 6, 8, dtype=torch.long), 1e-3)
+    me = threading.get_ident()
+    assert calls == [("half", me, 3, 1), ("half", me, 3, 1), ("update", me)] and step.source == "compiled with guards"
