@@ -4,6 +4,7 @@ bits as one after the other), and resumes exactly."""
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -19,7 +20,7 @@ from test_training_engine import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training_runs import call, train_main, write_corpus
 
 from model import GPT, GPTConfig, load_checkpoint
-from training import TrainConfig, compiled_step, paired_step, step_file
+from training import TrainConfig, compiled_step, paired_step, step_file, step_update
 from training.compiled_step import CompiledStep
 from training.devices import DeviceError, resolve_device
 from training.optim import make_optimizer
@@ -37,7 +38,7 @@ def test_a_bad_split_setting_is_one_line_for_a_person(monkeypatch):
         resolve_device("cpu")
 
 
-def test_auto_splits_small_adamw_steps_on_two_threads_only(monkeypatch):
+def test_auto_splits_small_steps_and_muons_on_two_threads_only(monkeypatch):
     monkeypatch.setattr(step_file, "AHEAD", True)
     monkeypatch.delenv("TINYCHAR_SPLIT_STEP", raising=False)
     threads = torch.get_num_threads()
@@ -51,8 +52,12 @@ def test_auto_splits_small_adamw_steps_on_two_threads_only(monkeypatch):
             torch.set_num_threads(threads)
 
     assert parts() == 2 and parts(width=paired_step.SPLIT_MAX_WIDTH) == 2
-    # the products of wider models share out; Muon's update; one thread or more than two (not measured)
-    assert parts(width=128) == parts(width=None) == parts(muon=True) == parts(on=1) == parts(on=4) == 1
+    # the products of wider models share out; one thread or more than two (not measured)
+    assert parts(width=128) == parts(width=None) == parts(on=1) == parts(on=4) == 1
+    # Muon's update comes in two parts too, and pays beside the halves at wider models, up to those measured
+    widest = paired_step.SPLIT_MAX_WIDTH_MUON
+    assert parts(muon=True) == parts(width=128, muon=True) == parts(width=widest, muon=True) == 2
+    assert parts(width=widest + 1, muon=True) == parts(muon=True, on=4) == parts(muon=True, dropout=True) == 1
     # never: dropout, an odd batch, another device or dtype, a torch without the step saved whole
     assert parts(dropout=True) == parts(batch=31) == parts(device="cuda") == parts(dtype=torch.bfloat16) == 1
     monkeypatch.setattr(step_file, "AHEAD", False)
@@ -92,17 +97,68 @@ def test_an_error_in_either_half_reaches_the_caller_and_the_worker_serves_again(
     assert paired_step.both(half, (3,), (4,)) == (6, 8)
 
 
+def test_muons_update_in_two_parts_is_the_whole_update_each_part_writing_only_its_own_values(monkeypatch):
+    """The two parts of the split step's update with Muon (CompiledStep.part_args), run as plain PyTorch: together
+    they make paired_update's update to float32's rounding; each writes only its own slices of the buffers, the
+    first AdamW's state and its matrices, the second the other matrices; a gradient that is not finite leaves all."""
+    step = steps_of("1", monkeypatch, optimizer="muon")  # one layer: AdamW's embeddings, norms and head; 4 matrices
+    assert step.layout.matrices == 4 and step.parts == 2
+    gen = torch.Generator().manual_seed(1)
+    for t in (step.exp_avg, step.momentum):
+        t.copy_(torch.randn(t.shape, generator=gen) * 1e-2)
+    step.exp_avg_sq.copy_(torch.rand(step.exp_avg_sq.shape, generator=gen) * 1e-4)
+    step.steps.fill_(3.0)
+    halves = (torch.randn(step.flat.shape, generator=gen), torch.tensor(1.25), torch.randn(step.flat.shape,
+              generator=gen), torch.tensor(0.75))
+    setup = step.constants()
+    step.lr.fill_(1e-2)  # the learning rate's tensor, which each call fills (part_args passes it on)
+    before = [t.clone() for t in step.buffers()]
+
+    def updated(halves: tuple[torch.Tensor, ...], parts: bool) -> tuple[list[torch.Tensor], list[tuple]]:
+        buffers = [t.clone() for t in before]
+        if not parts:
+            return buffers, [step_update.paired_update(*buffers, step.decay, step.owner, *halves, step.lr,
+                                                       step.layout, setup)]
+        first, second = step.part_args(tuple(buffers), halves, setup)
+        assert first[-3] == 0 and second[-3] == first[0].numel()  # where each part's values begin in flat
+        out = [step_update.paired_part(*first)]
+        cut, in_momentum = first[0].numel(), first[4].numel()
+        flat, exp_avg, exp_avg_sq, steps, momentum = buffers
+        assert torch.equal(flat[cut:], before[0][cut:]) and torch.equal(momentum[in_momentum:], before[4][in_momentum:])
+        assert not torch.equal(flat[:cut], before[0][:cut]) and not torch.equal(momentum[:in_momentum],
+                                                                                 before[4][:in_momentum])
+        assert torch.equal(steps, before[3] + 1) and not torch.equal(exp_avg, before[1])  # AdamW: the first part's
+        kept = [t.clone() for t in buffers]
+        out.append(step_update.paired_part(*second))
+        assert all(torch.equal(a, b) for a, b in zip(buffers[1:4], kept[1:4], strict=True))
+        assert torch.equal(flat[:cut], kept[0][:cut]) and torch.equal(momentum[:in_momentum], kept[4][:in_momentum])
+        assert not torch.equal(flat[cut:], before[0][cut:])
+        return buffers, out
+
+    with torch.no_grad():
+        whole, (expected,) = updated(halves, parts=False)
+        parted, results = updated(halves, parts=True)
+        assert all(torch.equal(r[0], expected[0]) and torch.equal(r[1], expected[1]) for r in results)
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(parted, whole, strict=True))
+        assert max((a - b).abs().max().item() for a, b in zip(parted, before, strict=True)) > 1e-4  # it moved them
+        nan = (halves[0].clone().index_fill_(0, torch.tensor([len(halves[0]) - 1]), math.nan), *halves[1:])
+        buffers = tuple(t.clone() for t in before)
+        for part in step.part_args(buffers, nan, setup):
+            assert math.isnan(step_update.paired_part(*part)[1].item())
+        assert all(torch.equal(a, b) for a, b in zip(buffers, before, strict=True))
+
+
 @needs_cpu_compile
 @pytest.mark.slow
 def test_a_split_compiled_run_is_the_whole_batchs_run_and_resumes_exactly(tmp_path: Path, capsys, monkeypatch):
-    """train.py compiled with the batch in halves (two micro-batches a step, AdamW, clipping): each step ran the
-    halves at once, on the worker and the caller's thread, with the same bits as the two one after the other; its
-    losses and weights are the eager whole batch's to float32's rounding; stopped at step 10 and resumed, it ends bit
-    for bit where the straight run did, weights and optimizer state."""
+    """train.py compiled with the batch in halves and Muon's update in two parts (two micro-batches a step, Muon and
+    AdamW, clipping): each step ran the halves at once, then the parts, on the worker and the caller's thread, with
+    the same bits as one after the other; its losses and weights are the eager whole batch's to float32's rounding;
+    stopped at step 10 and resumed, it ends bit for bit where the straight run did, weights and optimizer state."""
     corpus = write_corpus(tmp_path)
     keys = {"model.n_layer": 1, "train.lr_decay_iters": 20, "train.log_interval": 1, "train.grad_accum_steps": 2,
             "train.sample_chars": 0, "train.tensorboard": "false", "train.compile": "true",
-            "train.optimizer": "adamw", "model.dropout": 0.0}
+            "train.optimizer": "muon", "model.dropout": 0.0}
 
     logs = {}
 
@@ -115,15 +171,20 @@ def test_a_split_compiled_run_is_the_whole_batchs_run_and_resumes_exactly(tmp_pa
 
     eager = run("eager", **{"train.compile": "false"})
     monkeypatch.setenv("TINYCHAR_SPLIT_STEP", "1")
-    threads = []
+    calls = []
     both = paired_step.both
-    monkeypatch.setattr(paired_step, "both", lambda fn, first, second: threads.append(
-        (threading.get_ident(), torch.get_num_threads())) or both(fn, first, second))
+
+    def spied(fn, first, second, other=None):
+        calls.append((threading.get_ident(), torch.get_num_threads(), other is not None))
+        return both(fn, first, second, other)
+
+    monkeypatch.setattr(paired_step, "both", spied)
     straight = run("straight")
-    assert "; each batch in two halves, one a core" in logs["straight"]
+    assert "; each batch in two halves, one a core, and Muon's update in two parts" in logs["straight"]
     assert "halves" not in logs["eager"]
-    assert len(threads) >= 20 and paired_step._WORKER is not None  # every step (and the warm-up) split
-    assert set(threads) == {(threading.get_ident(), 1)} and torch.get_num_threads() == 1  # the tests' one thread
+    halves, parts = ([c for c in calls if c[2] == parted] for parted in (False, True))
+    assert len(halves) == len(parts) >= 20 and paired_step._WORKER is not None  # every step (and the warm-up) split
+    assert {c[:2] for c in calls} == {(threading.get_ident(), 1)} and torch.get_num_threads() == 1  # the tests' one
     assert max(abs(float(eager[s]) - float(straight[s])) for s in eager) < LOSS_TOLERANCE
     expected = load_checkpoint(tmp_path / "straight" / "ckpt.pt")
     eager_w = load_checkpoint(tmp_path / "eager" / "ckpt.pt")["model"]
@@ -138,8 +199,8 @@ def test_a_split_compiled_run_is_the_whole_batchs_run_and_resumes_exactly(tmp_pa
     assert all(bitwise_equal(final["optimizer"]["state"][i], state)
                for i, state in expected["optimizer"]["state"].items())
 
-    monkeypatch.setattr(paired_step, "both", lambda fn, first, second: (fn(*first), fn(*second)))
-    assert run("in-turn") == straight  # the halves one after the other
+    monkeypatch.setattr(paired_step, "both", lambda fn, first, second, other=None: (fn(*first), (other or fn)(*second)))
+    assert run("in-turn") == straight  # the halves, and the parts, one after the other
     assert bitwise_equal(load_checkpoint(tmp_path / "in-turn" / "ckpt.pt")["model"], expected["model"])
 
 
@@ -182,7 +243,7 @@ def test_halves_compiled_with_guards_run_one_after_the_other_on_the_callers_thre
     monkeypatch.setattr(step_file, "AHEAD", True)
     monkeypatch.setattr(step_file, "step_function", failing)
     monkeypatch.setattr(compiled_step, "_COMPILED", {compiled_step._gradients: gradients,
-                                                     compiled_step._paired_update: update})
+                                                     step_update.paired_update: update})
     monkeypatch.setattr(paired_step, "both", lambda *a: pytest.fail("guarded code on two threads"))
     step = steps_of("1", monkeypatch)
     assert step.parts == 2

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -26,25 +25,8 @@ from . import attention_kernel, gelu_kernel, linear_kernel, paired_step, step_fi
 from .compile_cache import compile_options
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
-from .optim import muon_lr_scale, orthogonal_dtype, orthogonalize_each
 from .signals import interrupting
-
-
-class Setup(NamedTuple):
-    """The constants of a compiled step."""
-
-    device_type: str
-    dtype: torch.dtype
-    accum: int
-    clip: float
-    betas: tuple[float, float]
-    eps: float
-    same_steps: bool  # every parameter has taken as many steps (always so, unless a checkpoint says otherwise)
-    momentum: float = 0.0  # Muon's, for the matrices at the end of the layout (train.optimizer=muon)
-    matrix_decay: float = 0.0  # their weight decay
-    module: str = ""  # module_settings of the model: what its traced code reads of it besides its parameters
-    training: bool = True  # the model's mode when called
-    parts: int = 1  # the batch's parts, each a thread's (training/paired_step.py)
+from .step_update import Layout, Setup, paired_part, paired_update, update
 
 
 def module_settings(model: nn.Module) -> str:
@@ -101,26 +83,13 @@ def step_guards(entries: list) -> list[bool]:
     return keep
 
 
-class Layout(NamedTuple):
-    """Where each parameter lies in the flat buffers: its name, number of values and shape, in optimizer order; the
-    last `matrices` of them are Muon's (train.optimizer=muon), the others AdamW's."""
-
-    names: tuple[str, ...]
-    sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    matrices: int = 0
-
-    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {n: t.view(s) for n, t, s in zip(self.names, flat.split(self.sizes), self.shapes, strict=True)}
-
-
 def _whole_step(model: nn.Module, flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 steps: torch.Tensor, momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, xs: torch.Tensor,
                 ys: torch.Tensor, lr: torch.Tensor, layout: Layout, setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of every micro-batch, clipping, and the optimizer's update in place on the flat buffers:
-    what CompiledStep compiles (see _gradients and _update)."""
+    what CompiledStep compiles (see _gradients and step_update.update)."""
     grad, loss_sum = _gradients(model, flat, xs, ys, layout, setup)
-    return _update(flat, exp_avg, exp_avg_sq, steps, momentum, decay, owner, grad, loss_sum, lr, layout, setup)
+    return update(flat, exp_avg, exp_avg_sq, steps, momentum, decay, owner, grad, loss_sum, lr, layout, setup)
 
 
 def _gradients(model: nn.Module, flat: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor, layout: Layout,
@@ -142,82 +111,6 @@ def _gradients(model: nn.Module, flat: torch.Tensor, xs: torch.Tensor, ys: torch
         grad = g if grad is None else grad + g
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     return grad, loss_sum
-
-
-def _paired_update(flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: torch.Tensor,
-                   momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, grad_a: torch.Tensor,
-                   loss_a: torch.Tensor, grad_b: torch.Tensor, loss_b: torch.Tensor, lr: torch.Tensor, layout: Layout,
-                   setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    """The update from the two halves' gradients and losses (_gradients of each), added in one order."""
-    return _update(flat, exp_avg, exp_avg_sq, steps, momentum, decay, owner, grad_a + grad_b, loss_a + loss_b, lr,
-                   layout, setup)
-
-
-def _update(flat: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: torch.Tensor,
-            momentum: torch.Tensor, decay: torch.Tensor, owner: torch.Tensor, grad: torch.Tensor,
-            loss_sum: torch.Tensor, lr: torch.Tensor, layout: Layout,
-            setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipping and the optimizer's update in place on the flat buffers; (loss_sum, the gradient's norm). AdamW
-    updates the first exp_avg.numel() values of flat: steps holds a value per AdamW parameter, decay one per such
-    value, and owner the parameter each belongs to. Muon updates the rest (the layout's last `matrices` parameters),
-    whose momentum buffers lie end to end in momentum."""
-    lr = lr.reshape(())  # see lr_argument
-    norm = torch.linalg.vector_norm(grad.float())
-    scale = torch.ones((), device=norm.device)
-    if setup.clip > 0:  # as clip_grad_norm_ does it
-        scale = torch.clamp(setup.clip / (norm + 1e-6), max=1.0)
-    ok = torch.isfinite(loss_sum) & torch.isfinite(norm)
-    beta1, beta2 = setup.betas
-    new_steps = steps + ok.float()
-    # Each parameter's own step count, as AdamW keeps it. When all are equal (every run of this trainer: each step
-    # updates every parameter) the bias corrections are two numbers; otherwise they are worked out per parameter and
-    # read by each value through owner, a gather that keeps the update from vectorising (measured, the block-8 step
-    # of bench.py: its update kernel 150 -> 80 us with this and decay read per value, of a 1.3 ms step). Either way
-    # the same arithmetic on the same numbers: the same result to the bit.
-    if setup.same_steps:
-        step_size = lr / (1 - beta1 ** new_steps[:1])  # (1,): float32, as the per-parameter form computes it
-        root_bias2 = torch.sqrt(1 - beta2 ** new_steps[:1])
-        # Each summed over its one value (the same number, so the same weights to the bit): a reduction, which
-        # inductor works out once, before the update's loop. As plain values it inlined them into that loop: both
-        # powers and the clip's division again for every 8 values updated. Measured on a 2-core Zen 2 EPYC (AVX2),
-        # in one process, 16 interleaved rounds of 20 steps: bench.py's block-8 step 2.18 -> 2.07 ms (median), 15
-        # rounds of 16 faster; tiny.yaml's 18.35 -> 18.06 ms; nanoGPT's CPU config about 2%, within its noise.
-        step_size, root_bias2, scale = torch.stack([step_size, root_bias2, scale.reshape(1)]).sum(-1).split(1)
-    else:
-        step_size = (lr / (1 - beta1**new_steps))[owner]
-        root_bias2 = torch.sqrt(1 - beta2**new_steps)[owner]
-    g = grad * scale
-    n = exp_avg.numel()
-    g_adamw, weights = (g, flat) if layout.matrices == 0 else (g[:n], flat[:n])
-    new_avg = exp_avg.lerp(g_adamw, 1 - beta1)
-    new_avg_sq = exp_avg_sq * beta2 + g_adamw * g_adamw * (1 - beta2)
-    denom = new_avg_sq.sqrt() / root_bias2 + setup.eps
-    new = weights * (1 - lr * decay) - step_size * new_avg / denom
-    if layout.matrices:  # Muon
-        moved, new_momentum = _muon_step(g[n:], flat[n:], momentum, lr, layout, setup)
-        new = torch.cat([new, *moved])
-        momentum.copy_(torch.where(ok, new_momentum, momentum))
-    # A step that is not finite changes nothing: the run stops and reports it with its weights intact.
-    flat.copy_(torch.where(ok, new, flat))
-    exp_avg.copy_(torch.where(ok, new_avg, exp_avg))
-    exp_avg_sq.copy_(torch.where(ok, new_avg_sq, exp_avg_sq))
-    steps.copy_(new_steps)
-    return loss_sum, norm
-
-
-def _muon_step(g: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor, layout: Layout,
-               setup: Setup) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Muon's step of the layout's last `matrices` parameters (weights, their gradients g, end to end), as
-    training.optim.Muon takes it: their new values, flat, and the new momentum."""
-    mu = setup.momentum
-    new_momentum = momentum.lerp(g, 1 - mu)
-    ahead = g.lerp(new_momentum, mu)
-    sizes, shapes = layout.sizes[-layout.matrices:], layout.shapes[-layout.matrices:]
-    updates = orthogonalize_each([d.view(shape) for d, shape in zip(ahead.split(sizes), shapes, strict=True)],
-                                 orthogonal_dtype(setup.dtype))
-    moved = [w * (1 - lr * setup.matrix_decay) - (lr * muon_lr_scale(shape)) * u.flatten()
-             for w, u, shape in zip(weights.split(sizes), updates, shapes, strict=True)]
-    return moved, new_momentum
 
 
 def lr_argument(lr: float, device: torch.device) -> torch.Tensor:
@@ -346,8 +239,8 @@ class CompiledStep:
                            optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay,
                            module_settings(model), parts=parts)
         self.lr = lr_argument(0.0, device)  # the learning rate's argument, refilled at each call
-        self._last: tuple[tuple, dict[Callable, Callable]] | None = None  # the last call's shapes and mode, and
-        # the functions compiled for them
+        # the last call's shapes and mode, and the functions compiled for them
+        self._last: tuple[tuple, dict[tuple[Callable, int], Callable]] | None = None
         self.source = ""  # where the compiled function came from (step_file.step_function): said in the log
 
     @staticmethod
@@ -397,20 +290,50 @@ class CompiledStep:
                     (grad_a, loss_a), (grad_b, loss_b) = gradients(*first), gradients(*second)
                 else:
                     (grad_a, loss_a), (grad_b, loss_b) = paired_step.both(gradients, first, second)
-                args = (flat, exp_avg, exp_avg_sq, steps, momentum, self.decay, self.owner, grad_a, loss_a, grad_b,
-                        loss_b, self.lr, self.layout, setup)
-                return self._function(_paired_update, args, xs, ys)(*args)
+                if self.layout.matrices == 0:
+                    args = (flat, exp_avg, exp_avg_sq, steps, momentum, self.decay, self.owner, grad_a, loss_a,
+                            grad_b, loss_b, self.lr, self.layout, setup)
+                    return self._function(paired_update, args, xs, ys)(*args)
+                first, second = self.part_args(buffers, (grad_a, loss_a, grad_b, loss_b), setup)
+                part = self._function(paired_part, first, xs, ys, 0), self._function(paired_part, second, xs, ys, 1)
+                if part[0] is _COMPILED.get(paired_part):  # with dynamo's guards: in turn, as the halves
+                    result = part[0](*first)
+                    part[1](*second)
+                    return result
+                return paired_step.both(part[0], first, second, part[1])[0]
 
-    def _function(self, fn: Callable, args: tuple, xs: torch.Tensor, ys: torch.Tensor) -> Callable:
-        """The compiled fn for args: the last call's where the batch's shape and the model's mode are the same (the
-        step saved whole has no guards to tell them apart: see training/step_file.py), else step_file's, else
-        torch.compile's own (self.compiled)."""
+    def part_args(self, buffers: tuple[torch.Tensor, ...], halves: tuple[torch.Tensor, ...],
+                  setup: Setup) -> tuple[tuple, tuple]:
+        """The arguments of step_update.paired_part for each part, each a thread's: with Muon, the update of the halves'
+        gradients in two parts. Muon's orthogonalisation is most of a small model's update, and on one thread
+        beside the halves it cost more than they gained (tiny.yaml's step 16.56 -> 17.36 ms), while a team of two
+        threads for it left its second spinning into the next step's halves (23.41). So the first part takes AdamW's
+        parameters and the first half of the matrices, the second the others; both at once, one a thread, each on
+        its own slices of the buffers: tiny.yaml's step 15.84 -> 13.74 ms against the whole batch's (2-core Zen 2,
+        in one process, eight rounds in turn; training/paired_step.py has the other shapes measured). Each part
+        orthogonalises its own matrices, in batches of their own: the same arithmetic, to float32's rounding."""
+        flat, exp_avg, exp_avg_sq, steps, momentum = buffers
+        names, sizes, shapes, matrices = self.layout
+        first = len(names) - matrices + matrices // 2  # the parameters of the first part
+        cut, in_momentum = sum(sizes[:first]), sum(sizes[len(names) - matrices:first])
+        layouts = (Layout(names[:first], sizes[:first], shapes[:first], matrices // 2),
+                   Layout(names[first:], sizes[first:], shapes[first:], matrices - matrices // 2))
+        none = exp_avg[:0]
+        return ((flat[:cut], exp_avg, exp_avg_sq, steps, momentum[:in_momentum], self.decay, self.owner, *halves,
+                 self.lr, 0, layouts[0], setup),
+                (flat[cut:], none, none, steps[:0], momentum[in_momentum:], self.decay[:0], self.owner[:0], *halves,
+                 self.lr, cut, layouts[1], setup))
+
+    def _function(self, fn: Callable, args: tuple, xs: torch.Tensor, ys: torch.Tensor, part: int = 0) -> Callable:
+        """The compiled fn for args (part: which of fn's calls in a step, where it makes more than one): the last
+        call's where the batch's shape and the model's mode are the same (the step saved whole has no guards to tell
+        them apart: see training/step_file.py), else step_file's, else torch.compile's own (self.compiled)."""
         call = (xs.shape, xs.stride(), xs.dtype, ys.shape, ys.stride(), ys.dtype, self.model.training)
         if self._last is None or self._last[0] != call:
             self._last = (call, {})
         functions = self._last[1]
-        if fn in functions:
-            return functions[fn]
+        if (fn, part) in functions:
+            return functions[fn, part]
         function = None
         if step_file.used_on(self.device):
             try:
@@ -420,7 +343,7 @@ class CompiledStep:
                     raise stop from None
         if function is None:
             function, self.source = self.compiled(fn), "compiled with guards"
-        functions[fn] = function
+        functions[fn, part] = function
         return function
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:

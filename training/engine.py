@@ -103,8 +103,10 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
     if device.type == "cpu" and own_gemm_wanted():  # timed with training/linear_kernel.py's products (TINYCHAR_GEMM)
         parts["gemm"] = "own"
     split = parts_for(model_cfg.n_embd, model_cfg.dropout > 0, tc.optimizer == "muon", tc.batch_size, device, dtype)
-    if split > 1:  # the batch's halves each a thread's (training/paired_step.py)
+    if split > 1:  # the batch's halves each a thread's (training/paired_step.py), and Muon's update in two parts
         parts["split"] = split
+        if tc.optimizer == "muon":
+            parts["update"] = "two parts"
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
         parts["newton_schulz"] = "gram"  # Muon's float32 iteration on the Gram matrices (optim.gram_newton_schulz)
@@ -406,4 +408,6 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
     trainer.compiled_step, trainer.engine = step, "compiled"
     whole = "the step saved whole, loaded from " if step.source == "loaded" else ""
     halves = "; each batch in two halves, one a core" if step.parts > 1 else ""  # training/paired_step.py
+    if step.parts > 1 and step.layout.matrices:
+        halves += ", and Muon's update in two parts"
     say(f"engine: compiled in {seconds:.1f} s ({whole}compile cache: {folder}){halves}")

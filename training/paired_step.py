@@ -8,7 +8,8 @@ on two threads and 2.35-2.44 ms on one, so the second core bought nothing; two h
 at once in 1.4 ms. Split, the step took 1.61-1.71 ms (medians of four processes in turn with four of the whole
 batch, which took 2.29-2.43 in three and 1.54 in one: the machine's fast and slow spells, docs/engine-record.md,
 which the halves do not see, as they meet once a step); whole train.py runs, 1.77-1.83 ms against 2.41-2.62. Wider
-models share their products out well, and keep the whole batch (parts_for).
+models share their products out well, and keep the whole batch (parts_for), unless Muon steps them: its update comes
+in two parts as well (compiled_step.CompiledStep.part_args), and tiny.yaml's step took 13.74 ms against 15.84.
 
 The halves run one compiled function (compiled_step._gradients, each loss divided by two), the second on this
 module's worker thread while the caller's computes the first; code from the step saved whole (training/step_file.py)
@@ -43,6 +44,13 @@ SPLIT_SETTINGS = ("auto", "0", "1")
 # two threads beat the halves: block 8 9.35 -> 10.48, nanoGPT's CPU config (block 64, batch 12) 33.33 -> 33.57, at
 # batch 4 14.15 -> 15.28; through MKL level (11.33 -> 11.31). Block 64 at 64 wide: level (12.95 -> 12.92).
 SPLIT_MAX_WIDTH = 96
+# The widest model that auto splits where Muon steps the matrices: the update's orthogonalisation, d x d products for
+# a model d wide, goes in two parts too (compiled_step.CompiledStep.part_args), one a thread, and gains beside the
+# halves at every width measured (the Zen 2, float32, as above, 3 layers, tiny.yaml's settings, eight or six rounds):
+# block 8, batch 32, 32 wide 2.90 -> 2.14; tiny.yaml (64 wide, batch 128) 15.84 -> 13.74; 96 wide 29.91 -> 26.82;
+# 128 wide 50.45 -> 43.61; configs/shakespeare_char_cpu.yaml (block 64, batch 12, 4 layers of 128) 50.87 -> 47.68;
+# that 256 wide 204.32 -> 200.14. Wider: not measured.
+SPLIT_MAX_WIDTH_MUON = 256
 
 
 def split_setting() -> str:
@@ -65,18 +73,16 @@ def parts_for(width: int | None, dropout: bool, muon: bool, batch: int, device: 
 
     Never with dropout (each half would draw from one generator at once), an odd batch, another dtype than float32
     or device than a CPU, or a torch whose step is not saved whole (dynamo's guards are not for two threads at once).
-    auto splits where torch runs two threads, the model is at most SPLIT_MAX_WIDTH wide (width: n_embd; None for
-    a model without a GPT's config: not split) and no Muon steps its matrices: Muon's orthogonalisation runs in the
-    update, on one thread beside the halves (tiny.yaml's step 16.56 -> 17.36 ms split), and on two the second thread
-    of OpenMP's team, spinning after it, slowed the next halves (23.41 ms)."""
+    auto splits where torch runs two threads and the model (width: n_embd; None for a model without a GPT's config:
+    not split) is at most SPLIT_MAX_WIDTH wide, or SPLIT_MAX_WIDTH_MUON where Muon steps its matrices."""
     setting = split_setting()
     if (setting == "0" or device.type != "cpu" or dtype != torch.float32 or batch % 2 or dropout
             or not step_file.used_on(device)):
         return 1
     if setting == "1":
         return 2
-    small = width is not None and width <= SPLIT_MAX_WIDTH
-    return 2 if small and not muon and torch.get_num_threads() == 2 else 1
+    small = width is not None and width <= (SPLIT_MAX_WIDTH_MUON if muon else SPLIT_MAX_WIDTH)
+    return 2 if small and torch.get_num_threads() == 2 else 1
 
 
 def paired_rule(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, muon: bool) -> int:
@@ -153,15 +159,15 @@ def _forget_the_worker() -> None:
 os.register_at_fork(after_in_child=_forget_the_worker)
 
 
-def both(fn: Callable, first: tuple, second: tuple) -> tuple[object, object]:
-    """fn(*first) on this thread and fn(*second) on the worker, at once; both results, or the first error (after
-    the other call has ended)."""
+def both(fn: Callable, first: tuple, second: tuple, other: Callable | None = None) -> tuple[object, object]:
+    """fn(*first) on this thread and fn(*second) (other's, where given) on the worker, at once; both results, or the
+    first error (after the other call has ended)."""
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None:
             _WORKER = _Worker()
         worker = _WORKER
-        worker.give(fn, second)
+        worker.give(other or fn, second)
         try:
             a = fn(*first)
         except BaseException:
