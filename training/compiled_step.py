@@ -309,8 +309,9 @@ class CompiledStep:
         beside the halves it cost more than they gained (tiny.yaml's step 16.56 -> 17.36 ms), while a team of two
         threads for it left its second spinning into the next step's halves (23.41). So the first part takes AdamW's
         parameters and the first half of the matrices, the second the others; both at once, one a thread, each on
-        its own slices of the buffers: tiny.yaml's step 15.84 -> 13.74 ms against the whole batch's (2-core Zen 2,
-        in one process, eight rounds in turn; training/paired_step.py has the other shapes measured). Each part
+        its own slices of the buffers: tiny.yaml's step 13.64 -> 13.12 ms against the whole batch's, bench.py's
+        block-8 shape with Muon 3.02 -> 2.22 (2-core Zen 2, in one process, six rounds in turn; the other shapes
+        measured in training/paired_step.py). Each part
         orthogonalises its own matrices, in batches of their own: the same arithmetic, to float32's rounding."""
         flat, exp_avg, exp_avg_sq, steps, momentum = buffers
         names, sizes, shapes, matrices = self.layout

@@ -9,7 +9,7 @@ at once in 1.4 ms. Split, the step took 1.61-1.71 ms (medians of four processes 
 batch, which took 2.29-2.43 in three and 1.54 in one: the machine's fast and slow spells, docs/engine-record.md,
 which the halves do not see, as they meet once a step); whole train.py runs, 1.77-1.83 ms against 2.41-2.62. Wider
 models share their products out well, and keep the whole batch (parts_for), unless Muon steps them: its update comes
-in two parts as well (compiled_step.CompiledStep.part_args), and tiny.yaml's step took 13.74 ms against 15.84.
+in two parts as well (compiled_step.CompiledStep.part_args): tiny.yaml's step 13.64 -> 13.12 ms.
 
 The halves run one compiled function (compiled_step._gradients, each loss divided by two), the second on this
 module's worker thread while the caller's computes the first; code from the step saved whole (training/step_file.py)
@@ -46,10 +46,10 @@ SPLIT_SETTINGS = ("auto", "0", "1")
 SPLIT_MAX_WIDTH = 96
 # The widest model that auto splits where Muon steps the matrices: the update's orthogonalisation, d x d products for
 # a model d wide, goes in two parts too (compiled_step.CompiledStep.part_args), one a thread, and gains beside the
-# halves at every width measured (the Zen 2, float32, as above, 3 layers, tiny.yaml's settings, eight or six rounds):
-# block 8, batch 32, 32 wide 2.90 -> 2.14; tiny.yaml (64 wide, batch 128) 15.84 -> 13.74; 96 wide 29.91 -> 26.82;
-# 128 wide 50.45 -> 43.61; configs/shakespeare_char_cpu.yaml (block 64, batch 12, 4 layers of 128) 50.87 -> 47.68;
-# that 256 wide 204.32 -> 200.14. Wider: not measured.
+# halves at every width measured (the Zen 2, float32, as above with denormals flushed as train.py does, 3 layers,
+# tiny.yaml's settings, six rounds): block 8, batch 32, 32 wide 3.02 -> 2.22; tiny.yaml (64 wide, batch 128) 13.64
+# -> 13.12; 96 wide 29.28 -> 26.45; 128 wide 49.63 -> 43.42; configs/shakespeare_char_cpu.yaml (block 64, batch 12,
+# 4 layers of 128) 50.13 -> 47.64; that 256 wide 205.43 -> 202.15. Wider: not measured.
 SPLIT_MAX_WIDTH_MUON = 256
 
 
