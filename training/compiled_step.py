@@ -242,6 +242,7 @@ class CompiledStep:
         # the last call's shapes and mode, and the functions compiled for them
         self._last: tuple[tuple, dict[tuple[Callable, int], Callable]] | None = None
         self.source = ""  # where the compiled function came from (step_file.step_function): said in the log
+        self._parts: tuple[int, int, tuple[Layout, Layout]] | None = None  # part_args's division of the buffers
 
     @staticmethod
     def _flat_state(states: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
@@ -311,14 +312,16 @@ class CompiledStep:
         parameters and the first half of the matrices, the second the others; both at once, one a thread, each on
         its own slices of the buffers: tiny.yaml's step 13.64 -> 13.12 ms against the whole batch's, bench.py's
         block-8 shape with Muon 3.02 -> 2.22 (2-core Zen 2, in one process, six rounds in turn; the other shapes
-        measured in training/paired_step.py). Each part
-        orthogonalises its own matrices, in batches of their own: the same arithmetic, to float32's rounding."""
+        measured in training/paired_step.py). Each part orthogonalises its own matrices, in batches of their own:
+        the same arithmetic, to float32's rounding."""
         flat, exp_avg, exp_avg_sq, steps, momentum = buffers
-        names, sizes, shapes, matrices = self.layout
-        first = len(names) - matrices + matrices // 2  # the parameters of the first part
-        cut, in_momentum = sum(sizes[:first]), sum(sizes[len(names) - matrices:first])
-        layouts = (Layout(names[:first], sizes[:first], shapes[:first], matrices // 2),
-                   Layout(names[first:], sizes[first:], shapes[first:], matrices - matrices // 2))
+        if self._parts is None:  # where the parts divide the buffers: the same for every step
+            names, sizes, shapes, matrices = self.layout
+            first = len(names) - matrices + matrices // 2  # the parameters of the first part
+            self._parts = (sum(sizes[:first]), sum(sizes[len(names) - matrices:first]),
+                           (Layout(names[:first], sizes[:first], shapes[:first], matrices // 2),
+                            Layout(names[first:], sizes[first:], shapes[first:], matrices - matrices // 2)))
+        cut, in_momentum, layouts = self._parts
         none = exp_avg[:0]
         return ((flat[:cut], exp_avg, exp_avg_sq, steps, momentum[:in_momentum], self.decay, self.owner, *halves,
                  self.lr, 0, layouts[0], setup),
