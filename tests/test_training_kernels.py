@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
 
@@ -136,9 +137,11 @@ def test_the_kernels_go_only_to_steps_big_enough_to_win_their_calls_back(monkeyp
 
 
 def loaded_operators() -> None:
-    """Load the operators' C++ kernels, or skip where this torch has no stable C++ interface for them (before 2.10:
-    their Python kernels run there, as every test of them above checks wherever the C++ ones are not loaded yet)."""
-    cpp = attention_kernel._operators() is not None and gelu_kernel._operators() is not None
+    """Load the operators' C++ kernels, and the kernels that GELU's and the linear layers' take (built, given to them),
+    or skip where this torch has no stable C++ interface for them (before 2.10: their Python kernels run there, as
+    every test of them above checks wherever the C++ ones are not loaded yet)."""
+    gelu_kernel.library(), linear_kernel.library()
+    cpp = all(k._operators() is not None for k in (attention_kernel, gelu_kernel, linear_kernel))
     if TorchVersion(torch.__version__) < "2.10":
         assert not cpp
         pytest.skip("the operators' kernels are C++ from torch 2.10")
@@ -168,6 +171,33 @@ def test_the_operators_run_their_cpp_kernels_which_give_what_the_python_ones_giv
     assert torch.equal(dqkv, attention_kernel.causal_attention_backward_in_python(qkv, weights, dy, 2))
     assert torch.equal(h, gelu_kernel.gelu_in_python(x)) and h.is_contiguous()
     assert torch.equal(dx, gelu_kernel.gelu_backward_in_python(x, g))
+
+
+@needs_cpu_compile
+def test_a_call_of_an_operator_runs_no_python_past_its_own_call():
+    """The compiled step calls the operators through PyTorch's dispatcher, dozens of times a step: nothing between the
+    dispatcher and their C++ kernels is Python, an autograd kernel included (torch.library.custom_op gives one, about
+    7 us a call; the operators' gradients are their autograd.Functions'). Each of the seven, traced: the only Python
+    it runs is the operator's own __call__."""
+    loaded_operators()
+    gen = torch.Generator().manual_seed(5)
+    qkv, dy = torch.randn(2, 16, 3 * 32, generator=gen), torch.randn(2, 16, 32, generator=gen)
+    x, w, g = torch.randn(12, 32, generator=gen), torch.randn(16, 32, generator=gen), torch.randn(12, 16, generator=gen)
+    _, weights = torch.ops.tinychar.causal_attention(qkv, 1)  # the kernel of this shape built, through Python
+    ops = torch.ops.tinychar
+    calls = [(ops.gelu, (x,)), (ops.gelu_backward, (x, x)), (ops.linear, (x, w)), (ops.linear_backward, (x, w, g)),
+             (ops.linear_packed, (x, linear_kernel.pack(w))), (ops.causal_attention, (qkv, 1)),
+             (ops.causal_attention_backward, (qkv, weights, dy, 1))]
+    ran: list[str] = []
+    for op, args in calls:
+        ran.clear()
+        sys.setprofile(lambda frame, event, _: ran.append(frame.f_code.co_name) if event == "call" else None)
+        try:
+            op(*args)
+        finally:
+            sys.setprofile(None)
+        assert ran == ["__call__"], (op, ran)
+    assert torch.equal(ops.linear(x, w), linear_kernel.linear_in_python(x, w))
 
 
 @needs_cpu_compile

@@ -31,7 +31,7 @@ from torch import nn
 
 from model.attention import CausalSelfAttention
 
-from .c_kernels import PRELUDE, build, give, operators, worth_it
+from .c_kernels import PRELUDE, build, define, give, operators, worth_it
 
 # Longest block the kernel takes: its buffers for one (batch, head) pair live on the thread's stack (under 200 KB).
 MAX_BLOCK = 128
@@ -298,13 +298,13 @@ def causal_attention_in_python(qkv: torch.Tensor, n_head: int) -> tuple[torch.Te
     return y, weights
 
 
-causal_attention = torch.library.custom_op("tinychar::causal_attention", causal_attention_in_python, mutates_args=())
-
-
-@causal_attention.register_fake
-def _(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _shapes(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, C3 = qkv.shape
     return qkv.new_empty(B, T, C3 // 3), qkv.new_empty(B, n_head, T, _padded(T))
+
+
+causal_attention = define("causal_attention", "(Tensor qkv, int n_head) -> (Tensor, Tensor)",
+                          causal_attention_in_python, _shapes)
 
 
 def causal_attention_backward_in_python(qkv: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor, n_head: int
@@ -318,13 +318,10 @@ def causal_attention_backward_in_python(qkv: torch.Tensor, weights: torch.Tensor
     return dqkv
 
 
-causal_attention_backward = torch.library.custom_op("tinychar::causal_attention_backward",
-                                                    causal_attention_backward_in_python, mutates_args=())
-
-
-@causal_attention_backward.register_fake
-def _(qkv: torch.Tensor, weights: torch.Tensor, dy: torch.Tensor, n_head: int) -> torch.Tensor:
-    return torch.empty_like(qkv)
+causal_attention_backward = define("causal_attention_backward",
+                                   "(Tensor qkv, Tensor weights, Tensor dy, int n_head) -> Tensor",
+                                   causal_attention_backward_in_python,
+                                   lambda qkv, weights, dy, n_head: torch.empty_like(qkv))
 
 
 class _CausalAttention(torch.autograd.Function):

@@ -1,12 +1,12 @@
 """C kernels of tinychar's own for the compiled training step on a CPU (training/attention_kernel.py,
 training/gelu_kernel.py, training/linear_kernel.py): built by the C compiler torch.compile uses, with OpenMP
 (PyTorch's own threads: the loader finds its libgomp already in the process), once per kernel and shape, kept in the
-compile cache beside inductor's code. Each is called by a custom operator, whose kernel for CPU tensors is C++ of ours
-where torch has its stable C++ interface (2.10 and later; see operators), which the compiled step's C++ wrapper calls
-with no Python between, and otherwise Python, through ctypes (each call then a round trip through Python, about
-50 us). They are written with GCC's vector extension (eight floats, what AVX2 holds), which GCC and Clang compile for
-any CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP) runs PyTorch's code
-instead.
+compile cache beside inductor's code. Each is called by an operator of ours (define), whose kernel for CPU tensors is
+C++ of ours where torch has its stable C++ interface (2.10 and later; see operators), which the compiled step's C++
+wrapper calls with no Python between, and otherwise Python, through ctypes (each call then a round trip through
+Python, about 50 us). They are written with GCC's vector extension (eight floats, what AVX2 holds), which GCC and
+Clang compile for any CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP) runs
+PyTorch's code instead.
 """
 
 from __future__ import annotations
@@ -179,6 +179,28 @@ class PairedKernel:
             addresses = [ctypes.cast(getattr(self.loaded[0], f), ctypes.c_void_p) for f in self.argtypes]
             getattr(ops, f"tinychar_{self.name}_set")(*addresses)
         return ops
+
+
+# The namespace of the kernels' operators, defined here rather than by torch.library.custom_op: custom_op gives each
+# operator an autograd kernel in Python, which the dispatcher runs on every call, the compiled step's C++ wrapper's
+# included (it calls the dispatcher, which enters Python for that kernel and leaves it again for the C++ one). These
+# operators take no gradient themselves (each pair is one torch.autograd.Function: attention_kernel, gelu_kernel,
+# linear_kernel), so they are left to PyTorch's autograd fallback, in C++. See define.
+_NAMESPACE = torch.library.Library("tinychar", "FRAGMENT")
+
+
+def define(name: str, schema: str, kernel: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """The operator tinychar::name, its arguments and results as schema says ("(Tensor x) -> Tensor"): kernel, in
+    Python, for tensors of any device (the C++ kernels of operators take its place for CPU tensors once loaded), and
+    fake for torch.compile's shapes. Measured on a 2-core Zen 2 EPYC (torch 2.13, the C++ kernels loaded): the GELU
+    operator on eight values, called from Python, 13.5 us a call as custom_op made it, 5.6 us defined so; the compiled
+    step of nanoGPT's CPU config (48 calls) 32.2-32.4 -> 31.4-31.5 ms, tiny.yaml's in halves (24 calls a half, on two
+    threads, each call taking Python's lock as custom_op made it) 13.1-13.5 -> 12.2-12.4 ms, the same bits (one
+    process each, five rounds; docs/engine-record.md)."""
+    _NAMESPACE.define(name + schema)
+    _NAMESPACE.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tinychar::{name}", fake, lib=_NAMESPACE)
+    return getattr(torch.ops.tinychar, name).default
 
 
 def worth_it(work: int, least: tuple[int, int], loaded: Callable[[], object]) -> bool:

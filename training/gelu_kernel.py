@@ -20,7 +20,7 @@ from torch import nn
 
 from model.gpt import MLP
 
-from .c_kernels import PRELUDE, PairedKernel, give, worth_it
+from .c_kernels import PRELUDE, PairedKernel, define, give, worth_it
 
 SOURCE = PRELUDE + r"""
 /* erf(z) for z >= 0, given e = exp(-z^2): Abramowitz and Stegun 7.1.26, as ATen computes it */
@@ -123,12 +123,8 @@ def gelu_in_python(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-gelu = torch.library.custom_op("tinychar::gelu", gelu_in_python, mutates_args=())
-
-
-@gelu.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+gelu = define("gelu", "(Tensor x) -> Tensor", gelu_in_python,
+              lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def gelu_backward_in_python(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -139,12 +135,8 @@ def gelu_backward_in_python(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return dx
 
 
-gelu_backward = torch.library.custom_op("tinychar::gelu_backward", gelu_backward_in_python, mutates_args=())
-
-
-@gelu_backward.register_fake
-def _(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+gelu_backward = define("gelu_backward", "(Tensor x, Tensor g) -> Tensor", gelu_backward_in_python,
+                       lambda x, g: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 class _GELU(torch.autograd.Function):

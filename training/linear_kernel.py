@@ -34,7 +34,7 @@ from torch import nn
 
 from model.linear import Linear, gemm_setting, own_gemm_wanted
 
-from .c_kernels import PRELUDE, PairedKernel, give, worth_it
+from .c_kernels import PRELUDE, PairedKernel, define, give, worth_it
 from .memory import allocatable_bytes
 
 # Fewest multiply-adds of a layer's product (rows x in x out) for which the layer takes the kernel: with the operators
@@ -262,12 +262,8 @@ def linear_in_python(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
-linear = torch.library.custom_op("tinychar::linear", linear_in_python, mutates_args=())
-
-
-@linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.size(0), weight.size(0))
+linear = define("linear", "(Tensor x, Tensor weight) -> Tensor", linear_in_python,
+                lambda x, weight: x.new_empty(x.size(0), weight.size(0)))
 
 
 def linear_backward_in_python(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
@@ -281,13 +277,10 @@ def linear_backward_in_python(x: torch.Tensor, weight: torch.Tensor, dy: torch.T
     return dx, dw
 
 
-linear_backward = torch.library.custom_op("tinychar::linear_backward", linear_backward_in_python, mutates_args=())
-
-
-@linear_backward.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(weight, memory_format=torch.contiguous_format))
+linear_backward = define("linear_backward", "(Tensor x, Tensor weight, Tensor dy) -> (Tensor, Tensor)",
+                         linear_backward_in_python,
+                         lambda x, weight, dy: (torch.empty_like(x, memory_format=torch.contiguous_format),
+                                                torch.empty_like(weight, memory_format=torch.contiguous_format)))
 
 
 class _Linear(torch.autograd.Function):
@@ -326,12 +319,8 @@ def linear_packed_in_python(x: torch.Tensor, packed: torch.Tensor) -> torch.Tens
     return y
 
 
-linear_packed = torch.library.custom_op("tinychar::linear_packed", linear_packed_in_python, mutates_args=())
-
-
-@linear_packed.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.size(0), packed.size(0) * 16)
+linear_packed = define("linear_packed", "(Tensor x, Tensor packed) -> Tensor", linear_packed_in_python,
+                       lambda x, packed: x.new_empty(x.size(0), packed.size(0) * 16))
 
 
 def layers_taking(model: nn.Module) -> list[Linear]:
@@ -373,8 +362,7 @@ def attach_packed(model: nn.Module, folder: Path | None = None) -> bool:
     layers = layers_taking(model)
     if not layers or not packed_copies_fit(layers) or _operators(folder) is None:
         return False
-    # the operator's overload, not the custom_op object, which copy.deepcopy cannot copy (a layer copied with its model)
-    if not give(layers, lambda: library(folder), torch.ops.tinychar.linear_packed.default, SOURCE, "packed_kernel"):
+    if not give(layers, lambda: library(folder), linear_packed, SOURCE, "packed_kernel"):
         return False
     for m in layers:
         m.packed = pack(m.weight)
