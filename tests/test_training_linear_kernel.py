@@ -111,9 +111,10 @@ def taken(m: GPT) -> list[str]:
 @needs_cpu_compile
 def test_the_layers_that_take_the_kernel(monkeypatch):
     """With TINYCHAR_GEMM=1: every linear layer of sizes multiples of 16 whose products on a micro-batch's rows reach
-    MIN_MACS (nanoGPT's CPU config, 768 rows of 128 wide: all four of a block's); not the head over 65 characters,
-    nor bench.py's block-8 step (256 rows of 32 wide, measured slower). 0 gives it to none, and auto to none where it
-    was not measured faster. Only the compiled step's traced forward runs it: eager passes keep PyTorch's."""
+    MIN_MACS (nanoGPT's CPU config, 768 rows of 128 wide, and tiny.yaml's halves, 512 of 64: all four of a block's); not
+    the head over 65 characters, nor bench.py's block-8 step (256 rows of 32 wide, measured slower). 0 gives it to none,
+    and auto to none where it was not measured faster. Only the compiled step's traced forward runs it: eager passes
+    keep PyTorch's."""
     monkeypatch.setenv("TINYCHAR_GEMM", "1")
     block = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
              "transformer.h.0.mlp.c_proj"]
@@ -124,6 +125,10 @@ def test_the_layers_that_take_the_kernel(monkeypatch):
     assert linear_kernel.attach(m, rows=12 * 64) and taken(m) == [*block, "lm_head"]
     m = model(width=32)
     assert not linear_kernel.attach(m, rows=32 * 8) and not taken(m)
+    m = model(width=64)  # tiny.yaml's step in halves: 512 rows; the attention's c_proj, 512 x 64 x 64, at MIN_MACS
+    assert linear_kernel.attach(m, rows=512) and taken(m) == block
+    m = model(width=64)
+    assert linear_kernel.attach(m, rows=511) and taken(m) == [block[0], *block[2:]]
     m = model(width=512)  # c_fc's and the MLP's c_proj's weights have 2^20 values: over this limit, they keep MKL
     monkeypatch.setattr(linear_kernel, "MAX_WEIGHTS", 2**20 - 1)
     assert linear_kernel.attach(m, rows=12 * 64) and taken(m) == block[:2]

@@ -41,8 +41,11 @@ from .memory import allocatable_bytes
 # in C++, then where each call goes through Python (a torch before 2.10: not measured, so never). Measured on a
 # 2-core Zen 2 EPYC through train.py (runs of two lengths differenced, interleaved, a compile cache each): nanoGPT's
 # CPU config (12.6-50.3 million a product) 41.0 -> 35.0 ms a step, tiny.yaml (4.2-16.8 million; three layers of four
-# take it) 16.6 -> 16.05 ms, bench.py's block-8 step (0.3-1.0 million; every layer) 2.69 -> 3.25 ms.
-MIN_MACS = (2**23, math.inf)
+# take it) 16.6 -> 16.05 ms, bench.py's block-8 step (0.3-1.0 million; every layer) 2.69 -> 3.25 ms. Each call took
+# about 7 us of Python more then (see c_kernels.define); without it, tiny.yaml's step in halves (512 rows a half,
+# 2.1-8.4 million a product), in one process, alternated with the step at 2^23: 12.75 -> 12.39 ms with every layer
+# taking the kernel (8 rounds of 8 faster), 12.43 -> 12.13 with three of four (2^22).
+MIN_MACS = (2**21, math.inf)
 # Most values a layer's weight may have to take the kernel: each thread copies all of it for the forward product.
 # Measured alone (forward and both gradients, 2 threads, Zen 2): 768 rows of 256 -> 768 and 1,024 -> 256, 1.27-1.37x
 # MKL's speed; the baby GPT's shapes (4,096 rows of 384 -> 1,152 and 1,536, 1,536 -> 384), 1.27-1.29x. Larger weights
