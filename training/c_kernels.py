@@ -129,7 +129,7 @@ _OPERATORS: dict[str, ctypes.CDLL | None] = {}
 
 def operators(name: str, source: str, folder: Path | None = None) -> ctypes.CDLL | None:
     """Operators' kernels in C++ (source, OPERATORS_PRELUDE first), registered with PyTorch's dispatcher for CPU
-    tensors when loaded, in place of the operators' Python kernels (torch.library.custom_op's, registered for any
+    tensors when loaded, in place of the operators' Python kernels (define's, registered for any
     device), so that the compiled step's C++ wrapper calls them without a round trip through Python: about 35 us a call
     less, measured, and 2.7% of the step of nanoGPT's CPU config (docs/engine-record.md). Built into folder
     (by default the compile cache) once, loaded once a process; None where they cannot be (a torch before 2.10, its
