@@ -9,8 +9,8 @@ columns held in twelve vector registers; the right operand is copied into sixtee
 itself (a panel shared between the two cores cost 10-20%), and the left one is read where it lies, except in the weight
 gradient, whose left operand (the output gradient, transposed) is copied six rows at a time, and whose sum over the rows
 is split in two halves, one a thread, so that neither copies the other's rows. Timed alone, 20.6 ms a step against MKL's
-25.8; in the step 35.0 ms against 41.0 (docs/engine-record.md). Alone and warm, the products run at 90-93% of the Zen
-2's multiply-add peak forward, 83% backward; in the step about 75%, their operands and outputs come cold (all four
+25.8; in the step 35.0 ms against 41.0 (docs/engine-record.md). Alone and warm, the products run at 88-92% of the Zen
+2's multiply-add peak forward, 78-83% backward; in the step about 75%, their operands and outputs come cold (all four
 blocks' products alone, 32 MB written before each call: 24.4 ms against 19.7 warm), and each tile asks for the next
 one's output rows while it multiplies: the CPU config's compiled step 31.69 -> 31.45 ms, tiny.yaml's 11.99 -> 11.90 (in
 one process, eight rounds, 8 and 6 faster, the same bits). Deterministic: each value of the output is summed in one
