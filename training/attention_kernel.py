@@ -9,7 +9,11 @@ of the positions each query may see, the weighted sum of values, and in the back
 and v where the projection wrote them and writing the output and the gradients where the next layer reads them.
 Measured there (torch 2.13, 2 threads, float32): 0.46-0.53 ms a layer against 1.0, and the whole compiled step of
 that config 36.16 ms against 37.11 (medians of 16 rounds of 20 steps, interleaved in one process), the same losses
-to 1e-6; with training/gelu_kernel.py as well, 35.05.
+to 1e-6; with training/gelu_kernel.py as well, 35.05. On a 2-core Zen 2 EPYC (2026-12-06), alone and warm, the
+layer took 218 us forward and 311 backward; then, its products in tiles of six rows (twelve registers, not eight), q's
+and k's and v's heads turned by 8 x 8 blocks in registers, the softmax's sums and maxima in three steps of a tree, the
+outputs written where they go (no copy), and the next pair's rows asked for ahead: 164 and 241 us, and the CPU
+config's compiled step 30.9 -> 30.4 ms (docs/engine-record.md).
 
 The same arithmetic as the notes' (scores scaled by 1/sqrt(head_size), the triangular mask, softmax, weighted sum),
 in another order of additions, with exp computed by a polynomial to float32's precision. Deterministic: each pair is
@@ -48,41 +52,108 @@ SOURCE = PRELUDE + r"""
 #define C (NH * HS)
 #define C3 (3 * C)
 #define TP ((T + 15) / 16 * 16)
-/* out[i][0:n) = sum over k of A(i, k) b[k][0:n), rows i in [0, m), n a multiple of 16, four rows by 16 columns at a
-   time. mode 0: k in [0, K), A(i, k) = a[i][k]; 1: k in [0, i]; 2: k in [i, K), A(i, k) = a[k][i] (a transposed).
-   causal_n: only the columns up to the last row's diagonal. */
+/* Lanes of two vectors picked by index (0-7 a's, 8-15 b's). */
+#if defined(__clang__) || __GNUC__ >= 12
+#define MIX(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define MIX(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+/* every lane the max, or the sum, of v's eight: three steps of a tree, not seven in a row */
+static inline v8 vmax(v8 a, v8 b) { return sel(a > b, a, b); }
+static inline v8 allmax(v8 v) {
+    v = vmax(v, MIX(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, MIX(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    return vmax(v, MIX(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+}
+static inline v8 allsum(v8 v) {
+    v += MIX(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += MIX(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    return v + MIX(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+}
+
+/* The products: out[i][0:n) = sum over k of A(i, k) b[k][0:n). mode 0: k in [0, K), A(i, k) = a[i][k]; 1: k in [0,
+   i]; 2: k in [i, K), A(i, k) = a[k][i] (a transposed). */
 #define AT(i, k) (mode == 2 ? a[(k) * lda + (i)] : a[(i) * lda + (k)])
 #define TAKES(i, k) ((mode != 1 || (k) <= (i)) && (mode != 2 || (k) >= (i)))
-static inline void mm(const float* __restrict__ a, int lda, const float* __restrict__ b, int ldb,
-                      float* __restrict__ out, int ldo, int m, int K, int n, int mode, int causal_n) {
-    for (int i0 = 0; i0 < m; i0 += 4) {
-        int rows = m - i0 < 4 ? m - i0 : 4;
-        int klo = mode == 2 ? i0 : 0, khi = mode == 1 ? i0 + rows : K;
+/* Rows i0 to i0 + R - 1 by columns j0 to j0 + 15, in 2R vector registers (R = 6: twelve, which Zen 2's two FMA
+   units of five cycles each want in flight): first the k every row takes, then the few where the triangle cuts some
+   rows off. */
+#define MMTILE(R) \
+static inline __attribute__((always_inline)) void mm##R(const float* __restrict__ a, int lda, \
+        const float* __restrict__ b, int ldb, float* __restrict__ out, int ldo, int i0, int j0, int K, int mode) { \
+    int klo = mode == 2 ? i0 : 0, khi = mode == 1 ? i0 + R : K; \
+    int all_lo = mode == 2 ? i0 + R - 1 : klo, all_hi = mode == 1 ? i0 + 1 : khi; \
+    v8 acc[R][2]; \
+    for (int r = 0; r < R; r++) { acc[r][0] = BC(0.0f); acc[r][1] = BC(0.0f); } \
+    for (int k = all_lo; k < all_hi; k++) { \
+        v8 b0 = LD(b + k * ldb + j0), b1 = LD(b + k * ldb + j0 + 8); \
+        for (int r = 0; r < R; r++) { v8 x = BC(AT(i0 + r, k)); acc[r][0] += x * b0; acc[r][1] += x * b1; } \
+    } \
+    for (int k = klo; k < khi; k++) { \
+        if (k >= all_lo && k < all_hi) continue; \
+        v8 b0 = LD(b + k * ldb + j0), b1 = LD(b + k * ldb + j0 + 8); \
+        for (int r = 0; r < R; r++) { \
+            v8 x = BC(TAKES(i0 + r, k) ? AT(i0 + r, k) : 0.0f); acc[r][0] += x * b0; acc[r][1] += x * b1; \
+        } \
+    } \
+    for (int r = 0; r < R; r++) { \
+        ST(out + (i0 + r) * ldo + j0, acc[r][0]); ST(out + (i0 + r) * ldo + j0 + 8, acc[r][1]); \
+    } \
+}
+MMTILE(1) MMTILE(2) MMTILE(3) MMTILE(4) MMTILE(5) MMTILE(6)
+/* The product for rows i in [0, m), n a multiple of 16, in tiles of six rows (the last m mod 6 in one of its own);
+   causal_n: only the columns up to each tile's last diagonal. Each value is summed in one order, on any thread. */
+static inline __attribute__((always_inline)) void mm(const float* __restrict__ a, int lda, const float* __restrict__ b,
+        int ldb, float* __restrict__ out, int ldo, int m, int K, int n, int mode, int causal_n) {
+    for (int i0 = 0; i0 < m; i0 += 6) {
+        int rows = m - i0 < 6 ? m - i0 : 6;
         int nn = causal_n ? (i0 + rows + 15) / 16 * 16 : n;
         if (nn > n) nn = n;
-        /* the k every one of the four rows takes; the few others, where the triangle cuts rows off, apart */
-        int all_lo = mode == 2 ? i0 + rows - 1 : klo, all_hi = mode == 1 ? i0 + 1 : khi;
-        if (rows < 4) all_lo = all_hi = klo;
-        for (int j0 = 0; j0 < nn; j0 += 16) {
-            v8 c00 = BC(0), c01 = BC(0), c10 = BC(0), c11 = BC(0), c20 = BC(0), c21 = BC(0), c30 = BC(0), c31 = BC(0);
-#define STEP(x0, x1, x2, x3) do { \
-                v8 b0 = LD(b + k * ldb + j0), b1 = LD(b + k * ldb + j0 + 8); \
-                v8 y0 = (x0), y1 = (x1), y2 = (x2), y3 = (x3); \
-                c00 += y0 * b0; c01 += y0 * b1; c10 += y1 * b0; c11 += y1 * b1; \
-                c20 += y2 * b0; c21 += y2 * b1; c30 += y3 * b0; c31 += y3 * b1; } while (0)
-            for (int k = all_lo; k < all_hi; k++)
-                STEP(BC(AT(i0, k)), BC(AT(i0 + 1, k)), BC(AT(i0 + 2, k)), BC(AT(i0 + 3, k)));
-#define X(r) BC((r) < rows && TAKES(i0 + (r), k) ? AT(i0 + (r), k) : 0.0f)
-            for (int k = klo; k < khi; k++)
-                if (k < all_lo || k >= all_hi) STEP(X(0), X(1), X(2), X(3));
-            float* o = out + i0 * ldo + j0;
-            ST(o, c00); ST(o + 8, c01);
-            if (rows > 1) { ST(o + ldo, c10); ST(o + ldo + 8, c11); }
-            if (rows > 2) { ST(o + 2 * ldo, c20); ST(o + 2 * ldo + 8, c21); }
-            if (rows > 3) { ST(o + 3 * ldo, c30); ST(o + 3 * ldo + 8, c31); }
-        }
+        for (int j0 = 0; j0 < nn; j0 += 16)
+            switch (rows) {
+                case 6: mm6(a, lda, b, ldb, out, ldo, i0, j0, K, mode); break;
+                case 5: mm5(a, lda, b, ldb, out, ldo, i0, j0, K, mode); break;
+                case 4: mm4(a, lda, b, ldb, out, ldo, i0, j0, K, mode); break;
+                case 3: mm3(a, lda, b, ldb, out, ldo, i0, j0, K, mode); break;
+                case 2: mm2(a, lda, b, ldb, out, ldo, i0, j0, K, mode); break;
+                default: mm1(a, lda, b, ldb, out, ldo, i0, j0, K, mode);
+            }
     }
 }
+
+/* dst[c * ldd + r] = src[r * lds + c] f, rows r and columns c in [0, 8): an 8 x 8 block turned in registers */
+static inline void transpose8(const float* src, long lds, float* dst, long ldd, v8 f) {
+    v8 r0 = LD(src) * f, r1 = LD(src + lds) * f, r2 = LD(src + 2 * lds) * f, r3 = LD(src + 3 * lds) * f;
+    v8 r4 = LD(src + 4 * lds) * f, r5 = LD(src + 5 * lds) * f, r6 = LD(src + 6 * lds) * f, r7 = LD(src + 7 * lds) * f;
+    v8 t0 = MIX(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13), t1 = MIX(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15);
+    v8 t2 = MIX(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13), t3 = MIX(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15);
+    v8 t4 = MIX(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13), t5 = MIX(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15);
+    v8 t6 = MIX(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13), t7 = MIX(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
+    v8 u0 = MIX(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13), u1 = MIX(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8 u2 = MIX(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13), u3 = MIX(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8 u4 = MIX(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13), u5 = MIX(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8 u6 = MIX(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13), u7 = MIX(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
+    ST(dst, MIX(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11)); ST(dst + 4 * ldd, MIX(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
+    ST(dst + ldd, MIX(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11)); ST(dst + 5 * ldd, MIX(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
+    ST(dst + 2 * ldd, MIX(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
+    ST(dst + 6 * ldd, MIX(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
+    ST(dst + 3 * ldd, MIX(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
+    ST(dst + 7 * ldd, MIX(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+/* t (HS x TP) = the first T rows of x (rows ld apart, HS wide) transposed and times f, zero past column T */
+static inline void transposed(const float* x, long ld, float* t, float f) {
+    int whole = T / 8 * 8;
+    for (int j = 0; j < whole; j += 8)
+        for (int d = 0; d < HS; d += 8) transpose8(x + j * ld + d, ld, t + d * TP + j, TP, BC(f));
+    for (int d = 0; d < HS; d++)
+        for (int j = whole; j < TP; j++) t[d * TP + j] = j < T ? x[j * ld + d] * f : 0.0f;
+}
+
+/* n floats from x asked for, a cache line at a time: each pair asks for the next pair's rows (the next head's, or the
+   next sequence's first) as it goes, which in the step come from memory. The CPU config's shape alone, 32 MB written
+   before each call (two runs): forward 291-319 -> 237-248 us, backward 463-508 -> 427-453; in its compiled step
+   about 0.1 ms of 30 (the kernel's share of perf's samples 7.3% -> 6.9%). */
+static inline void ask_for(const float* x, int n) { for (int j = 0; j < n; j += 16) __builtin_prefetch(x + j, 0, 3); }
 
 /* One (batch, head) pair: q, k, v rows of qkv (B, T, 3C), y (B, T, C), P its softmax (T, TP), 0 past the diagonal. */
 static void forward_pair(const float* __restrict__ qkv, float* __restrict__ y, float* __restrict__ P, int bh,
@@ -91,10 +162,9 @@ static void forward_pair(const float* __restrict__ qkv, float* __restrict__ y, f
     const float* q = qkv + (long)b * T * C3 + h * HS;
     const float* k = q + C;
     const float* v = q + 2 * C;
+    const float* next = qkv + (long)((bh + 1) / NH) * T * C3 + (bh + 1) % NH * HS;
     float kt[HS * TP] __attribute__((aligned(32)));
-    float o[TP * HS] __attribute__((aligned(32)));
-    for (int j = 0; j < TP; j++)
-        for (int d = 0; d < HS; d++) kt[d * TP + j] = j < T ? k[j * C3 + d] * scale : 0.0f;
+    transposed(k, C3, kt, scale);
     float* p = P + (long)bh * T * TP;
     mm(q, C3, kt, TP, p, TP, T, HS, TP, 0, 1);
     const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -106,18 +176,17 @@ static void forward_pair(const float* __restrict__ qkv, float* __restrict__ y, f
             v8 s = sel(lane + BC(j) <= BC(i), LD(row + j), BC(-3.0e38f));
             mv = sel(s > mv, s, mv);
         }
-        float m = hmax(mv);
+        v8 m = allmax(mv);
         for (int j = 0; j < nv; j += 8) {
-            v8 e = sel(lane + BC(j) <= BC(i), vexp(LD(row + j) - BC(m)), BC(0.0f));
+            v8 e = sel(lane + BC(j) <= BC(i), vexp(LD(row + j) - m), BC(0.0f));
             ST(row + j, e); sv += e;
         }
-        v8 inv = BC(1.0f / hsum(sv));
+        v8 inv = BC(1.0f) / allsum(sv);
         for (int j = 0; j < nv; j += 8) ST(row + j, LD(row + j) * inv);
+        for (int c = 0; c < C3; c += C) ask_for(next + i * C3 + c, HS);
         for (int j = nv; j < TP; j += 8) ST(row + j, BC(0.0f));
     }
-    mm(p, TP, v, C3, o, HS, T, T, HS, 1, 0);
-    float* yb = y + (long)b * T * C + h * HS;
-    for (int i = 0; i < T; i++) memcpy(yb + i * C, o + i * HS, HS * sizeof(float));
+    mm(p, TP, v, C3, y + (long)b * T * C + h * HS, C, T, T, HS, 1, 0);
 }
 
 void attention_forward(const float* qkv, float* y, float* P, int B, float scale) {
@@ -137,11 +206,12 @@ static void backward_pair(const float* __restrict__ qkv, const float* __restrict
     float* dq = dqkv + (long)b * T * C3 + h * HS;
     float* dk = dq + C;
     float* dv = dq + 2 * C;
+    const float* next = qkv + (long)((bh + 1) / NH) * T * C3 + (bh + 1) % NH * HS;
+    const float* pnext = p + T * TP;
+    const float* gnext = dy + (long)((bh + 1) / NH) * T * C + (bh + 1) % NH * HS;
     float vt[HS * TP] __attribute__((aligned(32)));
     float ds[T * TP] __attribute__((aligned(32)));
-    float out[TP * HS] __attribute__((aligned(32)));
-    for (int j = 0; j < TP; j++)
-        for (int d = 0; d < HS; d++) vt[d * TP + j] = j < T ? v[j * C3 + d] : 0.0f;
+    transposed(v, C3, vt, 1.0f);
     mm(g, C, vt, TP, ds, TP, T, HS, TP, 0, 1);  /* dP = dy v^T */
     for (int i = 0; i < T; i++) {  /* dS = P (dP - rowsum(P dP)) scale */
         float* row = ds + i * TP;
@@ -149,16 +219,16 @@ static void backward_pair(const float* __restrict__ qkv, const float* __restrict
         int nv = (i + 8) / 8 * 8;
         v8 acc = BC(0.0f);
         for (int j = 0; j < nv; j += 8) acc += LD(pr + j) * LD(row + j);
-        v8 dot = BC(hsum(acc));
+        v8 dot = allsum(acc);
         for (int j = 0; j < nv; j += 8) ST(row + j, LD(pr + j) * (LD(row + j) - dot) * BC(scale));
         for (int j = nv; j < TP; j += 8) ST(row + j, BC(0.0f));
+        for (int c = 0; c < C3; c += C) ask_for(next + i * C3 + c, HS);
+        ask_for(pnext + i * TP, TP);
+        ask_for(gnext + i * C, HS);
     }
-    mm(ds, TP, k, C3, out, HS, T, T, HS, 1, 0);  /* dq = dS k */
-    for (int i = 0; i < T; i++) memcpy(dq + i * C3, out + i * HS, HS * sizeof(float));
-    mm(ds, TP, q, C3, out, HS, T, T, HS, 2, 0);  /* dk = dS^T q */
-    for (int j = 0; j < T; j++) memcpy(dk + j * C3, out + j * HS, HS * sizeof(float));
-    mm(p, TP, g, C, out, HS, T, T, HS, 2, 0);  /* dv = P^T dy */
-    for (int j = 0; j < T; j++) memcpy(dv + j * C3, out + j * HS, HS * sizeof(float));
+    mm(ds, TP, k, C3, dq, C3, T, T, HS, 1, 0);  /* dq = dS k */
+    mm(ds, TP, q, C3, dk, C3, T, T, HS, 2, 0);  /* dk = dS^T q */
+    mm(p, TP, g, C, dv, C3, T, T, HS, 2, 0);  /* dv = P^T dy */
 }
 
 void attention_backward(const float* qkv, const float* P, const float* dy, float* dqkv, int B, float scale) {

@@ -26,8 +26,7 @@ from torch import nn
 
 from .compile_cache import cache_folder  # read TORCHINDUCTOR_CACHE_DIR before importing dynamo sets its default
 
-# What every kernel starts from: eight floats as one value, loads, stores, broadcasts, a select, exp and two
-# horizontal reductions.
+# What every kernel starts from: eight floats as one value, loads, stores, broadcasts, a select and exp.
 PRELUDE = r"""
 #include <string.h>
 typedef float v8 __attribute__((vector_size(32)));
@@ -54,8 +53,6 @@ static inline v8 vexp_within(v8 x) { /* e^x for x in [-87, 0], as 2^n e^r, |r| <
     return p * s;
 }
 static inline v8 vexp(v8 x) { return vexp_within(sel(x < BC(-87.0f), BC(-87.0f), x)); } /* x <= 0; e^-87 below */
-static inline float hsum(v8 v) { float s = 0; for (int i = 0; i < 8; i++) s += v[i]; return s; }
-static inline float hmax(v8 v) { float m = v[0]; for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m; return m; }
 """
 
 
