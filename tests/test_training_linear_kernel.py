@@ -27,8 +27,8 @@ INTEL = AMD.replace("AuthenticAMD", "GenuineIntel", 1)
                          [(768, 128, 384), (7, 32, 48), (13, 512, 128), (1, 16, 16), (300, 48, 80), (700, 272, 16)])
 def test_the_kernel_multiplies_as_torch_does_forward_and_backward(tmp_path: Path, rows, fan_in, fan_out):
     """x W^T, dy W and dy^T x against float64 products, on shapes that leave partial tiles of six rows and, for the
-    weight's gradient, a partial block of its sum over rows (700 = 2 x 256 + 188): within float32's rounding of sums
-    of up to 700 terms. The C++ operators and the Python ones give the same bits."""
+    weight's gradient, a partial block of its sum over rows (700: halves of 350 = 5 x 64 + 30): within float32's
+    rounding of sums of up to 700 terms. The C++ operators and the Python ones give the same bits."""
     torch.manual_seed(0)
     linear_kernel.library(tmp_path)
     x = torch.randn(rows, fan_in, requires_grad=True)
