@@ -157,12 +157,13 @@ static inline void ask_for(const float* x, int n) { for (int j = 0; j < n; j += 
 
 /* One (batch, head) pair: q, k, v rows of qkv (B, T, 3C), y (B, T, C), P its softmax (T, TP), 0 past the diagonal. */
 static void forward_pair(const float* __restrict__ qkv, float* __restrict__ y, float* __restrict__ P, int bh,
-                         float scale) {
+                         int pairs, float scale) {
     int b = bh / NH, h = bh % NH;
     const float* q = qkv + (long)b * T * C3 + h * HS;
     const float* k = q + C;
     const float* v = q + 2 * C;
-    const float* next = qkv + (long)((bh + 1) / NH) * T * C3 + (bh + 1) % NH * HS;
+    int after = bh + 1 < pairs ? bh + 1 : bh;  /* the last pair asks for its own rows again */
+    const float* next = qkv + (long)(after / NH) * T * C3 + after % NH * HS;
     float kt[HS * TP] __attribute__((aligned(32)));
     transposed(k, C3, kt, scale);
     float* p = P + (long)bh * T * TP;
@@ -191,12 +192,12 @@ static void forward_pair(const float* __restrict__ qkv, float* __restrict__ y, f
 
 void attention_forward(const float* qkv, float* y, float* P, int B, float scale) {
 #pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * NH; bh++) forward_pair(qkv, y, P, bh, scale);
+    for (int bh = 0; bh < B * NH; bh++) forward_pair(qkv, y, P, bh, B * NH, scale);
 }
 
 /* The gradients of q, k and v of one pair, written into dqkv (B, T, 3C), from dy (B, T, C) and the saved softmax. */
 static void backward_pair(const float* __restrict__ qkv, const float* __restrict__ P, const float* __restrict__ dy,
-                          float* __restrict__ dqkv, int bh, float scale) {
+                          float* __restrict__ dqkv, int bh, int pairs, float scale) {
     int b = bh / NH, h = bh % NH;
     const float* q = qkv + (long)b * T * C3 + h * HS;
     const float* k = q + C;
@@ -206,9 +207,10 @@ static void backward_pair(const float* __restrict__ qkv, const float* __restrict
     float* dq = dqkv + (long)b * T * C3 + h * HS;
     float* dk = dq + C;
     float* dv = dq + 2 * C;
-    const float* next = qkv + (long)((bh + 1) / NH) * T * C3 + (bh + 1) % NH * HS;
-    const float* pnext = p + T * TP;
-    const float* gnext = dy + (long)((bh + 1) / NH) * T * C + (bh + 1) % NH * HS;
+    int after = bh + 1 < pairs ? bh + 1 : bh;
+    const float* next = qkv + (long)(after / NH) * T * C3 + after % NH * HS;
+    const float* pnext = P + (long)after * T * TP;
+    const float* gnext = dy + (long)(after / NH) * T * C + after % NH * HS;
     float vt[HS * TP] __attribute__((aligned(32)));
     float ds[T * TP] __attribute__((aligned(32)));
     transposed(v, C3, vt, 1.0f);
@@ -233,7 +235,7 @@ static void backward_pair(const float* __restrict__ qkv, const float* __restrict
 
 void attention_backward(const float* qkv, const float* P, const float* dy, float* dqkv, int B, float scale) {
 #pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * NH; bh++) backward_pair(qkv, P, dy, dqkv, bh, scale);
+    for (int bh = 0; bh < B * NH; bh++) backward_pair(qkv, P, dy, dqkv, bh, B * NH, scale);
 }
 """
 
