@@ -52,12 +52,6 @@ SOURCE = PRELUDE + r"""
 #define C (NH * HS)
 #define C3 (3 * C)
 #define TP ((T + 15) / 16 * 16)
-/* Lanes of two vectors picked by index (0-7 a's, 8-15 b's). */
-#if defined(__clang__) || __GNUC__ >= 12
-#define MIX(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define MIX(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
 /* every lane the max, or the sum, of v's eight: three steps of a tree, not seven in a row */
 static inline v8 vmax(v8 a, v8 b) { return sel(a > b, a, b); }
 static inline v8 allmax(v8 v) {
@@ -121,25 +115,6 @@ static inline __attribute__((always_inline)) void mm(const float* __restrict__ a
     }
 }
 
-/* dst[c * ldd + r] = src[r * lds + c] f, rows r and columns c in [0, 8): an 8 x 8 block turned in registers */
-static inline void transpose8(const float* src, long lds, float* dst, long ldd, v8 f) {
-    v8 r0 = LD(src) * f, r1 = LD(src + lds) * f, r2 = LD(src + 2 * lds) * f, r3 = LD(src + 3 * lds) * f;
-    v8 r4 = LD(src + 4 * lds) * f, r5 = LD(src + 5 * lds) * f, r6 = LD(src + 6 * lds) * f, r7 = LD(src + 7 * lds) * f;
-    v8 t0 = MIX(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13), t1 = MIX(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15);
-    v8 t2 = MIX(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13), t3 = MIX(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15);
-    v8 t4 = MIX(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13), t5 = MIX(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15);
-    v8 t6 = MIX(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13), t7 = MIX(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
-    v8 u0 = MIX(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13), u1 = MIX(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
-    v8 u2 = MIX(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13), u3 = MIX(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
-    v8 u4 = MIX(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13), u5 = MIX(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
-    v8 u6 = MIX(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13), u7 = MIX(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
-    ST(dst, MIX(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11)); ST(dst + 4 * ldd, MIX(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
-    ST(dst + ldd, MIX(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11)); ST(dst + 5 * ldd, MIX(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
-    ST(dst + 2 * ldd, MIX(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
-    ST(dst + 6 * ldd, MIX(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
-    ST(dst + 3 * ldd, MIX(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
-    ST(dst + 7 * ldd, MIX(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
-}
 /* t (HS x TP) = the first T rows of x (rows ld apart, HS wide) transposed and times f, zero past column T */
 static inline void transposed(const float* x, long ld, float* t, float f) {
     int whole = T / 8 * 8;
