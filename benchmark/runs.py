@@ -136,14 +136,17 @@ class Run:
 
 def engine_of(line: str) -> str | None:
     """The engine a line of tinychar's train.py settles on (training/engine.py's "engine: ..." lines): "compiled"
-    (the whole step), "compiled block by block" or "eager"; None for any other line, such as "engine: compiling the
-    training step (...)", which a failed compile may still turn into "eager"."""
+    (the whole step), "compiled block by block", "eager with its kernels" (training/eager_kernels.py) or "eager"; None
+    for any other line, such as "engine: compiling the training step (...)", which a failed compile may still turn
+    into "eager"."""
     if not line.startswith("engine: "):
         return None
     if line.startswith("engine: compiled in "):
         return "compiled"
     if line.startswith("engine: model compiled block by block"):
         return "compiled block by block"
+    if line.startswith("engine: eager") and "; tinychar's kernels for " in line:
+        return "eager with its kernels"
     if line.startswith("engine: eager") or "training without compiling" in line:
         return "eager"
     return None

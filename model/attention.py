@@ -127,8 +127,10 @@ class CausalSelfAttention(nn.Module):
 
     # The compiled training step's own kernel for the masked attention, qkv (B, T, 3C) -> (B, T, C), and a digest of
     # its code: set by training/attention_kernel.py where it applies (a CPU, float32), None where the notes' code runs.
+    # kernel_eager: the eager training step runs it too (training/eager_kernels.py), not only traced code.
     kernel: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     kernel_source = ""
+    kernel_eager = False
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -179,9 +181,11 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y)), weights
 
     def takes_kernel(self, qkv: torch.Tensor, cache: KVCache | None, need_weights: bool) -> bool:
-        """Whether this pass runs the compiled training step's kernel (see kernel): only where the step is traced,
-        computing gradients, in float32 on the CPU, over the whole window (no cache), keeping no weights."""
-        return (self.kernel is not None and cache is None and not need_weights and torch.compiler.is_compiling()
+        """Whether this pass runs the training step's kernel (see kernel): only where the step is traced (or eager, with
+        kernel_eager), computing gradients, in float32 on the CPU, over the whole window (no cache), keeping no
+        weights."""
+        return (self.kernel is not None and cache is None and not need_weights
+                and (self.kernel_eager or torch.compiler.is_compiling())
                 and torch.is_grad_enabled() and qkv.dtype == torch.float32 and qkv.device.type == "cpu")
 
     def takes_fused_kernel(self, need_weights: bool = False) -> bool:

@@ -27,9 +27,10 @@ class MLP(nn.Module):
     """The feed-forward layer: widen 4x, GELU, project back."""
 
     # The compiled training step's own GELU (training/gelu_kernel.py) and a digest of its code, where it applies (a
-    # CPU, float32); None where torch's runs.
+    # CPU, float32); None where torch's runs. kernel_eager: the eager training step runs it too.
     kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
     kernel_source = ""
+    kernel_eager = False
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -43,9 +44,10 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.kernel(h) if self.takes_kernel(h) else self.gelu(h)))
 
     def takes_kernel(self, h: torch.Tensor) -> bool:
-        """Whether this pass runs the compiled training step's GELU (see kernel): only where the step is traced,
-        computing gradients, in float32 on the CPU."""
-        return (self.kernel is not None and torch.compiler.is_compiling() and torch.is_grad_enabled()
+        """Whether this pass runs the training step's GELU (see kernel): only where the step is traced (or eager,
+        with kernel_eager), computing gradients, in float32 on the CPU."""
+        return (self.kernel is not None and (self.kernel_eager or torch.compiler.is_compiling())
+                and torch.is_grad_enabled()
                 and h.dtype == torch.float32 and h.device.type == "cpu")
 
 

@@ -86,9 +86,9 @@ GEMM_SETTINGS = ("auto", "0", "1")
 
 
 def gemm_setting() -> str:
-    """TINYCHAR_GEMM: whether the compiled training step multiplies its linear layers with tinychar's own kernel
-    (training/linear_kernel.py): 0 never, 1 wherever it applies, auto (or unset) where it was measured faster
-    (own_gemm_outruns_blas). ValueError for another value."""
+    """TINYCHAR_GEMM: whether the training step (compiled, or eager: training/eager_kernels.py) multiplies its linear
+    layers with tinychar's own kernel (training/linear_kernel.py): 0 never, 1 wherever it applies, auto (or unset) where
+    it was measured faster (own_gemm_outruns_blas). ValueError for another value."""
     setting = os.environ.get("TINYCHAR_GEMM", "auto").strip().lower() or "auto"
     if setting not in GEMM_SETTINGS:
         raise ValueError(f"TINYCHAR_GEMM must be one of {', '.join(GEMM_SETTINGS)}, got {setting!r}")
@@ -265,9 +265,11 @@ class Linear(nn.Linear):
     least ``onednn_min_macs()`` multiply-adds run through oneDNN; see the module's docstring."""
 
     # The compiled training step's own product, x (M, in) and the weight -> x @ weight^T (training/linear_kernel.py),
-    # and a digest of its code, where it applies (a CPU, float32); None where the products above run.
+    # and a digest of its code, where it applies (a CPU, float32); None where the products above run. kernel_eager: the
+    # eager training step runs it too (training/eager_kernels.py), not only traced code.
     kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     kernel_source = ""
+    kernel_eager = False
     # Compiled code's product without gradients (the compiled sampler's) from the weight packed ahead, x (M, in) and
     # packed -> x @ weight^T (training/linear_kernel.py's linear_packed, which packs the weight into the buffer
     # ``packed`` when it attaches), and a digest of its code; None where the products above run.
@@ -304,9 +306,10 @@ class Linear(nn.Linear):
                 and self.packed.device.type == "cpu")
 
     def takes_kernel(self, x: torch.Tensor) -> bool:
-        """Whether this pass runs the compiled training step's product (see kernel): only where the step is traced,
-        computing gradients, in float32 on the CPU."""
-        return (self.kernel is not None and torch.compiler.is_compiling() and torch.is_grad_enabled()
+        """Whether this pass runs the training step's product (see kernel): only where the step is traced (or eager,
+        with kernel_eager), computing gradients, in float32 on the CPU."""
+        return (self.kernel is not None and (self.kernel_eager or torch.compiler.is_compiling())
+                and torch.is_grad_enabled()
                 and x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu")
 
     def part(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -15,13 +15,13 @@ and k's and v's heads turned by 8 x 8 blocks in registers, the softmax's sums an
 outputs written where they go (no copy), and the next pair's rows asked for ahead: 164 and 241 us, and the CPU
 config's compiled step 30.9 -> 30.4 ms (docs/engine-record.md).
 
-The same arithmetic as the notes' (scores scaled by 1/sqrt(head_size), the triangular mask, softmax, weighted sum),
-in another order of additions, with exp computed by a polynomial to float32's precision. Deterministic: each pair is
-one thread's, so a resumed run equals a straight one. Built once per shape by the C compiler torch.compile uses, kept
-in the compile cache, and called by the compiled step only (CompiledStep attaches it): eager training, evaluation,
-sampling and the attention maps keep the notes' code. Where it cannot be built or does not apply (another dtype,
-dropout, additive scores, a head size not a multiple of 16, blocks over MAX_BLOCK), the notes' code runs. How it is
-built, loaded and called: training/c_kernels.py.
+The same arithmetic as the notes' (scores scaled by 1/sqrt(head_size), the triangular mask, softmax, weighted sum), in
+another order of additions, with exp computed by a polynomial to float32's precision. Deterministic: each pair is one
+thread's, so a resumed run equals a straight one. Built once per shape by the C compiler torch.compile uses, kept in the
+compile cache, and called by the compiled step (CompiledStep attaches it) and the eager step of a run long enough
+(training/eager_kernels.py): evaluation, sampling and the attention maps keep the notes' code. Where it cannot be built
+or does not apply (another dtype, dropout, additive scores, a head size not a multiple of 16, blocks over MAX_BLOCK),
+the notes' code runs. How it is built, loaded and called: training/c_kernels.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""C kernels of tinychar's own for the compiled training step on a CPU (training/attention_kernel.py,
-training/gelu_kernel.py, training/linear_kernel.py): built by the C compiler torch.compile uses, with OpenMP
-(PyTorch's own threads: the loader finds its libgomp already in the process), once per kernel and shape, kept in the
-compile cache beside inductor's code. Each is called by an operator of ours (define), whose kernel for CPU tensors is
-C++ of ours where torch has its stable C++ interface (2.10 and later; see operators), which the compiled step's C++
-wrapper calls with no Python between, and otherwise Python, through ctypes (each call then a round trip through
-Python, about 50 us). They are written with GCC's vector extension (eight floats, what AVX2 holds), which GCC and
-Clang compile for any CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP) runs
-PyTorch's code instead.
+"""C kernels of tinychar's own for the training step on a CPU, compiled or eager (training/attention_kernel.py,
+training/gelu_kernel.py, training/linear_kernel.py; training/eager_kernels.py): built by the C compiler torch.compile
+uses, with OpenMP (PyTorch's own threads: the loader finds its libgomp already in the process), once per kernel and
+shape, kept in the compile cache beside inductor's code. Each is called by an operator of ours (define), whose kernel
+for CPU tensors is C++ of ours where torch has its stable C++ interface (2.10 and later; see operators), which the
+compiled step's C++ wrapper calls with no Python between, and otherwise Python, through ctypes (each call then a round
+trip through Python, about 50 us). They are written with GCC's vector extension (eight floats, what AVX2 holds), which
+GCC and Clang compile for any CPU; on x86 with AVX2 and FMA. A machine that cannot build one (no compiler, no OpenMP)
+runs PyTorch's code instead.
 """
 
 from __future__ import annotations
@@ -183,15 +183,17 @@ class PairedKernel:
         self.name, self.source, self.operators_source, self.argtypes = name, source, operators_source, argtypes
         self.loaded: list[ctypes.CDLL] = []
 
-    def library(self, folder: Path | None = None) -> ctypes.CDLL:
+    def library(self, folder: Path | None = None, with_operators: bool = True) -> ctypes.CDLL:
         """The kernel (build: an OSError or subprocess.SubprocessError where it cannot be built), given to the
-        operators' C++ kernels where they load."""
+        operators' C++ kernels where they load (with_operators; the eager step calls the kernel through Python
+        as fast, and leaves them unbuilt: training/eager_kernels.py)."""
         if not self.loaded:
             lib = build(self.name, self.source, [], folder)
             for function, types in self.argtypes.items():
                 getattr(lib, function).argtypes = types
             self.loaded.append(lib)
-            self.operators(folder)
+            if with_operators:
+                self.operators(folder)
         return self.loaded[0]
 
     def operators(self, folder: Path | None = None) -> ctypes.CDLL | None:
@@ -233,11 +235,12 @@ def worth_it(work: int, least: tuple[int, int], loaded: Callable[[], object]) ->
     return work >= least[1] or work >= least[0] and loaded() is not None
 
 
-def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, source: str, name: str = "kernel"
-         ) -> bool:
+def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, source: str, name: str = "kernel",
+         eager: bool = False) -> bool:
     """Build a kernel (make), then give it to each of layers as its attribute name, with a digest of its source as
-    name_source (a setting of the layer, so that a compiled step is keyed apart from one compiled without it); False,
-    and nothing given, where there are no layers or it cannot be built."""
+    name_source (a setting of the layer, so that a compiled step is keyed apart from one compiled without it) and, for
+    the eager training step too (training/eager_kernels.py), eager as name_eager; False, and nothing given, where
+    there are no layers or it cannot be built."""
     if not layers:
         return False
     try:
@@ -248,4 +251,6 @@ def give(layers: list[nn.Module], make: Callable[[], object], kernel: Callable, 
     for layer in layers:
         setattr(layer, name, kernel)
         setattr(layer, f"{name}_source", digest)
+        if eager:
+            setattr(layer, f"{name}_eager", True)
     return True

@@ -26,7 +26,7 @@ from data import get_batch
 from model import GPTConfig, span_for
 from model.linear import Linear, onednn_min_macs, own_gemm_wanted
 
-from . import step_file, warm
+from . import eager_kernels, step_file, warm
 from .compile_cache import (
     NoCacheFolder,
     cache_folder,
@@ -102,6 +102,8 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
              "options": wanted_options(device)}
     if device.type == "cpu" and own_gemm_wanted():  # timed with training/linear_kernel.py's products (TINYCHAR_GEMM)
         parts["gemm"] = "own"
+    if device.type == "cpu" and dtype == torch.float32:  # the eager step timed with tinychar's kernels (eager_kernels)
+        parts["eager"] = "kernels"
     split = parts_for(model_cfg.n_embd, model_cfg.dropout > 0, tc.optimizer == "muon", tc.batch_size, device, dtype)
     if split > 1:  # the batch's halves each a thread's (training/paired_step.py), and Muon's update in two parts
         parts["split"] = split
@@ -279,11 +281,25 @@ class EngineChoice:
     kind: str
     reason: str
     warm_key: str | None = None
+    kernels: bool = False  # an eager run's step takes tinychar's C kernels (training/eager_kernels.py)
 
 
 def choose_engine(trainer: Trainer, payload: dict | None, device: torch.device) -> EngineChoice:
     """Resolve train.compile for this run. A resumed `auto` run takes the path its checkpoint was trained on, so
-    that it goes on exactly as the uninterrupted run would have."""
+    that it goes on exactly as the uninterrupted run would have; an eager one, with or without tinychar's kernels,
+    as its checkpoint was trained too."""
+    choice = _resolve(trainer, payload, device)
+    if choice.kind != "eager":
+        return choice
+    saved = None if payload is None else payload.get("settled")
+    if payload is not None and not isinstance(saved, dict):  # saved before checkpoints recorded their setup
+        saved = {}
+    kernels = eager_kernels.wanted(trainer.tc.compile, device, trainer.dtype, trainer.launch.torchrun,
+                                   trainer.tc.max_iters - trainer.step, saved)
+    return replace(choice, kernels=kernels and trainer.cfg.model.type == "gpt" and cannot_compile(device) is None)
+
+
+def _resolve(trainer: Trainer, payload: dict | None, device: torch.device) -> EngineChoice:
     tc = trainer.tc
     warm_later = warm_enabled()  # read first: a bad value is one line, whatever the run
     if tc.compile == "false":
@@ -381,7 +397,14 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
             say(f"engine: model compiled block by block ({choice.reason})")
             return
     if choice.kind == "eager":
-        say(f"engine: eager ({choice.reason})")
+        kernels = ""
+        if choice.kernels:
+            begun = time.perf_counter()
+            rows = trainer.tc.batch_size * trainer.cfg.model.block_size
+            if took := eager_kernels.attach(trainer.model, rows):
+                kernels = (f"; tinychar's kernels for {', '.join(took)} ({time.perf_counter() - begun:.1f} s to "
+                           f"build or load)")
+        say(f"engine: eager ({choice.reason}){kernels}")
         if choice.warm_key is not None:
             say(warm_in_background(trainer, choice.warm_key))
         return

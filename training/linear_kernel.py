@@ -26,9 +26,10 @@ The compiled sampler's weights do not change while it runs, so there each weight
 (attach_packed) and every product reads them as they lie, copying nothing: on the 64 and 128 rows of a block-64
 window, 1.4-2x MKL's speed, alone, and a block-64 character 1.2 ms -> 0.93 (sampling/writing.py attaches it).
 
-Called by compiled code only (CompiledStep attaches it, and sample.py) for layers whose sizes are multiples of 16, on
-AMD CPUs where PyTorch runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are
-not matched here): eager training, evaluation and sampling keep PyTorch's products. TINYCHAR_GEMM=0 keeps MKL, 1
+Called by compiled code (CompiledStep attaches it, and sample.py), and by the eager step of a run long enough for its
+largest products (training/eager_kernels.py), for layers whose sizes are multiples of 16, on AMD CPUs where PyTorch
+runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are not matched here):
+evaluation and eager sampling keep PyTorch's products. TINYCHAR_GEMM=0 keeps MKL, 1
 takes the kernel wherever it applies. How it is built, loaded and called: training/c_kernels.py.
 """
 

@@ -20,7 +20,7 @@ from model import build_model
 from model.config import parameters_text
 from model.linear import onednn_min_macs
 
-from . import distributed
+from . import distributed, eager_kernels
 from .checkpoints import LOADED_FROM, restore_best
 from .compile_cache import user_cache_problem
 from .config import RunConfig
@@ -281,6 +281,8 @@ def settled_setup(trainer: Trainer, kind: str) -> dict[str, str]:
         if dtype == "float32":
             least = onednn_min_macs()
             setup["products"] = "BLAS" if least is None else f"oneDNN from {least:,} multiply-adds"
+        if trainer.engine == "eager" and (kernels := eager_kernels.attached(trainer.model)):
+            setup["kernels"] = ", ".join(kernels)  # tinychar's own, in the eager step (training/eager_kernels.py)
     elif device.type == "cuda":
         setup["device"] = f"cuda ({torch.cuda.get_device_name(device)})"
     return setup
@@ -291,7 +293,9 @@ def inexact_resume(payload: dict, trainer: Trainer) -> str | None:
     drift from those of the run that never stopped, by rounding."""
     before = payload.get("settled")
     if isinstance(before, dict):
-        differ = [f"{k} {shown(before.get(k), 60)} -> {v}" for k, v in trainer.settled.items() if before.get(k) != v]
+        now = trainer.settled  # a key of one setup alone differs too (tinychar's kernels in an eager step, or none)
+        keys = [*now, *(k for k in before if k not in now)]
+        differ = [f"{k} {shown(before.get(k), 60)} -> {now.get(k)}" for k in keys if before.get(k) != now.get(k)]
     else:  # saved before checkpoints recorded their setup: what the configs say
         old, new = flatten(payload.get("config") or {}), flatten(to_dict(trainer.cfg))
         differ = [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in INEXACT_KEYS if old.get(k) != new.get(k)]

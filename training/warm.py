@@ -195,7 +195,7 @@ def compile_step(job: Path, remember: bool) -> tuple[float, str]:
     import torch
 
     from model import GPT, GPTConfig
-    from training import compile_cache, engine
+    from training import compile_cache, eager_kernels, engine
     from training.compile_errors import compile_or_clear
     from training.compiled_step import CompiledStep
     from training.config import TrainConfig
@@ -220,7 +220,10 @@ def compile_step(job: Path, remember: bool) -> tuple[float, str]:
     seconds = time.perf_counter() - begun
     if remember:  # this second compile read the cache the first one filled, as the next run will
         compile_cache.remember_compile(key, seconds, cold=False)
-        eager_ms, compiled_ms = time_steps(step, GPT(model_cfg), tc, dtype, xs, ys)
+        eager_model = GPT(model_cfg)  # with tinychar's kernels where an eager run of the job's takes them
+        if eager_kernels.wanted(tc.compile, device, dtype, False, tc.max_iters, None):
+            eager_kernels.attach(eager_model, tc.batch_size * model_cfg.block_size)
+        eager_ms, compiled_ms = time_steps(step, eager_model, tc, dtype, xs, ys)
         compile_cache.remember_step_times(key, eager_ms, compiled_ms)
         print(f"a step: {eager_ms:.2f} ms eager, {compiled_ms:.2f} ms compiled", flush=True)
     return seconds, step.source
