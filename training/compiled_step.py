@@ -17,11 +17,13 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from . import attention_kernel, gelu_kernel, linear_kernel, paired_step, step_file
+from .c_kernels import side_by_side
 from .compile_cache import compile_options
 from .config import TrainConfig
 from .devices import autocast_context, random_kept
@@ -187,9 +189,9 @@ class CompiledStep:
                                         muon=any(group.get("muon") for group in optimizer.param_groups))
         if device.type == "cpu" and dtype == torch.float32:  # kernels of our own, where they apply and pay
             rows = tc.batch_size // parts * getattr(getattr(model, "config", None), "block_size", 0)
-            attention_kernel.attach(model, rows=rows)
-            gelu_kernel.attach(model, rows=rows)
-            linear_kernel.attach(model, rows=rows)
+            # each built where it is not in the cache yet, the three side by side (c_kernels.side_by_side)
+            side_by_side([partial(attach, model, rows=rows)
+                          for attach in (attention_kernel.attach, gelu_kernel.attach, linear_kernel.attach)])
         named = {id(p): name for name, p in model.named_parameters()}  # a tied weight once, under its first name
         params: list[torch.Tensor] = []
         states: list[dict[str, torch.Tensor]] = []

@@ -23,7 +23,7 @@ run's losses move from PyTorch's by rounding (tests/test_training_eager_kernels.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from model.attention import CausalSelfAttention
 from model.gpt import MLP
 
 from . import attention_kernel, gelu_kernel, linear_kernel
-from .c_kernels import give
+from .c_kernels import give, side_by_side
 
 # The fewest steps left for which a run builds the kernels it lacks: about a second of g++ on a 2-core Zen 2 the first
 # time (the attention kernel 1.0 s, the linear layers' 0.7, GELU's 0.1, side by side), won back from 250 steps of
@@ -85,9 +85,7 @@ def attach(model: nn.Module, rows: int, folder: Path | None = None) -> list[str]
     """Give model's layers the kernels that apply to a micro-batch of rows (batch x block) positions, for its eager
     training step, each built first where it is not in folder (by default the compile cache) yet, the three side by
     side; the names of those it took (NAMES), none where none applies or can be built."""
-    attachers = (_attention, _gelu, _linear)
-    with ThreadPoolExecutor(len(attachers)) as pool:  # g++ runs outside Python's lock: the builds overlap
-        took = list(pool.map(lambda attach_one: attach_one(model, rows, folder), attachers))
+    took = side_by_side([partial(attach_one, model, rows, folder) for attach_one in (_attention, _gelu, _linear)])
     return [name for name, ok in zip(NAMES, took, strict=True) if ok]
 
 
