@@ -130,25 +130,26 @@ def kernel_run(corpus: Path, out: Path, **extra: object) -> list[str]:
 
 @needs_cpu_compile
 def test_a_run_with_them_resumes_exactly_as_it_was_trained(tmp_path, capsys, monkeypatch):
-    """A run long enough takes the kernels and says so; stopped at step 15 and resumed (5 steps left, too few for a
-    fresh run) it takes them again, as its checkpoint records, and ends with the straight run's weights to the bit;
-    train.compile=false, on either, trains with PyTorch's code, whose weights differ (the control), and a resume so
-    says it goes on inexactly."""
+    """A run long enough takes the kernels and says so (the attention's, and Muon's iteration's, TINYCHAR_GEMM=1 on any
+    CPU); stopped at step 15 and resumed (5 steps left, too few for a fresh run) it takes them again, as its checkpoint
+    records, and ends with the straight run's weights to the bit; train.compile=false, on either, trains with
+    PyTorch's code, whose weights differ (the control), and a resume so says it goes on inexactly."""
     monkeypatch.setattr(eager_kernels, "MIN_STEPS", 15)
     monkeypatch.setenv("TINYCHAR_WARM_CACHE", "0")
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")  # Muon's kernel (tiny.yaml's optimizer) on any CPU
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(SMALL_TEXT, encoding="utf-8")
     straight, half, plain = tmp_path / "straight", tmp_path / "half", tmp_path / "plain"
     assert train.main(["--config", TINY, *kernel_run(corpus, straight)], progress=False) == 0
     said = capsys.readouterr().out
-    assert "; tinychar's kernels for attention (" in said
+    assert "; tinychar's kernels for attention, Muon (" in said
     assert [engine_of(line) for line in said.splitlines() if engine_of(line)] == ["eager with its kernels"]  # bench.py
-    assert load_checkpoint(straight / "ckpt.pt")["settled"]["kernels"] == "attention"
+    assert load_checkpoint(straight / "ckpt.pt")["settled"]["kernels"] == "attention, Muon"
     assert train.main(["--config", TINY, *kernel_run(corpus, half, **{"train.max_iters": 15})], progress=False) == 0
     capsys.readouterr()
     assert train.main(["--resume", "--out-dir", str(half), "train.max_iters=20"], progress=False) == 0
     said = capsys.readouterr().out
-    assert "tinychar's kernels for attention" in said and "no longer bit-identical" not in said
+    assert "tinychar's kernels for attention, Muon" in said and "no longer bit-identical" not in said
     resumed, whole = load_checkpoint(half / "ckpt.pt"), load_checkpoint(straight / "ckpt.pt")
     assert resumed["step"] == whole["step"] == 20
     assert all(torch.equal(resumed["training_weights"][k], v) for k, v in whole["training_weights"].items())
@@ -159,4 +160,4 @@ def test_a_run_with_them_resumes_exactly_as_it_was_trained(tmp_path, capsys, mon
     assert not all(torch.equal(weights[k], v) for k, v in whole["training_weights"].items())
     assert train.main(["--resume", "--out-dir", str(straight), "train.max_iters=25", "train.compile=false"],
                       progress=False) == 0
-    assert "its setup differs from the saved run's (kernels attention -> None)" in capsys.readouterr().out
+    assert "its setup differs from the saved run's (kernels attention, Muon -> None)" in capsys.readouterr().out

@@ -28,6 +28,7 @@ from training import compile_cache, engine, load_config, step_file, warm
 from training.engine import WARM_HELPER_MIN_STEPS, WARM_MIN_STEPS, EngineChoice, choose_engine, start_engine
 from training.errors import UsageError
 from training.launch import Launch
+from training.optim import make_optimizer
 
 CPU = torch.device("cpu")
 # the steps from which auto compiles this model from a warm cache (where the step was never timed here): WARM_MIN_STEPS
@@ -42,7 +43,8 @@ def trainer_for(tmp_path: Path, max_iters: int, **keys: object) -> SimpleNamespa
         **ENGINE_KEYS, "train.compile": "auto", "train.max_iters": max_iters, **keys}))
     model = GPT(replace(cfg.model, vocab_size=CharTokenizer.from_text(SMALL_TEXT).vocab_size))
     return SimpleNamespace(cfg=cfg, tc=cfg.train, model=model, dtype=torch.float32, step=0, scaler=None,
-                           launch=Launch(), flops_per_token=model.flops_per_token(),
+                           optimizer=make_optimizer(model, cfg.train, CPU), launch=Launch(),
+                           flops_per_token=model.flops_per_token(),
                            tokens_per_step=cfg.train.batch_size * cfg.model.block_size * cfg.train.grad_accum_steps)
 
 

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from . import attention_kernel, gelu_kernel, linear_kernel, paired_step, step_file
+from . import attention_kernel, gelu_kernel, linear_kernel, muon_kernel, paired_step, step_file
 from .c_kernels import side_by_side
 from .compile_cache import compile_options
 from .config import TrainConfig
@@ -187,11 +187,13 @@ class CompiledStep:
         self.model, self.tc, self.device, self.dtype = model, tc, device, dtype
         parts = paired_step.paired_rule(model, tc.batch_size, device, dtype,
                                         muon=any(group.get("muon") for group in optimizer.param_groups))
+        newton_schulz = False  # Muon's iteration through training/muon_kernel.py
         if device.type == "cpu" and dtype == torch.float32:  # kernels of our own, where they apply and pay
             rows = tc.batch_size // parts * getattr(getattr(model, "config", None), "block_size", 0)
-            # each built where it is not in the cache yet, the three side by side (c_kernels.side_by_side)
-            side_by_side([partial(attach, model, rows=rows)
-                          for attach in (attention_kernel.attach, gelu_kernel.attach, linear_kernel.attach)])
+            # each built where it is not in the cache yet, side by side (c_kernels.side_by_side)
+            newton_schulz = side_by_side([*(partial(attach, model, rows=rows) for attach in (
+                attention_kernel.attach, gelu_kernel.attach, linear_kernel.attach)), partial(muon_kernel.ready,
+                                                                                             optimizer)])[-1]
         named = {id(p): name for name, p in model.named_parameters()}  # a tied weight once, under its first name
         params: list[torch.Tensor] = []
         states: list[dict[str, torch.Tensor]] = []
@@ -239,7 +241,8 @@ class CompiledStep:
         same_steps = bool((self.steps == self.steps[0]).all())
         self.setup = Setup(device.type, dtype, tc.grad_accum_steps, tc.grad_clip, self.betas, self.eps, same_steps,
                            optimizer.defaults.get("momentum", 0.0) if matrices else 0.0, matrix_decay,
-                           module_settings(model), parts=parts)
+                           module_settings(model), parts=parts,
+                           newton_schulz=muon_kernel.DIGEST if newton_schulz and matrices else "")
         self.lr = lr_argument(0.0, device)  # the learning rate's argument, refilled at each call
         # the last call's shapes and mode, and the functions compiled for them
         self._last: tuple[tuple, dict[tuple[Callable, int], Callable]] | None = None

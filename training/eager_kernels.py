@@ -32,7 +32,7 @@ from torch import nn
 from model.attention import CausalSelfAttention
 from model.gpt import MLP
 
-from . import attention_kernel, gelu_kernel, linear_kernel
+from . import attention_kernel, gelu_kernel, linear_kernel, muon_kernel
 from .c_kernels import give, side_by_side
 
 # The fewest steps left for which a run builds the kernels it lacks: about a second of g++ on a 2-core Zen 2 the first
@@ -44,7 +44,7 @@ MIN_STEPS = 500
 # rows a step (4.2-8.4 million a product), 16.2 ms a step with MKL, 16.6-17.2 with the kernel in every layer; at 1,024
 # rows (4.2-16.8 million), 19.01 -> 19.05 in every layer, 18.84 from 2^24 (two layers of four).
 EAGER_MIN_MACS = 2**24
-NAMES = ("attention", "GELU", "linear")
+NAMES = ("attention", "GELU", "linear", "Muon")
 
 
 def wanted(tc_compile: str, device: torch.device, dtype: torch.dtype, torchrun: bool, remaining_steps: int,
@@ -81,16 +81,24 @@ def _linear(model: nn.Module, rows: int, folder: Path | None) -> bool:
                 linear_kernel.SOURCE, eager=True)
 
 
-def attach(model: nn.Module, rows: int, folder: Path | None = None) -> list[str]:
+def _muon(optimizer: torch.optim.Optimizer | None, folder: Path | None) -> bool:
+    return optimizer is not None and muon_kernel.attach(optimizer, folder, with_operators=False)
+
+
+def attach(model: nn.Module, rows: int, folder: Path | None = None,
+           optimizer: torch.optim.Optimizer | None = None) -> list[str]:
     """Give model's layers the kernels that apply to a micro-batch of rows (batch x block) positions, for its eager
-    training step, each built first where it is not in folder (by default the compile cache) yet, the three side by
-    side; the names of those it took (NAMES), none where none applies or can be built."""
-    took = side_by_side([partial(attach_one, model, rows, folder) for attach_one in (_attention, _gelu, _linear)])
+    training step, and its optimizer, where it is Muon, the Newton-Schulz iteration's (training/muon_kernel.py), each
+    built first where it is not in folder (by default the compile cache) yet, side by side; the names of those it
+    took (NAMES), none where none applies or can be built."""
+    took = side_by_side([*(partial(attach_one, model, rows, folder) for attach_one in (_attention, _gelu, _linear)),
+                         partial(_muon, optimizer, folder)])
     return [name for name, ok in zip(NAMES, took, strict=True) if ok]
 
 
-def attached(model: nn.Module) -> list[str]:
-    """The kernels that model's eager training step runs (attach), by name."""
+def attached(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """The kernels that model's eager training step runs (attach), by name, its optimizer's included."""
     kinds = {"attention": CausalSelfAttention, "GELU": MLP, "linear": nn.Linear}
-    return [name for name in NAMES if any(isinstance(m, kinds[name]) and getattr(m, "kernel_eager", False)
-                                          and m.kernel is not None for m in model.modules())]
+    return [name for name in NAMES[:-1] if any(isinstance(m, kinds[name]) and getattr(m, "kernel_eager", False)
+                                               and m.kernel is not None for m in model.modules())
+            ] + (["Muon"] if getattr(optimizer, "iterate", None) is not None else [])

@@ -112,6 +112,8 @@ def compile_key(model_cfg: GPTConfig, tc: TrainConfig, device: torch.device, dty
     if tc.optimizer != "adamw":  # AdamW's key as it was before there was a choice
         parts["optimizer"] = tc.optimizer
         parts["newton_schulz"] = "gram"  # Muon's float32 iteration on the Gram matrices (optim.gram_newton_schulz)
+        if device.type == "cpu" and dtype == torch.float32 and own_gemm_wanted():
+            parts["newton_schulz"] = "gram, tinychar's kernel"  # where it fits (training/muon_kernel.py)
     return cache_key("step", parts)
 
 
@@ -401,7 +403,7 @@ def start_engine(trainer: Trainer, choice: EngineChoice, say: Callable[[str], No
         if choice.kernels:
             begun = time.perf_counter()
             rows = trainer.tc.batch_size * trainer.cfg.model.block_size
-            if took := eager_kernels.attach(trainer.model, rows):
+            if took := eager_kernels.attach(trainer.model, rows, optimizer=trainer.optimizer):
                 kernels = (f"; tinychar's kernels for {', '.join(took)} ({time.perf_counter() - begun:.1f} s to "
                            f"build or load)")
         say(f"engine: eager ({choice.reason}){kernels}")

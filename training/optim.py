@@ -89,7 +89,8 @@ def orthogonalize(m: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     return x.mT if tall else x
 
 
-def orthogonalize_each(matrices: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def orthogonalize_each(matrices: list[torch.Tensor], dtype: torch.dtype | None = None,
+                       iterate: Callable | None = None) -> list[torch.Tensor]:
     """orthogonalize of each matrix, in batches: the blocks' matrices come in a few shapes repeated per layer, and a
     batched product runs faster than many small ones.
 
@@ -102,7 +103,7 @@ def orthogonalize_each(matrices: list[torch.Tensor], dtype: torch.dtype | None =
     float64, up to 4e-5 of the update for square matrices and 1.5e-6 for wide ones, where x's own steps keep
     1e-6 to 2e-6 (and torch.optim.Muon's bfloat16, 3e-2). In bfloat16 the Gram's steps compound far more (up to 52
     times the update's size, a 16 x 16 matrix), so a 16-bit dtype keeps orthogonalize's iteration, a batch per
-    shape."""
+    shape. iterate: gram_newton_schulz's, in float32."""
     if not matrices:
         return []
     work = dtype or matrices[0].dtype
@@ -117,7 +118,7 @@ def orthogonalize_each(matrices: list[torch.Tensor], dtype: torch.dtype | None =
             by_shape.setdefault(max(matrices[i].shape), []).append(i)
         wide = [torch.stack([_wide(matrices[i]) for i in same]) for same in by_shape.values()]
         done = ([orthogonalize(wide[0], dtype)] if work.itemsize < 4 else
-                gram_newton_schulz([_normalised(x, dtype) for x in wide]))
+                gram_newton_schulz([_normalised(x, dtype) for x in wide], iterate))
         for same, stack in zip(by_shape.values(), done, strict=True):
             for i, o in zip(same, stack.unbind(), strict=True):
                 out[i] = (o.mT if matrices[i].size(0) > matrices[i].size(1) else o).to(matrices[i].dtype)
@@ -134,15 +135,22 @@ def _normalised(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return (x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)).to(dtype or x.dtype)
 
 
-def gram_newton_schulz(stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+def gram_newton_schulz(stacks: list[torch.Tensor], iterate: Callable | None = None) -> list[torch.Tensor]:
     """orthogonalize's iteration for stacks of normalised wide matrices (each (k, rows, columns_i), the same rows),
     carried out on their Gram matrices G = x x^T, rows x rows, all stacks in one batch.
 
     A step takes x to P x with P = a + b G + c G^2, a polynomial in G; so x's Gram becomes P G P, and after the
     last step x is Q x0, with Q the product of the steps' P (they commute: all are polynomials in the first G).
-    Only the first Gram and the last product touch the long side; orthogonalize multiplies by it twice a step."""
+    Only the first Gram and the last product touch the long side; orthogonalize multiplies by it twice a step.
+    iterate takes the Gram matrices to Q (newton_schulz_iteration's, by default; training/muon_kernel.py's)."""
+    q = (iterate or newton_schulz_iteration)(torch.cat([x @ x.mT for x in stacks]))
+    return [part @ x for part, x in zip(q.split([x.size(0) for x in stacks]), stacks, strict=True)]
+
+
+def newton_schulz_iteration(gram: torch.Tensor) -> torch.Tensor:
+    """Q, the product of the iteration's steps P, for each Gram matrix of gram (count, rows, rows): each step P = a +
+    b G + c G^2, Q = P Q, G = P G P (gram_newton_schulz)."""
     a, b, c = NEWTON_SCHULZ
-    gram = torch.cat([x @ x.mT for x in stacks])
     eye = torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)
     q = None
     for k in range(NEWTON_SCHULZ_STEPS):
@@ -150,7 +158,7 @@ def gram_newton_schulz(stacks: list[torch.Tensor]) -> list[torch.Tensor]:
         q = p if q is None else p @ q
         if k + 1 < NEWTON_SCHULZ_STEPS:
             gram = p @ gram @ p
-    return [part @ x for part, x in zip(q.split([x.size(0) for x in stacks]), stacks, strict=True)]
+    return q
 
 
 def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
@@ -228,6 +236,7 @@ class Muon(CompilerFreeOptimizer):
                     "fused": fused}
         super().__init__(groups, defaults)
         self.orthogonal_dtype = orthogonal_dtype  # orthogonalize's dtype (None: the gradients' own)
+        self.iterate: Callable | None = None  # the Newton-Schulz iteration's kernel, if any (training/muon_kernel.py)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -253,7 +262,8 @@ class Muon(CompilerFreeOptimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             ahead.append(p.grad.lerp(buf, mu))
-        for p, update in zip(params, orthogonalize_each(ahead, self.orthogonal_dtype), strict=True):
+        for p, update in zip(params, orthogonalize_each(ahead, self.orthogonal_dtype, self.iterate),
+                             strict=True):
             p.mul_(1 - lr * decay)
             p.add_(update, alpha=-lr * muon_lr_scale(p.shape))
 

@@ -281,7 +281,7 @@ def settled_setup(trainer: Trainer, kind: str) -> dict[str, str]:
         if dtype == "float32":
             least = onednn_min_macs()
             setup["products"] = "BLAS" if least is None else f"oneDNN from {least:,} multiply-adds"
-        if trainer.engine == "eager" and (kernels := eager_kernels.attached(trainer.model)):
+        if trainer.engine == "eager" and (kernels := eager_kernels.attached(trainer.model, trainer.optimizer)):
             setup["kernels"] = ", ".join(kernels)  # tinychar's own, in the eager step (training/eager_kernels.py)
     elif device.type == "cuda":
         setup["device"] = f"cuda ({torch.cuda.get_device_name(device)})"

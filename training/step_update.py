@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import muon_kernel
 from .optim import muon_lr_scale, orthogonal_dtype, orthogonalize_each
 
 
@@ -30,6 +31,7 @@ class Setup(NamedTuple):
     module: str = ""  # module_settings of the model: what its traced code reads of it besides its parameters
     training: bool = True  # the model's mode when called
     parts: int = 1  # the batch's parts, each a thread's (training/paired_step.py)
+    newton_schulz: str = ""  # Muon's iteration through training/muon_kernel.py: its digest (DIGEST), else ""
 
 
 class Layout(NamedTuple):
@@ -151,7 +153,7 @@ def muon_step(g: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr
     ahead = g.lerp(new_momentum, mu)
     sizes, shapes = layout.sizes[-layout.matrices:], layout.shapes[-layout.matrices:]
     updates = orthogonalize_each([d.view(shape) for d, shape in zip(ahead.split(sizes), shapes, strict=True)],
-                                 orthogonal_dtype(setup.dtype))
+                                 orthogonal_dtype(setup.dtype), muon_kernel.iterate if setup.newton_schulz else None)
     moved = [w * (1 - lr * setup.matrix_decay) - (lr * muon_lr_scale(shape)) * u.flatten()
              for w, u, shape in zip(weights.split(sizes), updates, shapes, strict=True)]
     return moved, new_momentum

@@ -221,9 +221,10 @@ def compile_step(job: Path, remember: bool) -> tuple[float, str]:
     if remember:  # this second compile read the cache the first one filled, as the next run will
         compile_cache.remember_compile(key, seconds, cold=False)
         eager_model = GPT(model_cfg)  # with tinychar's kernels where an eager run of the job's takes them
+        eager_optimizer = make_optimizer(eager_model, tc, device, dtype)
         if eager_kernels.wanted(tc.compile, device, dtype, False, tc.max_iters, None):
-            eager_kernels.attach(eager_model, tc.batch_size * model_cfg.block_size)
-        eager_ms, compiled_ms = time_steps(step, eager_model, tc, dtype, xs, ys)
+            eager_kernels.attach(eager_model, tc.batch_size * model_cfg.block_size, optimizer=eager_optimizer)
+        eager_ms, compiled_ms = time_steps(step, eager_model, tc, dtype, xs, ys, eager_optimizer)
         compile_cache.remember_step_times(key, eager_ms, compiled_ms)
         print(f"a step: {eager_ms:.2f} ms eager, {compiled_ms:.2f} ms compiled", flush=True)
     return seconds, step.source
@@ -237,10 +238,10 @@ TIMING_STEPS, TIMING_ROUNDS, TIMING_SECONDS, TIMING_ROUND_SECONDS = 5, 5, 10.0, 
 
 
 def time_steps(step: CompiledStep, model: nn.Module, tc: TrainConfig, dtype: torch.dtype, xs: torch.Tensor,
-               ys: torch.Tensor) -> tuple[float, float]:
+               ys: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> tuple[float, float]:
     """Milliseconds an optimizer step of tc's takes here eagerly (model, a fresh copy of the run's, as the trainer's
-    eager path takes it: forward and backward for each micro-batch, clipping, the optimizer's step) and through the
-    compiled step, timed in turns on the same batches."""
+    eager path takes it: forward and backward for each micro-batch, clipping, the optimizer's step: optimizer's, by
+    default a new one) and through the compiled step, timed in turns on the same batches."""
     import math
 
     import torch
@@ -249,7 +250,7 @@ def time_steps(step: CompiledStep, model: nn.Module, tc: TrainConfig, dtype: tor
     from training.optim import make_optimizer
 
     device = torch.device("cpu")
-    optimizer = make_optimizer(model, tc, device, dtype)
+    optimizer = optimizer or make_optimizer(model, tc, device, dtype)
     params = list(model.parameters())
 
     def eager() -> None:
