@@ -62,8 +62,9 @@ MIN_MACS = (2**21, math.inf)
 # are not measured, and keep MKL.
 MAX_WEIGHTS = 2**20
 
-SOURCE = PRELUDE + r"""
-#include <omp.h>
+# The tiles of six rows by sixteen columns and the per-thread buffers that the products are made of (Muon's iteration
+# is made of them too: training/muon_kernel.py).
+TILES = r"""#include <omp.h>
 #include <stdlib.h>
 #define KC 64  /* the weight gradient's sum over rows, in blocks: all the panels of a block (128 KB where B is 512
                   wide) stay in the core's L2 while its tiles run over them; 256 took 2% longer in the step */
@@ -108,7 +109,9 @@ static float* scratch(int slot, long n) {
     }
     return buffers[slot];
 }
+"""
 
+SOURCE = PRELUDE + TILES + r"""
 /* Rows t0 * 6 up to t1 * 6 of C (M x N, rows ldc apart) = A B, by the calling thread alone: A(i, k) = a[i*asi + k*ask],
    B(k, j) = b[k*bsk + j*bsj], N a multiple of 16. Where A's rows are contiguous (ask 1) they are read in place and B
    is packed whole; otherwise K goes in blocks of KC and A is packed six rows at a time. 0, or -1 out of memory. */

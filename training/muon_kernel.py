@@ -30,15 +30,15 @@ import torch
 from model.linear import own_gemm_wanted
 
 from . import linear_kernel
-from .c_kernels import PairedKernel, define
+from .c_kernels import PRELUDE, PairedKernel, define
 from .optim import NEWTON_SCHULZ, NEWTON_SCHULZ_STEPS, newton_schulz_iteration
 
 # The widest Gram matrix (d) that takes the kernel: measured up to 384 (the baby GPT's), 2.4x PyTorch's speed there.
 MAX_SIZE = 384
 
-# The linear kernel's tiles (tile) and per-thread buffers (scratch), and the iteration on them.
+# The linear kernel's tiles (tile) and per-thread buffers (scratch), and the iteration made of them.
 _CONSTANTS = "".join(f"#define NS_{name} {value.hex()}f\n" for name, value in zip("ABC", NEWTON_SCHULZ, strict=True))
-SOURCE = linear_kernel.SOURCE + _CONSTANTS + f"#define NS_STEPS {NEWTON_SCHULZ_STEPS}\n" + r"""
+SOURCE = PRELUDE + linear_kernel.TILES + _CONSTANTS + f"#define NS_STEPS {NEWTON_SCHULZ_STEPS}\n" + r"""
 /* c = a b for d x d matrices whose product is symmetric (a and b symmetric, and commuting), d a multiple of 16: b
    packed into panels of sixteen columns (bp, d x d floats), the tiles that reach the diagonal or lie above it, then
    every value below the diagonal copied from its mirror, so that c is exactly symmetric. */
