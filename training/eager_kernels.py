@@ -1,5 +1,6 @@
 """tinychar's own C kernels in the eager training step on a CPU: the compiled step's attention, GELU and linear-layer
-kernels (training/attention_kernel.py, gelu_kernel.py, linear_kernel.py), called from eager autograd through Python.
+kernels (training/attention_kernel.py, gelu_kernel.py, linear_kernel.py), called from eager autograd through Python,
+and Muon's Newton-Schulz iteration's (training/muon_kernel.py), called by the optimizer.
 
 A run that `train.compile: auto` keeps eager (a first run, its compile cache cold) otherwise takes the notes' attention
 as a dozen operators a layer, torch's GELU and MKL's products, each through the dispatcher. Measured on a 2-core Zen 2
@@ -9,7 +10,8 @@ the linear layers' from EAGER_MIN_MACS as well; nanoGPT's CPU config (AdamW; 5 r
 36.91 ms; tiny.yaml's model at batch 16 (the attention's least work, attention_kernel.MIN_WORK) 10.4-10.5 -> 9.0-9.1
 (two runs of each, one after the other). Whole first runs of train.py (empty caches, the cache's helper off, the code
 before and after in turns, two rounds): tiny.yaml 38.8-39.0 -> 33.5-33.6 s, configs/shakespeare_char_cpu.yaml
-131.8-132.1 -> 109.2-110.8 s, the kernels built in 1.0-1.4 s of it.
+131.8-132.1 -> 109.2-110.8 s, the kernels built in 1.0-1.4 s of it; with Muon's iteration's too (0.2 s more of g++,
+three rounds), 33.0-33.2 -> 31.5-32.3 s and 109.9-110.1 -> 99.9-100.5 s.
 
 Through Python, the calls cost the eager step no more than through the operators' C++ kernels (tiny.yaml 23.60 ->
 20.06 ms with those, 22.89 -> 19.37 without, the same process each), so these are not built for it: each parses
