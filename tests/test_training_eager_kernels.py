@@ -25,6 +25,20 @@ def tinychar_operators(profile: torch.profiler.profile) -> dict[str, int]:
                         if e.name.startswith("tinychar::")))
 
 
+def three_eager_steps(m: GPT, optimizer: torch.optim.Optimizer, xs: torch.Tensor) -> tuple[list[float], dict[str, int]]:
+    """Three eager steps of m on xs (the next characters as targets): their losses, and tinychar's operators that
+    ran."""
+    losses = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(3):
+            _, loss = m(xs, xs.roll(1, -1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return losses, tinychar_operators(profile)
+
+
 def taken(model: GPT) -> list[str]:
     return [name for name, m in model.named_modules() if getattr(m, "kernel_eager", False) and m.kernel is not None]
 
@@ -96,16 +110,8 @@ def test_the_eager_step_runs_them_with_pytorchs_losses_and_builds_no_cpp(monkeyp
         m = GPT(cfg)
         if kernels:
             assert eager_kernels.attach(m, 4 * 16) == ["attention", "GELU", "linear"]
-        optimizer = make_optimizer(m, TrainConfig(), CPU)
-        losses = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            for _ in range(3):
-                _, loss = m(xs, xs.roll(1, -1))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-        return m, losses, torch.cat([p.detach().flatten() for p in m.parameters()]), tinychar_operators(profile)
+        losses, ran = three_eager_steps(m, make_optimizer(m, TrainConfig(), CPU), xs)
+        return m, losses, torch.cat([p.detach().flatten() for p in m.parameters()]), ran
 
     _, plain_losses, plain_weights, plain_ran = three_steps(kernels=False)
     m, losses, weights, ran = three_steps(kernels=True)

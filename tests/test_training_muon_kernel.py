@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import needs_cpu_compile
-from test_training_eager_kernels import tinychar_operators
+from test_training_eager_kernels import three_eager_steps
 
 from model import GPT, GPTConfig
 from training import TrainConfig, eager_kernels, muon_kernel
@@ -112,15 +112,8 @@ def test_muons_eager_step_runs_it_with_pytorchs_losses(monkeypatch):
         if kernel:
             assert eager_kernels.attach(model, 4 * 8, optimizer=optimizer) == ["Muon"]
             assert eager_kernels.attached(model, optimizer) == ["Muon"]
-        losses = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            for _ in range(3):
-                _, loss = model(xs, xs.roll(1, -1))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-        return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), tinychar_operators(profile)
+        losses, ran = three_eager_steps(model, optimizer, xs)
+        return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), ran
 
     plain_losses, plain_weights, plain_ran = three_steps(kernel=False)
     losses, weights, ran = three_steps(kernel=True)
