@@ -101,6 +101,6 @@ def attach(model: nn.Module, rows: int, folder: Path | None = None,
 def attached(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
     """The kernels that model's eager training step runs (attach), by name, its optimizer's included."""
     kinds = {"attention": CausalSelfAttention, "GELU": MLP, "linear": nn.Linear}
-    return [name for name in NAMES[:-1] if any(isinstance(m, kinds[name]) and getattr(m, "kernel_eager", False)
-                                               and m.kernel is not None for m in model.modules())
-            ] + (["Muon"] if getattr(optimizer, "iterate", None) is not None else [])
+    layers = [name for name, kind in kinds.items() if any(isinstance(m, kind) and getattr(m, "kernel_eager", False)
+                                                          and m.kernel is not None for m in model.modules())]
+    return layers + (["Muon"] if getattr(optimizer, "iterate", None) is not None else [])
