@@ -91,13 +91,20 @@ def test_the_product_from_a_packed_weight_is_torchs_on_any_number_of_threads(tmp
     assert torch.equal(linear_kernel.linear_packed(x, packed[-1:]), results[0][:, -16:])
 
 
-def test_auto_takes_the_kernel_on_amd_processors_without_avx512(monkeypatch):
+def test_auto_takes_the_kernel_on_amd_processors_without_full_width_avx512(monkeypatch):
+    zen4, zen5 = (AMD.replace("cpu family\t: 23", f"cpu family\t: {family}", 1) for family in (25, 26))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert own_gemm_outruns_blas(AMD)
+    assert own_gemm_outruns_blas(zen5)  # kept to AVX2 (bench.py --isa avx2): MKL's AVX2 code
     assert not own_gemm_outruns_blas(INTEL)  # MKL's own AVX2 code, not measured against
     assert not own_gemm_outruns_blas("")  # no /proc/cpuinfo
+    assert not own_gemm_outruns_blas("vendor_id\t: AuthenticAMD\ncpu family\t: ?\n")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not own_gemm_outruns_blas(AMD)
+    assert own_gemm_outruns_blas(zen4)  # AVX-512 through 256-bit units: the kernel's AVX2 code outran MKL's
+    assert not own_gemm_outruns_blas(zen5)  # full width: oneDNN at twice MKL's rate
+    assert not own_gemm_outruns_blas(INTEL.replace("cpu family\t: 23", "cpu family\t: 6", 1))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not own_gemm_outruns_blas(AMD)  # no vector code to build for
 
 
 def model(width: int = 128, vocab: int = 65) -> GPT:

@@ -1,5 +1,5 @@
 """The linear layers' matrix products as a kernel of tinychar's own, for the compiled training step and the compiled
-sampler on AMD CPUs without AVX-512.
+sampler on AMD CPUs without full-width AVX-512 (Zen 1 to 4).
 
 PyTorch multiplies float32 matrices on a CPU through MKL, whose AVX2 code on AMD processors spends a good part of each
 product copying its operands into blocks (packing). On the products of nanoGPT's CPU config (768 rows, 128 wide) on a
@@ -27,10 +27,12 @@ The compiled sampler's weights do not change while it runs, so there each weight
 window, 1.4-2x MKL's speed, alone, and a block-64 character 1.2 ms -> 0.93 (sampling/writing.py attaches it).
 
 Called by compiled code (CompiledStep attaches it, and sample.py), and by the eager step of a run long enough for its
-largest products (training/eager_kernels.py), for layers whose sizes are multiples of 16, on AMD CPUs where PyTorch
-runs AVX2 code (MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width AVX-512, are not matched here):
-evaluation and eager sampling keep PyTorch's products. TINYCHAR_GEMM=0 keeps MKL, 1
-takes the kernel wherever it applies. How it is built, loaded and called: training/c_kernels.py.
+largest products (training/eager_kernels.py), for layers whose sizes are multiples of 16, on AMD CPUs where MKL
+runs its AVX2 code: without AVX-512, or with Zen 4's, whose 256-bit units the kernel's AVX2 code keeps as busy (768 x
+128 x 512 at 205 GFLOP/s against MKL's 176 there). MKL's own AVX-512 code on Intel's, and oneDNN on AMD's full-width
+AVX-512, are not matched here (model/linear.py, own_gemm_outruns_blas). Evaluation and eager sampling keep PyTorch's
+products. TINYCHAR_GEMM=0 keeps MKL, 1 takes the kernel wherever it applies. How it is built, loaded and called:
+training/c_kernels.py.
 """
 
 from __future__ import annotations
