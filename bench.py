@@ -9,9 +9,10 @@
 Get nanoGPT with: git clone https://github.com/karpathy/nanoGPT
 
 Both programs run their own train.py and sample.py as subprocesses of this Python (same torch), on tiny Shakespeare,
-with the same thread count, model shape and batch. Speeds come from whole-process wall times taken at two lengths
-(steps, or characters) and differenced, so start-up, data loading and compilation cancel; rounds alternate the two
-programs so machine noise falls on both. The table goes to stdout (markdown), progress to stderr.
+with the same thread count, model shape and batch. A training step is timed inside each program's run, between two of
+the step lines it logs as they arrive; a sampled character from whole-process wall times taken at two lengths and
+differenced; so start-up, data loading and compilation are left out of both. Rounds alternate the two programs so
+machine noise falls on both. The table goes to stdout (markdown), progress to stderr.
 """
 
 from __future__ import annotations

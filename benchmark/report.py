@@ -22,10 +22,12 @@ def ratio_cell(value: float | None) -> str:
 
 
 NOTES = ("Ratio: nanoGPT's time over tinychar's (above 1: tinychar is faster); spread: the lowest and highest ratio of "
-         "the rounds. Training steps and sampling: whole-process wall time of each program's train.py or sample.py at "
-         "two lengths, differenced, so start-up, data loading and compilation cancel (after one warm-up run of each; "
-         "tinychar's compiled runs are longer, so that the few seconds' noise of a compile from the cache cancels "
-         "too). "
+         "the rounds. Training steps: inside one run of each program's train.py, the time between two of the step "
+         "lines it logs, as they arrive (from the line at the first logged step count to the last), so start-up, "
+         "data loading, compilation and the closing evaluation are left out. Sampling: whole-process wall time of "
+         "each program's sample.py at two lengths, differenced, so start-up and compilation cancel (tinychar's "
+         "compiled runs are longer, so that the few seconds' noise of a compile from the cache cancels too). One "
+         "warm-up run of each goes first. "
          "nanoGPT runs with compile=False, as its README's CPU command; tinychar with its config's defaults, but for "
          "what the row names. Time to quality: from launch to the evaluation line, as the line arrives, the programs "
          "alternating over the rounds, nanoGPT's first run setting the target that every round times it to; tinychar's "

@@ -1,6 +1,6 @@
 """Running the two programs as their users do: the shapes and lengths measured, nanoGPT's copied checkout with its
-stand-in imports, tinychar's cache folders, and each process timed from launch, its evaluation lines stamped as they
-arrive."""
+stand-in imports, tinychar's cache folders, and each process timed from launch, its evaluation and step lines stamped
+as they arrive."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -28,6 +28,10 @@ NANOGPT_FILES = ("train.py", "sample.py", "model.py", "configurator.py", "config
 NANOGPT_MARKS = {"model.py": b"class GPT(", "train.py": b"train loss {", "sample.py": b"model.generate("}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 EVAL_LINE = re.compile(r"^step (\d+): train loss [-+.\deE]+, val loss ([-+.\deE]+|nan)")
+# The lines each program prints every log_interval steps, which the step rows time the steps between: tinychar's
+# `step N/M: loss X, ...` after N steps, nanoGPT's `iter N: loss X, ...` after N + 1 (it counts from 0).
+TINYCHAR_STEP_LINE = re.compile(r"^step (\d+)/\d+: loss ")
+NANOGPT_STEP_LINE = re.compile(r"^iter (\d+): loss ")
 # nanoGPT's README command for CPUs; bench.py adds only out_dir and float32 (dtype picks nothing on a CPU there, but its
 # default, float16, makes nanoGPT build a CUDA GradScaler that warns on every CPU-only machine).
 NANOGPT_CPU_RUN = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
@@ -65,24 +69,25 @@ class Shape:
     def label(self) -> str:
         return f"block {self.block_size}, batch {self.batch_size}, {self.n_layer}L/{self.n_head}H/{self.n_embd}"
 
-    def nanogpt(self, iters: int) -> list[str]:
-        """nanoGPT flags for iters steps, evaluating (eval_iters=1) and logging only at step 0, which it always does."""
+    def nanogpt(self, iters: int, log_every: int | None = None) -> list[str]:
+        """nanoGPT flags for iters steps, evaluating (eval_iters=1) only at step 0, which it always does, and logging
+        there and every log_every steps (default: nowhere else)."""
         shape = {k: getattr(self, k) for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd", "bias")}
         return ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32",
                 "--dropout=0.0", *[f"--{k}={v!r}" for k, v in shape.items()], f"--max_iters={iters}",
                 # no warmup: with warmup_iters = lr_decay_iters nanoGPT would divide by zero at the last step
                 f"--lr_decay_iters={iters}", "--warmup_iters=0", f"--eval_interval={iters + 1}",
-                f"--log_interval={iters + 1}",
+                f"--log_interval={log_every or iters + 1}",
                 "--eval_iters=1", "--wandb_log=False"]
 
-    def tinychar(self, iters: int) -> list[str]:
-        """tinychar overrides for iters steps, evaluating once (eval_iters=1) at the end, as it always does; with
-        nanoGPT's optimizer, AdamW, so that a step does the same work in both (the time-to-quality rows run the
-        configs as they are, Muon included)."""
+    def tinychar(self, iters: int, log_every: int | None = None) -> list[str]:
+        """tinychar overrides for iters steps, evaluating once (eval_iters=1) at the end, as it always does, and
+        logging every log_every steps (default: at the end); with nanoGPT's optimizer, AdamW, so that a step does the
+        same work in both (the time-to-quality rows run the configs as they are, Muon included)."""
         shape = {f"model.{k}": getattr(self, k) for k in ("block_size", "n_layer", "n_head", "n_embd")}
         return ["--config", self.config, *[f"{k}={v}" for k, v in shape.items()],
                 f"model.bias={str(self.bias).lower()}", f"train.batch_size={self.batch_size}",
-                f"train.max_iters={iters}", f"train.eval_interval={iters}", f"train.log_interval={iters}",
+                f"train.max_iters={iters}", f"train.eval_interval={iters}", f"train.log_interval={log_every or iters}",
                 "train.eval_iters=1", "train.sample_chars=0", "train.tensorboard=false", "train.device=cpu",
                 "train.optimizer=adamw"]
 
@@ -94,11 +99,13 @@ SAMPLE_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 64, True), "b
 
 @dataclass(frozen=True)
 class Plan:
-    """Lengths of the measured runs: (short, long) steps per training-step row (and for tinychar's compiled steps),
-    characters for sampling (and for tinychar's compiled sampler). The compiled runs are longer: a compile from the
-    cache takes a few seconds, give or take one or two, which must not swamp the difference of the two runs (measured
-    on a 2-core Zen 4 EPYC: 1,000 more compiled block-8 steps, about 1.8 s, once took 7 ms longer than the short run,
-    a ratio of 820x for that round)."""
+    """Lengths of the measured runs. A training-step row (and tinychar's compiled steps apart): (first, last), a run
+    of last steps that logs every first steps, timed from its line at first steps to its line at last (Run.
+    seconds_per_step). Sampling (and tinychar's compiled sampler apart): (short, long) characters, whose two whole
+    runs are differenced. The compiled sampler's runs are longer: a compile from the cache takes a few seconds, give or
+    take one or two, which must not swamp the difference of the two runs. The step rows once differenced two runs as
+    well, and measured that noise with the steps (on a 2-core Zen 4 EPYC, 1,000 more compiled block-8 steps, about 1.8
+    s, once took 7 ms longer than the short run: 820x nanoGPT for that round); their lengths are those runs'."""
 
     steps: dict[str, tuple[int, int]]
     compiled_steps: dict[str, tuple[int, int]]
@@ -112,11 +119,11 @@ class Plan:
 
 FULL = Plan({"block8": (100, 1100), "block64": (20, 220)}, {"block8": (100, 5100), "block64": (20, 620)},
             (500, 5000), (1000, 40000), None, 1.0, 3, True)
-# --quick: a smoke test of every row, whose cells must still be numbers. The lengths differ by a few seconds of work per
-# program (the process start-up and a compile from the cache vary by a second or two), and one warm-up run of each
-# program goes first, or the short compiled run would pay the cold compile that the long one is spared, and come out
-# slower (NaN, printed n/a). The time-to-quality runs are 60 steps with a 6-step warmup (see shortened). Measured on a
-# 2-core Zen 4 EPYC, 2026-11-26: every cell a number, 6.5 minutes in all (5 vs 2 and 20 steps: n/a in most rows).
+# --quick: a smoke test of every row, whose cells must still be numbers. The sampling lengths differ by a few seconds of
+# work per program (the process start-up and a compile from the cache vary by a second or two), and one warm-up run of
+# each program goes first, or the short compiled run would pay the cold compile that the long one is spared, and come
+# out slower (NaN, printed n/a). The time-to-quality runs are 60 steps with a 6-step warmup (see shortened). Measured
+# on a 2-core Zen 4 EPYC, 2026-11-26: every cell a number, 6.5 minutes in all (5 vs 2 and 20 steps: n/a in most rows).
 QUICK = Plan({"block8": (50, 850), "block64": (5, 65)}, {"block8": (50, 2050), "block64": (5, 205)}, (50, 850),
              (50, 8050), 60, 0.2, 1, True)
 
@@ -127,11 +134,22 @@ Eval = tuple[float, int, float]
 @dataclass
 class Run:
     """One finished process: its wall time from launch to exit, (seconds since launch, step, val loss) of each
-    evaluation line it printed, and the engine a tinychar train.py said it trained with (engine_of)."""
+    evaluation line it printed, the engine a tinychar train.py said it trained with (engine_of), and (seconds since
+    launch, steps taken) of each step line a train.py printed (parse_steps_taken)."""
 
     seconds: float
     evals: list[Eval]
     engine: str | None = None
+    marks: list[tuple[float, int]] = field(default_factory=list)
+
+    def seconds_per_step(self, after: int) -> float:
+        """The seconds a step took from the first step line at or past `after` steps to the last one: the steps of
+        the run's middle and end alone, without its start-up, data loading, compiling or first steps, or the
+        evaluation that ends it; NaN where fewer than two such lines came."""
+        marks = [(t, n) for t, n in self.marks if n >= after]
+        if len(marks) < 2 or marks[-1][1] <= marks[0][1]:
+            return math.nan
+        return (marks[-1][0] - marks[0][0]) / (marks[-1][1] - marks[0][1])
 
 
 def engine_of(line: str) -> str | None:
@@ -160,6 +178,16 @@ def parse_eval(line: str) -> tuple[int, float] | None:
     """(step, val loss) of an evaluation line, which both programs print alike: `step N: train loss X, val loss Y`."""
     match = EVAL_LINE.match(line)
     return (int(match[1]), float(match[2])) if match else None
+
+
+def parse_steps_taken(line: str) -> int | None:
+    """How many steps a train.py had taken when it printed line, if it is a step line (TINYCHAR_STEP_LINE,
+    NANOGPT_STEP_LINE)."""
+    if (match := TINYCHAR_STEP_LINE.match(line)) is not None:
+        return int(match[1])
+    if (match := NANOGPT_STEP_LINE.match(line)) is not None:
+        return int(match[1]) + 1
+    return None
 
 
 def per_unit(t_short: float, t_long: float, n_short: int, n_long: int) -> float:
@@ -236,9 +264,10 @@ class Programs:
 
 
 def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None = None) -> Run:
-    """Run cmd to its end, timestamping each evaluation line as it arrives. With stop_at, the run is stopped (SIGTERM)
-    at its first val loss at or below it: the time to get there is all that is wanted of it."""
+    """Run cmd to its end, timestamping each evaluation line and step line as it arrives. With stop_at, the run is
+    stopped (SIGTERM) at its first val loss at or below it: the time to get there is all that is wanted of it."""
     evals: list[Eval] = []
+    marks: list[tuple[float, int]] = []
     engine: str | None = None
     stopped = False
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
@@ -247,10 +276,13 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
                                 encoding="utf-8", errors="replace")
         try:
             for line in proc.stdout:
+                arrived = time.perf_counter() - start
+                if (taken := parse_steps_taken(line)) is not None:
+                    marks.append((arrived, taken))
                 engine = engine_of(line) or engine
                 found = parse_eval(line)
                 if found is not None and not stopped:
-                    evals.append((time.perf_counter() - start, *found))
+                    evals.append((arrived, *found))
                     if stop_at is not None and found[1] <= stop_at:
                         proc.terminate()
                         stopped = True
@@ -265,4 +297,4 @@ def launch(cmd: list[str], cwd: Path, env: dict[str, str], stop_at: float | None
             last = next((s for s in reversed(err.read().splitlines()) if s.strip()), "no message")
             raise BenchError(f"{Path(cmd[2]).name} {' '.join(cmd[3:6])} ... (in {cwd}) exited with status {code}: "
                              f"{last.strip()}")
-    return Run(seconds, evals, engine)
+    return Run(seconds, evals, engine, marks)

@@ -1,5 +1,6 @@
-"""The speed rows: a training step and a sampled character, each program's whole process timed at two lengths and
-differenced, the programs alternating round by round."""
+"""The speed rows, the programs alternating round by round: a training step, timed inside each program's run between
+two of its step lines as they arrive; a sampled character, each program's whole process timed at two lengths and
+differenced."""
 
 from __future__ import annotations
 
@@ -36,20 +37,23 @@ def step_rows(p: Programs, name: str, plan: Plan, rounds: int, bf16: bool) -> li
             "compiled": ["train.dtype=float32", "train.compile=true"]}
     if bf16:
         tiny["auto"] = ["train.dtype=auto", "train.compile=true"]
-    contenders = {"nanoGPT": lambda n: p.nanogpt("train.py", shape.nanogpt(n))}
+    # a run of `last` steps, logging every `first`: timed from the line at `first` steps to the one at `last`
+    contenders = {"nanoGPT": lambda first, last: p.nanogpt("train.py", shape.nanogpt(last, first))}
     for who, extra in tiny.items():
-        contenders[who] = lambda n, extra=extra: p.tinychar("train.py", [*shape.tinychar(n), *extra])
+        contenders[who] = lambda first, last, extra=extra: p.tinychar("train.py",
+                                                                      [*shape.tinychar(last, first), *extra])
     lengths = {who: plan.steps[name] if who in ("nanoGPT", "eager") else plan.compiled_steps[name]
                for who in contenders}
     for who, go in contenders.items() if plan.warm_up else ():
         note(f"  warm-up: {who}")
-        go(lengths[who][0])
+        first, _ = lengths[who]
+        go(first, first)
     ms: dict[str, list[float]] = {who: [] for who in contenders}
     for r in range(rounds):
         note(f"  round {r + 1}/{rounds}")
-        seconds = {(who, i): go(lengths[who][i]).seconds for i in (0, 1) for who, go in contenders.items()}
-        for who in contenders:
-            ms[who].append(1e3 * per_unit(seconds[who, 0], seconds[who, 1], *lengths[who]))
+        for who, go in contenders.items():
+            first, last = lengths[who]
+            ms[who].append(1e3 * go(first, last).seconds_per_step(first))
     label = f"train step, {shape.label()}"
     if name == "block64":
         label += " (nanoGPT's CPU config)"

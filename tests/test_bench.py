@@ -45,6 +45,7 @@ from benchmark.runs import (
     cpu_info,
     launch,
     parse_eval,
+    parse_steps_taken,
     per_unit,
     usable_flags,
 )
@@ -66,6 +67,34 @@ def test_evaluation_lines_of_both_programs_are_read_and_nothing_else():
                   "done: step 1300, val loss 1.9300 (best 1.9300) in 30.1s; sample with: ...",
                   "saving checkpoint to out"):
         assert parse_eval(other) is None
+
+
+def test_step_lines_of_both_programs_count_the_steps_taken_and_nothing_else_does():
+    assert parse_steps_taken("step 20/1300: loss 3.5373, lr 2.38e-03, 4,801 tokens/s, MFU 1.7%\n") == 20  # tinychar
+    assert parse_steps_taken("iter 20: loss 4.1828, time 76.72ms, mfu -100.00%\n") == 21  # nanoGPT counts from 0
+    for other in ("step 325: train loss 1.9012, val loss 1.9321 (best)", "step 2000: train loss 1.7601, val loss 1.8",
+                  "done: step 1300, val loss 1.9300 (best 1.9300) in 30.1s; sample with: ...", "iter 5 of 10",
+                  "engine: compiled in 3.1 s (compile cache: /c)"):
+        assert parse_steps_taken(other) is None
+
+
+@pytest.mark.slow
+def test_a_real_tinychar_run_as_the_step_rows_start_it_logs_the_steps_they_time(tmp_path):
+    args = [*STEP_SHAPES["block8"].tinychar(6, 2), "train.dtype=float32", "train.compile=false", "train.threads=1",
+            f"out_dir={tmp_path / 'out'}"]
+    run = launch([sys.executable, "-u", str(ROOT / "train.py"), *args], ROOT, dict(os.environ))
+    assert [n for _, n in run.marks] == [2, 4, 6]
+    assert [step for _, step, _ in run.evals] == [6]  # the one evaluation, after the last step line
+    assert run.marks[-1][0] <= run.evals[0][0] and 0 < run.seconds_per_step(2) < 1.0
+
+
+def test_a_runs_steps_are_timed_between_its_step_lines_past_the_first_count():
+    # start-up, compiling and the first steps before the line at 100 steps; the closing evaluation after the last
+    run = Run(30.0, [], marks=[(5.0, 1), (9.0, 100), (9.4, 200), (13.0, 1100)])
+    assert run.seconds_per_step(100) == pytest.approx(0.004)
+    assert run.seconds_per_step(101) == pytest.approx(3.6 / 900)
+    for short in (Run(30.0, [], marks=[(9.0, 100)]), Run(30.0, [], marks=[(9.0, 100), (9.0, 100)]), Run(1.0, [])):
+        assert math.isnan(short.seconds_per_step(100))  # a run cut short, or one that logged no steps: no figure
 
 
 def test_differencing_cancels_what_both_runs_share():
@@ -510,49 +539,58 @@ SECONDS_PER_STEP = {"nanoGPT": 0.005, "eager": 0.004, "compiled": 0.002}
 
 class StepPrograms:
     """Programs whose train.py takes `start` seconds to start (a compiled one: plus a compile from the cache that
-    alternates between 2 and 4 s) and then a fixed time per step; records each run's steps."""
+    alternates between 2 and 4 s), then a fixed time per step, its first ten steps three times as long, and 1.5 s to
+    evaluate at the end; each logs its steps as it was told (nanoGPT: `iter N` at N % log_interval == 0, after N + 1
+    steps, N from 0 to max_iters; tinychar: `step N/M` at N % log_interval == 0, after N steps). Records each run's
+    steps and logging interval."""
 
     def __init__(self) -> None:
-        self.runs: list[tuple[str, int]] = []
+        self.runs: list[tuple[str, int, int]] = []
 
     def nanogpt(self, script: str, args: list[str]) -> Run:
-        steps = int(next(a for a in args if a.startswith("--max_iters=")).split("=")[1])
-        return self.run("nanoGPT", steps, 1.0)
+        flags = dict(a.removeprefix("--").split("=", 1) for a in args if a.startswith("--"))
+        iters, every = int(flags["max_iters"]), int(flags["log_interval"])
+        return self.run("nanoGPT", iters + 1, every, 1.0, [n + 1 for n in range(0, iters + 1, every)])
 
     def tinychar(self, script: str, args: list[str]) -> Run:
-        steps = int(next(a for a in args if a.startswith("train.max_iters=")).split("=")[1])
+        flags = dict(a.split("=", 1) for a in args if a.startswith("train."))
+        steps, every = int(flags["train.max_iters"]), int(flags["train.log_interval"])
+        logged = [n for n in range(1, steps + 1) if n % every == 0 or n == steps]
         if "train.compile=true" in args:
-            compiles = sum(who == "compiled" for who, _ in self.runs)
-            return self.run("compiled", steps, 1.0 + (2.0 if compiles % 2 else 4.0))
-        return self.run("eager", steps, 1.0)
+            compiles = sum(who == "compiled" for who, _, _ in self.runs)
+            return self.run("compiled", steps, every, 1.0 + (2.0 if compiles % 2 else 4.0), logged)
+        return self.run("eager", steps, every, 1.0, logged)
 
-    def run(self, who: str, steps: int, start: float) -> Run:
-        self.runs.append((who, steps))
-        return Run(start + steps * SECONDS_PER_STEP[who], [])
+    def run(self, who: str, steps: int, every: int, start: float, logged: list[int]) -> Run:
+        self.runs.append((who, steps, every))
+        per_step = SECONDS_PER_STEP[who]
+        # the first ten steps take three times as long as the others: the page cache, the allocator, the CPU's clock
+        at = {n: start + (3 * min(n, 10) + max(n - 10, 0)) * per_step for n in range(1, steps + 1)}
+        return Run(at[steps] + 1.5, [], marks=[(at[n], n) for n in logged])
 
 
-def test_compiled_step_rows_run_long_enough_for_the_compile_noise_to_cancel():
+def test_step_rows_time_the_steps_between_two_lines_of_one_run_whatever_its_start_up_cost():
     programs = StepPrograms()
     plan = FULL
     rows = step_rows(programs, "block8", plan, rounds=2, bf16=False)
-    lengths = {who: sorted({n for w, n in programs.runs if w == who}) for who in ("nanoGPT", "eager", "compiled")}
-    assert lengths["nanoGPT"] == lengths["eager"] == list(plan.steps["block8"])
-    assert lengths["compiled"] == list(plan.compiled_steps["block8"])
-    short, long = plan.compiled_steps["block8"]
+    for who in ("nanoGPT", "eager", "compiled"):
+        first, last = (plan.compiled_steps if who == "compiled" else plan.steps)["block8"]
+        warm_up, *measured = [(steps, every) for w, steps, every in programs.runs if w == who]
+        # nanoGPT runs iterations 0 to max_iters: one step more than it is told, as on every row before
+        assert measured == [(last + (who == "nanoGPT"), first)] * 2, who
     eager, compiled = rows
-    assert eager["tinychar"] == pytest.approx(4.0) and eager["nanogpt"] == pytest.approx(5.0)
-    # Each long compiled run compiled 2 s slower than the short one before it: over the compiled runs' extra steps
-    # that reads a fifth above the true 2 ms a step at most (over the eager runs' 1,000 it would read 4 ms).
-    noisy = 2.0 + 2000 / (long - short)
-    assert compiled["rounds"]["tinychar"] == pytest.approx([noisy, noisy]) and noisy <= 1.2 * 2.0
+    # the compiles from the cache took 2 and 4 s, the first steps longer, the evaluation at the end 1.5 s: none counts
+    assert eager["rounds"] == {"nanogpt": pytest.approx([5.0, 5.0]), "tinychar": pytest.approx([4.0, 4.0])}
+    assert compiled["rounds"]["tinychar"] == pytest.approx([2.0, 2.0])
+    assert compiled["ratio"] == pytest.approx(2.5)
 
 
 class ColdCompilePrograms(StepPrograms):
     """StepPrograms whose first compiled run finds tinychar's compile cache empty and compiles for 20 s."""
 
-    def run(self, who: str, steps: int, start: float) -> Run:
-        cold = who == "compiled" and not any(w == "compiled" for w, _ in self.runs)
-        return super().run(who, steps, start + (20.0 if cold else 0.0))
+    def run(self, who: str, steps: int, every: int, start: float, logged: list[int]) -> Run:
+        cold = who == "compiled" and not any(w == "compiled" for w, _, _ in self.runs)
+        return super().run(who, steps, every, start + (20.0 if cold else 0.0), logged)
 
 
 @pytest.mark.parametrize("name", sorted(STEP_SHAPES))
@@ -565,11 +603,11 @@ def test_quick_step_rows_are_numbers_though_the_first_compile_is_cold(name):
 
 
 def test_quick_lengths_outlast_the_noise_of_starting_a_process():
-    """The quick step rows' extra steps take seconds at block 8's speeds (a few ms a step), so that the second or so
-    by which a process start or a compile from the cache varies cannot make the longer run the faster one."""
+    """The quick sampling rows' extra characters take seconds, so that the second or so by which a process start or a
+    compile from the cache varies cannot make the longer run the faster one; the step rows time seconds of steps."""
     for who, per_step in SECONDS_PER_STEP.items():
-        short, long = (QUICK.compiled_steps if who == "compiled" else QUICK.steps)["block8"]
-        assert (long - short) * per_step >= 3.0, who
+        first, last = (QUICK.compiled_steps if who == "compiled" else QUICK.steps)["block8"]
+        assert (last - first) * per_step >= 3.0, who
     short, long = QUICK.chars
     assert long - short >= 500  # sampling runs at hundreds to thousands of characters a second
 
