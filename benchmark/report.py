@@ -54,7 +54,8 @@ def markdown(report: dict) -> str:
                 if limits else "")
              + (f"; GPU: {report['gpu']}" if report.get("gpu") else "")
              + (" (--quick: smoke-test lengths, not figures to quote; n/a: the longer run was not the slower, the "
-                "difference lost in the machine's noise)" if report.get("quick") else ""), ""]
+                "difference lost in the machine's noise, or a training run logged too few steps)"
+                if report.get("quick") else ""), ""]
     if "matmul_gflops" in report:
         c = report["matmul_gflops"]
         ceiling = f"float32 {c['float32']:.0f} GFLOP/s, bfloat16 {c['bfloat16']:.0f} GFLOP/s"
