@@ -52,7 +52,7 @@ try:  # and a KeyboardInterrupt that an import raises all the same is taken as s
     from training.launch import Launch, LaunchError, launch_from_env
     from training.outdir import prepare_out_dir
     from training.resuming import resume_target
-    from training.signals import InterruptSignals, start_or_status
+    from training.signals import InterruptSignals, start_or_status, wrapped_stop
     from training.streams import leave_now, say, stderr_kept_open, stdout_encodes_any_text
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -215,6 +215,7 @@ def train(args: argparse.Namespace, cfg: RunConfig | None, launch: Launch, refus
                 run(cfg, resume=args.resume, overwrite=args.overwrite, progress=progress, payload=payload,
                     launch=launch)
     except Exception as e:
+        e = wrapped_stop(e) or e  # a stop signal a library reported as an error of its own: a stop all the same
         line = failure_line(e, cfg, launch)
         if line is None:
             raise  # a bug

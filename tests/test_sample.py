@@ -272,6 +272,27 @@ def test_a_stop_that_an_import_wraps_while_the_sampler_is_made_still_ends_it_in_
     assert code == 130 and out == "" and err.strip().splitlines()[-1] == "interrupted (SIGINT); stopped sampling"
 
 
+def test_a_stop_that_an_import_wraps_while_the_compiler_is_readied_still_ends_it_in_one_line(run, monkeypatch):
+    """SIGTERM landing while compile_cache.prepare_compile imports inductor's lowering, whose kernel modules have
+    jinja2 compile their templates: jinja2 reported the signal as a TemplateSyntaxError ("signal 15"), inductor
+    wrapped that in its own, and sample.py ended in a traceback, status 1 (seen once in a CI run of the suite)."""
+    from training.signals import Interrupted
+
+    class TemplateSyntaxError(Exception):
+        pass
+
+    def preparing() -> None:
+        try:
+            raise Interrupted(signal.SIGTERM)
+        except Interrupted as e:
+            raise TemplateSyntaxError("signal 15") from e
+
+    monkeypatch.setattr(writing.compile_cache, "prepare_compile", preparing)
+    code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "40", "--compile", "true")
+    assert code == 143 and out == "" and err.strip().splitlines()[-1] == "interrupted (SIGTERM); stopped sampling"
+    assert "Traceback" not in err
+
+
 def test_sampling_without_compiling_never_asks_for_the_compiler_s_settings(run, monkeypatch):
     """On CUDA, reading inductor's options imports inductor, seconds that sample.py paid on every GPU run, compiling
     or not (an H200's first character came 5.2 s after the checkpoint had loaded)."""

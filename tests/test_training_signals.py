@@ -701,3 +701,27 @@ def test_torch_logs_help_on_a_stdout_that_cannot_take_it_is_quiet_or_one_line(st
     assert status == (1 if stdout == "full" else 0)
     said = capsys.readouterr().err
     assert said == ("error: cannot write to stdout (No space left on device)\n" if stdout == "full" else "")
+
+
+def test_a_stop_that_an_import_wraps_while_the_compiler_is_readied_ends_the_run_in_one_line(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """SIGTERM landing while prepare_compile imports inductor's lowering, whose kernel modules have jinja2 compile
+    their templates: jinja2 reports the signal as a TemplateSyntaxError, inductor wraps that in its own, and the run
+    ended in a traceback, status 1, where a stop says so in one line (sample.py met it in a CI run of the suite)."""
+
+    class TemplateSyntaxError(Exception):
+        pass
+
+    def preparing() -> None:
+        try:
+            raise training.signals.Interrupted(signal.SIGTERM)
+        except training.signals.Interrupted as e:
+            raise TemplateSyntaxError("signal 15") from e
+
+    monkeypatch.setattr(training.engine, "prepare_compile", preparing)
+    out = tmp_path / "out"
+    args = ["--config", TINY, *tiny_overrides(write_corpus(tmp_path), out, **{"train.compile": "true"})]
+    code, stdout, err = call(train_main, args, capsys)
+    assert code == 143 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted (SIGTERM) before training started; no checkpoint was saved"
+    assert not (out / "ckpt.pt").exists()

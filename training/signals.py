@@ -169,6 +169,14 @@ def _interrupt_in_chain(e: BaseException | None) -> BaseException | None:
     return None
 
 
+def wrapped_stop(e: BaseException) -> Interrupted | None:
+    """The stop signal (Interrupted) that e stands for where e is a library's own error raised from it, or while
+    handling it: an import the signal landed in may report it so (jinja2, compiling inductor's kernel templates as
+    they are imported, as a TemplateSyntaxError). None where e is no such error."""
+    link = _interrupt_in_chain(e)
+    return link if isinstance(link, Interrupted) and link is not e else None
+
+
 def interrupting(e: BaseException | None = None) -> BaseException | None:
     """The stop that e stands for, or None: e itself, or what it was raised from or while handling, when that is
     Interrupted or a KeyboardInterrupt. A library may catch the exception a signal raised inside it and raise its own
