@@ -100,8 +100,8 @@ SAMPLE_SHAPES = {"block8": Shape("configs/tiny.yaml", 8, 32, 3, 4, 64, True), "b
 @dataclass(frozen=True)
 class Plan:
     """Lengths of the measured runs. A training-step row (and tinychar's compiled steps apart): (first, last), a run
-    of last steps that logs every first steps, timed from its line at first steps to its line at last (Run.
-    seconds_per_step). Sampling (and tinychar's compiled sampler apart): (short, long) characters, whose two whole
+    of last steps that logs every first steps, timed from its line at first steps to its line at last
+    (Run.seconds_per_step). Sampling (and tinychar's compiled sampler apart): (short, long) characters, whose two whole
     runs are differenced. The compiled sampler's runs are longer: a compile from the cache takes a few seconds, give or
     take one or two, which must not swamp the difference of the two runs. The step rows once differenced two runs as
     well, and measured that noise with the steps (on a 2-core Zen 4 EPYC, 1,000 more compiled block-8 steps, about 1.8
