@@ -1,6 +1,6 @@
 """Measure tinychar next to nanoGPT on this machine's CPU, each program run as its users run it.
 
-    python bench.py --nanogpt ../nanoGPT                  # every row, ~25-30 minutes on 2 cores
+    python bench.py --nanogpt ../nanoGPT                  # every row, ~35-40 minutes on 2 cores
     python bench.py --nanogpt ../nanoGPT --isa avx2       # as on a CPU without AVX-512 (libraries kept to AVX2)
     python bench.py --nanogpt ../nanoGPT --skip-quality   # training steps and sampling only
     python bench.py --nanogpt ../nanoGPT --quick          # a smoke test of every row, short step counts
