@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch._higher_order_ops import while_loop
 
-from .config import GPTConfig
 from .gpt import GPT, NonFiniteLogits, check_request, check_sampling, filtered_probs, greedy_where_overflowed
 from .span import draw_span
+from .unrolled import Unrolled
 
 # The most values the first block's looked-up projections (GPT.first_projections) may take: 64 MiB of float32. The
 # CPU config's table is 1.6M values, made in 3-5 ms (2 threads, Zen 4 EPYC); shakespeare_char.yaml's would be 19M.
@@ -46,6 +47,15 @@ SLIDE_ROWS = 16
 # greedy (greedy_where_overflowed, on every path); such runs take GPT.generate, as they always have. Above it, logits
 # near float32's limit overflow too (1e36 at 1e-3), and the window meets them as GPT.generate does.
 MIN_FAST_TEMPERATURE = 1e-4
+
+
+class WindowPass(NamedTuple):
+    """A window's final state as one operator (training/window_kernel.py): op(window, n, first, weights, vocab,
+    width, heads, layers, bias) -> (B, width), weights the model's packed for it, source a digest of its code."""
+
+    op: Callable[..., torch.Tensor]
+    weights: torch.Tensor
+    source: str
 
 
 class WindowSampler:
@@ -79,12 +89,16 @@ class WindowSampler:
 
     ``span`` > 1 draws that many characters a pass of the fixed-shape step (model.span: the coming windows' known rows
     in one batch), the same characters; it is made a divisor of ``chunk`` of at most block_size, and is 1 with
-    ``graph`` or a model in training mode.
+    ``graph``, ``window_pass`` or a model in training mode.
+
+    ``window_pass`` (not with ``graph`` nor in training mode) computes each window's state with one operator instead
+    of the model's layers (training/window_kernel.py, a snapshot of the weights as the sampler is made).
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
                  compile: bool = False, options: dict | None = None, chunk: int = 1, graph: bool = False,
-                 ahead: Callable[[Callable, tuple], Callable | None] | None = None, span: int = 1) -> None:
+                 ahead: Callable[[Callable, tuple], Callable | None] | None = None, span: int = 1,
+                 window_pass: WindowPass | None = None) -> None:
         check_sampling(temperature, top_k, top_p)
         if 0.0 < temperature < MIN_FAST_TEMPERATURE:
             raise ValueError(f"temperature {temperature} is below {MIN_FAST_TEMPERATURE}: use GPT.generate")
@@ -102,8 +116,9 @@ class WindowSampler:
             first = model.first_projections()
         # span characters a pass (model.span): a divisor of chunk, at most block_size; not for the CUDA graph's
         # unrolled characters, nor in training mode (dropout: the rows would not be those of a window of their own)
-        span = 1 if graph or model.training else math.gcd(max(1, min(span, cfg.block_size)), chunk)
-        self.steps = WindowSteps(model, first, temperature, top_k, top_p, chunk, span)
+        span = 1 if graph or model.training or window_pass else math.gcd(max(1, min(span, cfg.block_size)), chunk)
+        self.steps = WindowSteps(model, first, temperature, top_k, top_p, chunk, span,
+                                 None if graph or model.training else window_pass)
         self.step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self.steps
         self.draw: Callable[..., tuple[torch.Tensor, ...]] = self.steps.draw
         self.options = options
@@ -277,13 +292,19 @@ class WindowSteps(nn.Module):
     is named by the settings and shapes of its arguments). Called, it draws up to ``chunk`` characters."""
 
     def __init__(self, model: GPT, first: torch.Tensor | None, temperature: float, top_k: int | None,
-                 top_p: float | None, chunk: int, span: int = 1) -> None:
+                 top_p: float | None, chunk: int, span: int = 1, window_pass: WindowPass | None = None) -> None:
         super().__init__()
         if span < 1 or chunk % span:
             raise ValueError(f"span must be a divisor of chunk ({chunk}), got {span}")
+        if window_pass is not None and span != 1:
+            raise ValueError("a window_pass draws one character a pass: span must be 1")
         self.model = model
         self.register_buffer("first", first, persistent=False)
         self.temperature, self.top_k, self.top_p, self.chunk, self.span = temperature, top_k, top_p, chunk, span
+        # the window's pass as one operator, from the weights packed for it (a buffer: compiled code reads it as one)
+        self.pass_op = None if window_pass is None else window_pass.op
+        self.pass_source = "" if window_pass is None else window_pass.source  # a setting: keys a step saved whole
+        self.register_buffer("pass_weights", None if window_pass is None else window_pass.weights, persistent=False)
 
     def forward(self, window: torch.Tensor, n: torch.Tensor, wanted: torch.Tensor, noise: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,12 +330,22 @@ class WindowSteps(nn.Module):
         return draw_span(self.model, self.first, self.temperature, self.top_k, self.top_p, self.span, k, window, n,
                          drawn, noise)
 
+    def hidden(self, window: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The final state (B, C) of position n - 1 of the window (B, block_size) holding n (a (1,) count)
+        characters: GPT.hidden_at's, or the window pass's where the sampler has one."""
+        if self.pass_op is None:
+            return self.model.hidden_at(window, n - 1, self.first)
+        cfg = self.model.config
+        first = self.first if self.first is not None else self.pass_weights.new_empty(0)
+        return self.pass_op(window, n, first, self.pass_weights, cfg.vocab_size, cfg.n_embd, cfg.n_head, cfg.n_layer,
+                            cfg.bias)
+
     def draw(self, k: torch.Tensor, window: torch.Tensor, n: torch.Tensor, drawn: torch.Tensor,
              noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One character: the k-th of the chunk (k a (1,) index), drawn into column k of drawn (B, chunk), or -1
         there where the row's logits are not all finite numbers (see checked_ids)."""
         block_size = window.size(1)
-        x = self.model.hidden_at(window, n - 1, self.first)  # (B, C)
+        x = self.hidden(window, n)  # (B, C)
         logits = self.model.lm_head(x).float()  # (B, vocab)
         finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
         if noise is None:
@@ -334,57 +365,3 @@ def run_steps(steps: WindowSteps, window: torch.Tensor, n: torch.Tensor, wanted:
               noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """steps called on the rest: the function that WindowSampler's ``ahead`` compiles, the module an argument."""
     return steps(window, n, wanted, noise)
-
-
-class Unrolled:
-    """``chunk`` characters of ``batch`` rows per call, unrolled: ``draw`` (WindowSteps.draw, compiled or not)
-    ``chunk`` times on a window and a count that stay in these buffers between calls, with the noise of each
-    character put into ``noise`` by the caller beforehand. On CUDA, ``capture`` records the whole chunk once as a
-    CUDA graph; each call then replays it, one launch instead of one per kernel, and returns a copy of its output
-    (the graph overwrites it at the next call). Uncaptured, each call runs the same code eagerly."""
-
-    def __init__(self, draw: Callable[..., tuple[torch.Tensor, ...]], chunk: int, batch: int, config: GPTConfig,
-                 device: torch.device, sampled: bool) -> None:
-        self.draw, self.chunk = draw, chunk
-        self.window = torch.zeros(batch, config.block_size, dtype=torch.long, device=device)
-        self.count = torch.ones(1, dtype=torch.long, device=device)
-        self.noise = torch.ones(chunk, batch, config.vocab_size, device=device) if sampled else None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.stream: torch.cuda.Stream | None = None  # the graph's own capture stream
-        self.drawn: torch.Tensor | None = None
-
-    def run(self) -> torch.Tensor:
-        """The chunk's ids (batch, chunk); the window and count move on past them."""
-        window, count = self.window, self.count
-        k = torch.zeros(1, dtype=torch.long, device=window.device)
-        drawn = torch.zeros(window.size(0), self.chunk, dtype=window.dtype, device=window.device)
-        for _ in range(self.chunk):
-            k, window, count, drawn = self.draw(k, window, count, drawn, self.noise)
-        self.window.copy_(window)
-        self.count.copy_(count)
-        return drawn
-
-    def capture(self) -> None:
-        """Record run() as a CUDA graph. Its first runs happen outside the graph, on a side stream as CUDA graphs
-        ask, so that what runs once (torch.compile's compiling, cuBLAS's workspace) is done before the capture; they
-        move the window, which the caller sets before each text. The capture is on that stream too, not on the one
-        that torch.cuda.graph shares among all its captures: cuBLAS keeps a workspace per stream, which the graph
-        records, and freeing any graph captured on a stream frees that stream's workspace (PyTorch issue #193402),
-        so two samplers sharing a stream could leave the later one writing into freed memory."""
-        device = self.window.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            self.drawn = self.run()
-        self.graph, self.stream = graph, side
-
-    def __call__(self) -> torch.Tensor:
-        if self.graph is None:
-            return self.run()
-        self.graph.replay()
-        return self.drawn.clone()

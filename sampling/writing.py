@@ -141,19 +141,23 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
     # where sampling them eagerly was as fast.
     begun = time.perf_counter()
     try:
+        window_pass = None
         if compiled:  # before torch.compile is first called: it makes the cache folder torch is told of, or fails there
             compile_cache.prepare_compile()
-            if device.type == "cpu":  # the linear layers' products from weights packed once, where the kernel applies
-                from training import linear_kernel
+            if device.type == "cpu":  # the window's pass as one kernel, else the linear layers' products from weights
+                from training import linear_kernel, window_kernel  # packed once, where the kernels apply
 
-                linear_kernel.attach_packed(model)
+                window_pass = window_kernel.window_pass(model)
+                if window_pass is None:
+                    linear_kernel.attach_packed(model)
         # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import)
         options = compile_cache.compile_options(device) if compiled else None
         source: list[str] = []  # where the step saved whole came from, if it was (step_file.step_function)
         ahead = saved_step(device, source) if compiled and not graph and step_file.used_on(device) else None
         sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, compile=compiled, options=options,
                                 chunk=chunk, graph=graph, ahead=ahead,
-                                span=span_for(len(batch), cfg) if compiled and device.type == "cpu" else 1)
+                                span=span_for(len(batch), cfg) if compiled and device.type == "cpu" else 1,
+                                window_pass=window_pass)
     except Exception as e:  # the compiler is imported here: a signal that lands inside an import can come out wrapped
         # (Python 3.11 wraps one raised in a class's __set_name__ in a RuntimeError; jinja2, which compiles inductor's
         # kernel templates as prepare_compile imports them, in a TemplateSyntaxError), a traceback then

@@ -17,7 +17,7 @@ from model import sampler as sampler_module
 from model.gpt import sample_next
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
 from sampling.writing import saved_step
-from training import linear_kernel, step_file
+from training import linear_kernel, step_file, window_kernel
 from training.compile_cache import COMPILE_OPTIONS
 from training.compile_errors import one_line
 from training.engine import SAMPLE_CHUNK
@@ -317,7 +317,7 @@ def test_a_row_whose_unlikely_characters_alone_fall_to_minus_infinity_is_still_d
 
 @needs_cpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize(("span", "gemm"), [(1, "0"), (2, "1")])
+@pytest.mark.parametrize(("span", "gemm"), [(1, "0"), (2, "1"), (1, "pass")])
 def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_saved_step(one_layer, tmp_path,
                                                                                           monkeypatch, span, gemm):
     # Compiled code fuses and reorders float32 sums, so its logits may differ from eager ones in the last bits; a
@@ -326,18 +326,21 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
     # a batch of 2, prompt past the window. Compiled as sample.py compiles on a CPU: the step saved whole
     # (training.step_file), then loaded as a later run loads it; with a span of 2, with the linear layers' products
     # from their weights packed (training.linear_kernel.attach_packed, TINYCHAR_GEMM=1: sample.py's on AMD without
-    # AVX-512), on a copy of the model.
+    # AVX-512), on a copy of the model; or with the window's pass as one kernel (training.window_kernel, sample.py's
+    # where it applies, on the same CPUs).
     monkeypatch.setattr(step_file, "step_path", lambda name: tmp_path / f"tinychar-step-{name}.pt2")
     monkeypatch.setattr(step_file, "_STEPS", {})
-    monkeypatch.setenv("TINYCHAR_GEMM", gemm)
+    monkeypatch.setenv("TINYCHAR_GEMM", "1" if gemm == "pass" else gemm)
     if gemm == "1":
         one_layer = copy.deepcopy(one_layer)
         assert linear_kernel.attach_packed(one_layer)
+    passes = {"window_pass": window_kernel.window_pass(one_layer)} if gemm == "pass" else {}
+    assert passes.get("window_pass", True) is not None
     source: list[str] = []
     ahead = saved_step(torch.device("cpu"), source) if step_file.AHEAD else None
     prompt = torch.randint(0, 23, (2, 11), generator=torch.Generator().manual_seed(1))
     sampler = WindowSampler(one_layer, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
-                            ahead=ahead, span=span)
+                            ahead=ahead, span=span, **passes)
     try:
         sampler.warm_up(2, torch.device("cpu"))  # as sample.py compiles
     except torch._inductor.exc.InductorError as e:
@@ -351,18 +354,20 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
         assert source == ["compiled"] and len(list(tmp_path.glob("tinychar-step-*.pt2"))) == 1
         monkeypatch.setattr(step_file, "_STEPS", {})  # as a later process finds it
         loaded = WindowSampler(one_layer, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
-                               ahead=ahead, span=span)
+                               ahead=ahead, span=span, **passes)
         loaded.warm_up(2, torch.device("cpu"))
         assert source == ["compiled", "loaded"]
         assert torch.equal(windowed(loaded, prompt, 300, seed=3)[0], plain(one_layer, prompt, 300, 0.9, 6, None, 3)[0])
-        if gemm == "1":  # a model of the same shape, other weights packed: the saved step reads them, none of its own
+        if gemm != "0":  # a model of the same shape, other weights packed: the saved step reads them, none of its own
             other = copy.deepcopy(one_layer)
             with torch.no_grad():
                 other.transformer.h[0].mlp.c_fc.weight.mul_(3)
-            assert linear_kernel.attach_packed(other)
+            if gemm == "1":
+                assert linear_kernel.attach_packed(other)
+            theirs_pass = {"window_pass": window_kernel.window_pass(other)} if gemm == "pass" else {}
             monkeypatch.setattr(step_file, "_STEPS", {})
             theirs = WindowSampler(other, 0.9, 6, None, compile=True, options=COMPILE_OPTIONS, chunk=SAMPLE_CHUNK,
-                                   ahead=ahead, span=span)
+                                   ahead=ahead, span=span, **theirs_pass)
             theirs.warm_up(2, torch.device("cpu"))
             assert source == ["compiled", "loaded", "loaded"]
             got, expected = windowed(theirs, prompt, 300, seed=3)[0], plain(other, prompt, 300, 0.9, 6, None, 3)[0]
@@ -374,6 +379,7 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
     assert torch.equal(got, expected)
     assert torch.equal(state, expected_state)
     assert ("linear_packed" in operators_run(profile)) == (gemm == "1")
+    assert ("window_hidden" in operators_run(profile)) == (gemm == "pass")
     # a short prompt: the window fills inside the compiled loop
     got, _ = windowed(sampler, prompt[:, :2], 50, seed=4)
     assert torch.equal(got, plain(one_layer, prompt[:, :2], 50, 0.9, 6, None, seed=4)[0])
@@ -381,17 +387,22 @@ def test_the_compiled_window_gives_the_plain_paths_characters_and_so_does_its_sa
     # s), on the weights changed in place and the first block's table made again from them, then both put back.
     window = prompt[:, -8:]  # a batch of 2, as compiled: one row's overflow stops both
     late = overflowing_after(one_layer, window[:1])
-    wte, first = one_layer.transformer.wte.weight, sampler.first
-    kept = wte.clone(), first.clone()
+    # (The window pass's weights are packed: its buffer is made again from the weights changed too.)
+    wte, first, packed = one_layer.transformer.wte.weight, sampler.first, sampler.steps.pass_weights
+    kept = wte.clone(), first.clone(), None if packed is None else packed.clone()
     try:
         with torch.no_grad():
             wte.copy_(late.transformer.wte.weight)
             first.copy_(one_layer.first_projections())
+            if packed is not None:
+                packed.copy_(window_kernel.pack_weights(one_layer))
         assert len(drawn_until_overflow(sampler.generate_iter(window, 40, torch.Generator()))) == 1
     finally:
         with torch.no_grad():
             wte.copy_(kept[0])
             first.copy_(kept[1])
+            if packed is not None:
+                packed.copy_(kept[2])
 
 
 def test_the_step_compiled_ahead_is_asked_for_once_per_shape_and_torch_compiles_where_there_is_none(model,

@@ -22,7 +22,9 @@ import sample
 from data.paths import quoted
 from model import load_checkpoint, model_from_checkpoint
 from model.checkpoint import VERSION
+from model.sampler import WindowSampler
 from sampling import request, stops, writing
+from training import linear_kernel
 
 PROMPT = "First Citizen:\n"  # longer than block_size 8, so generation starts from a cropped context
 GREEDY_PROMPT = "Caius Marc"  # where the greedy continuation of the tiny model is not one character repeated
@@ -291,6 +293,34 @@ def test_a_stop_that_an_import_wraps_while_the_compiler_is_readied_still_ends_it
     code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "40", "--compile", "true")
     assert code == 143 and out == "" and err.strip().splitlines()[-1] == "interrupted (SIGTERM); stopped sampling"
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("applies", [True, False])
+def test_compiled_sampling_on_a_cpu_computes_the_window_with_one_kernel_where_it_applies(run, monkeypatch, applies):
+    """sample.py's compiled sampler on a CPU takes training/window_kernel.py's pass over its window where it applies
+    (TINYCHAR_GEMM=1 here: auto takes it on the AMD CPUs where the linear kernel runs), and the linear layers' packed
+    products where it does not. The sampler is run eagerly here (its wiring is what is checked; the compiled step's
+    characters: test_model_sampler), and gives --compile false's text."""
+    from training import window_kernel
+
+    made: list[WindowSampler] = []
+
+    def recorded(*args, **kwargs) -> WindowSampler:
+        made.append(WindowSampler(*args, **{**kwargs, "compile": False, "ahead": None}))
+        return made[-1]
+
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    monkeypatch.setattr(writing, "WindowSampler", recorded)
+    if not applies:
+        monkeypatch.setattr(window_kernel, "window_pass", lambda model: None)
+    compiled = ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", "true"))
+    (sampler,) = made
+    assert window_kernel.shape_applies(sampler.model.config)  # the module's model is one the kernel takes
+    assert (sampler.steps.pass_op is not None) == applies
+    packed = [m for m in sampler.model.modules() if getattr(m, "packed", None) is not None]
+    assert bool(packed) == (not applies) and bool(linear_kernel.layers_taking(sampler.model))
+    monkeypatch.undo()
+    assert compiled == ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", "false"))
 
 
 def test_sampling_without_compiling_never_asks_for_the_compiler_s_settings(run, monkeypatch):

@@ -26,7 +26,7 @@ from data import get_batch
 from model import GPTConfig, span_for
 from model.linear import Linear, onednn_min_macs, own_gemm_wanted
 
-from . import eager_kernels, step_file, warm
+from . import eager_kernels, step_file, warm, window_kernel
 from .compile_cache import (
     NoCacheFolder,
     cache_folder,
@@ -128,6 +128,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
              "options": wanted_options(device)}
     if device.type == "cpu" and own_gemm_wanted():  # a step with linear_kernel's packed products times apart
         parts["gemm"] = "own"
+    if device.type == "cpu" and window_kernel.shape_applies(model_cfg):  # and one through the window's kernel
+        parts["window"] = window_kernel.source_digest()
     return cache_key("sample", parts)
 
 
