@@ -61,19 +61,34 @@ static void layer_norm(const float* x, float* y, const float* w, const float* b,
         ST(y + c, b ? v + LD(b + c) : v);
     }
 }
-/* [*a, *b): thread id's share of n items among nt threads */
-static inline void share(long n, int id, int nt, long* a, long* b) { *a = n * id / nt; *b = n * (id + 1) / nt; }
 /* Rows r0..r1 of y (rows ldy apart) = x (rows ldx apart, K wide) W^T, through W's panels q0..q1 (W packed: panel q
-   holds W's rows 16q..16q+15 as K rows of sixteen), added to y where add, then plus the panels' bias (or NULL) */
-static void product(const float* x, long ldx, const float* p, const float* bias, float* y, long ldy, long r0, long r1,
-                    long q0, long q1, long K, int add) {
-    for (long i = r0; i < r1; i += 6) {
-        long R = r1 - i < 6 ? r1 - i : 6;
-        for (long q = q0; q < q1; q++) tile(R, K, x + i * ldx, ldx, 1, p + q * K * 16, y + i * ldy + q * 16, ldy, add);
+   holds W's rows 16q..16q+15 as K rows of sixteen), added to y where add, plus the panels' bias (or NULL), then GELU
+   where gelu */
+static void part(const float* x, long ldx, const float* p, const float* bias, float* y, long ldy, long r0, long r1,
+                 long q0, long q1, long K, int add, int gelu) {
+    for (long i = r0; i < r1; i += 6)
+        for (long q = q0; q < q1; q++)
+            tile(r1 - i < 6 ? r1 - i : 6, K, x + i * ldx, ldx, 1, p + q * K * 16, y + i * ldy + q * 16, ldy, add);
+    for (long i = r0; i < r1; i++)
+        for (long c = q0 * 16; c < q1 * 16; c += 8) {
+            v8 d, v = LD(y + i * ldy + c);
+            if (bias) v += LD(bias + c);
+            ST(y + i * ldy + c, gelu ? v * cdf(v, &d) : v);
+        }
+}
+/* part() for rows r0..r1 and panels q0..q1, shared out by the threads of the region: six rows at a time with all the
+   panels (each thread's rows stay in its first-level cache while the panels stream by), or where there are fewer than
+   twelve rows a few panels at a time. No barrier at the end. */
+static void shared_part(const float* x, long ldx, const float* p, const float* bias, float* y, long ldy, long r0,
+                        long r1, long q0, long q1, long K, int add, int gelu) {
+    if (r1 - r0 >= 12) {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (long i = r0; i < r1; i += 6)
+            part(x, ldx, p, bias, y, ldy, i, i + 6 < r1 ? i + 6 : r1, q0, q1, K, add, gelu);
+    } else {
+#pragma omp for schedule(dynamic, 2) nowait
+        for (long q = q0; q < q1; q++) part(x, ldx, p, bias, y, ldy, r0, r1, q, q + 1, K, add, gelu);
     }
-    if (bias)
-        for (long i = r0; i < r1; i++)
-            for (long c = q0 * 16; c < q1 * 16; c += 8) ST(y + i * ldy + c, LD(y + i * ldy + c) + LD(bias + c));
 }
 /* Head h's attention at row i: o (hs values) = softmax over j <= i of (q_i . k_j) / sqrt(hs), applied to the v_j; q,
    k and v are the row's thirds of qkv (rows ld apart, C wide each); s holds i + 8 floats */
@@ -182,15 +197,17 @@ int window_hidden(const long* ids, long n, long V, long T, long C, long H, long 
     const float *wte = w, *wpe = wte + V * C, *layers = wpe + T * C;
     long per_layer = 12 * C * C + 2 * C + (bias ? 11 * C : 0), hs = C / H;
     float scale = 1.0f / sqrtf((float)hs);
+    /* One parallel region: each step's work shared out (its implicit barrier ends it), the products' panels and
+       the heads dealt one at a time as the threads come for them, so that a thread slowed by the machine takes
+       fewer (with the shares fixed, the other waited for it at every step) */
 #pragma omp parallel
     {
-        int id = omp_get_thread_num(), nt = omp_get_num_threads();
-        long a, b;
+        int id = omp_get_thread_num();
         float s[T + 8];
         long T16 = (T + 15) / 16 * 16;
         float* heads = f + 4 * T * C + T + 16 + id * T16 * (T16 + 2 * hs);  /* this thread's attend_head buffer */
-        share(n, id, nt, &a, &b);
-        for (long i = a; i < b; i++)
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++)
             for (long c = 0; c < C; c += 8) ST(x + i * C + c, LD(wte + ids[i] * C + c) + LD(wpe + i * C + c));
         for (long l = 0; l < L; l++) {
             const float* p = layers + l * per_layer;
@@ -207,44 +224,32 @@ int window_hidden(const long* ids, long n, long V, long T, long C, long H, long 
             const float *mp = p, *mp_b = bias ? p + 4 * C * C : NULL;
             long r0 = l == L - 1 ? n - 1 : 0;  /* the rows whose output is wanted: the last block's last row alone */
             if (l == 0 && first) {
-                share(n, id, nt, &a, &b);
-                for (long i = a; i < b; i++) memcpy(qkv + i * 3 * C, first + (ids[i] * T + i) * 3 * C, 12 * C);
+#pragma omp for schedule(static)
+                for (long i = 0; i < n; i++) memcpy(qkv + i * 3 * C, first + (ids[i] * T + i) * 3 * C, 12 * C);
             } else {
-                share(n, id, nt, &a, &b);
+#pragma omp for schedule(static)
+                for (long i = 0; i < n; i++) layer_norm(x + i * C, h + i * C, ln1w, ln1b, C);
+                /* keys and values of every row (panels C/16 on), the queries of the rows wanted */
+                shared_part(h, C, attn, attn_b, qkv, 3 * C, 0, n, C / 16, 3 * C / 16, C, 0, 0);
+                shared_part(h, C, attn, attn_b, qkv, 3 * C, r0, n, 0, C / 16, C, 0, 0);
 #pragma omp barrier
-                for (long i = a; i < b; i++) layer_norm(x + i * C, h + i * C, ln1w, ln1b, C);
-#pragma omp barrier
-                /* keys and values of every row; the queries of the rows wanted */
-                share(2 * C / 16, id, nt, &a, &b);
-                product(h, C, attn + C * C, attn_b ? attn_b + C : NULL, qkv + C, 3 * C, 0, n, a, b, C, 0);
-                share(C / 16, id, nt, &a, &b);
-                product(h, C, attn, attn_b, qkv, 3 * C, r0, n, a, b, C, 0);
             }
-#pragma omp barrier
             if (r0 == 0 && hs % 16 == 0) {  /* every row: a head at a time, through the tiles */
-                for (long hh = id; hh < H; hh += nt) attend_head(qkv, 3 * C, C, hs, hh, n, scale, heads, y, C);
-            } else {
-                long pairs = (n - r0) * H;
-                for (long k = id; k < pairs; k += nt)  /* dealt in turn: a row's cost grows with its position */
+#pragma omp for schedule(dynamic, 1)
+                for (long hh = 0; hh < H; hh++) attend_head(qkv, 3 * C, C, hs, hh, n, scale, heads, y, C);
+            } else {  /* a (row, head) at a time */
+#pragma omp for schedule(dynamic, 1)
+                for (long k = 0; k < (n - r0) * H; k++)
                     attend(qkv, 3 * C, C, hs, k % H, r0 + k / H, scale, s, y + (r0 + k / H) * C + (k % H) * hs);
             }
+            shared_part(y, C, proj, proj_b, x, C, r0, n, 0, C / 16, C, 1, 0);
 #pragma omp barrier
-            share(C / 16, id, nt, &a, &b);
-            product(y, C, proj, proj_b, x, C, r0, n, a, b, C, 1);
+#pragma omp for schedule(static)
+            for (long i = r0; i < n; i++) layer_norm(x + i * C, h + i * C, ln2w, ln2b, C);
+            shared_part(h, C, fc, fc_b, f, 4 * C, r0, n, 0, 4 * C / 16, C, 0, 1);
 #pragma omp barrier
-            share(n - r0, id, nt, &a, &b);
-            for (long i = r0 + a; i < r0 + b; i++) layer_norm(x + i * C, h + i * C, ln2w, ln2b, C);
+            shared_part(f, 4 * C, mp, mp_b, x, C, r0, n, 0, C / 16, 4 * C, 1, 0);
 #pragma omp barrier
-            share(4 * C / 16, id, nt, &a, &b);
-            product(h, C, fc, fc_b, f, 4 * C, r0, n, a, b, C, 0);
-            for (long i = r0; i < n; i++)  /* GELU, on the columns this thread made */
-                for (long c = a * 16; c < b * 16; c += 8) {
-                    v8 d, v = LD(f + i * 4 * C + c);
-                    ST(f + i * 4 * C + c, v * cdf(v, &d));
-                }
-#pragma omp barrier
-            share(C / 16, id, nt, &a, &b);
-            product(f, 4 * C, mp, mp_b, x, C, r0, n, a, b, 4 * C, 1);
         }
     }
     const float* lnf = layers + L * per_layer;
