@@ -147,7 +147,7 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
             if device.type == "cpu":  # the window's pass as one kernel, else the linear layers' products from weights
                 from training import linear_kernel, window_kernel  # packed once, where the kernels apply
 
-                window_pass = window_kernel.window_pass(model)
+                window_pass = window_kernel.window_pass(model, len(batch))
                 if window_pass is None:
                     linear_kernel.attach_packed(model)
         # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import)

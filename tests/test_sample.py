@@ -312,7 +312,7 @@ def test_compiled_sampling_on_a_cpu_computes_the_window_with_one_kernel_where_it
     monkeypatch.setenv("TINYCHAR_GEMM", "1")
     monkeypatch.setattr(writing, "WindowSampler", recorded)
     if not applies:
-        monkeypatch.setattr(window_kernel, "window_pass", lambda model: None)
+        monkeypatch.setattr(window_kernel, "window_pass", lambda model, batch: None)
     compiled = ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", "true"))
     (sampler,) = made
     assert window_kernel.shape_applies(sampler.model.config)  # the module's model is one the kernel takes

@@ -140,6 +140,7 @@ def test_the_kernel_applies_only_to_models_whose_state_it_computes(monkeypatch):
         assert not window_kernel.applies(GPT(GPTConfig(**{**base, **other})).eval()), other
     assert not window_kernel.applies(GPT(GPTConfig(**base)))  # training mode: dropout
     assert not window_kernel.applies(GPT(GPTConfig(**base)).double().eval())
+    assert window_kernel.window_pass(GPT(GPTConfig(**base)).eval(), batch=2) is None  # batches: the model's layers
     monkeypatch.setenv("TINYCHAR_GEMM", "0")  # PyTorch's products asked for
     assert not window_kernel.applies(GPT(GPTConfig(**base)).eval())
     assert window_kernel.window_pass(GPT(GPTConfig(**base)).eval()) is None

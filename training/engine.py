@@ -128,8 +128,8 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
              "options": wanted_options(device)}
     if device.type == "cpu" and own_gemm_wanted():  # a step with linear_kernel's packed products times apart
         parts["gemm"] = "own"
-    if device.type == "cpu" and window_kernel.shape_applies(model_cfg):  # and one through the window's kernel
-        parts["window"] = window_kernel.source_digest()
+    if device.type == "cpu" and batch <= window_kernel.MAX_BATCH and window_kernel.shape_applies(model_cfg):
+        parts["window"] = window_kernel.source_digest()  # and one through the window's kernel
     return cache_key("sample", parts)
 
 

@@ -3,16 +3,20 @@ products outrun PyTorch's (training/linear_kernel.py).
 
 The compiled sampler (model/sampler.py) computes, for every character, the final state of the window's last position:
 the embeddings, then each block's layer norm, attention projections, masked attention, output projection, second layer
-norm and MLP on the window's rows (the last block on its last row alone). Compiled by inductor, that is some forty
-kernels a character, each its own parallel region: on a 2-core Zen 4 EPYC, the block-64 CPU model (4 layers of 128),
-perf counted the second thread waiting in OpenMP for a third of the time, while the first ran what lay between the
-products, and the products themselves (the linear kernel's tiles) under half of the time. Here the whole pass is one
-parallel region: the threads share each product's sixteen-column panels, each attention's (row, head) pairs and each
-layer norm's rows, with a barrier between the steps and nothing else between them. The products are the linear
-kernel's tiles, from weights packed once into one buffer (pack_weights); GELU is the GELU kernel's (erf as ATen
-computes it); the attention is the notes' (scores scaled by 1/sqrt(head_size), softmax over the past, weighted sum of
-values); the layer norms are PyTorch's (biased variance, eps 1e-5). The same arithmetic in float32 in another order of
-additions: the state equals GPT.hidden_at's to about 1e-6 (the tests), and the characters drawn from it are the same.
+norm and MLP on the window's rows (the last block on its last row alone). Compiled by inductor, that is dozens of
+kernels and operator calls a character, each its own parallel region: on a 2-core Zen 4 EPYC, the block-64 CPU model
+(4 layers of 128, sample.py --compile true), perf counted the second thread waiting in OpenMP for a third of its time
+while the first ran what lay between the products, and the products themselves (the linear kernel's tiles) 45% of the
+threads' time. Here the whole pass is one parallel region, with a barrier between its steps and nothing else: the
+products shared six rows at a time with all their panels (under twelve rows, two panels at a time), the attention a
+head at a time (the scores and the weighted sum through the same tiles, the keys and values turned into panels; a row
+at a time where only the last row is wanted, or the heads are not sixteen wide), the layer norms a row at a time, each
+taken by whichever thread comes for it next. The products are the linear kernel's tiles, from weights packed once into
+one buffer (pack_weights); GELU is the GELU kernel's (erf as ATen computes it); the attention is the notes' (scores
+scaled by 1/sqrt(head_size), softmax over the past, weighted sum of values); the layer norms are PyTorch's (biased
+variance, eps 1e-5). The same arithmetic in float32 in another order of additions: the state equals GPT.hidden_at's to
+about 1e-6 (the tests), and the characters drawn from it are the same. Measured: docs/engine-record.md (2026-12-07,
+the Zen 4: the compiled sampler's window as one kernel).
 
 It applies to a GPT in eval mode with pre-norm blocks and dot-product scores, in float32 on the CPU, whose width is a
 multiple of 16 and head size a multiple of 8 (applies); the sampler then draws one character a pass (no span: the
@@ -39,6 +43,13 @@ from .c_kernels import PairedKernel, define
 from .gelu_kernel import SOURCE as GELU_SOURCE
 from .linear_kernel import MAX_WEIGHTS, TILES, pack
 from .memory import allocatable_bytes
+
+# The most windows a call for which the sampler takes the kernel: it computes a batch's windows one after another,
+# where the model's own layers multiply all their rows at once. Measured on a 2-core Zen 4 EPYC (the block-64 CPU
+# model, 2 threads, compiled, in one process against the step without it, four rounds each): one window 1.17x as fast
+# (1,844-1,892 characters a second against 1,557-1,602), four 0.83x (1,439-1,469 against 1,713-1,784), sixteen 1.08x
+# (2,072-2,109 against 1,912-1,961); between them not measured, so batches keep the model's layers.
+MAX_BATCH = 1
 
 # The most a head may be wide (its weighted sum of values is held in registers' worth of accumulators on the stack).
 MAX_HEAD_SIZE = 512
@@ -376,12 +387,13 @@ def source_digest() -> str:
     return hashlib.sha256((SOURCE + OPERATORS).encode()).hexdigest()[:16]
 
 
-def window_pass(model: GPT, folder: Path | None = None) -> WindowPass | None:
-    """The kernel as model.sampler's window pass, with model's weights packed for it (pack_weights) and the kernel and
-    its operator's C++ kernel built (into folder, by default the compile cache) and loaded; None where it does not
-    apply (applies), cannot be built, or the packed copy would take more than half of what the process may still
-    allocate. A snapshot of the weights of the moment: make another after changing them."""
-    if not applies(model):
+def window_pass(model: GPT, batch: int = 1, folder: Path | None = None) -> WindowPass | None:
+    """The kernel as model.sampler's window pass for batch windows at a time, with model's weights packed for it
+    (pack_weights) and the kernel and its operator's C++ kernel built (into folder, by default the compile cache) and
+    loaded; None for a batch over MAX_BATCH, where it does not apply (applies), cannot be built, or the packed copy
+    would take more than half of what the process may still allocate. A snapshot of the weights of the moment: make
+    another after changing them."""
+    if batch > MAX_BATCH or not applies(model):
         return None
     free = allocatable_bytes(torch.device("cpu"))
     if free is not None and 2 * 4 * sum(p.numel() for p in model.parameters()) > free:
