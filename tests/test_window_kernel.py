@@ -97,6 +97,12 @@ def test_the_kernels_python_and_cpp_calls_agree_and_refuse_a_window_out_of_range
             call(bad, torch.tensor([9]), *args)
         with pytest.raises((RuntimeError, ValueError), match="out of range"):
             call(window, torch.tensor([17]), *args)
+    short = (torch.empty(0), made.weights[:-1], *args[2:])  # weights or a table of another model's shape
+    table = (torch.zeros(5), *args[1:])
+    for call in (made.op, window_kernel.window_hidden_in_python):
+        for wrong in (short, table):
+            with pytest.raises((RuntimeError, ValueError), match="another shape"):
+                call(window, torch.tensor([9]), *wrong)
     bad[1, 4] = window[1, 4]
     bad[1, 12] = -1  # past the n characters: never read
     assert torch.equal(made.op(bad, torch.tensor([9]), *args)[1], made.op(window, torch.tensor([9]), *args)[1])

@@ -272,7 +272,7 @@ int window_hidden(const long* ids, long n, long V, long T, long C, long H, long 
    where n is not in 1..T or a character is not in 0..V-1 (nothing computed) */
 int window_hidden_rows(const long* window, long B, long n, long V, long T, long C, long H, long L, int bias,
                        const float* first, const float* w, float* out) {
-    if (n < 1 || n > T) return -2;
+    if (n < 1 || n > T || H < 1 || C % H != 0) return -2;
     for (long r = 0; r < B; r++)
         for (long i = 0; i < n; i++)
             if (window[r * T + i] < 0 || window[r * T + i] >= V) return -2;
@@ -293,7 +293,10 @@ Tensor window_hidden(Tensor window, Tensor n, Tensor first, Tensor weights, int6
                      int64_t heads, int64_t layers, bool bias) {
     Tensor ids = torch::stable::contiguous(window), f = torch::stable::contiguous(first);
     Tensor w = torch::stable::contiguous(weights), count = torch::stable::contiguous(n);
-    long B = ids.size(0), T = ids.size(1);
+    long B = ids.size(0), T = ids.size(1), C = width;
+    long sizes = vocab * C + T * C + layers * (12 * C * C + 2 * C + (bias ? 11 * C : 0)) + (bias ? 2 * C : C);
+    STD_TORCH_CHECK(w.numel() == sizes && (f.numel() == 0 || f.numel() == vocab * T * 3 * C),
+                    "tinychar: weights or a table of another shape than the window kernel's");
     Tensor out = torch::stable::new_empty(w, {B, width});
     STD_TORCH_CHECK(rows != nullptr, "tinychar: the window kernel is not loaded");
     int status = rows((const long*)ids.data_ptr(), B, *(const long*)count.data_ptr(), vocab, T, width, heads, layers,
@@ -324,6 +327,8 @@ def window_hidden_in_python(window: torch.Tensor, n: torch.Tensor, first: torch.
     of each of window's rows (B, T), from the weights as pack_weights lays them out and first (empty: none)."""
     window, first, weights = window.contiguous(), first.contiguous(), weights.contiguous()
     B, T = window.shape
+    if weights.numel() != packed_size(vocab, T, width, layers, bias) or first.numel() not in (0, vocab * T * 3 * width):
+        raise ValueError("tinychar: weights or a table of another shape than the window kernel's")
     out = weights.new_empty(B, width)
     status = library().window_hidden_rows(window.data_ptr(), B, int(n[0]), vocab, T, width, heads, layers, int(bias),
                                           first.data_ptr() if first.numel() else None, weights.data_ptr(),
@@ -359,6 +364,12 @@ def applies(model: torch.nn.Module) -> bool:
         return False
     weight = model.transformer.wte.weight
     return weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def packed_size(vocab: int, block_size: int, width: int, layers: int, bias: bool) -> int:
+    """How many floats pack_weights lays out for a model of these sizes."""
+    C = width
+    return vocab * C + block_size * C + layers * (12 * C * C + 2 * C + (11 * C if bias else 0)) + (2 * C if bias else C)
 
 
 @torch.no_grad()
