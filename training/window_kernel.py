@@ -10,18 +10,18 @@ while the first ran what lay between the products, and the products themselves (
 threads' time. Here the whole pass is one parallel region, with a barrier between its steps and nothing else: the
 products shared six rows at a time with all their panels (under twelve rows, two panels at a time), the attention a
 head at a time (the scores and the weighted sum through the same tiles, the keys and values turned into panels; a row
-at a time where only the last row is wanted, or the heads are not sixteen wide), the layer norms a row at a time, each
-taken by whichever thread comes for it next. The products are the linear kernel's tiles, from weights packed once into
-one buffer (pack_weights); GELU is the GELU kernel's (erf as ATen computes it); the attention is the notes' (scores
-scaled by 1/sqrt(head_size), softmax over the past, weighted sum of values); the layer norms are PyTorch's (biased
-variance, eps 1e-5). The same arithmetic in float32 in another order of additions: the state equals GPT.hidden_at's to
-about 1e-6 (the tests), and the characters drawn from it are the same. Measured: docs/engine-record.md (2026-12-07,
-the Zen 4: the compiled sampler's window as one kernel).
+at a time where only the last row is wanted, or the heads are not sixteen wide), each taken by whichever thread comes
+for it next; the layer norms' rows and the embeddings in fixed halves. The products are the linear kernel's tiles,
+from weights packed once into one buffer (pack_weights); GELU is the GELU kernel's (erf as ATen computes it); the
+attention is the notes' (scores scaled by 1/sqrt(head_size), softmax over the past, weighted sum of values); the layer
+norms are PyTorch's (biased variance, eps 1e-5). The same arithmetic in float32 in another order of additions: the
+state equals GPT.hidden_at's to about 1e-6 (the tests), and the characters drawn from it are the same. Measured:
+docs/engine-record.md (2026-12-07, the Zen 4: the compiled sampler's window as one kernel).
 
 It applies to a GPT in eval mode with pre-norm blocks and dot-product scores, in float32 on the CPU, whose width is a
-multiple of 16 and head size a multiple of 8 (applies); the sampler then draws one character a pass (no span: the
-pass is already one region). Called by compiled code through the operator tinychar::window_hidden, whose kernel for
-CPU tensors is C++ (c_kernels.operators) where torch has its stable C++ interface; elsewhere it is not used (through
+multiple of 16 and head size a multiple of 8 (applies); the sampler then draws one character a pass (no span: the pass
+is already one region). Called by compiled code through the operator tinychar::window_hidden, whose kernel for CPU
+tensors is C++ (c_kernels.operators) where torch has its stable C++ interface; elsewhere it is not used (through
 Python each call would cost a round trip). How it is built and loaded: training/c_kernels.py.
 """
 
