@@ -92,7 +92,8 @@ class WindowSampler:
     ``graph``, ``window_pass`` or a model in training mode.
 
     ``window_pass`` (not with ``graph`` nor in training mode) computes each window's state with one operator instead
-    of the model's layers (training/window_kernel.py, a snapshot of the weights as the sampler is made).
+    of the model's layers (training/window_kernel.py, a snapshot of the weights as the sampler is made), compiled or
+    eager (the slide then passes it windows of block_size, padded while they fill).
     """
 
     def __init__(self, model: GPT, temperature: float, top_k: int | None, top_p: float | None,
@@ -240,29 +241,39 @@ class WindowSampler:
     def _slide(self, idx: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None
                ) -> Iterator[torch.Tensor]:
         """generate_iter's eager path: the window is the last block_size characters as they are, padded while it fills
-        to a multiple of SLIDE_ROWS rows, and the character is torch.multinomial's draw (what the fixed-shape step
-        reproduces), so the generator moves alike."""
+        to a multiple of SLIDE_ROWS rows (with a window pass, to block_size, the shape it takes), and the character is
+        drawn as torch.multinomial draws it (as the fixed-shape step does too), so the generator moves alike."""
         block_size = self.model.config.block_size
         B, T = idx.shape
-        context = torch.zeros(B, T + max_new_tokens + SLIDE_ROWS, dtype=idx.dtype, device=idx.device)
+        context = torch.zeros(B, max(T + max_new_tokens + SLIDE_ROWS, block_size), dtype=idx.dtype, device=idx.device)
         context[:, :T] = idx
         positions = torch.arange(block_size, device=idx.device)  # the last character's row is a view of it
+        count = torch.zeros(1, dtype=torch.long)  # the window pass's count of characters
+        noise = torch.empty(B, self.model.config.vocab_size, device=idx.device)
         for end in range(T, T + max_new_tokens):
             start = max(0, end - block_size)
-            rows = min(block_size, -(-(end - start) // SLIDE_ROWS) * SLIDE_ROWS)
-            last = positions[end - start - 1 : end - start]
-            logits = self.model.lm_head(self.model.hidden_at(context[:, start : start + rows], last, self.first))
-            logits = logits.float()  # (B, vocab)
+            if self.steps.pass_op is not None:
+                x = self.steps.hidden(context[:, start : start + block_size], count.fill_(end - start))
+            else:
+                rows = min(block_size, -(-(end - start) // SLIDE_ROWS) * SLIDE_ROWS)
+                last = positions[end - start - 1 : end - start]
+                x = self.model.hidden_at(context[:, start : start + rows], last, self.first)
+            logits = self.model.lm_head(x).float()  # (B, vocab)
             scaled = logits / (self.temperature or 1.0)
-            if not torch.isfinite(scaled).all():  # one check a character, as before: scaled is finite where logits are
+            # One check a character (scaled is finite where logits are), through the sum: finite only where every
+            # value is (finite values whose sum overflows take the branch too, and come out of it as they were)
+            if not math.isfinite(scaled.sum()):
                 if not torch.isfinite(logits).all():
                     raise NonFiniteLogits()
                 scaled = greedy_where_overflowed(scaled, logits)  # logits near float32's limit: as sample_next does
             if self.temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
+                # torch.multinomial's draw of one id as it makes it, the argmax of the probabilities over Exp(1) noise
+                # from the generator, without its checks of probabilities that a softmax made (24 -> 10 us a
+                # character, block 8, Zen 4)
                 probs = filtered_probs(scaled, self.top_k, self.top_p, logits)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+                next_id = probs.div_(noise.exponential_(generator=generator)).argmax(dim=-1, keepdim=True)  # (B, 1)
             context[:, end : end + 1] = next_id
             yield next_id
 

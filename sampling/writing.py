@@ -15,7 +15,7 @@ import torch
 
 from model import GPT, NonFiniteLogits
 from model.config import a_model_of
-from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowSampler
+from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowPass, WindowSampler
 from model.span import span_for
 from training import compile_cache, engine, step_file
 from training.compile_errors import compile_failed, compile_or_clear, compiler_log_quiet, one_line
@@ -41,12 +41,12 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
     # a character), checked to fit
     kept = [array("i") for _ in range(args.num_samples)]
     stop: KeyboardInterrupt | NonFiniteLogits | None = None
-    with sampling_threads(model, args.num_samples, ids.device):
+    with sampling_threads(model, args.num_samples, ids.device) as all_threads:
         try:
             # Ctrl-C or SIGTERM while the sampler is made and compiled (seconds, cold) stops it at once, as in
             # train.py, rather than once it has compiled and drawn its first character
             with InterruptSignals():
-                steps = character_steps(model, ids.expand(args.num_samples, -1), args)
+                steps = character_steps(model, ids.expand(args.num_samples, -1), args, all_threads)
         except Interrupted as e:
             raise interruption(e.signum) from None
         while True:
@@ -92,14 +92,17 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
 
 
 @contextmanager
-def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[None]:
-    """One torch thread while sampling a window too small to share out among threads (the count is put back)."""
+def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[Callable[[], None]]:
+    """One torch thread while sampling a window too small to share out among threads (the count is put back). What it
+    gives puts every thread back at once: for the eager sampler's window pass (training/window_kernel.py), one kernel
+    whose rows are shared out even at block 8 (3L/4H/64, one stream, 2-core Zen 4: 10,900 characters a second on one
+    thread, 12,100-12,700 on two, three rounds in one process)."""
     threads = torch.get_num_threads()
     cfg = model.config
     if device.type == "cpu" and batch * cfg.block_size * cfg.n_embd <= engine.SAMPLE_ONE_THREAD_MAX:
         torch.set_num_threads(1)
     try:
-        yield
+        yield lambda: torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -115,10 +118,12 @@ def plain_path(model: GPT, args: argparse.Namespace) -> str | None:
     return None
 
 
-def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -> Iterator[torch.Tensor]:
+def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace,
+                    all_threads: Callable[[], None] = lambda: None) -> Iterator[torch.Tensor]:
     """The (num_samples, 1) ids of each next character. A GPT samples from a fixed-shape window (model.sampler), on
-    one thread where its operators are too small to share out, compiled where that pays; --no-cache, the other
-    model types and vanishing temperatures take the plain path. Both give the same characters for a seed."""
+    one thread where its operators are too small to share out (all_threads puts the others back: see
+    sampling_threads), compiled where that pays; --no-cache, the other model types and vanishing temperatures take
+    the plain path. Both give the same characters for a seed."""
     if args.max_new_tokens == 0:  # nothing to draw: nothing to compile or capture either
         return iter(())
     gen = torch.Generator(device=batch.device).manual_seed(args.seed)
@@ -130,7 +135,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
                                    use_cache=not args.no_cache)
     cfg, device = model.config, batch.device
     key = engine.sampling_key(cfg, len(batch), args.temperature, args.top_k, args.top_p, device)
-    compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device)
+    compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device,
+                                                 engine.sampling_eager_pass(cfg, len(batch), device))
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
     graph = engine.sampling_graphs(device)
@@ -150,6 +156,10 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
                 window_pass = window_kernel.window_pass(model, len(batch))
                 if window_pass is None:
                     linear_kernel.attach_packed(model)
+        else:
+            window_pass = eager_window_pass(model, len(batch), args, device)
+            if window_pass is not None:
+                all_threads()
         # inductor's options only for a compile: on CUDA, reading them imports inductor (1.5 s of a CPU build's import)
         options = compile_cache.compile_options(device) if compiled else None
         source: list[str] = []  # where the step saved whole came from, if it was (step_file.step_function)
@@ -175,7 +185,9 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
                 raise interruption(getattr(stop, "signum", signal.SIGINT)) from None  # compiler may report as its own
             why = compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({one_line(e)})"
             print(f"{why}; sampling eagerly", file=sys.stderr)
-            sampler, compiled = WindowSampler(model, args.temperature, args.top_k, args.top_p), False
+            eager_pass = eager_window_pass(model, len(batch), args, device) if compiled else None
+            sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, window_pass=eager_pass)
+            compiled = False
         else:
             if (stop := interrupting()) is not None:  # a signal the compiler swallowed, compiling to the end
                 raise interruption(getattr(stop, "signum", signal.SIGINT))
@@ -186,10 +198,24 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace) -
             print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     steps = sampler.generate_iter(batch, args.max_new_tokens, gen)
     # Timed for --compile auto (training.engine.sampling_compiles): on a CPU, where it decides, and not while the
-    # characters are streamed, whose writes wait on the reader (a pager, a pipe)
-    if device.type == "cpu" and not args.stream and args.max_new_tokens >= TIMED_MIN_STEPS:
-        return timed_steps(steps, key, "compiled_ms" if compiled else "eager_ms", args.max_new_tokens)
+    # characters are streamed, whose writes wait on the reader (a pager, a pipe); eagerly, only as auto samples
+    # eagerly (not --compile false where auto would take the window's pass)
+    as_auto = (sampler.steps.pass_op is not None) == engine.sampling_eager_pass(cfg, len(batch), device)
+    field = "compiled_ms" if compiled else "eager_ms" if as_auto else None
+    if device.type == "cpu" and not args.stream and args.max_new_tokens >= TIMED_MIN_STEPS and field:
+        return timed_steps(steps, key, field, args.max_new_tokens)
     return steps
+
+
+def eager_window_pass(model: GPT, batch: int, args: argparse.Namespace, device: torch.device) -> WindowPass | None:
+    """The eager sampler's window pass (training/window_kernel.py, called from Python: a few dozen operators a
+    character the less), where it applies (engine.sampling_eager_pass) and builds; None with --compile false (no
+    compiler of any kind: the notes' code as written)."""
+    if args.compile == "false" or not engine.sampling_eager_pass(model.config, batch, device):
+        return None
+    from training import window_kernel  # the linear kernel's modules, only where they are wanted
+
+    return window_kernel.window_pass(model, batch, compiled=False)
 
 
 def saved_step(device: torch.device, source: list[str]) -> Callable[[Callable, tuple], Callable | None]:

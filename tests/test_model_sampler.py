@@ -99,6 +99,57 @@ def test_the_eager_slide_fills_its_window_in_a_few_shapes_with_the_plain_paths_c
     assert sorted(set(rows)) == ([16, 32, 40] if prompt_length == 1 else [32, 40]) and len(rows) == 60
 
 
+def counted_pass(model: GPT, calls: list[int]) -> sampler_module.WindowPass:
+    """The eager sampler's window pass for model (training/window_kernel.py), counting its calls into calls."""
+    made = window_kernel.window_pass(model, 3, compiled=False)
+    assert made is not None
+
+    def op(*args):
+        calls.append(1)
+        return made.op(*args)
+
+    return made._replace(op=op)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
+@pytest.mark.parametrize(("batch", "prompt_length"), [(1, 1), (3, 5), (1, 13), (3, 13)])
+def test_the_eager_slide_with_the_window_pass_gives_the_plain_paths_characters(model, monkeypatch, temperature, top_k,
+                                                                                 top_p, batch, prompt_length):
+    # sample.py's eager path on a CPU where the kernel applies (TINYCHAR_GEMM=1 here; auto: AMD CPUs): each window's
+    # state from the kernel, called from Python, windows of block_size (padded while they fill), a character a call.
+    # The same sums in another order (to about 1e-6): no character differs here.
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    calls: list[int] = []
+    prompt = torch.randint(0, 23, (batch, prompt_length), generator=torch.Generator().manual_seed(prompt_length))
+    expected, expected_state = plain(model, prompt, 40, temperature, top_k, top_p, seed=7)
+    sampler = WindowSampler(model, temperature, top_k, top_p, window_pass=counted_pass(model, calls))
+    got, state = windowed(sampler, prompt, 40, seed=7)
+    assert torch.equal(got, expected) and torch.equal(state, expected_state)
+    assert len(calls) == 40
+
+
+def test_the_eager_slide_with_the_window_pass_draws_a_few_characters_from_a_short_prompt_in_a_long_window(monkeypatch):
+    # 1 + 5 characters in a window of 40: the slide's windows are block_size wide all the same, the kernel's shape
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=23, block_size=40, n_layer=2, n_head=2, n_embd=16)).eval()
+    calls: list[int] = []
+    prompt = torch.tensor([[3]])
+    got, state = windowed(WindowSampler(m, 0.9, None, None, window_pass=counted_pass(m, calls)), prompt, 5, seed=2)
+    expected, expected_state = plain(m, prompt, 5, 0.9, None, None, seed=2)
+    assert torch.equal(got, expected) and torch.equal(state, expected_state) and len(calls) == 5
+
+
+def test_the_window_pass_of_the_eager_sampler_takes_up_to_sixteen_windows_where_it_applies(model, monkeypatch):
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    made = window_kernel.window_pass(model, window_kernel.EAGER_MAX_BATCH, compiled=False)
+    assert made is not None and made.op is window_kernel.window_hidden_in_python  # through Python, no dispatcher
+    assert window_kernel.window_pass(model, window_kernel.EAGER_MAX_BATCH + 1, compiled=False) is None
+    assert window_kernel.window_pass(model, 2) is None  # compiled: one window (window_kernel.MAX_BATCH)
+    monkeypatch.setenv("TINYCHAR_GEMM", "0")
+    assert window_kernel.window_pass(model, 1, compiled=False) is None
+
+
 @pytest.mark.parametrize("kind", [{}, {"attention": "fused"}, {"score": "additive"}, {"norm": "post"}])
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_a_span_gives_the_plain_paths_characters_for_every_kind_of_model(kind, n_layer):
@@ -263,8 +314,10 @@ def drawn_until_overflow(characters) -> list[int]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize("path", ["cache", "no cache", "slide", "chunk of 3", "span of 2", "unrolled chunk of 4"])
-def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_characters(model, temperature, path):
+@pytest.mark.parametrize("path", ["cache", "no cache", "slide", "slide with the pass", "chunk of 3", "span of 2",
+                                  "unrolled chunk of 4"])
+def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_characters(model, temperature, path,
+                                                                                         monkeypatch):
     # The fixed-shape paths drew from NaN probabilities without a word (the argmax of NaNs: the vocabulary's first
     # character, or the overflowing one, over and over), as did GPT.generate greedily or without its cache.
     prompt = torch.tensor([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]])
@@ -273,18 +326,23 @@ def test_logits_that_overflow_after_the_prompt_stop_every_path_after_the_same_ch
     if path in ("cache", "no cache"):
         characters = late.generate_iter(prompt[:1], 10, temperature, None, None, gen, use_cache=path == "cache")
     else:
-        chunk = {"slide": 1, "chunk of 3": 3, "span of 2": 4, "unrolled chunk of 4": 4}[path]
+        chunk = {"slide": 1, "slide with the pass": 1, "chunk of 3": 3, "span of 2": 4, "unrolled chunk of 4": 4}[path]
+        monkeypatch.setenv("TINYCHAR_GEMM", "1")
+        calls: list[int] = []
+        passes = {"window_pass": counted_pass(late, calls)} if path == "slide with the pass" else {}
         sampler = WindowSampler(late, temperature, None, None, chunk=chunk, graph=path.startswith("unrolled"),
-                                span=2 if path == "span of 2" else 1)
+                                span=2 if path == "span of 2" else 1, **passes)
         characters = sampler.generate_iter(prompt[:1], 10, gen)
     assert len(drawn_until_overflow(characters)) == 1  # the overflowing character itself, then the error
+    if path == "slide with the pass":
+        assert len(calls) == 2
     # in a batch, one row's overflow stops them all, at the same character
     sampler = WindowSampler(late, temperature, None, None, chunk=3)
     assert len(drawn_until_overflow(sampler.generate_iter(prompt, 10, torch.Generator().manual_seed(1)))) == 1
 
 
-@pytest.mark.parametrize("path", ["slide", "chunk of 3", "span of 2", "unrolled chunk of 4"])
-def test_logits_that_overflow_only_once_divided_by_the_temperature_are_greedy_on_every_path(model, path):
+@pytest.mark.parametrize("path", ["slide", "slide with the pass", "chunk of 3", "span of 2", "unrolled chunk of 4"])
+def test_logits_that_overflow_only_once_divided_by_the_temperature_are_greedy_on_every_path(model, path, monkeypatch):
     # Finite logits near float32's limit (1e36; sample.py's probe passes them) over a temperature of 1e-3 overflow:
     # the eager slide raised torch.multinomial's RuntimeError (sample.py's default path, a traceback) and the
     # fixed-shape window drew id 0 every time, where GPT.generate decodes greedily.
@@ -297,10 +355,14 @@ def test_logits_that_overflow_only_once_divided_by_the_temperature_are_greedy_on
     greedy = loud.generate(prompt, 12, temperature=0.0)
     expected, expected_state = plain(loud, prompt, 12, 1e-3, None, None, seed=4)
     assert torch.equal(expected, greedy)
-    chunk = {"slide": 1, "chunk of 3": 3, "span of 2": 4, "unrolled chunk of 4": 4}[path]
+    chunk = {"slide": 1, "slide with the pass": 1, "chunk of 3": 3, "span of 2": 4, "unrolled chunk of 4": 4}[path]
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    calls: list[int] = []
+    passes = {"window_pass": counted_pass(loud, calls)} if path == "slide with the pass" else {}
     sampler = WindowSampler(loud, 1e-3, None, None, chunk=chunk, graph=path.startswith("unrolled"),
-                            span=2 if path == "span of 2" else 1)
+                            span=2 if path == "span of 2" else 1, **passes)
     got, state = windowed(sampler, prompt, 12, seed=4)
+    assert len(calls) == (12 if passes else 0)
     assert torch.equal(got, greedy)
     assert torch.equal(state, expected_state)  # each character's draw taken, as the window takes it ahead
 

@@ -323,6 +323,41 @@ def test_compiled_sampling_on_a_cpu_computes_the_window_with_one_kernel_where_it
     assert compiled == ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", "false"))
 
 
+@pytest.mark.parametrize("setting", ["auto", "false"])
+@pytest.mark.parametrize("applies", [True, False])
+def test_eager_sampling_on_a_cpu_computes_the_window_with_one_kernel_on_every_thread_unless_compile_false(
+        run, monkeypatch, setting, applies):
+    """sample.py's eager sampler (--compile auto, a short text) takes training/window_kernel.py's pass over its window,
+    called from Python, where it applies (TINYCHAR_GEMM=1 here; auto: the AMD CPUs where the linear kernel runs), and
+    with it every thread torch has, where this small a window otherwise runs on one; --compile false, the notes' code
+    as written, never takes it. The text is the plain path's either way."""
+    from training import window_kernel
+
+    made: list[tuple[WindowSampler, int]] = []
+
+    def recorded(*args, **kwargs) -> WindowSampler:
+        made.append((WindowSampler(*args, **kwargs), torch.get_num_threads()))
+        return made[-1][0]
+
+    monkeypatch.setenv("TINYCHAR_GEMM", "1" if applies else "0")
+    monkeypatch.setattr(writing, "WindowSampler", recorded)
+    weighed, compiles = [], writing.engine.sampling_compiles  # auto weighs compiling against the eager pass's speed
+    monkeypatch.setattr(writing.engine, "sampling_compiles", lambda *a: weighed.append(a[4]) or compiles(*a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        text = ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", setting))
+        assert torch.get_num_threads() == 2  # put back after sampling
+    finally:
+        torch.set_num_threads(threads)
+    ((sampler, during),) = made
+    taken = setting == "auto" and applies
+    assert not sampler.fixed_shape and (sampler.steps.pass_op is window_kernel.window_hidden_in_python) == taken
+    assert during == (2 if taken else 1) and weighed == [applies]
+    monkeypatch.undo()
+    assert text == ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--no-cache"))
+
+
 def test_sampling_without_compiling_never_asks_for_the_compiler_s_settings(run, monkeypatch):
     """On CUDA, reading inductor's options imports inductor, seconds that sample.py paid on every GPU run, compiling
     or not (an H200's first character came 5.2 s after the checkpoint had loaded)."""
@@ -349,18 +384,25 @@ def test_compile_true_on_the_plain_path_says_it_samples_without_compiling(run, t
 
 def test_an_eager_sample_notes_what_a_character_took_for_compile_auto(run, monkeypatch, tmp_path):
     """--compile auto compiles once compiling was measured to win here (training.engine.sampling_compiles): each sample
-    on a CPU notes its milliseconds a character, unless too short to time, streamed (its writes wait on the reader),
-    or stopped before the end."""
+    on a CPU that samples as auto does eagerly notes its milliseconds a character, unless too short to time, streamed
+    (its writes wait on the reader), or stopped before the end. --compile false is auto's eager path only where the
+    window's pass does not apply (training/window_kernel.py; TINYCHAR_GEMM=1 here: it applies)."""
     monkeypatch.setattr(writing.compile_cache, "_USER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
     markers = lambda: sorted(tmp_path.glob("*/tinychar-sample-*.json"))  # noqa: E731
     enough = str(writing.TIMED_MIN_STEPS)
-    ok(run("--max-new-tokens", str(writing.TIMED_MIN_STEPS - 1), "--compile", "false"))
-    ok(run("--max-new-tokens", enough, "--compile", "false", "--stream"))
+    ok(run("--max-new-tokens", str(writing.TIMED_MIN_STEPS - 1)))
+    ok(run("--max-new-tokens", enough, "--stream"))
+    ok(run("--max-new-tokens", enough, "--compile", "false"))  # without the pass that auto takes
     assert markers() == []
-    ok(run("--max-new-tokens", enough, "--compile", "false"))
-    ok(run("--max-new-tokens", enough, "--num-samples", "2"))  # auto: too few characters to compile
+    ok(run("--max-new-tokens", enough))  # auto: too few characters to compile
+    ok(run("--max-new-tokens", enough, "--num-samples", "2"))
     one, two = (json.loads(path.read_text(encoding="utf-8")) for path in markers())  # a marker for each batch
     assert set(one) == set(two) == {"eager_ms"} and 0 < one["eager_ms"] < 1000 and 0 < two["eager_ms"] < 1000
+    monkeypatch.setenv("TINYCHAR_GEMM", "0")  # no pass: --compile false samples as auto would, under another key
+    ok(run("--max-new-tokens", enough, "--compile", "false"))
+    assert len(markers()) == 3
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
 
     def drawn(count: int, stop_after: int) -> list[int]:
         got = []

@@ -25,7 +25,7 @@ from training_runs import call, train_main, write_corpus
 from benchmark.runs import engine_of
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
-from training import c_kernels, compile_cache, compile_errors, engine, load_config
+from training import c_kernels, compile_cache, compile_errors, engine, load_config, window_kernel
 from training.compiled_step import CompiledStep
 from training.config import TrainConfig
 from training.engine import (
@@ -34,6 +34,8 @@ from training.engine import (
     CUDA_WARM_MIN_STEPS,
     OVERHEAD_BOUND_FLOPS,
     SAMPLE_COLD_MIN_STEPS,
+    SAMPLE_PASS_COLD_MIN_STEPS,
+    SAMPLE_PASS_WARM_MIN_STEPS,
     SAMPLE_WARM_MIN_STEPS,
     WARM_MIN_STEPS,
     auto_compiles,
@@ -158,6 +160,30 @@ def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compi
     assert sampling_compiles("auto", 10**9, engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, cuda),
                              cuda) == (False, "")
     assert sampling_compiles("true", 1, key, cuda) == (True, "")
+
+
+def test_sampling_compiles_far_longer_texts_only_where_the_eager_sampler_takes_the_window_pass(a_compiler, monkeypatch,
+                                                                                             tmp_path):
+    """Where the eager sampler computes its window with training/window_kernel.py's kernel, compiling saves a tenth of
+    what it saved without (engine.SAMPLE_PASS_COLD_MIN_STEPS): auto's counts are the pass's, and its timings are kept
+    apart from those of the eager sampler without it."""
+    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
+    cfg = GPTConfig(vocab_size=5, n_embd=32, n_head=2)
+    monkeypatch.setenv("TINYCHAR_GEMM", "1")
+    assert engine.sampling_eager_pass(cfg, window_kernel.EAGER_MAX_BATCH, CPU)
+    assert not engine.sampling_eager_pass(cfg, window_kernel.EAGER_MAX_BATCH + 1, CPU)
+    assert not engine.sampling_eager_pass(cfg, 1, torch.device("cuda"))
+    assert not engine.sampling_eager_pass(GPTConfig(vocab_size=5, n_embd=24, n_head=2), 1, CPU)  # not 16 wide
+    key = engine.sampling_key(cfg, 1, 0.8, None, None, CPU)
+    assert SAMPLE_COLD_MIN_STEPS < SAMPLE_PASS_WARM_MIN_STEPS < SAMPLE_PASS_COLD_MIN_STEPS
+    assert sampling_compiles("auto", SAMPLE_PASS_COLD_MIN_STEPS - 1, key, CPU, eager_pass=True) == (False, "")
+    assert sampling_compiles("auto", SAMPLE_PASS_COLD_MIN_STEPS, key, CPU, eager_pass=True) == (True, "")
+    compile_cache.remember_compile(key, 6.5)
+    assert sampling_compiles("auto", SAMPLE_PASS_WARM_MIN_STEPS - 1, key, CPU, eager_pass=True) == (False, "")
+    assert sampling_compiles("auto", SAMPLE_PASS_WARM_MIN_STEPS, key, CPU, eager_pass=True) == (True, "")
+    assert sampling_compiles("true", 1, key, CPU, eager_pass=True) == (True, "")
+    monkeypatch.setenv("TINYCHAR_GEMM", "0")  # no pass: the eager sampler times apart, under another key
+    assert not engine.sampling_eager_pass(cfg, 1, CPU) and engine.sampling_key(cfg, 1, 0.8, None, None, CPU) != key
 
 
 def test_the_compiled_steps_are_timed_apart_with_and_without_the_own_gemm(monkeypatch):

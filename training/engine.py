@@ -130,7 +130,16 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
         parts["gemm"] = "own"
     if device.type == "cpu" and batch <= window_kernel.MAX_BATCH and window_kernel.shape_applies(model_cfg):
         parts["window"] = window_kernel.source_digest()  # and one through the window's kernel
+    if sampling_eager_pass(model_cfg, batch, device):  # timed against the eager sampler with the window's kernel
+        parts["eager"] = "window pass"
     return cache_key("sample", parts)
+
+
+def sampling_eager_pass(model_cfg: GPTConfig, batch: int, device: torch.device) -> bool:
+    """Whether sample.py's eager sampler (--compile auto, not compiling) computes the window with
+    training/window_kernel.py's kernel here, for this model and batch, where the kernel can be built."""
+    return (device.type == "cpu" and batch <= window_kernel.EAGER_MAX_BATCH
+            and window_kernel.shape_applies(model_cfg))
 
 
 # sample.py --compile auto: the same trade for the sampling step. Compiling it took about 10 s cold and 4 s warm on a
@@ -149,6 +158,13 @@ def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: in
 # imports (1.2 s, Zen 5) make a warm compile WARM_SHARE of a cold one even with the step saved whole (step_file).
 SAMPLE_COLD_MIN_STEPS = 30_000
 SAMPLE_WARM_MIN_STEPS = 10_000
+# Where the eager sampler computes its window with training/window_kernel.py's kernel (sampling_eager_pass), compiling
+# wins far less a character. Measured on a 2-core Zen 4 EPYC (whole sample.py processes, 2,000 and 22,000 characters
+# differenced, three rounds, 2026-12-07): block 8 (3L/4H/64) 95 us a character eager against 55 compiled, block 64
+# (the CPU config) 565 against 510, where a compile cost 8.4-13.6 s cold and a run 2.4-2.9 s more warm (the step
+# loaded whole, the compiler imported): compiling wins from about 60,000 characters warm and 150,000-360,000 cold.
+SAMPLE_PASS_COLD_MIN_STEPS = 300_000
+SAMPLE_PASS_WARM_MIN_STEPS = 60_000
 # The compiled sampling step draws this many characters per call, in a loop compiled into the graph: Python and
 # torch.compile's guards cost ~100 us per call, once per 32 characters instead of once per character (measured,
 # block 8, one thread: 4,400 -> 10,600 characters/s; 64 is no faster). The loop body compiles once, so the compile
@@ -159,8 +175,10 @@ SAMPLE_CHUNK = 32
 SAMPLE_ONE_THREAD_MAX = 4096
 
 
-def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) -> tuple[bool, str]:
-    """sample.py --compile: (compile the sampling step?, why not, or '')."""
+def sampling_compiles(setting: str, steps: int, key: str, device: torch.device, eager_pass: bool = False
+                      ) -> tuple[bool, str]:
+    """sample.py --compile: (compile the sampling step?, why not, or ''); eager_pass: the eager sampler would take
+    the window's kernel (sampling_eager_pass), which leaves compiling far less to win."""
     if setting == "false":
         return False, ""
     why_not = cannot_compile(device)
@@ -176,8 +194,9 @@ def sampling_compiles(setting: str, steps: int, key: str, device: torch.device) 
     if measured is not None:
         eager_ms, compiled_ms, seconds = measured
         return steps * (eager_ms - compiled_ms) / 1000 >= MEASURED_MARGIN * seconds, ""
-    need = SAMPLE_WARM_MIN_STEPS if cached_compile_seconds(key) is not None else SAMPLE_COLD_MIN_STEPS
-    return steps >= need, ""
+    warm, cold = (SAMPLE_PASS_WARM_MIN_STEPS, SAMPLE_PASS_COLD_MIN_STEPS) if eager_pass else (SAMPLE_WARM_MIN_STEPS,
+                                                                                            SAMPLE_COLD_MIN_STEPS)
+    return steps >= (warm if cached_compile_seconds(key) is not None else cold), ""
 
 
 def bound_by_multiplies(flops_per_step: float, device: torch.device, onednn: bool) -> bool:

@@ -20,9 +20,10 @@ docs/engine-record.md (2026-12-07, the Zen 4: the compiled sampler's window as o
 
 It applies to a GPT in eval mode with pre-norm blocks and dot-product scores, in float32 on the CPU, whose width is a
 multiple of 16 and head size a multiple of 8 (applies); the sampler then draws one character a pass (no span: the pass
-is already one region). Called by compiled code through the operator tinychar::window_hidden, whose kernel for CPU
-tensors is C++ (c_kernels.operators) where torch has its stable C++ interface; elsewhere it is not used (through
-Python each call would cost a round trip). How it is built and loaded: training/c_kernels.py.
+is already one region). Compiled code calls it through the operator tinychar::window_hidden, whose kernel for CPU
+tensors is C++ (c_kernels.operators) where torch has its stable C++ interface (elsewhere compiled code does without:
+through Python each call would cost a round trip); the eager sampler calls it through Python (window_hidden_in_python),
+in place of a few dozen operators a character. How it is built and loaded: training/c_kernels.py.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ from .memory import allocatable_bytes
 # (1,844-1,892 characters a second against 1,557-1,602), four 0.83x (1,439-1,469 against 1,713-1,784), sixteen 1.08x
 # (2,072-2,109 against 1,912-1,961); between them not measured, so batches keep the model's layers.
 MAX_BATCH = 1
+# The same for the eager sampler (sample.py when it does not compile), whose layers are each an operator call through
+# Python: there the kernel outruns them at every batch measured (the Zen 4, one process, 600 characters, the eager
+# slide's threads; docs/engine-record.md): block 8 (3 layers of 64) 3.0-3.5x for 4 windows and 1.8x for 16, the
+# block-64 CPU model 1.8-2.0x for 4 and 1.17x for 16. Beyond that not measured.
+EAGER_MAX_BATCH = 16
 
 # The most a head may be wide (its weighted sum of values is held in registers' worth of accumulators on the stack).
 MAX_HEAD_SIZE = 512
@@ -398,21 +404,23 @@ def source_digest() -> str:
     return hashlib.sha256((SOURCE + OPERATORS).encode()).hexdigest()[:16]
 
 
-def window_pass(model: GPT, batch: int = 1, folder: Path | None = None) -> WindowPass | None:
+def window_pass(model: GPT, batch: int = 1, folder: Path | None = None, compiled: bool = True) -> WindowPass | None:
     """The kernel as model.sampler's window pass for batch windows at a time, with model's weights packed for it
-    (pack_weights) and the kernel and its operator's C++ kernel built (into folder, by default the compile cache) and
-    loaded; None for a batch over MAX_BATCH, where it does not apply (applies), cannot be built, or the packed copy
-    would take more than half of what the process may still allocate. A snapshot of the weights of the moment: make
-    another after changing them."""
-    if batch > MAX_BATCH or not applies(model):
+    (pack_weights) and the kernel built (into folder, by default the compile cache) and loaded; for compiled code
+    (compiled) through the operator tinychar::window_hidden, whose C++ kernel is built too, for the eager sampler
+    through window_hidden_in_python, which calls the kernel itself (a second of g++ the less, and no dispatcher).
+    None for a batch over MAX_BATCH (EAGER_MAX_BATCH eagerly), where it does not apply (applies), cannot be built,
+    or the packed copy would take more than half of what the process may still allocate. A snapshot of the weights
+    of the moment: make another after changing them."""
+    if batch > (MAX_BATCH if compiled else EAGER_MAX_BATCH) or not applies(model):
         return None
     free = allocatable_bytes(torch.device("cpu"))
     if free is not None and 2 * 4 * sum(p.numel() for p in model.parameters()) > free:
         return None
     try:
-        library(folder)
+        library(folder, with_operators=compiled)
     except (OSError, subprocess.SubprocessError):
         return None
-    if _operators(folder) is None:
+    if compiled and _operators(folder) is None:
         return None
-    return WindowPass(window_hidden, pack_weights(model), source_digest())
+    return WindowPass(window_hidden if compiled else window_hidden_in_python, pack_weights(model), source_digest())
