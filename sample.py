@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the plain path: a forward pass over the whole context per character, no fixed-shape window")
     p.add_argument("--compile", choices=COMPILE, default="auto",
                    help="torch.compile the sampling step: auto (on a CPU, when the text is long enough to win the "
-                        "compile time back), true or false (default auto)")
+                        "compile time back; else tinychar's window kernel where it applies), true, or false (no "
+                        "compiled code of any kind: the notes' code as written) (default auto)")
     p.add_argument("--stream", action="store_true", help="print characters as they are generated")
     p.add_argument("--attention-map", default=None, metavar="FILE.png",
                    help="also draw the attention of every layer and head over the prompt (its last block_size "
