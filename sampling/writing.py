@@ -186,6 +186,8 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace,
             why = compile_failed(e) if compiled else f"cannot capture a CUDA graph here ({one_line(e)})"
             print(f"{why}; sampling eagerly", file=sys.stderr)
             eager_pass = eager_window_pass(model, len(batch), args, device) if compiled else None
+            if eager_pass is not None:
+                all_threads()
             sampler = WindowSampler(model, args.temperature, args.top_k, args.top_p, window_pass=eager_pass)
             compiled = False
         else:

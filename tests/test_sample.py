@@ -323,14 +323,15 @@ def test_compiled_sampling_on_a_cpu_computes_the_window_with_one_kernel_where_it
     assert compiled == ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", "false"))
 
 
-@pytest.mark.parametrize("setting", ["auto", "false"])
+@pytest.mark.parametrize("setting", ["auto", "false", "true, failing"])
 @pytest.mark.parametrize("applies", [True, False])
 def test_eager_sampling_on_a_cpu_computes_the_window_with_one_kernel_on_every_thread_unless_compile_false(
-        run, monkeypatch, setting, applies):
-    """sample.py's eager sampler (--compile auto, a short text) takes training/window_kernel.py's pass over its window,
-    called from Python, where it applies (TINYCHAR_GEMM=1 here; auto: the AMD CPUs where the linear kernel runs), and
-    with it every thread torch has, where this small a window otherwise runs on one; --compile false, the notes' code
-    as written, never takes it. The text is the plain path's either way."""
+        run, monkeypatch, tmp_path, setting, applies):
+    """sample.py's eager sampler (--compile auto, a short text; or true where the compile fails) takes
+    training/window_kernel.py's pass over its window, called from Python, where it applies (TINYCHAR_GEMM=1 here;
+    auto: the AMD CPUs where the linear kernel runs), and with it every thread torch has, where this small a window
+    otherwise runs on one; --compile false, the notes' code as written, never takes it. The text is the plain path's
+    either way."""
     from training import window_kernel
 
     made: list[tuple[WindowSampler, int]] = []
@@ -343,15 +344,19 @@ def test_eager_sampling_on_a_cpu_computes_the_window_with_one_kernel_on_every_th
     monkeypatch.setattr(writing, "WindowSampler", recorded)
     weighed, compiles = [], writing.engine.sampling_compiles  # auto weighs compiling against the eager pass's speed
     monkeypatch.setattr(writing.engine, "sampling_compiles", lambda *a: weighed.append(a[4]) or compiles(*a))
+    if setting == "true, failing":  # the compile fails: sample.py samples eagerly
+        monkeypatch.setattr(writing.compile_cache, "prepare_compile", lambda: tmp_path)
+        monkeypatch.setattr(WindowSampler, "warm_up", lambda *a: (_ for _ in ()).throw(RuntimeError("no C++")))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        text = ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", setting))
+        text = ok(run("--prompt", PROMPT, "--max-new-tokens", "30", "--compile", setting.split(",")[0]))
         assert torch.get_num_threads() == 2  # put back after sampling
     finally:
         torch.set_num_threads(threads)
-    ((sampler, during),) = made
-    taken = setting == "auto" and applies
+    sampler, during = made[-1]  # the one that sampled (the second, where the compile failed)
+    assert len(made) == (2 if setting == "true, failing" else 1)
+    taken = setting != "false" and applies
     assert not sampler.fixed_shape and (sampler.steps.pass_op is window_kernel.window_hidden_in_python) == taken
     assert during == (2 if taken else 1) and weighed == [applies]
     monkeypatch.undo()

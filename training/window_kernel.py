@@ -53,7 +53,7 @@ from .memory import allocatable_bytes
 MAX_BATCH = 1
 # The same for the eager sampler (sample.py when it does not compile), whose layers are each an operator call through
 # Python: there the kernel outruns them at every batch measured (the Zen 4, one process, 600 characters, the eager
-# slide's threads; docs/engine-record.md): block 8 (3 layers of 64) 3.0-3.5x for 4 windows and 1.8x for 16, the
+# slide's threads; docs/engine-record.md): block 8 (3 layers of 64) 3.5x for 4 windows and 1.8x for 16, the
 # block-64 CPU model 1.8-2.0x for 4 and 1.17x for 16. Beyond that not measured.
 EAGER_MAX_BATCH = 16
 
