@@ -17,11 +17,12 @@ from model import GPT, NonFiniteLogits
 from model.config import a_model_of
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowPass, WindowSampler
 from model.span import span_for
-from training import compile_cache, engine, step_file
+from training import compile_cache, step_file
 from training.compile_errors import compile_failed, compile_or_clear, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, insist_on_stop, interrupting
 from training.streams import discard_stdout
 
+from . import compiling
 from .stops import Stops, interruption
 
 SEPARATOR = "-" * 40 + "\n"  # each sample ends with a newline; this line sits between two
@@ -99,7 +100,7 @@ def sampling_threads(model: GPT, batch: int, device: torch.device) -> Iterator[C
     thread, 12,100-12,700 on two, three rounds in one process)."""
     threads = torch.get_num_threads()
     cfg = model.config
-    if device.type == "cpu" and batch * cfg.block_size * cfg.n_embd <= engine.SAMPLE_ONE_THREAD_MAX:
+    if device.type == "cpu" and batch * cfg.block_size * cfg.n_embd <= compiling.SAMPLE_ONE_THREAD_MAX:
         torch.set_num_threads(1)
     try:
         yield lambda: torch.set_num_threads(threads)
@@ -134,13 +135,13 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace,
         return model.generate_iter(batch, args.max_new_tokens, args.temperature, args.top_k, args.top_p, gen,
                                    use_cache=not args.no_cache)
     cfg, device = model.config, batch.device
-    key = engine.sampling_key(cfg, len(batch), args.temperature, args.top_k, args.top_p, device)
-    compiled, why_not = engine.sampling_compiles(args.compile, args.max_new_tokens, key, device,
-                                                 engine.sampling_eager_pass(cfg, len(batch), device))
+    key = compiling.sampling_key(cfg, len(batch), args.temperature, args.top_k, args.top_p, device)
+    compiled, why_not = compiling.sampling_compiles(args.compile, args.max_new_tokens, key, device,
+                                                 compiling.sampling_eager_pass(cfg, len(batch), device))
     if why_not:
         print(f"--compile true, but {why_not}: sampling without compiling", file=sys.stderr)
-    graph = engine.sampling_graphs(device)
-    chunk = noise_chunk(GRAPH_CHUNK if graph else engine.SAMPLE_CHUNK if compiled else 1, len(batch),
+    graph = compiling.sampling_graphs(device)
+    chunk = noise_chunk(GRAPH_CHUNK if graph else compiling.SAMPLE_CHUNK if compiled else 1, len(batch),
                         cfg.vocab_size, args.temperature)
     # A compile's cost, as --compile auto weighs it, includes importing the compiler, which only a compile needs (1.2 s
     # of a 2.6 s load of the step saved whole on a Zen 5 EPYC): timed without it, auto once compiled 5,000 characters
@@ -199,10 +200,10 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace,
                 compile_cache.remember_compile(key, time.perf_counter() - start, cold and source != ["loaded"])
             print(f"sampling step {made} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     steps = sampler.generate_iter(batch, args.max_new_tokens, gen)
-    # Timed for --compile auto (training.engine.sampling_compiles): on a CPU, where it decides, and not while the
+    # Timed for --compile auto (sampling.compiling.sampling_compiles): on a CPU, where it decides, and not while the
     # characters are streamed, whose writes wait on the reader (a pager, a pipe); eagerly, only as auto samples
     # eagerly (not --compile false where auto would take the window's pass)
-    as_auto = (sampler.steps.pass_op is not None) == engine.sampling_eager_pass(cfg, len(batch), device)
+    as_auto = (sampler.steps.pass_op is not None) == compiling.sampling_eager_pass(cfg, len(batch), device)
     field = "compiled_ms" if compiled else "eager_ms" if as_auto else None
     if device.type == "cpu" and not args.stream and args.max_new_tokens >= TIMED_MIN_STEPS and field:
         return timed_steps(steps, key, field, args.max_new_tokens)
@@ -211,9 +212,9 @@ def character_steps(model: GPT, batch: torch.Tensor, args: argparse.Namespace,
 
 def eager_window_pass(model: GPT, batch: int, args: argparse.Namespace, device: torch.device) -> WindowPass | None:
     """The eager sampler's window pass (training/window_kernel.py, called from Python: a few dozen operators a
-    character the less), where it applies (engine.sampling_eager_pass) and builds; None with --compile false (no
+    character the less), where it applies (compiling.sampling_eager_pass) and builds; None with --compile false (no
     compiler of any kind: the notes' code as written)."""
-    if args.compile == "false" or not engine.sampling_eager_pass(model.config, batch, device):
+    if args.compile == "false" or not compiling.sampling_eager_pass(model.config, batch, device):
         return None
     from training import window_kernel  # the linear kernel's modules, only where they are wanted
 

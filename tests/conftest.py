@@ -158,9 +158,11 @@ needs_cpu_compile = pytest.mark.skipif(_WHY_NOT is not None, reason=f"compiles f
 @pytest.fixture
 def a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """For tests of when tinychar compiles, not of compiling: the machine has what torch.compile needs."""
+    from sampling import compiling
     from training import engine
 
     monkeypatch.setattr(engine, "cannot_compile", lambda device: None)
+    monkeypatch.setattr(compiling, "cannot_compile", lambda device: None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,11 +16,11 @@ from model import GPT, GPTConfig, NonFiniteLogits
 from model import sampler as sampler_module
 from model.gpt import sample_next
 from model.sampler import MIN_FAST_TEMPERATURE, WindowSampler
+from sampling.compiling import SAMPLE_CHUNK
 from sampling.writing import saved_step
 from training import linear_kernel, step_file, window_kernel
 from training.compile_cache import COMPILE_OPTIONS
 from training.compile_errors import one_line
-from training.engine import SAMPLE_CHUNK
 
 
 def peaked_model(n_layer: int) -> GPT:

@@ -205,7 +205,7 @@ def test_the_graph_path_gives_the_same_text_and_a_failed_capture_samples_eagerly
     # CUDA graph there; here nothing is captured), and, when the capture fails, one line and the eager path
     args = ("--prompt", PROMPT, "--max-new-tokens", "40", "--num-samples", "2", "--seed", "5")
     expected = ok(run(*args))
-    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)
+    monkeypatch.setattr(writing.compiling, "sampling_graphs", lambda device: True)
     code, out, err = run(*args)
     assert code == 0 and out == expected
     assert "sampling step captured as a CUDA graph in" in err
@@ -227,7 +227,7 @@ def test_a_stop_the_compiler_swallows_is_raised_again_until_sampling_stops(run, 
     whose warm-up is the compile's, stands in for it: nothing is compiled."""
     from training import signals
 
-    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)
+    monkeypatch.setattr(writing.compiling, "sampling_graphs", lambda device: True)
     monkeypatch.setattr(signals, "INSIST_AFTER", 0.5)
     caught: list[BaseException] = []
 
@@ -268,7 +268,7 @@ def test_a_stop_that_an_import_wraps_while_the_sampler_is_made_still_ends_it_in_
                 raise RuntimeError("Error calling __set_name__ on 'cached_property' instance 'adj'") from e
         return made(*args, graph=graph, **kwargs)
 
-    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)  # the path that makes it at once
+    monkeypatch.setattr(writing.compiling, "sampling_graphs", lambda device: True)  # the path that makes it at once
     monkeypatch.setattr(writing, "WindowSampler", interrupted)
     code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "40")
     assert code == 130 and out == "" and err.strip().splitlines()[-1] == "interrupted (SIGINT); stopped sampling"
@@ -342,8 +342,8 @@ def test_eager_sampling_on_a_cpu_computes_the_window_with_one_kernel_on_every_th
 
     monkeypatch.setenv("TINYCHAR_GEMM", "1" if applies else "0")
     monkeypatch.setattr(writing, "WindowSampler", recorded)
-    weighed, compiles = [], writing.engine.sampling_compiles  # auto weighs compiling against the eager pass's speed
-    monkeypatch.setattr(writing.engine, "sampling_compiles", lambda *a: weighed.append(a[4]) or compiles(*a))
+    weighed, compiles = [], writing.compiling.sampling_compiles  # auto weighs compiling against the eager pass's speed
+    monkeypatch.setattr(writing.compiling, "sampling_compiles", lambda *a: weighed.append(a[4]) or compiles(*a))
     if setting == "true, failing":  # the compile fails: sample.py samples eagerly
         monkeypatch.setattr(writing.compile_cache, "prepare_compile", lambda: tmp_path)
         monkeypatch.setattr(WindowSampler, "warm_up", lambda *a: (_ for _ in ()).throw(RuntimeError("no C++")))
@@ -371,7 +371,7 @@ def test_sampling_without_compiling_never_asks_for_the_compiler_s_settings(run, 
         raise AssertionError("inductor's options read with nothing to compile")
 
     monkeypatch.setattr(writing.compile_cache, "compile_options", options)
-    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)  # the CUDA path, as above
+    monkeypatch.setattr(writing.compiling, "sampling_graphs", lambda device: True)  # the CUDA path, as above
     code, out, err = run("--prompt", PROMPT, "--max-new-tokens", "20", "--compile", "false")
     assert code == 0 and len(out) == len(PROMPT) + 20 + 1 and "captured as a CUDA graph" in err, err
 
@@ -389,10 +389,10 @@ def test_compile_true_on_the_plain_path_says_it_samples_without_compiling(run, t
 
 
 def test_an_eager_sample_notes_what_a_character_took_for_compile_auto(run, monkeypatch, tmp_path):
-    """--compile auto compiles once compiling was measured to win here (training.engine.sampling_compiles): each sample
-    on a CPU that samples as auto does eagerly notes its milliseconds a character, unless too short to time, streamed
-    (its writes wait on the reader), or stopped before the end. --compile false is auto's eager path only where the
-    window's pass does not apply (training/window_kernel.py; TINYCHAR_GEMM=1 here: it applies)."""
+    """--compile auto compiles once compiling was measured to win here (sampling.compiling.sampling_compiles): each
+    sample on a CPU that samples as auto does eagerly notes its milliseconds a character, unless too short to time,
+    streamed (its writes wait on the reader), or stopped before the end. --compile false is auto's eager path only
+    where the window's pass does not apply (training/window_kernel.py; TINYCHAR_GEMM=1 here: it applies)."""
     monkeypatch.setattr(writing.compile_cache, "_USER_CACHE", str(tmp_path))
     monkeypatch.setenv("TINYCHAR_GEMM", "1")
     markers = lambda: sorted(tmp_path.glob("*/tinychar-sample-*.json"))  # noqa: E731
@@ -470,7 +470,7 @@ def test_nothing_is_compiled_for_no_new_characters(run, monkeypatch):
         raise AssertionError("compiled (or captured) for no characters")
 
     monkeypatch.setattr(writing.WindowSampler, "warm_up", compile)
-    monkeypatch.setattr(writing.engine, "sampling_graphs", lambda device: True)
+    monkeypatch.setattr(writing.compiling, "sampling_graphs", lambda device: True)
     code, out, err = run("--prompt", "All:", "--max-new-tokens", "0", "--compile", "true")
     assert code == 0 and out == "All:\n" and "compiled" not in err and "captured" not in err, err
 

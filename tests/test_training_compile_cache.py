@@ -22,10 +22,11 @@ from conftest import ROOT, needs_cpu_compile, train_small_run
 
 from configs.userinput import shown
 from model import GPTConfig
+from sampling.compiling import sampling_key
 from training import c_kernels, compile_cache
 from training.compile_cache import cannot_compile, compile_options
 from training.config import TrainConfig
-from training.engine import compile_key, sampling_key
+from training.engine import compile_key
 
 CPU = torch.device("cpu")
 

@@ -25,7 +25,8 @@ from training_runs import call, train_main, write_corpus
 from benchmark.runs import engine_of
 from data import CharTokenizer
 from model import GPT, GPTConfig, linear, load_checkpoint
-from training import c_kernels, compile_cache, compile_errors, engine, load_config, window_kernel
+from sampling.compiling import sampling_key
+from training import c_kernels, compile_cache, compile_errors, engine, load_config
 from training.compiled_step import CompiledStep
 from training.config import TrainConfig
 from training.engine import (
@@ -33,13 +34,8 @@ from training.engine import (
     CUDA_MIN_STEPS,
     CUDA_WARM_MIN_STEPS,
     OVERHEAD_BOUND_FLOPS,
-    SAMPLE_COLD_MIN_STEPS,
-    SAMPLE_PASS_COLD_MIN_STEPS,
-    SAMPLE_PASS_WARM_MIN_STEPS,
-    SAMPLE_WARM_MIN_STEPS,
     WARM_MIN_STEPS,
     auto_compiles,
-    sampling_compiles,
 )
 from training.optim import make_optimizer
 
@@ -142,50 +138,6 @@ def test_under_bfloat16_a_cpu_steps_multiplies_run_through_onednn_so_compiling_m
     assert auto_compiles(bound, 2_000, CPU, warm=True, onednn=onednn, measured=(32.0, 21.0, 10.0))[0]
 
 
-def test_sampling_compiles_long_texts_only_and_sooner_once_compiled_here(a_compiler, monkeypatch, tmp_path):
-    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
-    key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
-    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS, key, CPU) == (True, "")
-    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS - 1, key, CPU) == (False, "")
-    compile_cache.remember_compile(key, 6.5)  # compiled once: the cache is warm
-    assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS, key, CPU) == (True, "")
-    assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS - 1, key, CPU) == (False, "")
-    # another model, or other sampling settings, compiles other code: cold again
-    other = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, 3, None, CPU)
-    assert sampling_compiles("auto", SAMPLE_WARM_MIN_STEPS, other, CPU) == (False, "")
-    assert sampling_compiles("true", 1, key, CPU) == (True, "")
-    assert sampling_compiles("false", 10**9, key, CPU)[0] is False
-    # on CUDA the compiled sampler was slower than the eager one (H100): auto never compiles it, true still does
-    cuda = torch.device("cuda")
-    assert sampling_compiles("auto", 10**9, engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, cuda),
-                             cuda) == (False, "")
-    assert sampling_compiles("true", 1, key, cuda) == (True, "")
-
-
-def test_sampling_compiles_far_longer_texts_only_where_the_eager_sampler_takes_the_window_pass(a_compiler, monkeypatch,
-                                                                                             tmp_path):
-    """Where the eager sampler computes its window with training/window_kernel.py's kernel, compiling saves a tenth of
-    what it saved without (engine.SAMPLE_PASS_COLD_MIN_STEPS): auto's counts are the pass's, and its timings are kept
-    apart from those of the eager sampler without it."""
-    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
-    cfg = GPTConfig(vocab_size=5, n_embd=32, n_head=2)
-    monkeypatch.setenv("TINYCHAR_GEMM", "1")
-    assert engine.sampling_eager_pass(cfg, window_kernel.EAGER_MAX_BATCH, CPU)
-    assert not engine.sampling_eager_pass(cfg, window_kernel.EAGER_MAX_BATCH + 1, CPU)
-    assert not engine.sampling_eager_pass(cfg, 1, torch.device("cuda"))
-    assert not engine.sampling_eager_pass(GPTConfig(vocab_size=5, n_embd=24, n_head=2), 1, CPU)  # not 16 wide
-    key = engine.sampling_key(cfg, 1, 0.8, None, None, CPU)
-    assert SAMPLE_COLD_MIN_STEPS < SAMPLE_PASS_WARM_MIN_STEPS < SAMPLE_PASS_COLD_MIN_STEPS
-    assert sampling_compiles("auto", SAMPLE_PASS_COLD_MIN_STEPS - 1, key, CPU, eager_pass=True) == (False, "")
-    assert sampling_compiles("auto", SAMPLE_PASS_COLD_MIN_STEPS, key, CPU, eager_pass=True) == (True, "")
-    compile_cache.remember_compile(key, 6.5)
-    assert sampling_compiles("auto", SAMPLE_PASS_WARM_MIN_STEPS - 1, key, CPU, eager_pass=True) == (False, "")
-    assert sampling_compiles("auto", SAMPLE_PASS_WARM_MIN_STEPS, key, CPU, eager_pass=True) == (True, "")
-    assert sampling_compiles("true", 1, key, CPU, eager_pass=True) == (True, "")
-    monkeypatch.setenv("TINYCHAR_GEMM", "0")  # no pass: the eager sampler times apart, under another key
-    assert not engine.sampling_eager_pass(cfg, 1, CPU) and engine.sampling_key(cfg, 1, 0.8, None, None, CPU) != key
-
-
 def test_the_compiled_steps_are_timed_apart_with_and_without_the_own_gemm(monkeypatch):
     """A step compiled with training/linear_kernel.py's products runs at another speed than one through the BLAS, so
     --compile auto's timings of each (kept under these keys) are kept apart on a CPU; on CUDA the setting changes
@@ -195,36 +147,12 @@ def test_the_compiled_steps_are_timed_apart_with_and_without_the_own_gemm(monkey
     def keys(setting: str, device: torch.device) -> tuple[str, str]:
         monkeypatch.setenv("TINYCHAR_GEMM", setting)
         return (engine.compile_key(cfg, tc, device, torch.float32),
-                engine.sampling_key(cfg, 1, 0.8, None, None, device))
+                sampling_key(cfg, 1, 0.8, None, None, device))
 
     own, blas = keys("1", CPU), keys("0", CPU)
     assert own[0] != blas[0] and own[1] != blas[1]
     assert keys("auto", CPU) == (own if linear.own_gemm_wanted() else blas)
     assert keys("1", cuda) == keys("0", cuda)
-
-
-def test_sampling_compiles_once_the_time_it_saves_here_was_measured_wins_the_compile_back(a_compiler, monkeypatch,
-                                                                                           tmp_path):
-    monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
-    key = engine.sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
-    compile_cache.remember_step_times(key, eager_ms=4.8)  # an eager sample alone: the counts still decide
-    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS - 1, key, CPU) == (False, "")
-    assert sampling_compiles("auto", SAMPLE_COLD_MIN_STEPS, key, CPU) == (True, "")
-    # the block-64 model on the Zen 1: 4.8 ms a character eagerly, 2.0 compiled, after a cold compile of 21 s, which
-    # from the warm cache takes about WARM_SHARE of that: 2.8 ms saved wins back 1.5 x 5.25 s from 2,813
-    compile_cache.remember_compile(key, 21.0, cold=True)
-    compile_cache.remember_step_times(key, compiled_ms=2.0)
-    needed = engine.MEASURED_MARGIN * 21.0 * compile_cache.WARM_SHARE / (2.8 / 1000)
-    assert 2_800 < needed < 2_850 < SAMPLE_WARM_MIN_STEPS
-    assert sampling_compiles("auto", 2_850, key, CPU) == (True, "")
-    assert sampling_compiles("auto", 2_800, key, CPU) == (False, "")
-    compile_cache.remember_compile(key, 30.0)  # a slower compile from the warm cache, as timed: 1.5 x 30 s
-    assert sampling_compiles("auto", 16_000, key, CPU) == (False, "")
-    assert sampling_compiles("auto", 16_200, key, CPU) == (True, "")
-    # compiled no faster here: auto samples eagerly however long the text; true still compiles
-    compile_cache.remember_step_times(key, compiled_ms=4.9)
-    assert sampling_compiles("auto", 10**9, key, CPU) == (False, "")
-    assert sampling_compiles("true", 1, key, CPU) == (True, "")
 
 
 def test_without_a_compiler_a_forced_compile_trains_eagerly_in_one_line(tmp_path, capsys, monkeypatch):

@@ -2,7 +2,7 @@
 
 The code goes to a folder per instruction set (machine_tag) in tinychar's cache folder or the user's
 $TORCHINDUCTOR_CACHE_DIR; beside it, a small marker per compiled step (named by a key of what its code depends on:
-training.engine.compile_key, sampling_key) records how long its last compile took, which is how
+training.engine.compile_key, sampling.compiling.sampling_key) records how long its last compile took, which is how
 ``train.compile: auto`` and ``sample.py --compile auto`` know whether the cache is warm. Inductor's options for
 what tinychar compiles (compile_options) are here too, as they decide what the cache holds.
 """
