@@ -23,6 +23,9 @@ from training.interpreter import missing_requirement, refuse_old_python
 
 if __name__ == "__main__":  # before the imports below, which fail on a Python older than tinychar needs
     refuse_old_python(__file__)
+    from training import collector
+
+    collector.pause()  # until the work begins: the start makes next to no cyclic garbage (training/collector.py)
 
 # Ctrl-C while the modules load (torch takes a second or more) waits until they have loaded, then ends the run in
 # one line: raised inside an import, a KeyboardInterrupt can leave torch or numpy half-made (seen: an

@@ -17,7 +17,7 @@ from model import GPT, NonFiniteLogits
 from model.config import a_model_of
 from model.sampler import GRAPH_CHUNK, MIN_FAST_TEMPERATURE, WindowPass, WindowSampler
 from model.span import span_for
-from training import compile_cache, step_file
+from training import collector, compile_cache, step_file
 from training.compile_errors import compile_failed, compile_or_clear, compiler_log_quiet, one_line
 from training.signals import Interrupted, InterruptSignals, insist_on_stop, interrupting
 from training.streams import discard_stdout
@@ -50,6 +50,7 @@ def write_samples(model: GPT, ids: torch.Tensor, prompt: str, vocab: list[str], 
                 steps = character_steps(model, ids.expand(args.num_samples, -1), args, all_threads)
         except Interrupted as e:
             raise interruption(e.signum) from None
+        collector.resume()  # paused by sample.py while it started
         while True:
             try:
                 step_ids = next(steps, None)

@@ -24,6 +24,7 @@ import torch
 from configs.userinput import private_temp_root, read_user_file, shown, temp_root
 from model.linear import cpu_flags, lower_onednn_linear
 
+from . import collector
 from .atomic import locked, write_atomic
 from .libraries import tidy
 
@@ -234,6 +235,13 @@ def prepare_compile() -> Path:
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.vec_isa_ok = True
+    # The compiler's own modules (1,400 of them: dynamo's, inductor's, sympy's), imported now, while train.py and
+    # sample.py keep the collector paused, which then collects again, leaving them out of its sight
+    # (training/collector.py); the compile itself makes cyclic garbage, which it collects.
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+    collector.resume()
     return folder
 
 

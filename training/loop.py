@@ -19,7 +19,7 @@ from configs.userinput import shown
 from data import CharTokenizer, get_batch
 from model import GPT
 
-from . import distributed, paired_step
+from . import collector, distributed, paired_step
 from .average import WeightAverage
 from .checkpoints import (
     DAMAGED,
@@ -253,6 +253,7 @@ class Trainer:
         Raises Stopped after saving when a signal (or a closed output) asked the run to stop."""
         tc = self.tc
         self.model.train()
+        collector.resume()  # paused by train.py while the run started
         # The handlers stay until the end of the run, so a signal while the logs are closed cannot cut that short.
         with self.stop:
             try:
