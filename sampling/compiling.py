@@ -17,32 +17,6 @@ from training import window_kernel
 from training.compile_cache import cache_key, cached_compile_seconds, cannot_compile, measured_saving, wanted_options
 from training.engine import MEASURED_MARGIN
 
-
-def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: int | None, top_p: float | None,
-                 device: torch.device) -> str:
-    """compile_key's counterpart for model.sampler.WindowSampler's step (its sampling settings are constants in the
-    compiled code)."""
-    parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
-             "threads": torch.get_num_threads(), "onednn": onednn_min_macs(), "model": asdict(model_cfg),
-             "batch": batch, "sampling": [temperature, top_k, top_p],
-             "chunk": [SAMPLE_CHUNK, span_for(batch, model_cfg)], "checks": "finite",
-             "options": wanted_options(device)}
-    if device.type == "cpu" and own_gemm_wanted():  # a step with linear_kernel's packed products times apart
-        parts["gemm"] = "own"
-    if device.type == "cpu" and batch <= window_kernel.MAX_BATCH and window_kernel.shape_applies(model_cfg):
-        parts["window"] = window_kernel.source_digest()  # and one through the window's kernel
-    if sampling_eager_pass(model_cfg, batch, device):  # timed against the eager sampler with the window's kernel
-        parts["eager"] = "window pass"
-    return cache_key("sample", parts)
-
-
-def sampling_eager_pass(model_cfg: GPTConfig, batch: int, device: torch.device) -> bool:
-    """Whether sample.py's eager sampler (--compile auto, not compiling) computes the window with
-    training/window_kernel.py's kernel here, for this model and batch, where the kernel can be built."""
-    return (device.type == "cpu" and batch <= window_kernel.EAGER_MAX_BATCH
-            and window_kernel.shape_applies(model_cfg))
-
-
 # sample.py --compile auto: the same trade for the sampling step. Compiling it took about 10 s cold and 4 s warm on a
 # Zen 4 EPYC, when inductor's cache still declined its loop (see compile_cache.CACHEABLE_FUNCTIONS; the C++ alone came
 # from the cache). What it saves per character depends on the machine:
@@ -74,6 +48,31 @@ SAMPLE_CHUNK = 32
 # A sampling window of at most this many batch x block_size x n_embd values runs faster on one thread: its operators
 # are too small to share out (measured: block 8 x 64 wide, 1 thread 1.4x faster; block 64 x 128, 2 threads 1.5x).
 SAMPLE_ONE_THREAD_MAX = 4096
+
+
+def sampling_key(model_cfg: GPTConfig, batch: int, temperature: float, top_k: int | None, top_p: float | None,
+                 device: torch.device) -> str:
+    """compile_key's counterpart for model.sampler.WindowSampler's step (its sampling settings are constants in the
+    compiled code)."""
+    parts = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type,
+             "threads": torch.get_num_threads(), "onednn": onednn_min_macs(), "model": asdict(model_cfg),
+             "batch": batch, "sampling": [temperature, top_k, top_p],
+             "chunk": [SAMPLE_CHUNK, span_for(batch, model_cfg)], "checks": "finite",
+             "options": wanted_options(device)}
+    if device.type == "cpu" and own_gemm_wanted():  # a step with linear_kernel's packed products times apart
+        parts["gemm"] = "own"
+    if device.type == "cpu" and batch <= window_kernel.MAX_BATCH and window_kernel.shape_applies(model_cfg):
+        parts["window"] = window_kernel.source_digest()  # and one through the window's kernel
+    if sampling_eager_pass(model_cfg, batch, device):  # timed against the eager sampler with the window's kernel
+        parts["eager"] = "window pass"
+    return cache_key("sample", parts)
+
+
+def sampling_eager_pass(model_cfg: GPTConfig, batch: int, device: torch.device) -> bool:
+    """Whether sample.py's eager sampler (--compile auto, not compiling) computes the window with
+    training/window_kernel.py's kernel here, for this model and batch, where the kernel can be built."""
+    return (device.type == "cpu" and batch <= window_kernel.EAGER_MAX_BATCH
+            and window_kernel.shape_applies(model_cfg))
 
 
 def sampling_compiles(setting: str, steps: int, key: str, device: torch.device, eager_pass: bool = False
