@@ -58,7 +58,7 @@ def test_a_collector_someone_else_turned_off_stays_off_and_nothing_is_frozen(mon
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_the_programs_pause_the_collector_and_their_main_functions_do_not(script, capsys):
     """Run as a program, each pauses the collector first thing (--help ends before any work begins, so it is still
-    paused at the end); called as a function, as here, it leaves the caller's collector alone."""
+    paused at the end); its main function, called here, leaves the caller's collector alone."""
     code = ("import gc, runpy, sys\n"
             f"sys.argv = [{script!r}, '--help']\n"
             "try:\n"
@@ -68,7 +68,11 @@ def test_the_programs_pause_the_collector_and_their_main_functions_do_not(script
             "print('collecting' if gc.isenabled() else 'paused', file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.stderr.strip().splitlines()[-1] == "paused", done.stderr
-    assert gc.isenabled()
+    main = train_main if script == "train.py" else sample.main
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    code, out, _ = call(main, ["--help"], capsys)
+    assert code == 0 and "usage" in out
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_the_run_and_the_sampling_take_the_collector_up_again_where_their_work_begins(paused, tmp_path, capsys):
