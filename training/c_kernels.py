@@ -176,9 +176,9 @@ def operators(name: str, source: str, folder: Path | None = None) -> ctypes.CDLL
 
 
 class PairedKernel:
-    """A kernel's library of C functions, a forward and a backward, built once a process (build), and the C++ kernels
-    of the operators that call them (operators), given the functions' addresses (through their library's
-    tinychar_<name>_set) once both are loaded: training/gelu_kernel.py's and training/linear_kernel.py's."""
+    """A kernel's library of C functions (linear_kernel's a forward and a backward, gelu_kernel's a forward that keeps
+    the derivative), built once a process (build), and the C++ kernels of the operators that call them (operators),
+    given the functions' addresses (through their library's tinychar_<name>_set) once both are loaded."""
 
     def __init__(self, name: str, source: str, operators_source: str, argtypes: dict[str, list]) -> None:
         self.name, self.source, self.operators_source, self.argtypes = name, source, operators_source, argtypes
@@ -210,7 +210,7 @@ class PairedKernel:
 # The namespace of the kernels' operators, defined here rather than by torch.library.custom_op: custom_op gives each
 # operator an autograd kernel in Python, which the dispatcher runs on every call, the compiled step's C++ wrapper's
 # included (it calls the dispatcher, which enters Python for that kernel and leaves it again for the C++ one). These
-# operators take no gradient themselves (each pair is one torch.autograd.Function: attention_kernel, gelu_kernel,
+# operators take no gradient themselves (each kernel's are one torch.autograd.Function: attention_kernel, gelu_kernel,
 # linear_kernel), so they are left to PyTorch's autograd fallback, in C++. See define.
 _NAMESPACE = torch.library.Library("tinychar", "FRAGMENT")
 
