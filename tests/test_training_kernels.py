@@ -75,10 +75,12 @@ def test_the_gelu_kernel_computes_exact_gelu_and_its_gradient(size):
     (expected_grad,) = pullback(g)
     x32 = x.float().requires_grad_()
     y = gelu_kernel.activate(x32)
+    _, slope = gelu_kernel.gelu(x32.detach())
+    (saved,) = y.grad_fn.saved_tensors  # the forward's derivative, kept, not its input: the backward is one product
+    assert torch.equal(saved, slope)
     y.backward(g.float())
     assert (y.double() - expected).abs().max() < 1e-6
     assert (x32.grad.double() - expected_grad).abs().max() < 1e-6
-    _, slope = gelu_kernel.gelu(x32.detach())  # the forward's derivative, kept: the backward is one product
     assert torch.equal(x32.grad, g.float() * slope)
     assert torch.isnan(gelu_kernel.activate(torch.tensor([float("nan")] * 9))).all()
 
