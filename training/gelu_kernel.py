@@ -6,9 +6,9 @@ backward on a 2-core Zen 3 EPYC (2 threads), against 74 us for an elementwise pr
 of that step's 37. Here erf(x / sqrt 2) is the same formula as ATen's (Abramowitz and Stegun 7.1.26, error under
 1.5e-7), but its exp(-x^2 / 2) is the normal density's too, so one exp gives GELU and its derivative, which the
 forward keeps for the backward (a product), and the exp is a polynomial of eight floats at a time
-(training/c_kernels.py). The forward's output equals exact GELU to 5e-7 and its
-gradient to 7e-7 on values up to 15, as ATen's does to 4e-7 and 7e-7. Called by the compiled step (CompiledStep
-attaches it) and the eager step of a run long enough (training/eager_kernels.py); everything else keeps torch's GELU.
+(training/c_kernels.py). The forward's output equals exact GELU to 5e-7 and its gradient to 7e-7 on values up to 15,
+as ATen's does to 4e-7 and 7e-7. Called by the compiled step (CompiledStep attaches it) and the eager step of a run
+long enough (training/eager_kernels.py); everything else keeps torch's GELU.
 """
 
 from __future__ import annotations
