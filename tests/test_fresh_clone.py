@@ -116,8 +116,12 @@ def test_a_lone_copy_with_an_empty_home_trains_and_samples_as_the_readme_says(tm
     # on a GPU, the CUDA driver keeps the GPU code it compiles as a program loads in ~/.nv/ComputeCache (any CUDA
     # program does; CUDA_CACHE_PATH moves it): the driver's, not tinychar's
     ours = [name for name in written if not (torch.cuda.is_available() and name.startswith(".nv/ComputeCache/"))]
-    # the encoded corpus, and the eager sampler's window kernel where it applies (sample.py builds it once a machine)
+    # the encoded corpus, the eager sampler's window kernel where it applies (sample.py builds it once a machine),
+    # and the machine's matrix-multiply ceiling, MFU's yardstick (training/ceiling.py), with the markers' lock file
     kernels = [name for name in ours if name.startswith(".cache/tinychar/compiled/")]
-    assert all(Path(name).name.startswith("tinychar-window-") and name.endswith(".so") for name in kernels), written
+    ceiling = [name for name in kernels if re.fullmatch(r"tinychar-(ceiling-\w+\.json|markers\.lock)", Path(name).name)]
+    assert len(ceiling) == 2, written
+    assert all(Path(name).name.startswith("tinychar-window-") and name.endswith(".so")
+               for name in kernels if name not in ceiling), written
     encoded = [name for name in ours if name.startswith(".cache/tinychar/encoded/")]
     assert encoded and sorted(encoded + kernels) == ours, written

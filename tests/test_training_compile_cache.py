@@ -79,7 +79,7 @@ def test_two_processes_noting_one_step_at_once_keep_both_notes(monkeypatch, tmp_
 
     monkeypatch.setattr(compile_cache, "_USER_CACHE", str(tmp_path))
     key = sampling_key(GPTConfig(vocab_size=5), 1, 0.8, None, None, CPU)
-    read, other, written_or_waiting = compile_cache._read_marker, [], threading.Event()
+    read, other, written_or_waiting = compile_cache.read_marker, [], threading.Event()
 
     def waiting(seconds):
         written_or_waiting.set()
@@ -95,7 +95,7 @@ def test_two_processes_noting_one_step_at_once_keep_both_notes(monkeypatch, tmp_
         return last
 
     monkeypatch.setattr(atomic, "time", SimpleNamespace(monotonic=time.monotonic, sleep=waiting))
-    monkeypatch.setattr(compile_cache, "_read_marker", read_then_let_the_other_write)
+    monkeypatch.setattr(compile_cache, "read_marker", read_then_let_the_other_write)
     compile_cache.remember_compile(key, 8.3)
     other[0].join(60)
     assert compile_cache.measured_saving(key) == (54.0, 33.0, 8.3)

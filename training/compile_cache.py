@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -305,7 +306,8 @@ def _marker(key: str) -> Path:
 MARKER_BYTES = 4096
 
 
-def _read_marker(key: str) -> dict:
+def read_marker(key: str) -> dict:
+    """What the marker of key holds ({} where it is missing, unreadable or not a marker)."""
     try:
         last = json.loads(read_user_file(_marker(key), "compile marker", MARKER_BYTES))
     except (OSError, ValueError):
@@ -329,7 +331,7 @@ def _duration(value: object) -> float | None:
 def _last_compile(key: str) -> tuple[float, bool] | None:
     """How long the last compile of this step took, and whether it began with a cold cache (None: never compiled
     here, so the cache is cold)."""
-    last = _read_marker(key)
+    last = read_marker(key)
     seconds = _duration(last.get("seconds"))
     return None if seconds is None else (seconds, last.get("cold", False) is True)
 
@@ -346,14 +348,17 @@ def cached_compile_seconds(key: str) -> float | None:
 MARKERS_LOCK, MARKERS_LOCK_WAIT = "tinychar-markers.lock", 10.0
 
 
-def _update_marker(key: str, fields: dict) -> None:
+def update_marker(key: str, fields: dict | Callable[[dict], dict]) -> None:
+    """Write fields into the marker of key, keeping its others; fields may be a function of what the marker holds,
+    called while the marker is held (a maximum kept by two processes at once keeps the larger)."""
     try:
         marker = _marker(key)
         marker.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as held:
             with contextlib.suppress(OSError):  # no lock to take (a folder in its place): written as before
                 held.enter_context(locked(marker.parent / MARKERS_LOCK, MARKERS_LOCK_WAIT))
-            text = json.dumps({**_read_marker(key), **fields}).encode()
+            last = read_marker(key)
+            text = json.dumps({**last, **(fields(last) if callable(fields) else fields)}).encode()
             write_atomic(marker, lambda f: f.write(text))  # a new file: never written through a link put in its place
     except OSError:
         pass  # a read-only cache only costs the next run its estimate
@@ -362,14 +367,14 @@ def _update_marker(key: str, fields: dict) -> None:
 def remember_compile(key: str, seconds: float, cold: bool = False) -> None:
     """Note that this step compiled here in seconds; cold: from an empty cache (a compile from the cache takes a
     fraction of that: tiny.yaml's step 26.0 s cold, 3.5 s next time)."""
-    _update_marker(key, {"seconds": round(seconds, 2), "cold": cold})
+    update_marker(key, {"seconds": round(seconds, 2), "cold": cold})
 
 
 def remember_step_times(key: str, eager_ms: float | None = None, compiled_ms: float | None = None) -> None:
     """Note what a step took here eagerly and compiled: measured side by side (training.warm.time_steps), or one of
     them, as a sampling run timed its characters (sampling.writing); the other keeps what it held."""
     times = {"eager_ms": eager_ms, "compiled_ms": compiled_ms}
-    _update_marker(key, {name: round(ms, 3) for name, ms in times.items() if ms is not None})
+    update_marker(key, {name: round(ms, 3) for name, ms in times.items() if ms is not None})
 
 
 # A compile from the warm cache takes this share of a compile from an empty one, or less (measured, tiny.yaml's step:
@@ -383,7 +388,7 @@ def measured_saving(key: str, warm_share: float = WARM_SHARE) -> tuple[float, fl
     """What compiling this step was measured to save here: (ms a step eager, ms compiled, the seconds a compile from
     the warm cache costs, taken as warm_share of a cold one where only that was timed); None where the cache is cold
     or the step was not timed both ways."""
-    last, compiled = _read_marker(key), _last_compile(key)
+    last, compiled = read_marker(key), _last_compile(key)
     eager_ms, compiled_ms = _duration(last.get("eager_ms")), _duration(last.get("compiled_ms"))
     if eager_ms is None or compiled_ms is None or compiled is None:
         return None

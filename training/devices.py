@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -186,10 +186,14 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> AbstractContex
 _CEILINGS: dict[tuple, float] = {}
 
 
-def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, n: int | None = None) -> float:
+def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.3, n: int | None = None,
+                   kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
     """Measured FLOP/s of a large square matrix multiply in dtype on device: the best of a few short timings,
     the yardstick for model FLOPs utilisation (MFU). Measured once a process for each device, dtype, size, thread
-    count and oneDNN setting (TINYCHAR_ONEDNN); later calls take that measurement, whatever their ``seconds``.
+    count, oneDNN setting (TINYCHAR_ONEDNN) and kernel; later calls take that measurement, whatever their
+    ``seconds``. A kernel (a @ b^T, as training/linear_kernel.py's multiply) is timed too, after PyTorch's products
+    and for half as long, and the faster taken: where the model's layers multiply through it, faster than PyTorch's,
+    MFU read over 100% without it (training/ceiling.py).
 
     n defaults to 8192 on CUDA, where 1024 is far too small to fill the chip (measured on an H100, bfloat16: 104
     TFLOP/s at 1024, 437 at 2048, 731 at 4096, 781 at 8192, so MFU read over 100%), and 1024 elsewhere."""
@@ -200,10 +204,15 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
     key = (str(device), dtype, n, torch.get_num_threads(), onednn)
     if key not in _CEILINGS:
         _CEILINGS[key] = _measure_ceiling(device, dtype, seconds, n, onednn)
-    return _CEILINGS[key]
+    if kernel is None:
+        return _CEILINGS[key]
+    if (mine := (*key, "kernel")) not in _CEILINGS:  # timed alone after PyTorch's, for half as long
+        _CEILINGS[mine] = _measure_ceiling(device, dtype, seconds / 2, n, onednn, kernel)
+    return max(_CEILINGS[key], _CEILINGS[mine])
 
 
-def _measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float, n: int, onednn: bool) -> float:
+def _measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float, n: int, onednn: bool,
+                     kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
     cuda = device.type == "cuda"
     # Its own generator (on the GPU there, where drawing 8192 x 8192 values is quick): drawing from torch's global
     # ones would shift a run's dropout masks and break exact resume.
@@ -218,6 +227,8 @@ def _measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float, n
         # The CPU's matmul has no fast float16 kernel (measured on a Zen 4 EPYC, 2 threads: 1 GFLOP/s, so a run's MFU
         # read 440-570%); the model's linear layers, autocast to float16, take oneDNN's (35-40 GFLOP/s).
         multiplies = [torch.nn.functional.linear]
+    if kernel is not None:
+        multiplies = [kernel]
     best = math.inf
     deadline = time.perf_counter() + seconds
     for turn in itertools.count():

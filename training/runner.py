@@ -21,6 +21,7 @@ from model.config import parameters_text
 from model.linear import onednn_min_macs
 
 from . import distributed, eager_kernels
+from .ceiling import SECONDS, kept_ceiling, layers_kernel, machine_ceiling
 from .checkpoints import LOADED_FROM, restore_best
 from .compile_cache import user_cache_problem
 from .config import RunConfig
@@ -101,21 +102,35 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
                  quiet=not launch.main, on_closed=partial(trainer.stop.request, signal.SIGPIPE),
                  resumed=payload is not None)
     trainer.attach(log, start.corpus.tokenizer(), started)
-    # MFU: the model's FLOPs per second over what this machine's matrix multiply does in the run's dtype (measured
-    # here in a fraction of a second, as in bench.py), summed over the processes.
-    trainer.ceiling = matmul_ceiling(start.device, start.dtype, seconds=0.2) * launch.world_size
+    # What the step's length is told by (announce's step note) until the engine has given the layers their products
+    # and MFU's yardstick is settled (settle_ceiling): the machine's kept best, or PyTorch's products timed now.
+    early = kept_ceiling(start.device, start.dtype) or matmul_ceiling(start.device, start.dtype, seconds=SECONDS)
+    trainer.ceiling = early * launch.world_size
     if replaced is not None:
         log.info(replaced)
     if launch.main and payload is not None and (repaired := restore_best(Path(cfg.out_dir), payload)):
         log.info(repaired)
     announce(trainer, start, payload, resume)
     start_engine(trainer, engine, log.info)
+    settle_ceiling(trainer, start)
     trainer.settled = settled_setup(trainer, engine.kind)
     if launch.main and payload is not None and (inexact := inexact_resume(payload, trainer)):
         log.info(inexact)
     if launch.torchrun:  # after the blocks' compile, whose trial backward must not reduce
         trainer.fwd = distributed.data_parallel(trainer.fwd, start.device)
     return trainer.fit()
+
+
+def settle_ceiling(trainer: Trainer, start: Start) -> None:
+    """MFU's yardstick: the model's FLOPs a second are measured against the fastest matrix multiply this machine was
+    seen to run in the run's dtype (training/ceiling.py; tinychar's linear kernel among the products where the engine
+    gave it to the layers), summed over the processes; and the line that says it."""
+    float32_cpu = start.device.type == "cpu" and start.dtype == torch.float32
+    flops, words = machine_ceiling(start.device, start.dtype, layers_kernel(trainer.model) if float32_cpu else None)
+    trainer.ceiling = flops * trainer.launch.world_size
+    dtype = str(start.dtype).replace("torch.", "")
+    trainer.log.info(f"matrix-multiply ceiling {trainer.ceiling / 1e9:,.0f} GFLOP/s ({dtype}; {words}), "
+                     f"{trainer.flops_per_token / 1e3:,.0f} kFLOP per trained token")
 
 
 def prepare(cfg: RunConfig, *, resume: bool, overwrite: bool, progress: bool | None, payload: dict | None,
@@ -232,8 +247,6 @@ def announce(trainer: Trainer, start: Start, payload: dict | None, resume: bool)
     if start.device.type == "cpu" and start.dtype == torch.float16 and not cpu_has_fast_float16():
         log.info("note: this CPU has no fast float16 products (PyTorch multiplies float16 in slow loops here: about "
                  "10x slower than float32); train.dtype=auto takes the fastest this CPU has")
-    log.info(f"matrix-multiply ceiling {trainer.ceiling / 1e9:,.0f} GFLOP/s ({dtype}), "
-             f"{trainer.flops_per_token / 1e3:,.0f} kFLOP per trained token")
     if tc.optimizer == "muon" and not muon_matrices(trainer.model):
         log.info(f"optimizer: Muon steps the weight matrices of linear layers, and model.type={trainer.cfg.model.type} "
                  f"has none: AdamW steps every parameter (train.optimizer=adamw says so)")
