@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import time
 import uuid
 
 import pytest
@@ -27,7 +29,7 @@ def readings(monkeypatch):
     def use(*values: float) -> list:
         left = iter(values)
 
-        def measure(device, dtype, seconds, kernel=None):
+        def measure(device, dtype, seconds=0.3, kernel=None):
             asked.append(kernel)
             return next(left)
 
@@ -87,19 +89,32 @@ def test_a_cache_that_cannot_be_used_costs_each_run_its_measurement(readings, mo
     assert len(asked) == 4 and ceiling.kept_ceiling(CPU, torch.float32) is None
 
 
-def test_a_kernel_is_timed_after_pytorchs_products_and_the_faster_taken(monkeypatch):
+def test_a_kernel_takes_turns_with_pytorchs_products_and_the_fastest_is_taken(monkeypatch):
     monkeypatch.setattr(devices, "_CEILINGS", {})
     pytorchs = devices.matmul_ceiling(CPU, torch.float32, seconds=0.02, n=64)
     instant = devices.matmul_ceiling(CPU, torch.float32, seconds=0.02, n=64, kernel=lambda a, b: a)
     assert instant > 5 * pytorchs  # a kernel that returns at once reads as the fastest
+    monkeypatch.setattr(devices, "_CEILINGS", {})
 
     def slow(a, b):
-        torch.mm(a, b.t())
-        return torch.mm(a, b.t())
+        time.sleep(0.002)
+        return a
 
-    monkeypatch.setattr(devices, "_CEILINGS", {key: value for key, value in devices._CEILINGS.items()
-                                               if "kernel" not in key})
-    assert devices.matmul_ceiling(CPU, torch.float32, seconds=0.02, n=64, kernel=slow) == pytorchs
+    # a kernel far slower than PyTorch's products leaves their reading (2 x 64^3 FLOPs in 2 ms: 0.26 GFLOP/s)
+    assert devices.matmul_ceiling(CPU, torch.float32, seconds=0.02, n=64, kernel=slow) > 10 * 2 * 64**3 / 0.002
+
+
+def test_before_the_engine_only_a_step_that_might_take_an_hour_is_measured_for_its_note(readings, monkeypatch):
+    """The step note (over an hour a step at the ceiling) needs a ceiling before the engine starts; none is below
+    SLOWEST FLOP/s, so for a smaller step none is timed then, and the run measures once, with its layers' products."""
+    asked = readings(150e9, 120e9)
+    hour = ceiling.SLOWEST * 3600
+    assert ceiling.early_ceiling(CPU, torch.float32, hour) == math.inf and asked == []
+    assert ceiling.early_ceiling(CPU, torch.float32, 1.01 * hour) == 150e9 and len(asked) == 1
+    assert ceiling.kept_ceiling(CPU, torch.float32) is None  # the note's reading is not kept: the yardstick's is
+    ceiling.machine_ceiling(CPU, torch.float32, lambda a, b: a)
+    assert ceiling.early_ceiling(CPU, torch.float32, 1e30) == 120e9 == ceiling.kept_ceiling(CPU, torch.float32)
+    assert len(asked) == 2
 
 
 def test_a_run_says_its_ceiling_once_its_engine_has_given_the_layers_their_products(tmp_path, capsys, monkeypatch,
@@ -129,5 +144,7 @@ def test_a_run_says_its_ceiling_once_its_engine_has_given_the_layers_their_produ
         mfu = [float(m) for m in re.findall(r"MFU (\d+\.\d+)%", out)]
         tokens = [float(t.replace(",", "")) for t in re.findall(r"([\d,]+) tokens/s", out)]
         flops = float(re.search(r"([\d,]+) kFLOP per trained token", out)[1].replace(",", "")) * 1e3
-        assert mfu and all(m == pytest.approx(100 * t * flops / 1e9, rel=0.05, abs=0.06) for m, t in zip(mfu, tokens))
+        # MFU against the 1 GFLOP/s kept (the kFLOP are rounded: 5%)
+        assert mfu and all(m == pytest.approx(100 * t * flops / 1e9, rel=0.05, abs=0.06)
+                           for m, t in zip(mfu, tokens, strict=True))
     assert len(asked) == ceiling.MEASURED_RUNS and all(kernel is not None for kernel in asked)

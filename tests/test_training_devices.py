@@ -100,7 +100,7 @@ def test_a_process_measures_each_ceiling_once_and_again_for_other_threads_dtypes
     measured = []
 
     def measure(*args):
-        measured.append(args[:2] + args[3:])  # device, dtype, n, onednn
+        measured.append(args[:2] + args[3:5])  # device, dtype, n, onednn
         return real(*args)
 
     real = devices._measure_ceiling

@@ -7,11 +7,12 @@ at 27,600-32,100 tokens a second, MFU 74-117% (the ceiling 133-191). And where t
 tinychar's own kernel (training/linear_kernel.py: 219 GFLOP/s on 1024 x 1024 there, PyTorch's 199-208 when calm), a
 ceiling of PyTorch's products alone read below the step's own rate.
 
-So each machine keeps its best: the first MEASURED_RUNS runs measure (the kernel beside PyTorch's products where the
-run's layers took it) and keep the largest reading; later runs read it from the cache and start 0.2 s sooner, with an
-MFU that compares from run to run. A run that multiplies by a route the kept best has not timed (the kernel, say)
-measures again. Kept per device (its model and vector flags), dtype, threads and torch; a cache that cannot be read
-or written only costs each run its 0.2 s, as before.
+So each machine keeps its best: the first MEASURED_RUNS runs measure (the kernel taking turns with PyTorch's products
+where the run's layers took it) and keep the largest reading; later runs read it from the cache and start 0.2 s
+sooner, with an MFU that compares from run to run. A run that multiplies by a route the kept best has not timed (the
+kernel, say) measures again. Kept per device (its model and vector flags), dtype, threads and torch; a cache that
+cannot be read or written only costs each run its 0.2 s, as before. Nothing is timed before the engine has given the
+layers their products, but for a step that might take an hour (early_ceiling), so a run measures once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from model.linear import Linear, first_processor, onednn_min_macs
 
+from . import evaluation
 from .compile_cache import cache_key, read_marker, update_marker
 from .devices import matmul_ceiling
 
@@ -79,9 +81,26 @@ def kept_ceiling(device: torch.device, dtype: torch.dtype) -> float | None:
     return best or None
 
 
+# No ceiling is below this (a CPU's float16 matmul, the slowest product measured here, read 1 GFLOP/s): a step of
+# fewer FLOPs than LONG_STEP_SECONDS' worth of it takes under that anywhere, and needs no ceiling for its note
+# (evaluation.step_note), so none is measured for it before the engine has started.
+SLOWEST = 1e8
+
+
+def early_ceiling(device: torch.device, dtype: torch.dtype, flops_per_process: float) -> float:
+    """What a step of flops_per_process is told by before the engine has started (evaluation.step_note: a step that
+    would take over an hour): the kept best; else, for a step that could take that long, PyTorch's products timed now;
+    else infinity, and no note (the yardstick is measured once, with the layers' products: machine_ceiling)."""
+    if kept := kept_ceiling(device, dtype):
+        return kept
+    if flops_per_process / SLOWEST <= evaluation.LONG_STEP_SECONDS:
+        return math.inf
+    return matmul_ceiling(device, dtype, seconds=SECONDS)
+
+
 def machine_ceiling(device: torch.device, dtype: torch.dtype, kernel: Multiply | None = None) -> tuple[float, str]:
-    """MFU's yardstick for this run, in FLOP/s: the kept best, or a measurement now (SECONDS; kernel timed too where
-    given) that raises it; and, in words for the log, what it is."""
+    """MFU's yardstick for this run, in FLOP/s: the kept best, or a measurement now (SECONDS, kernel taking turns with
+    PyTorch's products where given) that raises it; and, in words for the log, what it is."""
     key = ceiling_key(device, dtype)
     wanted = set(routes(device, dtype, kernel))
     best, runs, timed = _kept(read_marker(key))

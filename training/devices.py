@@ -191,8 +191,8 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
     """Measured FLOP/s of a large square matrix multiply in dtype on device: the best of a few short timings,
     the yardstick for model FLOPs utilisation (MFU). Measured once a process for each device, dtype, size, thread
     count, oneDNN setting (TINYCHAR_ONEDNN) and kernel; later calls take that measurement, whatever their
-    ``seconds``. A kernel (a @ b^T, as training/linear_kernel.py's multiply) is timed too, after PyTorch's products
-    and for half as long, and the faster taken: where the model's layers multiply through it, faster than PyTorch's,
+    ``seconds``. A kernel (a @ b^T, as training/linear_kernel.py's multiply) takes turns with PyTorch's products in
+    those seconds, and the fastest is taken: where the model's layers multiply through it, faster than PyTorch's,
     MFU read over 100% without it (training/ceiling.py).
 
     n defaults to 8192 on CUDA, where 1024 is far too small to fill the chip (measured on an H100, bfloat16: 104
@@ -201,14 +201,10 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, seconds: float = 0.
     if n is None:
         n = 8192 if cuda else 1024
     onednn = device.type == "cpu" and dtype == torch.float32 and onednn_min_macs() is not None
-    key = (str(device), dtype, n, torch.get_num_threads(), onednn)
+    key = (str(device), dtype, n, torch.get_num_threads(), onednn, kernel is not None)
     if key not in _CEILINGS:
-        _CEILINGS[key] = _measure_ceiling(device, dtype, seconds, n, onednn)
-    if kernel is None:
-        return _CEILINGS[key]
-    if (mine := (*key, "kernel")) not in _CEILINGS:  # timed alone after PyTorch's, for half as long
-        _CEILINGS[mine] = _measure_ceiling(device, dtype, seconds / 2, n, onednn, kernel)
-    return max(_CEILINGS[key], _CEILINGS[mine])
+        _CEILINGS[key] = _measure_ceiling(device, dtype, seconds, n, onednn, kernel)
+    return _CEILINGS[key]
 
 
 def _measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float, n: int, onednn: bool,
@@ -228,7 +224,7 @@ def _measure_ceiling(device: torch.device, dtype: torch.dtype, seconds: float, n
         # read 440-570%); the model's linear layers, autocast to float16, take oneDNN's (35-40 GFLOP/s).
         multiplies = [torch.nn.functional.linear]
     if kernel is not None:
-        multiplies = [kernel]
+        multiplies.append(kernel)
     best = math.inf
     deadline = time.perf_counter() + seconds
     for turn in itertools.count():

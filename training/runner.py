@@ -21,11 +21,11 @@ from model.config import parameters_text
 from model.linear import onednn_min_macs
 
 from . import distributed, eager_kernels
-from .ceiling import SECONDS, kept_ceiling, layers_kernel, machine_ceiling
+from .ceiling import early_ceiling, layers_kernel, machine_ceiling
 from .checkpoints import LOADED_FROM, restore_best
 from .compile_cache import user_cache_problem
 from .config import RunConfig
-from .devices import cpu_has_fast_float16, matmul_ceiling, resolve_dtype
+from .devices import cpu_has_fast_float16, resolve_dtype
 from .distributed import BATCHES, DROPOUT, derived_seed
 from .engine import choose_engine, compile_blocks, start_engine, warm_enabled
 from .errors import UsageError, agreeing
@@ -103,9 +103,10 @@ def train_prepared(trainer: Trainer, start: Start, payload: dict | None, *, resu
                  resumed=payload is not None)
     trainer.attach(log, start.corpus.tokenizer(), started)
     # What the step's length is told by (announce's step note) until the engine has given the layers their products
-    # and MFU's yardstick is settled (settle_ceiling): the machine's kept best, or PyTorch's products timed now.
-    early = kept_ceiling(start.device, start.dtype) or matmul_ceiling(start.device, start.dtype, seconds=SECONDS)
-    trainer.ceiling = early * launch.world_size
+    # and MFU's yardstick is settled (settle_ceiling): the machine's kept best, or for a step that might take an hour,
+    # PyTorch's products timed now.
+    per_process = trainer.flops_per_token * trainer.tokens_per_step / launch.world_size
+    trainer.ceiling = early_ceiling(start.device, start.dtype, per_process) * launch.world_size
     if replaced is not None:
         log.info(replaced)
     if launch.main and payload is not None and (repaired := restore_best(Path(cfg.out_dir), payload)):
