@@ -68,6 +68,18 @@ def test_a_run_whose_layers_take_the_kernel_measures_it_and_keeps_the_faster(rea
     assert asked[-1] is None and len(asked) == 5
 
 
+def test_each_device_kind_dtype_and_thread_count_keeps_its_own():
+    keys = {ceiling.ceiling_key(torch.device(kind), dtype) for kind in ("cpu", "mps") for dtype in (torch.float32,
+                                                                                                   torch.bfloat16)}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        keys.add(ceiling.ceiling_key(CPU, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(keys) == 5 and ceiling.ceiling_key(CPU, torch.float32) in keys
+
+
 @pytest.mark.parametrize("kept", [{"flops": "x"}, {"flops": -1.0}, {"flops": True}, {"flops": 0},
                                   {"runs": "3"}, {"runs": True}, {"routes": "matmul"}, {"routes": [1, 2]}])
 def test_a_damaged_kept_ceiling_is_measured_again(readings, kept):

@@ -52,8 +52,9 @@ def device_words(device: torch.device) -> str:
 
 
 def ceiling_key(device: torch.device, dtype: torch.dtype) -> str:
-    """The kept ceiling's name in the cache: the device, dtype, threads and torch it was measured with."""
-    return cache_key("ceiling", {"device": device_words(device), "dtype": str(dtype),
+    """The kept ceiling's name in the cache: the device (its kind too: an Apple GPU is named by the CPU beside it),
+    dtype, threads and torch it was measured with."""
+    return cache_key("ceiling", {"kind": device.type, "device": device_words(device), "dtype": str(dtype),
                                  "threads": torch.get_num_threads(), "torch": torch.__version__})
 
 
