@@ -64,7 +64,9 @@ def test_a_run_whose_layers_take_the_kernel_measures_it_and_keeps_the_faster(rea
     assert flops == 220e9 and words == "the best of 1 measurement on this machine, tinychar's linear kernel among " \
                                        "the products"
     assert asked == [None, None, None, kernel]
-    assert ceiling.machine_ceiling(CPU, torch.float32)[0] == 220e9  # one yardstick, whatever a run multiplies by
+    # one yardstick, whatever a run multiplies by, and its words say what it was timed with
+    assert ceiling.machine_ceiling(CPU, torch.float32) == (220e9, "the best of 2 measurements on this machine, "
+                                                                  "tinychar's linear kernel among the products")
     assert asked[-1] is None and len(asked) == 5
 
 
