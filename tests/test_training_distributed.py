@@ -143,11 +143,13 @@ sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
 import train
 import training.loop
 from test_training_distributed import batch_pool, fixed_batches
+from training.streams import leave_now
 
 accum, batch, block = (int(a) for a in sys.argv[1:4])
 pool = batch_pool(accum, batch, block)
 training.loop.get_batch = fixed_batches(pool, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-sys.exit(train.main(sys.argv[4:], progress=False))
+# left as train.py leaves a torchrun process: sys.exit's interpreter shutdown aborted in torch's C++ teardown once
+leave_now(train.main(sys.argv[4:], progress=False))
 """
 
 # No biases: the key projection's bias has a gradient of exactly zero in theory (adding one number to every score of a
