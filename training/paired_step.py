@@ -43,6 +43,8 @@ SPLIT_SETTINGS = ("auto", "0", "1")
 # 16 6.44 -> 6.19. At 128 wide the products share out, and through tinychar's own kernel (training/linear_kernel.py)
 # two threads beat the halves: block 8 9.35 -> 10.48, nanoGPT's CPU config (block 64, batch 12) 33.33 -> 33.57, at
 # batch 4 14.15 -> 15.28; through MKL level (11.33 -> 11.31). Block 64 at 64 wide: level (12.95 -> 12.92).
+# On a 2-core Zen 4 EPYC the CPU config was level as well: 29,855 tokens a second whole against 29,700 split (medians
+# of ten whole train.py processes each, alternated; docs/engine.md).
 SPLIT_MAX_WIDTH = 96
 # The widest model that auto splits where Muon steps the matrices: the update's orthogonalisation, d x d products for
 # a model d wide, goes in two parts too (compiled_step.CompiledStep.part_args), one a thread, and gains beside the
